@@ -1,0 +1,427 @@
+"""Hidden Markov models: parameters, sampling and exact inference.
+
+Conventions (paper Section 3; Appendix B, D):
+
+* ``HMM.initial[h]      = P(H_0 = h)``, the state of the *first emitting
+  position* (index 0 of a token array).
+* ``HMM.transition[i,j] = P(H_{t+1} = j | H_t = i)`` (the paper's ``A``
+  transposed: rows are "from").
+* ``HMM.emission[h,x]   = P(X_t = x | H_t = h)`` (the paper's ``W``
+  transposed).
+* ``MASK`` (= -1) marks an unobserved position; its emission is marginalised
+  out, i.e. its evidence vector is all ones.
+
+All inference runs on *evidence vectors* ``e_t[h]`` (non-negative, shape
+``[T, H]``). For tokens these are the paper's proper embeddings
+``e(x)[h] = P(X = x | H = h)`` (:func:`embed`); for a soft prompt they can be any
+vector in ``[0, 1]^H`` (Appendix B's message passing on embedding vectors).
+
+The public functions take one sequence and are jitted; ``jax.vmap`` them over a
+batch. Called with concrete (non-traced) arguments they validate values and
+raise ``ValueError``; under a caller's ``jit``/``vmap`` only dtypes and shapes
+are checked (out-of-range tokens then have zero likelihood, see
+:func:`embed`), so call :func:`check_tokens` on a batch first if unsure.
+
+Messages are rescaled at every step (Rabiner's scaling), so float32 is stable
+on sequences of 10^4 tokens from the near-deterministic HMMs of Appendix D. A
+sequence of probability zero yields log-likelihood ``-inf`` and all-zero
+posteriors/conditionals at the positions whose context is impossible
+(Appendix B's convention), never NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MASK = -1
+"""Token id of an unobserved (``[MASK]``) position."""
+
+# Row sums must be 1 within this tolerance (float32 softmax rounding is ~1e-7
+# per entry; a few hundred states stay far below 1e-4).
+_SUM_ATOL = 1e-4
+
+# Loop unrolling for the time scans: amortises XLA:CPU's per-iteration
+# overhead (measured in experiments/bench_hmm.py).
+_SCAN_UNROLL = 8
+
+
+def _is_concrete_array(x) -> bool:
+  if isinstance(x, jax.core.Tracer):
+    return False
+  return isinstance(x, (np.ndarray, jax.Array, list, tuple))
+
+
+class _HMMFields(NamedTuple):
+  initial: jax.Array
+  transition: jax.Array
+  emission: jax.Array
+
+
+class HMM(_HMMFields):
+  """HMM parameters (a pytree).
+
+  Attributes:
+    initial: ``[H]`` distribution of the first state.
+    transition: ``[H, H]`` row-stochastic, ``transition[i, j] = P(j | i)``.
+    emission: ``[H, V]`` row-stochastic, ``emission[h, x] = P(x | h)``.
+
+  Built from concrete arrays (or nested lists) the fields are converted to
+  ``jnp`` arrays and validated; tracers and non-array leaves (e.g. ``vmap``
+  axis specs) pass through unchecked.
+  """
+
+  initial: jax.Array
+  transition: jax.Array
+  emission: jax.Array
+
+  def __new__(cls, initial, transition, emission):
+    fields = (initial, transition, emission)
+    if all(_is_concrete_array(f) for f in fields):
+      fields = tuple(jnp.asarray(f) for f in fields)
+      _validate_hmm(*fields)
+    return super().__new__(cls, *fields)
+
+  @property
+  def num_states(self) -> int:
+    return self.transition.shape[-1]
+
+  @property
+  def vocab_size(self) -> int:
+    return self.emission.shape[-1]
+
+
+def _check_distribution(name: str, p: jax.Array, ndim: int) -> None:
+  """Validates a concrete array of probability vectors along the last axis."""
+  if p.ndim != ndim:
+    raise ValueError(f"{name} must have {ndim} dimension(s), got shape "
+                     f"{p.shape}")
+  if not jnp.issubdtype(p.dtype, jnp.floating):
+    raise ValueError(f"{name} must be a floating-point array, got dtype "
+                     f"{p.dtype}")
+  if p.size == 0:
+    raise ValueError(f"{name} is empty (shape {p.shape})")
+  p_np = np.asarray(p, dtype=np.float64)
+  if not np.all(np.isfinite(p_np)):
+    bad = np.argwhere(~np.isfinite(p_np))[0].tolist()
+    raise ValueError(f"{name} has a non-finite entry at index {bad}")
+  if np.any(p_np < 0):
+    bad = np.argwhere(p_np < 0)[0].tolist()
+    raise ValueError(f"{name} has a negative entry {p_np[tuple(bad)]:.3g} at "
+                     f"index {bad}")
+  sums = p_np.sum(axis=-1)
+  off = np.abs(sums - 1.0) > _SUM_ATOL
+  if np.any(off):
+    where = np.argwhere(off)[0].tolist()
+    what = f"row {where}" if ndim > 1 else "it"
+    raise ValueError(f"{name} must sum to 1 along its last axis, but {what} "
+                     f"sums to {np.atleast_1d(sums)[tuple(where)]:.6g}")
+
+
+def _validate_hmm(initial, transition, emission) -> None:
+  _check_distribution("HMM.initial", initial, 1)
+  _check_distribution("HMM.transition", transition, 2)
+  _check_distribution("HMM.emission", emission, 2)
+  h = initial.shape[0]
+  if transition.shape != (h, h):
+    raise ValueError(f"HMM.transition must have shape [H, H] = ({h}, {h}) to "
+                     f"match HMM.initial, got {transition.shape}")
+  if emission.shape[0] != h:
+    raise ValueError(f"HMM.emission must have shape [H, V] with H = {h}, got "
+                     f"{emission.shape}")
+
+
+# ----------------------------------------------------------------------------
+# Input checks at the API boundary.
+
+
+def check_tokens(tokens, vocab_size: int) -> jax.Array:
+  """Checks a token array (any shape; ``MASK`` allowed) and returns it.
+
+  Dtype is always checked; values only when ``tokens`` is concrete.
+
+  Raises:
+    ValueError: non-integer dtype, or a value outside ``[0, vocab_size)``
+      other than ``MASK``.
+  """
+  if isinstance(tokens, jax.core.Tracer):
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
+    return tokens
+  arr = np.asarray(tokens)
+  if not (np.issubdtype(arr.dtype, np.integer)):
+    raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
+  bad = (arr != MASK) & ((arr < 0) | (arr >= vocab_size))
+  if np.any(bad):
+    idx = np.argwhere(bad)[0]
+    raise ValueError(
+        f"token {int(arr[tuple(idx)])} at index {idx.tolist()} is out of "
+        f"range: tokens must lie in [0, {vocab_size}) or equal MASK ({MASK})")
+  return jnp.asarray(arr, dtype=jnp.int32)
+
+
+def _check_sequence(tokens, hmm: HMM) -> jax.Array:
+  tokens = check_tokens(tokens, hmm.vocab_size)
+  if tokens.ndim != 1 or tokens.shape[0] == 0:
+    raise ValueError(f"tokens must be a non-empty 1-D sequence [T], got shape "
+                     f"{tokens.shape}; use jax.vmap for batches")
+  return tokens
+
+
+def _check_evidence(evidence, hmm: HMM) -> jax.Array:
+  if not isinstance(evidence, jax.core.Tracer):
+    evidence = jnp.asarray(evidence)
+  if evidence.ndim != 2 or evidence.shape[1] != hmm.num_states or \
+      evidence.shape[0] == 0:
+    raise ValueError(f"evidence must have shape [T, H] with H = "
+                     f"{hmm.num_states} and T >= 1, got {evidence.shape}")
+  if not jnp.issubdtype(evidence.dtype, jnp.floating):
+    raise ValueError(f"evidence must be floating point, got {evidence.dtype}")
+  if not isinstance(evidence, jax.core.Tracer):
+    ev = np.asarray(evidence)
+    if not np.all(np.isfinite(ev)) or np.any(ev < 0):
+      idx = np.argwhere(~(np.isfinite(ev) & (ev >= 0)))[0].tolist()
+      raise ValueError(f"evidence must be finite and non-negative; entry "
+                       f"{idx} is {ev[tuple(idx)]}")
+  return evidence
+
+
+# ----------------------------------------------------------------------------
+# Random parameters (Appendix D, with the authors' parametrisation).
+
+
+def _random_simplex(key, shape, temp: float) -> jax.Array:
+  """``softmax((U - 0.5) / temp)`` over the last axis, ``U ~ Uniform[0, 1)``."""
+  u = jax.random.uniform(key, shape)
+  return jax.nn.softmax((u - 0.5) / temp, axis=-1)
+
+
+def random_transition(key, num_states: int, temp: float = 0.01) -> jax.Array:
+  """``[H, H]`` convex combination of ``H`` random permutation matrices."""
+  k_w, k_p = jax.random.split(key)
+  weights_K = _random_simplex(k_w, (num_states,), temp)
+  perms_KxH = jax.vmap(lambda k: jax.random.permutation(k, num_states))(
+      jax.random.split(k_p, num_states))
+  onehot_KxHxH = jax.nn.one_hot(perms_KxH, num_states)
+  return jnp.einsum("k,kij->ij", weights_K, onehot_KxHxH)
+
+
+def random_hmm(key, num_states: int, vocab_size: int, *,
+               transition_temp: float = 0.01, emission_temp: float = 0.01,
+               initial_temp: float = 10.0) -> HMM:
+  """Appendix D's random HMM.
+
+  Every probability vector is ``softmax((U - 0.5) / temp)``; the transition
+  matrix mixes ``num_states`` random permutation matrices with weights drawn
+  that way. Jittable and vmappable over ``key`` (sizes are static).
+  """
+  if num_states < 1 or vocab_size < 1:
+    raise ValueError(f"num_states and vocab_size must be >= 1, got "
+                     f"{num_states}, {vocab_size}")
+  for name, t in (("transition_temp", transition_temp),
+                  ("emission_temp", emission_temp),
+                  ("initial_temp", initial_temp)):
+    if not t > 0:
+      raise ValueError(f"{name} must be > 0, got {t}")
+  k_i, k_t, k_e = jax.random.split(key, 3)
+  return HMM(
+      initial=_random_simplex(k_i, (num_states,), initial_temp),
+      transition=random_transition(k_t, num_states, transition_temp),
+      emission=_random_simplex(k_e, (num_states, vocab_size), emission_temp))
+
+
+# ----------------------------------------------------------------------------
+# Sampling.
+
+
+def _cdf(p: jax.Array) -> jax.Array:
+  """Cumulative distribution along the last axis, with last entry exactly 1.
+
+  Dividing by the total makes the entries after the last non-zero probability
+  exactly 1.0, so ``#(cdf <= u)`` for ``u`` in ``[0, 1)`` never selects a
+  zero-probability outcome (not even for ``u == 0``).
+  """
+  c = jnp.cumsum(p, axis=-1)
+  return c / c[..., -1:]
+
+
+def _draw(cdf: jax.Array, u: jax.Array) -> jax.Array:
+  """Inverse-CDF draw: ``cdf [..., K]``, ``u [...]`` -> int32 ``[...]``."""
+  k = jnp.sum(cdf <= u[..., None], axis=-1, dtype=jnp.int32)
+  return jnp.minimum(k, cdf.shape[-1] - 1)
+
+
+def _sample_impl(key, hmm: HMM, length: int):
+  u_2xT = jax.random.uniform(key, (2, length))
+  cdf_init_H = _cdf(hmm.initial)
+  cdf_trans_HxH = _cdf(hmm.transition)
+  s0 = _draw(cdf_init_H, u_2xT[0, 0])
+
+  def step(s, u):
+    s_next = _draw(cdf_trans_HxH[s], u)
+    return s_next, s_next
+
+  _, rest = jax.lax.scan(step, s0, u_2xT[0, 1:], unroll=_SCAN_UNROLL)
+  states_T = jnp.concatenate([s0[None], rest])
+  # Given the states, the emissions are independent: draw them all at once.
+  tokens_T = _draw(_cdf(hmm.emission)[states_T], u_2xT[1])
+  return tokens_T, states_T
+
+
+_sample_jit = jax.jit(_sample_impl, static_argnums=2)
+
+
+def sample(key, hmm: HMM, length: int) -> tuple[jax.Array, jax.Array]:
+  """Samples ``(tokens int32[T], states int32[T])``; vmappable over ``key``."""
+  if not isinstance(length, (int, np.integer)) or length < 1:
+    raise ValueError(f"length must be a positive int, got {length!r}")
+  return _sample_jit(key, hmm, int(length))
+
+
+# ----------------------------------------------------------------------------
+# Inference.
+
+
+class Smoothed(NamedTuple):
+  """Everything one forward-backward pass gives (shapes for one sequence).
+
+  Attributes:
+    log_likelihood: ``[]`` log P(evidence); ``-inf`` if impossible.
+    posterior: ``[T, H]`` P[H_t | all evidence].
+    masked_posterior: ``[T, H]`` P[H_t | evidence at positions != t].
+  """
+
+  log_likelihood: jax.Array
+  posterior: jax.Array
+  masked_posterior: jax.Array
+
+
+def _normalize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Rescales non-negative ``x`` to sum 1 (all-zero stays zero, no NaN)."""
+  s = jnp.sum(x, axis=-1, keepdims=True)
+  return x / jnp.where(s > 0, s, 1.0), s[..., 0]
+
+
+def _safe_log(x: jax.Array) -> jax.Array:
+  pos = x > 0
+  return jnp.where(pos, jnp.log(jnp.where(pos, x, 1.0)), -jnp.inf)
+
+
+def _smooth_impl(hmm: HMM, evidence_TxH: jax.Array) -> Smoothed:
+  """Forward scan, then a backward scan that also emits the posteriors.
+
+  ``pred_t``  ∝ P[H_t, e_{<t}]   (forward, before emitting t)
+  ``back_t``  ∝ P[e_{>t} | H_t]  (backward)
+  so ``pred_t ⊙ back_t ∝ P[H_t, e_{-t}]`` and ``⊙ e_t`` gives the posterior.
+  Each message is rescaled to sum 1 at every step; the forward scales are
+  ``c_t = P(e_t | e_{<t})`` and give the log-likelihood. Forming the
+  posteriors inside the backward loop (not from the stacked messages
+  afterwards) and not unrolling are both measurably faster on XLA:CPU
+  (experiments/bench_hmm.py).
+  """
+  dtype = jnp.result_type(hmm.transition.dtype, evidence_TxH.dtype)
+  trans_HxH = hmm.transition.astype(dtype)
+  ev_TxH = evidence_TxH.astype(dtype)
+
+  def forward(pred_H, ev_H):
+    filt_H, c = _normalize(pred_H * ev_H)
+    return filt_H @ trans_HxH, (pred_H, c)
+
+  _, (pred_TxH, c_T) = jax.lax.scan(forward, hmm.initial.astype(dtype),
+                                    ev_TxH)
+
+  def backward(back_H, pred_ev):
+    pred_H, ev_H = pred_ev
+    masked_H, _ = _normalize(pred_H * back_H)
+    post_H, _ = _normalize(masked_H * ev_H)
+    back_prev_H, _ = _normalize(trans_HxH @ (ev_H * back_H))
+    return back_prev_H, (post_H, masked_H)
+
+  _, (post_TxH, masked_TxH) = jax.lax.scan(
+      backward, jnp.ones_like(pred_TxH[0]), (pred_TxH, ev_TxH), reverse=True)
+  return Smoothed(jnp.sum(_safe_log(c_T)), post_TxH, masked_TxH)
+
+
+_smooth_jit = jax.jit(_smooth_impl)
+
+
+def _embed_impl(hmm: HMM, tokens_T: jax.Array) -> jax.Array:
+  # mode="fill": an out-of-range token under a caller's jit has zero
+  # likelihood (an impossible sequence) instead of a silently clamped one.
+  cols_TxH = jnp.take(hmm.emission.T, jnp.where(tokens_T == MASK, 0, tokens_T),
+                      axis=0, mode="fill", fill_value=0)
+  return jnp.where((tokens_T == MASK)[:, None], 1.0, cols_TxH).astype(
+      hmm.emission.dtype)
+
+
+@jax.jit
+def _posterior_jit(hmm, tokens):
+  return _smooth_impl(hmm, _embed_impl(hmm, tokens)).posterior
+
+
+@jax.jit
+def _masked_posterior_jit(hmm, tokens):
+  return _smooth_impl(hmm, _embed_impl(hmm, tokens)).masked_posterior
+
+
+@jax.jit
+def _log_likelihood_jit(hmm, tokens):
+  return _smooth_impl(hmm, _embed_impl(hmm, tokens)).log_likelihood
+
+
+def _conditionals_impl(hmm, evidence_TxH):
+  masked_TxH = _smooth_impl(hmm, evidence_TxH).masked_posterior
+  return masked_TxH @ hmm.emission.astype(masked_TxH.dtype)
+
+
+_conditionals_from_evidence_jit = jax.jit(_conditionals_impl)
+_embed_jit = jax.jit(_embed_impl)
+
+
+@jax.jit
+def _conditionals_jit(hmm, tokens):
+  return _conditionals_impl(hmm, _embed_impl(hmm, tokens))
+
+
+def embed(hmm: HMM, tokens) -> jax.Array:
+  """Proper embeddings ``[T, H]``: ``e(x)[h] = P(x | h)``; ones for ``MASK``."""
+  return _embed_jit(hmm, _check_sequence(tokens, hmm))
+
+
+def smooth(hmm: HMM, evidence) -> Smoothed:
+  """Forward-backward on evidence vectors ``[T, H]`` (Appendix B)."""
+  return _smooth_jit(hmm, _check_evidence(evidence, hmm))
+
+
+def log_likelihood(hmm: HMM, tokens) -> jax.Array:
+  """``log P(x)`` of the observed tokens (``MASK`` positions marginalised)."""
+  return _log_likelihood_jit(hmm, _check_sequence(tokens, hmm))
+
+
+def posterior(hmm: HMM, tokens) -> jax.Array:
+  """``[T, H]``: ``P[H_t | observed tokens]``."""
+  return _posterior_jit(hmm, _check_sequence(tokens, hmm))
+
+
+def masked_posterior(hmm: HMM, tokens) -> jax.Array:
+  """``[T, H]``: ``P[H_t | x_{-t}]`` (position ``t`` itself left out)."""
+  return _masked_posterior_jit(hmm, _check_sequence(tokens, hmm))
+
+
+def conditionals(hmm: HMM, tokens) -> jax.Array:
+  """``[T, V]``: ``P[X_t | x_{-t}]`` for every ``t``; the exact masked LM ``G``.
+
+  Row ``t`` does not depend on ``tokens[t]``; all-zero where ``x_{-t}`` is
+  impossible.
+  """
+  return _conditionals_jit(hmm, _check_sequence(tokens, hmm))
+
+
+def conditionals_from_evidence(hmm: HMM, evidence) -> jax.Array:
+  """``[T, V]``: Appendix B's ``G-bar``: ``W τ_t / ||τ_t||_1`` on evidence
+  vectors, ``τ_t ∝ P[H_t, e_{-t}]``; 0 where ``τ_t = 0``."""
+  return _conditionals_from_evidence_jit(hmm, _check_evidence(evidence, hmm))
