@@ -95,11 +95,29 @@ class HMM(_HMMFields):
     return self.emission.shape[-1]
 
 
+def register_unchecked_pytree(cls):
+  """Registers a validating NamedTuple so JAX rebuilds it without checks.
+
+  Gradients, optimizer updates and ``tree.map`` results share the pytree
+  type but are not distributions; only explicit construction validates.
+  """
+  jax.tree_util.register_pytree_node(
+      cls, lambda x: (tuple(x), None),
+      lambda _, children: tuple.__new__(cls, children))
+  return cls
+
+
+register_unchecked_pytree(HMM)
+
+
 def _check_distribution(name: str, p: jax.Array, ndim: int) -> None:
-  """Validates a concrete array of probability vectors along the last axis."""
-  if p.ndim != ndim:
-    raise ValueError(f"{name} must have {ndim} dimension(s), got shape "
-                     f"{p.shape}")
+  """Validates concrete probability vectors along the last axis.
+
+  ``p`` has ``ndim`` event dimensions, after any leading batch dimensions.
+  """
+  if p.ndim < ndim:
+    raise ValueError(f"{name} must have {ndim} dimension(s) (plus optional "
+                     f"leading batch dimensions), got shape {p.shape}")
   if not jnp.issubdtype(p.dtype, jnp.floating):
     raise ValueError(f"{name} must be a floating-point array, got dtype "
                      f"{p.dtype}")
@@ -113,25 +131,27 @@ def _check_distribution(name: str, p: jax.Array, ndim: int) -> None:
     bad = np.argwhere(p_np < 0)[0].tolist()
     raise ValueError(f"{name} has a negative entry {p_np[tuple(bad)]:.3g} at "
                      f"index {bad}")
-  sums = p_np.sum(axis=-1)
+  sums = np.atleast_1d(p_np.sum(axis=-1))
   off = np.abs(sums - 1.0) > _SUM_ATOL
   if np.any(off):
-    where = np.argwhere(off)[0].tolist()
-    what = f"row {where}" if ndim > 1 else "it"
+    where = np.argwhere(off)[0]
+    what = f"row {where.tolist()}" if p.ndim > 1 else "it"
     raise ValueError(f"{name} must sum to 1 along its last axis, but {what} "
-                     f"sums to {np.atleast_1d(sums)[tuple(where)]:.6g}")
+                     f"sums to {float(sums[tuple(where)]):.6g}")
 
 
 def _validate_hmm(initial, transition, emission) -> None:
   _check_distribution("HMM.initial", initial, 1)
   _check_distribution("HMM.transition", transition, 2)
   _check_distribution("HMM.emission", emission, 2)
-  h = initial.shape[0]
-  if transition.shape != (h, h):
-    raise ValueError(f"HMM.transition must have shape [H, H] = ({h}, {h}) to "
-                     f"match HMM.initial, got {transition.shape}")
-  if emission.shape[0] != h:
-    raise ValueError(f"HMM.emission must have shape [H, V] with H = {h}, got "
+  batch, h = initial.shape[:-1], initial.shape[-1]
+  if transition.shape != batch + (h, h):
+    raise ValueError(f"HMM.transition must have shape [H, H] = "
+                     f"{batch + (h, h)} to match HMM.initial of shape "
+                     f"{initial.shape}, got {transition.shape}")
+  if emission.shape[:-1] != batch + (h,):
+    raise ValueError(f"HMM.emission must have shape [H, V] with H = {h} (and "
+                     f"the batch shape {batch} of HMM.initial), got "
                      f"{emission.shape}")
 
 

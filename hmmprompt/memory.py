@@ -1,0 +1,386 @@
+"""Memory-augmented HMMs (paper Section 4, Figure 2).
+
+Single cell (:class:`MemoryHMM`, what the experiments use): a memory value
+``M`` in ``|M|`` values is drawn once per sequence, a syntax chain ``H`` with
+``|H|`` states evolves as a vanilla HMM, and token ``t`` is emitted from
+``emission[M, H_t]``. Equivalently an HMM on product states ``(m, h)`` (index
+``m * |H| + h``) whose transition matrix is block-diagonal with the same
+``|H| x |H|`` block repeated (memory never changes): :func:`to_hmm`.
+
+Multiple cells (:class:`MultiMemoryHMM`, Figure 2 right): ``N`` cells
+``M_1..M_N`` each in ``|M|`` values, hidden state ``H_t = (J_t, S_t)`` with
+cell index ``J`` and syntax ``S``; token ``t`` is emitted from
+``emission[J_t, M_{J_t}, S_t]``. Exact inference reduces to the product-state
+HMM on ``(m_1..m_N, j, s)``, which has ``|M|^N * N * |S|`` states; that is
+checked against :data:`MAX_PRODUCT_STATES`.
+
+Posteriors over the memory use the fact that ``M`` is constant: ``P[M = m |
+x] ∝ P(M = m) P(x | M = m)``, one ``|H|``-state likelihood per value ``m``.
+Per-position masked versions come from the product HMM.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hmmprompt import hmm as hmm_lib
+
+MAX_PRODUCT_STATES = 2048
+"""Largest product-state space exact multi-cell inference will build.
+
+Forward-backward costs ``O(T K^2)`` time and the transition matrix ``K^2``
+floats; at ``K = 2048`` that is 16 MiB and ~4 GFLOP per 1000 tokens.
+"""
+
+
+def _concrete(*xs) -> bool:
+  return all(hmm_lib._is_concrete_array(x) for x in xs)
+
+
+# ----------------------------------------------------------------------------
+# Single memory cell.
+
+
+class _MemoryFields(NamedTuple):
+  memory_prior: jax.Array
+  initial: jax.Array
+  transition: jax.Array
+  emission: jax.Array
+
+
+class MemoryHMM(_MemoryFields):
+  """Single-cell memory HMM (a pytree).
+
+  Attributes:
+    memory_prior: ``[M]`` P(M = m).
+    initial: ``[H]`` P(H_0 = h) of the syntax chain.
+    transition: ``[H, H]`` syntax transitions (shared by all memory values).
+    emission: ``[M, H, V]``, ``emission[m, h, x] = P(X_t = x | M=m, H_t=h)``.
+  """
+
+  __slots__ = ()
+
+  def __new__(cls, memory_prior, initial, transition, emission):
+    fields = (memory_prior, initial, transition, emission)
+    if _concrete(*fields):
+      fields = tuple(jnp.asarray(f) for f in fields)
+      _validate_memory(*fields)
+    return super().__new__(cls, *fields)
+
+  @property
+  def memory_size(self) -> int:
+    return self.emission.shape[-3]
+
+  @property
+  def num_states(self) -> int:
+    """Syntax states ``|H|``."""
+    return self.emission.shape[-2]
+
+  @property
+  def vocab_size(self) -> int:
+    return self.emission.shape[-1]
+
+
+hmm_lib.register_unchecked_pytree(MemoryHMM)
+
+
+def _validate_memory(memory_prior, initial, transition, emission) -> None:
+  chk = hmm_lib._check_distribution
+  chk("MemoryHMM.memory_prior", memory_prior, 1)
+  chk("MemoryHMM.initial", initial, 1)
+  chk("MemoryHMM.transition", transition, 2)
+  chk("MemoryHMM.emission", emission, 3)
+  batch = memory_prior.shape[:-1]
+  m, h = memory_prior.shape[-1], initial.shape[-1]
+  if initial.shape[:-1] != batch or transition.shape != batch + (h, h):
+    raise ValueError(f"MemoryHMM.transition must have shape ({h}, {h}) to "
+                     f"match MemoryHMM.initial, got {transition.shape}")
+  if emission.shape[:-1] != batch + (m, h):
+    raise ValueError(f"MemoryHMM.emission must have shape [M, H, V] = "
+                     f"({m}, {h}, V), got {emission.shape}")
+
+
+def to_hmm(mhmm: MemoryHMM) -> hmm_lib.HMM:
+  """The equivalent vanilla HMM on ``|M||H|`` product states ``m*|H| + h``."""
+  m, h = mhmm.memory_size, mhmm.num_states
+  return hmm_lib.HMM(
+      initial=(mhmm.memory_prior[:, None] * mhmm.initial[None, :]).reshape(
+          m * h),
+      transition=jnp.kron(jnp.eye(m, dtype=mhmm.transition.dtype),
+                          mhmm.transition),
+      emission=mhmm.emission.reshape(m * h, mhmm.vocab_size))
+
+
+def random_memory_hmm(key, memory_size: int, num_states: int,
+                      vocab_size: int, *, transition_temp: float = 0.01,
+                      emission_temp: float = 0.01, initial_temp: float = 10.0,
+                      memory_temp: float = 10.0) -> MemoryHMM:
+  """Random single-cell memory HMM, following the authors' choices.
+
+  The syntax transition is Appendix D's mixture of permutation matrices
+  (``transition_temp``); each of the ``|M||H|`` emission rows is an
+  independent ``softmax((U - 0.5) / emission_temp)``; the syntax start
+  distribution and the memory prior use temperature 10 (near uniform). The
+  paper factorises ``P(M, H_0) = P(M) P(H_0)``; so do we.
+  """
+  if min(memory_size, num_states, vocab_size) < 1:
+    raise ValueError(f"memory_size, num_states and vocab_size must be >= 1, "
+                     f"got {memory_size}, {num_states}, {vocab_size}")
+  k_m, k_h = jax.random.split(key)
+  base = hmm_lib.random_hmm(k_h, num_states, vocab_size,
+                            transition_temp=transition_temp,
+                            emission_temp=emission_temp,
+                            initial_temp=initial_temp)
+  k_p, k_e = jax.random.split(k_m)
+  return MemoryHMM(
+      memory_prior=hmm_lib._random_simplex(k_p, (memory_size,), memory_temp),
+      initial=base.initial,
+      transition=base.transition,
+      emission=hmm_lib._random_simplex(
+          k_e, (memory_size, num_states, vocab_size), emission_temp))
+
+
+def vanilla_twin(key, memory_size: int, num_states: int, vocab_size: int,
+                 **temps) -> hmm_lib.HMM:
+  """The comparison HMM of Figure 3 (right): ``|M||H|`` unstructured states."""
+  return hmm_lib.random_hmm(key, memory_size * num_states, vocab_size, **temps)
+
+
+def sample(key, mhmm: MemoryHMM, length: int):
+  """Samples ``(tokens int32[T], syntax_states int32[T], memory int32[])``."""
+  tokens, product_states = hmm_lib.sample(key, to_hmm(mhmm), length)
+  h = mhmm.num_states
+  return tokens, product_states % h, product_states[0] // h
+
+
+def _syntax_hmms(mhmm: MemoryHMM) -> hmm_lib.HMM:
+  """An ``[M]``-batched HMM pytree: the syntax chain with emission ``m``."""
+  m = mhmm.memory_size
+  return hmm_lib.HMM(jnp.broadcast_to(mhmm.initial, (m,) + mhmm.initial.shape),
+                     jnp.broadcast_to(mhmm.transition,
+                                      (m,) + mhmm.transition.shape),
+                     mhmm.emission)
+
+
+def _normalize_log(logits: jax.Array) -> jax.Array:
+  """Softmax over the last axis; all ``-inf`` gives zeros, not NaN."""
+  mx = jnp.max(logits, axis=-1, keepdims=True)
+  ok = jnp.isfinite(mx)
+  w = jnp.exp(logits - jnp.where(ok, mx, 0.0))
+  w = jnp.where(ok, w, 0.0)
+  s = jnp.sum(w, axis=-1, keepdims=True)
+  return w / jnp.where(s > 0, s, 1.0)
+
+
+@jax.jit
+def _memory_posterior_jit(mhmm: MemoryHMM, tokens_T):
+  evidence_MxTxH = jnp.swapaxes(
+      jnp.take(mhmm.emission, jnp.where(tokens_T == hmm_lib.MASK, 0, tokens_T),
+               axis=-1, mode="fill", fill_value=0), -1, -2)
+  evidence_MxTxH = jnp.where((tokens_T == hmm_lib.MASK)[:, None], 1.0,
+                             evidence_MxTxH)
+  loglik_M = jax.vmap(
+      lambda h, e: hmm_lib._smooth_impl(h, e).log_likelihood)(
+          _syntax_hmms(mhmm), evidence_MxTxH)
+  return _normalize_log(hmm_lib._safe_log(mhmm.memory_prior) + loglik_M)
+
+
+def memory_posterior(mhmm: MemoryHMM, tokens) -> jax.Array:
+  """``[M]``: ``P[M | observed tokens]`` (``MASK`` positions marginalised).
+
+  All zeros if the observed tokens are impossible.
+  """
+  tokens = hmm_lib._check_sequence(tokens, mhmm)
+  return _memory_posterior_jit(mhmm, tokens)
+
+
+@jax.jit
+def _memory_masked_posterior_jit(mhmm: MemoryHMM, tokens_T):
+  masked_TxK = hmm_lib._masked_posterior_jit(to_hmm(mhmm), tokens_T)
+  return masked_TxK.reshape(tokens_T.shape[0], mhmm.memory_size,
+                            mhmm.num_states).sum(-1)
+
+
+def memory_masked_posterior(mhmm: MemoryHMM, tokens) -> jax.Array:
+  """``[T, M]``: ``P[M | x_{-t}]`` for every position ``t``."""
+  tokens = hmm_lib._check_sequence(tokens, mhmm)
+  return _memory_masked_posterior_jit(mhmm, tokens)
+
+
+def conditionals(mhmm: MemoryHMM, tokens) -> jax.Array:
+  """``[T, V]``: the exact masked LM ``P[X_t | x_{-t}]`` of a memory HMM."""
+  return hmm_lib.conditionals(to_hmm(mhmm), tokens)
+
+
+# ----------------------------------------------------------------------------
+# Multiple memory cells.
+
+
+class _MultiFields(NamedTuple):
+  memory_prior: jax.Array
+  initial: jax.Array
+  transition: jax.Array
+  emission: jax.Array
+
+
+class MultiMemoryHMM(_MultiFields):
+  """Memory HMM with ``N`` cells (a pytree).
+
+  Attributes:
+    memory_prior: ``[N, M]`` independent priors of the cells.
+    initial: ``[N * S]`` P(H_0 = (j, s)) at index ``j * S + s``.
+    transition: ``[N * S, N * S]`` transitions of ``H = (J, S)``.
+    emission: ``[N, M, S, V]``, ``emission[j, m, s, x] = P(X_t = x |
+      M_j = m, J_t = j, S_t = s)``.
+  """
+
+  __slots__ = ()
+
+  def __new__(cls, memory_prior, initial, transition, emission):
+    fields = (memory_prior, initial, transition, emission)
+    if _concrete(*fields):
+      fields = tuple(jnp.asarray(f) for f in fields)
+      _validate_multi(*fields)
+    return super().__new__(cls, *fields)
+
+  @property
+  def num_cells(self) -> int:
+    return self.emission.shape[-4]
+
+  @property
+  def memory_size(self) -> int:
+    return self.emission.shape[-3]
+
+  @property
+  def num_syntax(self) -> int:
+    return self.emission.shape[-2]
+
+  @property
+  def vocab_size(self) -> int:
+    return self.emission.shape[-1]
+
+  @property
+  def num_product_states(self) -> int:
+    return self.memory_size**self.num_cells * self.num_cells * self.num_syntax
+
+
+hmm_lib.register_unchecked_pytree(MultiMemoryHMM)
+
+
+def _validate_multi(memory_prior, initial, transition, emission) -> None:
+  chk = hmm_lib._check_distribution
+  chk("MultiMemoryHMM.memory_prior", memory_prior, 2)
+  chk("MultiMemoryHMM.initial", initial, 1)
+  chk("MultiMemoryHMM.transition", transition, 2)
+  chk("MultiMemoryHMM.emission", emission, 4)
+  if memory_prior.ndim != 2:
+    raise ValueError("MultiMemoryHMM.memory_prior must have shape [N, M] "
+                     "(batches of multi-cell HMMs are not supported)")
+  n, m = memory_prior.shape
+  if emission.shape[:2] != (n, m):
+    raise ValueError(f"MultiMemoryHMM.emission must have shape [N, M, S, V] "
+                     f"= ({n}, {m}, S, V), got {emission.shape}")
+  k = n * emission.shape[2]
+  if initial.shape != (k,) or transition.shape != (k, k):
+    raise ValueError(f"MultiMemoryHMM.initial/transition must have shapes "
+                     f"({k},) and ({k}, {k}) for N*S = {k}, got "
+                     f"{initial.shape} and {transition.shape}")
+
+
+def random_multi_memory_hmm(key, num_cells: int, memory_size: int,
+                            num_syntax: int, vocab_size: int, *,
+                            transition_temp: float = 0.01,
+                            emission_temp: float = 0.01,
+                            initial_temp: float = 10.0,
+                            memory_temp: float = 10.0) -> MultiMemoryHMM:
+  """Random multi-cell memory HMM with Appendix D's parametrisation.
+
+  The chain on ``(J, S)`` (``N * S`` states) is Appendix D's random HMM; each
+  emission row ``(j, m, s)`` is an independent low-temperature softmax.
+  """
+  if min(num_cells, memory_size, num_syntax, vocab_size) < 1:
+    raise ValueError("num_cells, memory_size, num_syntax and vocab_size must "
+                     "be >= 1")
+  k_c, k_p, k_e = jax.random.split(key, 3)
+  chain = hmm_lib.random_hmm(k_c, num_cells * num_syntax, vocab_size,
+                             transition_temp=transition_temp,
+                             initial_temp=initial_temp)
+  return MultiMemoryHMM(
+      memory_prior=hmm_lib._random_simplex(k_p, (num_cells, memory_size),
+                                           memory_temp),
+      initial=chain.initial,
+      transition=chain.transition,
+      emission=hmm_lib._random_simplex(
+          k_e, (num_cells, memory_size, num_syntax, vocab_size),
+          emission_temp))
+
+
+def _check_product_size(mm: MultiMemoryHMM) -> None:
+  k = mm.num_product_states
+  if k > MAX_PRODUCT_STATES:
+    raise ValueError(
+        f"exact inference needs the product HMM with |M|^N * N * |S| = "
+        f"{mm.memory_size}^{mm.num_cells} * {mm.num_cells} * {mm.num_syntax} "
+        f"= {k} states, above MAX_PRODUCT_STATES = {MAX_PRODUCT_STATES}")
+
+
+def _memory_configs(num_cells: int, memory_size: int) -> np.ndarray:
+  """``[M^N, N]`` all memory assignments, first cell most significant."""
+  return np.array(list(itertools.product(range(memory_size),
+                                         repeat=num_cells)), dtype=np.int32)
+
+
+def multi_to_hmm(mm: MultiMemoryHMM) -> hmm_lib.HMM:
+  """Product-state HMM on ``(m_1..m_N, j, s)``; index ``c * N*S + j*S + s``
+  where ``c`` enumerates memory configs as :func:`_memory_configs`."""
+  _check_product_size(mm)
+  n, m, s, v = mm.num_cells, mm.memory_size, mm.num_syntax, mm.vocab_size
+  configs_CxN = jnp.asarray(_memory_configs(n, m))
+  prior_C = jnp.prod(mm.memory_prior[jnp.arange(n), configs_CxN], axis=-1)
+  # emission for config c at (j, s) is emission[j, m_j(c), s].
+  emis_CxNxSxV = mm.emission[jnp.arange(n)[None, :], configs_CxN]
+  c = configs_CxN.shape[0]
+  return hmm_lib.HMM(
+      initial=(prior_C[:, None] * mm.initial[None, :]).reshape(c * n * s),
+      transition=jnp.kron(jnp.eye(c, dtype=mm.transition.dtype),
+                          mm.transition),
+      emission=emis_CxNxSxV.reshape(c * n * s, v))
+
+
+def multi_sample(key, mm: MultiMemoryHMM, length: int):
+  """Samples ``(tokens [T], cells J [T], syntax S [T], memory [N])``."""
+  _check_product_size(mm)
+  tokens, states = hmm_lib.sample(key, multi_to_hmm(mm), length)
+  ns = mm.num_cells * mm.num_syntax
+  configs = jnp.asarray(_memory_configs(mm.num_cells, mm.memory_size))
+  js = states % ns
+  return tokens, js // mm.num_syntax, js % mm.num_syntax, configs[
+      states[0] // ns]
+
+
+@jax.jit
+def _cell_posteriors_jit(mm: MultiMemoryHMM, tokens_T):
+  product = multi_to_hmm(mm)
+  # Memory is constant, so P[config | x] is any position's marginal; read it
+  # off position 0's posterior.
+  post_K = hmm_lib._posterior_jit(product, tokens_T)[0]
+  n, m = mm.num_cells, mm.memory_size
+  post_C = post_K.reshape(-1, n * mm.num_syntax).sum(-1)
+  configs_CxN = jnp.asarray(_memory_configs(n, m))
+  onehot_CxNxM = jax.nn.one_hot(configs_CxN, m, dtype=post_C.dtype)
+  return jnp.einsum("c,cnm->nm", post_C, onehot_CxNxM)
+
+
+def cell_posteriors(mm: MultiMemoryHMM, tokens) -> jax.Array:
+  """``[N, M]``: ``P[M_j | observed tokens]`` for every cell ``j``.
+
+  Mask one position with ``MASK`` for ``P[M_j | x_{-t}]``.
+  """
+  _check_product_size(mm)
+  tokens = hmm_lib._check_sequence(tokens, mm)
+  return _cell_posteriors_jit(mm, tokens)

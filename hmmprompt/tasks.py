@@ -1,0 +1,191 @@
+"""Downstream classification tasks (paper Section 5, Appendix D).
+
+An example is ``seq_len`` sampled tokens with ``MASK`` prepended as position 0
+(length ``seq_len + 1``). Its label is ``argmax_c (mu @ p)_c`` where ``p`` is
+the exact posterior of the task's latent variable:
+
+* vanilla HMM: ``p = P[H_0 | x_{1:T}]``, the state at the ``MASK`` position
+  (``K = |H|``);
+* single-cell memory HMM: ``p = P[M | x_{1:T}]`` (``K = |M|``).
+
+``mu`` has shape ``(num_classes, K)`` with ``num_nonzero`` N(0, 1) entries at
+uniformly random positions among its ``num_classes * K`` entries (all of them
+if there are fewer).
+
+``labeling="authors"`` reproduces the original code instead: the ``seq_len``
+real tokens start from ``HMM.initial`` (the ``MASK`` is prepended, not
+sampled) and the vanilla latent is ``transition @ P[H_1 | x_{1:T}]``, ``H_1``
+being the first real token's state. Memory tasks are labelled the same way in
+both modes (the memory posterior does not depend on the position).
+
+A dataset whose majority label (over all splits together) exceeds
+``max_label_share`` is degenerate and is re-drawn from
+``jax.random.fold_in(key, attempt)``, as the original did; ``Task.redraws``
+records how many times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hmmprompt import hmm as hmm_lib
+from hmmprompt import memory as memory_lib
+
+Model = Union[hmm_lib.HMM, memory_lib.MemoryHMM]
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+  """Sizes and options of a downstream task (defaults: Appendix D)."""
+
+  num_train: int = 5000
+  num_val: int = 500
+  num_test: int = 1000
+  seq_len: int = 128
+  num_classes: int = 2
+  num_nonzero: int = 6
+  max_label_share: float = 0.9
+  max_redraws: int = 100
+  labeling: str = "paper"
+
+  def __post_init__(self):
+    for name in ("num_train", "num_val", "num_test", "seq_len",
+                 "num_nonzero"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"TaskConfig.{name} must be >= 1, got "
+                         f"{getattr(self, name)}")
+    if self.num_classes < 2:
+      raise ValueError(f"TaskConfig.num_classes must be >= 2, got "
+                       f"{self.num_classes}")
+    if not 0.5 <= self.max_label_share <= 1.0:
+      raise ValueError(f"TaskConfig.max_label_share must be in [0.5, 1], got "
+                       f"{self.max_label_share}")
+    if self.max_redraws < 0:
+      raise ValueError("TaskConfig.max_redraws must be >= 0")
+    if self.labeling not in ("paper", "authors"):
+      raise ValueError(f"TaskConfig.labeling must be 'paper' or 'authors', "
+                       f"got {self.labeling!r}")
+
+
+class Split(NamedTuple):
+  """One split. ``tokens [N, T+1]`` int32 (``MASK`` at 0), ``labels [N]``,
+  ``latent [N, K]`` the posterior the labels were computed from."""
+
+  tokens: jax.Array
+  labels: jax.Array
+  latent: jax.Array
+
+
+class Task(NamedTuple):
+  mu: jax.Array  # [C, K]
+  train: Split
+  val: Split
+  test: Split
+  redraws: int
+
+
+def num_latent(model: Model) -> int:
+  """``K``: ``|H|`` for a vanilla HMM, ``|M|`` for a memory HMM."""
+  if isinstance(model, memory_lib.MemoryHMM):
+    return model.memory_size
+  if isinstance(model, hmm_lib.HMM):
+    return model.num_states
+  raise TypeError(f"model must be an HMM or a MemoryHMM, got "
+                  f"{type(model).__name__}")
+
+
+def task_weights(key, num_latent: int, num_classes: int = 2,
+                 num_nonzero: int = 6) -> jax.Array:
+  """``mu [num_classes, num_latent]``, sparse with N(0, 1) non-zeros."""
+  size = num_classes * num_latent
+  k = min(num_nonzero, size)
+  k_pos, k_val = jax.random.split(key)
+  pos = jax.random.choice(k_pos, size, (k,), replace=False)
+  flat = jnp.zeros((size,)).at[pos].set(jax.random.normal(k_val, (k,)))
+  return flat.reshape(num_classes, num_latent)
+
+
+def latent_posterior(model: Model, tokens_T: jax.Array,
+                     labeling: str = "paper") -> jax.Array:
+  """``[K]``: the posterior a label is a linear function of (module doc).
+
+  ``tokens_T`` includes the leading ``MASK``. Traceable; vmap it.
+  """
+  if isinstance(model, memory_lib.MemoryHMM):
+    return memory_lib._memory_posterior_jit(model, tokens_T)
+  if labeling == "authors":
+    first_real_H = hmm_lib._posterior_jit(model, tokens_T[1:])[0]
+    return model.transition @ first_real_H
+  return hmm_lib._masked_posterior_jit(model, tokens_T)[0]
+
+
+def labels_from_latent(mu: jax.Array, latent_NxK: jax.Array) -> jax.Array:
+  """``argmax_c (mu @ p)_c`` per row (ties go to the lower class)."""
+  return jnp.argmax(latent_NxK @ mu.T, axis=-1).astype(jnp.int32)
+
+
+def _sample_examples(key, model: Model, n: int, seq_len: int,
+                     labeling: str) -> jax.Array:
+  keys = jax.random.split(key, n)
+  if labeling == "authors":
+    length = seq_len
+  else:
+    length = seq_len + 1
+  if isinstance(model, memory_lib.MemoryHMM):
+    draw = lambda k: memory_lib.sample(k, model, length)[0]
+  else:
+    draw = lambda k: hmm_lib._sample_impl(k, model, length)[0]
+  tokens_NxL = jax.vmap(draw)(keys)
+  mask_N1 = jnp.full((n, 1), hmm_lib.MASK, jnp.int32)
+  if labeling == "authors":
+    return jnp.concatenate([mask_N1, tokens_NxL], axis=1)
+  return tokens_NxL.at[:, 0].set(hmm_lib.MASK)
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _draw_task(key, model: Model, config: TaskConfig):
+  k_mu, k_tr, k_va, k_te = jax.random.split(key, 4)
+  mu = task_weights(k_mu, num_latent(model), config.num_classes,
+                    config.num_nonzero)
+  splits = []
+  for k, n in ((k_tr, config.num_train), (k_va, config.num_val),
+               (k_te, config.num_test)):
+    tokens = _sample_examples(k, model, n, config.seq_len, config.labeling)
+    latent = jax.vmap(lambda t: latent_posterior(model, t, config.labeling))(
+        tokens)
+    splits.append(Split(tokens, labels_from_latent(mu, latent), latent))
+  return mu, tuple(splits)
+
+
+def majority_share(labels, num_classes: int = 2) -> float:
+  counts = np.bincount(np.asarray(labels).ravel(), minlength=num_classes)
+  return float(counts.max() / max(counts.sum(), 1))
+
+
+def make_task(key, model: Model, config: TaskConfig = TaskConfig()) -> Task:
+  """Draws ``mu`` and train/val/test splits; deterministic given ``key``.
+
+  Raises:
+    ValueError: if every one of ``1 + config.max_redraws`` draws is
+      degenerate (e.g. ``mu`` has no non-zero weight on a reachable state).
+  """
+  num_latent(model)  # type check with a clear error
+  share = None
+  for attempt in range(config.max_redraws + 1):
+    mu, (train, val, test) = _draw_task(jax.random.fold_in(key, attempt),
+                                        model, config)
+    all_labels = np.concatenate([np.asarray(s.labels)
+                                 for s in (train, val, test)])
+    share = majority_share(all_labels, config.num_classes)
+    if share <= config.max_label_share:
+      return Task(mu, train, val, test, attempt)
+  raise ValueError(
+      f"every one of {config.max_redraws + 1} drawn tasks was degenerate (the "
+      f"last had a majority-label share of {share:.3f} > max_label_share = "
+      f"{config.max_label_share}); raise max_label_share or max_redraws")

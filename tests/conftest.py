@@ -1,0 +1,31 @@
+import jax
+import numpy as np
+import pytest
+
+from hmmprompt import hmm as hmm_lib
+
+
+def random_dense_hmm(seed, num_states, vocab_size, zero_frac=0.0):
+  """A generic (not near-deterministic) HMM with optional exact zeros."""
+  rng = np.random.default_rng(seed)
+
+  def rows(shape):
+    x = rng.gamma(1.0, size=shape)
+    if zero_frac:
+      x *= rng.random(shape) >= zero_frac
+      x[..., 0] += (x.sum(-1) == 0)  # keep every row a distribution
+    return (x / x.sum(-1, keepdims=True)).astype(np.float32)
+
+  return hmm_lib.HMM(rows((num_states,)), rows((num_states, num_states)),
+                     rows((num_states, vocab_size)))
+
+
+@pytest.fixture(scope="session")
+def tiny_hmm():
+  return random_dense_hmm(0, 3, 4)
+
+
+@pytest.fixture(scope="session")
+def paper_hmm():
+  """Appendix D's near-deterministic generator, |H| = 30, |X| = 10."""
+  return hmm_lib.random_hmm(jax.random.PRNGKey(7), 30, 10)

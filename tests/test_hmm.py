@@ -1,0 +1,319 @@
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hmmprompt import hmm as hmm_lib
+from hmmprompt.hmm import MASK
+import reference as ref
+from conftest import random_dense_hmm
+
+TOKEN_CASES = [
+    [0, 1, 2, 3, 1],
+    [MASK, 1, 2, 3, 1],
+    [2, MASK, 0, MASK, 3],
+    [MASK, MASK, MASK, MASK, MASK],
+]
+
+
+@pytest.mark.parametrize("tokens", TOKEN_CASES)
+def test_token_inference_matches_brute_force(tiny_hmm, tokens):
+  ev = ref.evidence_from_tokens(tiny_hmm.emission, tokens)
+  lik, post, tau = ref.brute_force(tiny_hmm.initial, tiny_hmm.transition, ev)
+  np.testing.assert_allclose(hmm_lib.log_likelihood(tiny_hmm, tokens),
+                             np.log(lik), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(hmm_lib.posterior(tiny_hmm, tokens), post,
+                             atol=2e-6)
+  masked = ref.normalize_rows(tau)
+  np.testing.assert_allclose(hmm_lib.masked_posterior(tiny_hmm, tokens),
+                             masked, atol=2e-6)
+  # P[X_t = v | x_{-t}] by enumerating v too: an independent route to G.
+  cond = np.zeros((len(tokens), tiny_hmm.vocab_size))
+  for t in range(len(tokens)):
+    for v in range(tiny_hmm.vocab_size):
+      x = list(tokens)
+      x[t] = v
+      cond[t, v] = ref.brute_force(
+          tiny_hmm.initial, tiny_hmm.transition, ref.evidence_from_tokens(tiny_hmm.emission, x))[0]
+  cond /= cond.sum(-1, keepdims=True)
+  np.testing.assert_allclose(hmm_lib.conditionals(tiny_hmm, tokens), cond,
+                             atol=2e-6)
+
+
+def test_conditionals_ignore_own_token(tiny_hmm):
+  a = hmm_lib.conditionals(tiny_hmm, [0, 1, 2, 3])
+  b = hmm_lib.conditionals(tiny_hmm, [0, 3, 2, 3])
+  np.testing.assert_allclose(a[1], b[1], atol=1e-7)
+  assert not np.allclose(a[0], b[0])
+
+
+def test_evidence_vectors_match_brute_force(tiny_hmm):
+  rng = np.random.default_rng(1)
+  ev = rng.random((5, tiny_hmm.num_states)).astype(np.float32)
+  lik, post, tau = ref.brute_force(tiny_hmm.initial, tiny_hmm.transition, ev)
+  sm = hmm_lib.smooth(tiny_hmm, ev)
+  np.testing.assert_allclose(sm.log_likelihood, np.log(lik), rtol=1e-5)
+  np.testing.assert_allclose(sm.posterior, post, atol=2e-6)
+  np.testing.assert_allclose(sm.masked_posterior, ref.normalize_rows(tau),
+                             atol=2e-6)
+  g_bar = ref.normalize_rows(tau) @ np.asarray(tiny_hmm.emission, np.float64)
+  np.testing.assert_allclose(
+      hmm_lib.conditionals_from_evidence(tiny_hmm, ev), g_bar, atol=2e-6)
+  # Proper embeddings through the evidence API equal the token API.
+  toks = [1, MASK, 3]
+  np.testing.assert_allclose(
+      hmm_lib.conditionals_from_evidence(tiny_hmm,
+                                         hmm_lib.embed(tiny_hmm, toks)),
+      hmm_lib.conditionals(tiny_hmm, toks), atol=1e-7)
+
+
+def test_impossible_sequences_give_zeros_not_nan():
+  # State 0 only emits 0 and always moves to state 1, which never emits 0.
+  hmm = hmm_lib.HMM(jnp.array([1.0, 0.0]),
+                    jnp.array([[0.0, 1.0], [0.0, 1.0]]),
+                    jnp.array([[1.0, 0.0], [0.0, 1.0]]))
+  tokens = [0, 0, 1]  # position 1 is impossible given position 0
+  assert hmm_lib.log_likelihood(hmm, tokens) == -np.inf
+  post = np.asarray(hmm_lib.posterior(hmm, tokens))
+  assert not np.isnan(post).any()
+  np.testing.assert_array_equal(post, 0.0)
+  cond = np.asarray(hmm_lib.conditionals(hmm, tokens))
+  assert not np.isnan(cond).any()
+  # x_{-1} = (0, _, 1) is possible: G_1 is the exact conditional (token 1).
+  np.testing.assert_allclose(cond[1], [0.0, 1.0])
+  # x_{-0} and x_{-2} contain the impossible pair (0, 0): Appendix B's 0.
+  np.testing.assert_array_equal(cond[[0, 2]], 0.0)
+  # Gradients through an impossible sequence stay finite.
+  g = jax.grad(lambda e: hmm_lib.smooth(hmm, e).posterior.sum())(
+      hmm_lib.embed(hmm, tokens))
+  assert np.isfinite(np.asarray(g)).all()
+
+
+def test_zero_evidence_vector_gives_zero_output(tiny_hmm):
+  ev = np.ones((4, tiny_hmm.num_states), np.float32)
+  ev[2] = 0.0
+  cond = np.asarray(hmm_lib.conditionals_from_evidence(tiny_hmm, ev))
+  np.testing.assert_array_equal(cond[[0, 1, 3]], 0.0)
+  np.testing.assert_allclose(cond[2].sum(), 1.0, rtol=1e-6)
+
+
+def test_float32_matches_float64_on_long_paper_sequence(paper_hmm):
+  tokens, _ = hmm_lib.sample(jax.random.PRNGKey(3), paper_hmm, 10240)
+  tokens = np.array(tokens)
+  tokens[::97] = MASK
+  ev = ref.evidence_from_tokens(paper_hmm.emission, tokens)
+  ll64, post64, masked64 = ref.log_forward_backward(
+      paper_hmm.initial, paper_hmm.transition, ev)
+  assert np.isfinite(ll64)
+  ll32 = float(hmm_lib.log_likelihood(paper_hmm, tokens))
+  np.testing.assert_allclose(ll32, ll64, rtol=1e-4)
+  np.testing.assert_allclose(hmm_lib.posterior(paper_hmm, tokens), post64,
+                             atol=1e-4)
+  np.testing.assert_allclose(hmm_lib.masked_posterior(paper_hmm, tokens),
+                             masked64, atol=1e-4)
+  cond64 = masked64 @ np.asarray(paper_hmm.emission, np.float64)
+  np.testing.assert_allclose(hmm_lib.conditionals(paper_hmm, tokens), cond64,
+                             atol=1e-4)
+
+
+def test_float64_mode_runs_and_agrees(tiny_hmm):
+  tokens = [0, MASK, 2, 3, 1]
+  with jax.enable_x64(True):
+    h64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), tiny_hmm)
+    post = hmm_lib.posterior(h64, tokens)
+    assert post.dtype == jnp.float64
+  ev = ref.evidence_from_tokens(tiny_hmm.emission, tokens)
+  np.testing.assert_allclose(post, ref.brute_force(tiny_hmm.initial, tiny_hmm.transition, ev)[1],
+                             atol=1e-12)
+
+
+def test_sampler_matches_exact_marginals_and_transitions():
+  hmm = random_dense_hmm(2, 3, 4, zero_frac=0.3)
+  n, t_len = 20000, 6
+  keys = jax.random.split(jax.random.PRNGKey(0), n)
+  tokens, states = jax.jit(jax.vmap(lambda k: hmm_lib.sample(k, hmm, t_len)))(
+      keys)
+  tokens, states = np.asarray(tokens), np.asarray(states)
+  init = np.asarray(hmm.initial, np.float64)
+  trans = np.asarray(hmm.transition, np.float64)
+  emis = np.asarray(hmm.emission, np.float64)
+  marg = init
+  for t in range(t_len):
+    state_freq = np.bincount(states[:, t], minlength=3) / n
+    token_freq = np.bincount(tokens[:, t], minlength=4) / n
+    np.testing.assert_allclose(state_freq, marg, atol=0.015)
+    np.testing.assert_allclose(token_freq, marg @ emis, atol=0.015)
+    marg = marg @ trans
+  counts = np.zeros((3, 3))
+  np.add.at(counts, (states[:, :-1].ravel(), states[:, 1:].ravel()), 1)
+  np.testing.assert_allclose(counts / counts.sum(1, keepdims=True), trans,
+                             atol=0.015)
+  # Zero-probability transitions and emissions never happen.
+  assert np.all(counts[trans == 0] == 0)
+  assert np.all(emis[states.ravel(), tokens.ravel()] > 0)
+
+
+def test_sampled_paper_sequences_are_possible(paper_hmm):
+  keys = jax.random.split(jax.random.PRNGKey(1), 64)
+  tokens, states = jax.vmap(lambda k: hmm_lib.sample(k, paper_hmm, 512))(keys)
+  ll = jax.vmap(hmm_lib.log_likelihood, in_axes=(None, 0))(paper_hmm, tokens)
+  assert np.isfinite(np.asarray(ll)).all()
+  assert tokens.dtype == jnp.int32 and states.dtype == jnp.int32
+
+
+def test_random_hmm_structure(paper_hmm):
+  for f in paper_hmm:
+    np.testing.assert_allclose(np.asarray(f).sum(-1), 1.0, rtol=1e-5)
+  # A mixture of permutation matrices is doubly stochastic.
+  np.testing.assert_allclose(np.asarray(paper_hmm.transition).sum(0), 1.0,
+                             rtol=1e-5)
+  init = np.asarray(paper_hmm.initial)
+  assert init.max() / init.min() <= np.exp(1 / 10.0) * (1 + 1e-5)
+  # Temperature 0.01: emission rows are near one-hot.
+  assert np.median(np.asarray(paper_hmm.emission).max(-1)) > 0.5
+  same = hmm_lib.random_hmm(jax.random.PRNGKey(7), 30, 10)
+  for a, b in zip(paper_hmm, same):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_jit_vmap_match_single_calls(tiny_hmm):
+  batch = np.array(TOKEN_CASES, np.int32)
+  fn = jax.jit(jax.vmap(hmm_lib.posterior, in_axes=(None, 0)))
+  out = fn(tiny_hmm, batch)
+  for i, toks in enumerate(TOKEN_CASES):
+    np.testing.assert_allclose(out[i], hmm_lib.posterior(tiny_hmm, toks),
+                               atol=1e-7)
+  # vmap over HMMs built inside the transformation.
+  hmms = jax.vmap(lambda k: hmm_lib.random_hmm(k, 3, 4))(
+      jax.random.split(jax.random.PRNGKey(0), 2))
+  ll = jax.vmap(hmm_lib.log_likelihood, in_axes=(0, None))(hmms, batch[0])
+  single = hmm_lib.random_hmm(jax.random.split(jax.random.PRNGKey(0), 2)[1],
+                              3, 4)
+  np.testing.assert_allclose(ll[1], hmm_lib.log_likelihood(single, batch[0]),
+                             rtol=1e-6)
+
+
+def _brute_log_lik_jax(hmm, tokens):
+  """Differentiable brute force in JAX: logsumexp over all paths."""
+  h = hmm.num_states
+  paths = jnp.array(list(itertools.product(range(h), repeat=len(tokens))))
+  ev = jnp.stack([jnp.ones(h) if x == MASK else hmm.emission[:, x]
+                  for x in tokens])
+  logp = (jnp.log(hmm.initial[paths[:, 0]])
+          + jnp.log(hmm.transition[paths[:, :-1], paths[:, 1:]]).sum(-1)
+          + jnp.log(ev[jnp.arange(len(tokens)), paths]).sum(-1))
+  return jax.scipy.special.logsumexp(logp)
+
+
+def test_grad_matches_brute_force_grad(tiny_hmm):
+  tokens = [0, MASK, 2, 3]
+  g = jax.grad(hmm_lib.log_likelihood)(tiny_hmm, tokens)
+  g_ref = jax.grad(_brute_log_lik_jax)(tiny_hmm, tokens)
+  for a, b in zip(g, g_ref):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  # Through the posterior too (a non-linear functional).
+  w = jnp.arange(12.0).reshape(4, 3)
+  f = lambda hm: jnp.sum(w * hmm_lib.posterior(hm, tokens))
+  g_post = jax.grad(f)(tiny_hmm)
+  eps = 1e-3
+  d = np.zeros((3, 3), np.float32)
+  d[0, 1], d[0, 2] = eps, -eps  # stays on the simplex
+  plus = tiny_hmm._replace(transition=tiny_hmm.transition + d)
+  minus = tiny_hmm._replace(transition=tiny_hmm.transition - d)
+  fd = (f(plus) - f(minus)) / (2 * eps)
+  np.testing.assert_allclose(np.sum(np.asarray(g_post.transition) * d / eps),
+                             fd, rtol=2e-2)
+
+
+# ---------------------------------------------------------------------------
+# Bad input.
+
+GOOD = dict(initial=[0.5, 0.5], transition=[[0.9, 0.1], [0.2, 0.8]],
+            emission=[[0.5, 0.5, 0.0], [0.1, 0.1, 0.8]])
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("initial", [0.5, 0.6], "HMM.initial must sum to 1"),
+    ("initial", [1.5, -0.5], "HMM.initial has a negative entry"),
+    ("initial", [np.nan, 1.0], "HMM.initial has a non-finite"),
+    ("initial", [[0.5, 0.5]], r"HMM.transition must have shape \[H, H\] = "
+     r"\(1, 2, 2\) to match HMM.initial of shape \(1, 2\)"),
+    ("initial", 0.5, "HMM.initial must have 1 dimension"),
+    ("initial", [1, 0], "HMM.initial must be a floating-point"),
+    ("transition", [[0.9, 0.1], [0.2, 0.7]], r"HMM.transition .* row \[1\]"),
+    ("transition", [[1.0]], r"HMM.transition must have shape \[H, H\]"),
+    ("emission", [[0.5, 0.5], [0.1, 0.9], [0.5, 0.5]],
+     r"HMM.emission must have shape \[H, V\]"),
+    ("emission", [[0.5, 0.6, 0.0], [0.1, 0.1, 0.8]], "HMM.emission must sum"),
+    ("emission", [[np.inf, 0.0, 0.0], [0.1, 0.1, 0.8]],
+     "HMM.emission has a non-finite"),
+])
+def test_malformed_hmm_raises(field, value, match):
+  kwargs = {k: np.asarray(v, np.float32) for k, v in GOOD.items()}
+  kwargs[field] = np.asarray(value)
+  if np.asarray(value).dtype.kind == "f":
+    kwargs[field] = kwargs[field].astype(np.float32)
+  with pytest.raises(ValueError, match=match):
+    hmm_lib.HMM(**kwargs)
+
+
+def test_hmm_accepts_lists_and_tracers():
+  hmm = hmm_lib.HMM(**GOOD)
+  assert hmm.num_states == 2 and hmm.vocab_size == 3
+  # Traced values skip value checks instead of failing inside jit.
+  out = jax.jit(lambda a: hmm_lib.HMM(a, hmm.transition, hmm.emission)
+                .initial * 2)(jnp.array([0.3, 0.3]))
+  np.testing.assert_allclose(out, [0.6, 0.6])
+
+
+@pytest.mark.parametrize("tokens,match", [
+    ([0, 3, 1], r"token 3 at index \[1\] is out of range"),
+    ([0, -2], r"token -2 at index \[1\] is out of range"),
+    (np.array([0.0, 1.0]), "tokens must be integers"),
+    (np.zeros((2, 3), np.int32), "1-D sequence"),
+    (np.zeros((0,), np.int32), "non-empty"),
+])
+def test_bad_tokens_raise(tokens, match):
+  hmm = hmm_lib.HMM(**GOOD)
+  for fn in (hmm_lib.posterior, hmm_lib.masked_posterior,
+             hmm_lib.log_likelihood, hmm_lib.conditionals, hmm_lib.embed):
+    with pytest.raises(ValueError, match=match):
+      fn(hmm, tokens)
+
+
+def test_bad_tokens_under_jit_are_impossible_not_clamped():
+  hmm = hmm_lib.HMM(**GOOD)
+  ll = jax.jit(hmm_lib.log_likelihood)(hmm, jnp.array([0, 7], jnp.int32))
+  assert ll == -np.inf
+  with pytest.raises(ValueError, match="tokens must be integers"):
+    jax.jit(hmm_lib.posterior)(hmm, jnp.array([0.0, 1.0]))
+
+
+@pytest.mark.parametrize("evidence,match", [
+    (np.ones((3, 3), np.float32), r"shape \[T, H\] with H = 2"),
+    (-np.ones((3, 2), np.float32), "finite and non-negative"),
+    (np.full((3, 2), np.nan, np.float32), "finite and non-negative"),
+    (np.ones((3, 2), np.int32), "floating point"),
+])
+def test_bad_evidence_raises(evidence, match):
+  hmm = hmm_lib.HMM(**GOOD)
+  with pytest.raises(ValueError, match=match):
+    hmm_lib.smooth(hmm, evidence)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(length=0), "length must be a positive int"),
+    (dict(length=2.5), "length must be a positive int"),
+])
+def test_bad_sample_args_raise(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    hmm_lib.sample(jax.random.PRNGKey(0), hmm_lib.HMM(**GOOD), **kwargs)
+
+
+def test_bad_generator_args_raise():
+  with pytest.raises(ValueError, match="emission_temp must be > 0"):
+    hmm_lib.random_hmm(jax.random.PRNGKey(0), 3, 4, emission_temp=0.0)
+  with pytest.raises(ValueError, match="num_states and vocab_size"):
+    hmm_lib.random_hmm(jax.random.PRNGKey(0), 0, 4)
