@@ -1,0 +1,169 @@
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hmmprompt import hmm as hmm_lib
+from hmmprompt import memory as memory_lib
+from hmmprompt.hmm import MASK
+import reference as ref
+
+
+def _dense(rng, shape):
+  x = rng.gamma(1.0, size=shape)
+  return (x / x.sum(-1, keepdims=True)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def tiny_memory():
+  rng = np.random.default_rng(3)
+  return memory_lib.MemoryHMM(_dense(rng, (3,)), _dense(rng, (2,)),
+                              _dense(rng, (2, 2)), _dense(rng, (3, 2, 4)))
+
+
+def _brute_memory(mhmm, tokens):
+  """P[M = m, x] for each m by enumerating syntax paths per memory value."""
+  joint = []
+  for m in range(mhmm.memory_size):
+    ev = ref.evidence_from_tokens(np.asarray(mhmm.emission)[m], tokens)
+    lik = ref.brute_force(mhmm.initial, mhmm.transition, ev)[0]
+    joint.append(float(mhmm.memory_prior[m]) * lik)
+  return np.array(joint)
+
+
+@pytest.mark.parametrize("tokens", [[0, 1, 3, 2], [MASK, 1, MASK, 2]])
+def test_memory_posterior_matches_brute_force(tiny_memory, tokens):
+  joint = _brute_memory(tiny_memory, tokens)
+  np.testing.assert_allclose(memory_lib.memory_posterior(tiny_memory, tokens),
+                             joint / joint.sum(), atol=2e-6)
+  # P[M | x_{-t}] for every t, from the product HMM, against brute force on
+  # the sequence with position t masked.
+  masked = memory_lib.memory_masked_posterior(tiny_memory, tokens)
+  for t in range(len(tokens)):
+    x = list(tokens)
+    x[t] = MASK
+    j = _brute_memory(tiny_memory, x)
+    np.testing.assert_allclose(masked[t], j / j.sum(), atol=2e-6)
+
+
+def test_product_hmm_is_equivalent(tiny_memory):
+  product = memory_lib.to_hmm(tiny_memory)
+  assert product.num_states == 6
+  trans = np.asarray(product.transition)
+  # Memory never changes: no mass off the diagonal blocks.
+  for a in range(3):
+    for b in range(3):
+      if a != b:
+        assert np.all(trans[2 * a:2 * a + 2, 2 * b:2 * b + 2] == 0)
+  tokens = [0, 2, MASK, 1]
+  joint = _brute_memory(tiny_memory, tokens)
+  np.testing.assert_allclose(hmm_lib.log_likelihood(product, tokens),
+                             np.log(joint.sum()), rtol=1e-5)
+  # Brute force on the product chain itself (6^4 paths).
+  ev = ref.evidence_from_tokens(product.emission, tokens)
+  _, post, _ = ref.brute_force(product.initial, product.transition, ev)
+  np.testing.assert_allclose(
+      post[0].reshape(3, 2).sum(-1),
+      memory_lib.memory_posterior(tiny_memory, tokens), atol=2e-6)
+  np.testing.assert_allclose(
+      memory_lib.conditionals(tiny_memory, tokens),
+      hmm_lib.conditionals(product, tokens), atol=1e-7)
+
+
+def test_memory_sampler_frequencies(tiny_memory):
+  n = 20000
+  keys = jax.random.split(jax.random.PRNGKey(0), n)
+  tokens, syntax, mem = jax.jit(jax.vmap(
+      lambda k: memory_lib.sample(k, tiny_memory, 5)))(keys)
+  mem = np.asarray(mem)
+  np.testing.assert_allclose(np.bincount(mem, minlength=3) / n,
+                             tiny_memory.memory_prior, atol=0.015)
+  # Token distribution at t = 0 given the memory value.
+  for m in range(3):
+    sel = mem == m
+    freq = np.bincount(np.asarray(tokens)[sel, 0], minlength=4) / sel.sum()
+    expected = np.asarray(tiny_memory.initial) @ np.asarray(
+        tiny_memory.emission)[m]
+    np.testing.assert_allclose(freq, expected, atol=0.03)
+  assert np.asarray(syntax).max() < 2
+
+
+def test_random_memory_hmm_and_vanilla_twin():
+  mhmm = memory_lib.random_memory_hmm(jax.random.PRNGKey(0), 7, 4, 10)
+  assert mhmm.emission.shape == (7, 4, 10)
+  np.testing.assert_allclose(np.asarray(mhmm.transition).sum(0), 1.0,
+                             rtol=1e-5)
+  twin = memory_lib.vanilla_twin(jax.random.PRNGKey(0), 7, 4, 10)
+  assert twin.num_states == 28 and twin.vocab_size == 10
+  # Long sequences identify the memory (what makes the right panel easy).
+  tokens, _, mem = memory_lib.sample(jax.random.PRNGKey(1), mhmm, 129)
+  post = memory_lib.memory_posterior(mhmm, tokens)
+  assert int(jnp.argmax(post)) == int(mem)
+
+
+@pytest.fixture(scope="module")
+def tiny_multi():
+  rng = np.random.default_rng(4)
+  n, m, s, v = 2, 2, 1, 3
+  return memory_lib.MultiMemoryHMM(
+      _dense(rng, (n, m)), _dense(rng, (n * s,)), _dense(rng, (n * s, n * s)),
+      _dense(rng, (n, m, s, v)))
+
+
+def test_multi_cell_posteriors_match_brute_force(tiny_multi):
+  mm = tiny_multi
+  tokens = [0, 2, MASK, 1]
+  n, m, s = mm.num_cells, mm.memory_size, mm.num_syntax
+  prior = np.asarray(mm.memory_prior, np.float64)
+  emis = np.asarray(mm.emission, np.float64)
+  init = np.asarray(mm.initial, np.float64)
+  trans = np.asarray(mm.transition, np.float64)
+  marg = np.zeros((n, m))
+  for config in itertools.product(range(m), repeat=n):
+    p_config = np.prod([prior[j, config[j]] for j in range(n)])
+    for path in itertools.product(range(n * s), repeat=len(tokens)):
+      w = p_config * init[path[0]]
+      for a, b in zip(path[:-1], path[1:]):
+        w *= trans[a, b]
+      for x, js in zip(tokens, path):
+        j, syn = divmod(js, s)
+        if x != MASK:
+          w *= emis[j, config[j], syn, x]
+      for j in range(n):
+        marg[j, config[j]] += w
+  expected = marg / marg.sum(-1, keepdims=True)
+  np.testing.assert_allclose(memory_lib.cell_posteriors(mm, tokens), expected,
+                             atol=2e-6)
+
+
+def test_multi_cell_sampler_and_size_limit(tiny_multi):
+  tokens, cells, syntax, mem = memory_lib.multi_sample(
+      jax.random.PRNGKey(0), tiny_multi, 20)
+  assert tokens.shape == cells.shape == syntax.shape == (20,)
+  assert mem.shape == (2,)
+  big = memory_lib.random_multi_memory_hmm(jax.random.PRNGKey(0), 4, 6, 3, 10)
+  with pytest.raises(ValueError, match="MAX_PRODUCT_STATES"):
+    memory_lib.cell_posteriors(big, [0, 1])
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("memory_prior", [0.5, 0.6], "MemoryHMM.memory_prior must sum to 1"),
+    ("emission", np.full((2, 3, 4), 0.25), r"MemoryHMM.emission must have "
+     r"shape \[M, H, V\]"),
+    ("transition", [[0.5, 0.5]], "MemoryHMM.transition must have shape"),
+])
+def test_malformed_memory_hmm_raises(field, value, match):
+  rng = np.random.default_rng(0)
+  kwargs = dict(memory_prior=_dense(rng, (2,)), initial=_dense(rng, (2,)),
+                transition=_dense(rng, (2, 2)),
+                emission=_dense(rng, (2, 2, 4)))
+  kwargs[field] = np.asarray(value, np.float32)
+  with pytest.raises(ValueError, match=match):
+    memory_lib.MemoryHMM(**kwargs)
+
+
+def test_memory_bad_tokens_raise(tiny_memory):
+  with pytest.raises(ValueError, match="out of range"):
+    memory_lib.memory_posterior(tiny_memory, [0, 4])

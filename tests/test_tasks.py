@@ -1,0 +1,130 @@
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from hmmprompt import hmm as hmm_lib
+from hmmprompt import memory as memory_lib
+from hmmprompt import tasks
+from hmmprompt.hmm import MASK
+import reference as ref
+
+SMALL = tasks.TaskConfig(num_train=40, num_val=8, num_test=16, seq_len=12)
+
+
+@pytest.fixture(scope="module")
+def vanilla():
+  return hmm_lib.random_hmm(jax.random.PRNGKey(11), 8, 10)
+
+
+@pytest.fixture(scope="module")
+def mem():
+  return memory_lib.random_memory_hmm(jax.random.PRNGKey(12), 3, 4, 10)
+
+
+def _check_labels(split, mu, latent_fn):
+  """Recompute every label by an independent float64 route."""
+  mu = np.asarray(mu, np.float64)
+  checked = 0
+  for toks, label in zip(np.asarray(split.tokens), np.asarray(split.labels)):
+    scores = mu @ latent_fn(toks)
+    top2 = np.sort(scores)[-2:]
+    if top2[1] - top2[0] > 1e-4:  # float32 can't decide nearer ties
+      assert label == int(np.argmax(scores))
+      checked += 1
+  assert checked >= 0.9 * len(split.labels)
+
+
+def test_vanilla_labels_recomputed_independently(vanilla):
+  task = tasks.make_task(jax.random.PRNGKey(0), vanilla, SMALL)
+  assert task.train.tokens.shape == (40, 13)
+  assert np.all(np.asarray(task.train.tokens)[:, 0] == MASK)
+
+  def latent(toks):  # P[H_0 | x_{1:T}]
+    ev = ref.evidence_from_tokens(vanilla.emission, toks)
+    return ref.log_forward_backward(vanilla.initial, vanilla.transition,
+                                    ev)[1][0]
+
+  for split in (task.train, task.val, task.test):
+    _check_labels(split, task.mu, latent)
+
+
+def test_memory_labels_recomputed_independently(mem):
+  task = tasks.make_task(jax.random.PRNGKey(1), mem, SMALL)
+  assert task.mu.shape == (2, 3)
+  product = memory_lib.to_hmm(mem)
+
+  def latent(toks):  # P[M | x] from the product chain in float64
+    ev = ref.evidence_from_tokens(product.emission, toks)
+    post = ref.log_forward_backward(product.initial, product.transition,
+                                    ev)[1]
+    return post[0].reshape(3, 4).sum(-1)
+
+  _check_labels(task.test, task.mu, latent)
+
+
+def test_authors_labeling(vanilla):
+  cfg = dataclasses.replace(SMALL, labeling="authors")
+  task = tasks.make_task(jax.random.PRNGKey(2), vanilla, cfg)
+  assert task.test.tokens.shape == (16, 13)
+  trans = np.asarray(vanilla.transition, np.float64)
+
+  def latent(toks):  # transmat @ P[H_1 | x_{1:T}], H_1 the first real token
+    ev = ref.evidence_from_tokens(vanilla.emission, toks[1:])
+    return trans @ ref.log_forward_backward(vanilla.initial, trans, ev)[1][0]
+
+  _check_labels(task.test, task.mu, latent)
+
+
+def test_task_weights():
+  mu = tasks.task_weights(jax.random.PRNGKey(0), 30)
+  assert mu.shape == (2, 30) and int((mu != 0).sum()) == 6
+  small = tasks.task_weights(jax.random.PRNGKey(0), 2)
+  assert int((small != 0).sum()) == 4  # only 4 entries exist
+
+
+def test_deterministic_and_key_dependent(vanilla):
+  a = tasks.make_task(jax.random.PRNGKey(5), vanilla, SMALL)
+  b = tasks.make_task(jax.random.PRNGKey(5), vanilla, SMALL)
+  c = tasks.make_task(jax.random.PRNGKey(6), vanilla, SMALL)
+  np.testing.assert_array_equal(a.train.tokens, b.train.tokens)
+  np.testing.assert_array_equal(a.mu, b.mu)
+  assert not np.array_equal(a.train.tokens, c.train.tokens)
+
+
+def test_degenerate_draws_are_redrawn(vanilla):
+  key = jax.random.PRNGKey(9)
+  first = tasks.make_task(key, vanilla, SMALL)
+  share = tasks.majority_share(np.concatenate(
+      [first.train.labels, first.val.labels, first.test.labels]))
+  assert first.redraws == 0
+  # Call the first draw degenerate: the task must come from a later key.
+  strict = dataclasses.replace(SMALL, max_label_share=share - 1e-6)
+  task = tasks.make_task(key, vanilla, strict)
+  assert task.redraws >= 1
+  direct = tasks._draw_task(jax.random.fold_in(key, task.redraws), vanilla,
+                            strict)
+  np.testing.assert_array_equal(task.test.tokens, direct[1][2].tokens)
+  labels = np.concatenate([task.train.labels, task.val.labels,
+                           task.test.labels])
+  assert tasks.majority_share(labels) <= strict.max_label_share
+  impossible = dataclasses.replace(SMALL, max_label_share=0.5, max_redraws=2)
+  with pytest.raises(ValueError, match="every one of 3 drawn tasks"):
+    tasks.make_task(key, vanilla, impossible)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_train=0), "num_train must be >= 1"),
+    (dict(labeling="bert"), "labeling must be 'paper' or 'authors'"),
+    (dict(max_label_share=0.3), "max_label_share"),
+    (dict(num_classes=1), "num_classes"),
+])
+def test_bad_config_raises(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    tasks.TaskConfig(**kwargs)
+
+
+def test_bad_model_raises():
+  with pytest.raises(TypeError, match="HMM or a MemoryHMM"):
+    tasks.make_task(jax.random.PRNGKey(0), "hmm", SMALL)
