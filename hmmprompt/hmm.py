@@ -45,10 +45,6 @@ MASK = -1
 # per entry; a few hundred states stay far below 1e-4).
 _SUM_ATOL = 1e-4
 
-# Loop unrolling for the time scans: amortises XLA:CPU's per-iteration
-# overhead (measured in experiments/bench_hmm.py).
-_SCAN_UNROLL = 8
-
 
 def _is_concrete_array(x) -> bool:
   if isinstance(x, jax.core.Tracer):
@@ -247,6 +243,13 @@ def random_hmm(key, num_states: int, vocab_size: int, *,
                   ("initial_temp", initial_temp)):
     if not t > 0:
       raise ValueError(f"{name} must be > 0, got {t}")
+  return _random_hmm_jit(key, num_states, vocab_size, transition_temp,
+                         emission_temp, initial_temp)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _random_hmm_jit(key, num_states, vocab_size, transition_temp,
+                    emission_temp, initial_temp):
   k_i, k_t, k_e = jax.random.split(key, 3)
   return HMM(
       initial=_random_simplex(k_i, (num_states,), initial_temp),
@@ -285,7 +288,7 @@ def _sample_impl(key, hmm: HMM, length: int):
     s_next = _draw(cdf_trans_HxH[s], u)
     return s_next, s_next
 
-  _, rest = jax.lax.scan(step, s0, u_2xT[0, 1:], unroll=_SCAN_UNROLL)
+  _, rest = jax.lax.scan(step, s0, u_2xT[0, 1:])
   states_T = jnp.concatenate([s0[None], rest])
   # Given the states, the emissions are independent: draw them all at once.
   tokens_T = _draw(_cdf(hmm.emission)[states_T], u_2xT[1])

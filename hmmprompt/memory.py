@@ -21,6 +21,7 @@ Per-position masked versions come from the product HMM.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import NamedTuple
 
@@ -131,11 +132,18 @@ def random_memory_hmm(key, memory_size: int, num_states: int,
   if min(memory_size, num_states, vocab_size) < 1:
     raise ValueError(f"memory_size, num_states and vocab_size must be >= 1, "
                      f"got {memory_size}, {num_states}, {vocab_size}")
+  return _random_memory_jit(key, memory_size, num_states, vocab_size,
+                            transition_temp, emission_temp, initial_temp,
+                            memory_temp)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _random_memory_jit(key, memory_size, num_states, vocab_size,
+                       transition_temp, emission_temp, initial_temp,
+                       memory_temp):
   k_m, k_h = jax.random.split(key)
-  base = hmm_lib.random_hmm(k_h, num_states, vocab_size,
-                            transition_temp=transition_temp,
-                            emission_temp=emission_temp,
-                            initial_temp=initial_temp)
+  base = hmm_lib._random_hmm_jit(k_h, num_states, vocab_size,
+                                 transition_temp, emission_temp, initial_temp)
   k_p, k_e = jax.random.split(k_m)
   return MemoryHMM(
       memory_prior=hmm_lib._random_simplex(k_p, (memory_size,), memory_temp),
@@ -306,10 +314,19 @@ def random_multi_memory_hmm(key, num_cells: int, memory_size: int,
   if min(num_cells, memory_size, num_syntax, vocab_size) < 1:
     raise ValueError("num_cells, memory_size, num_syntax and vocab_size must "
                      "be >= 1")
+  return _random_multi_jit(key, num_cells, memory_size, num_syntax,
+                           vocab_size, transition_temp, emission_temp,
+                           initial_temp, memory_temp)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _random_multi_jit(key, num_cells, memory_size, num_syntax, vocab_size,
+                      transition_temp, emission_temp, initial_temp,
+                      memory_temp):
   k_c, k_p, k_e = jax.random.split(key, 3)
-  chain = hmm_lib.random_hmm(k_c, num_cells * num_syntax, vocab_size,
-                             transition_temp=transition_temp,
-                             initial_temp=initial_temp)
+  chain = hmm_lib._random_hmm_jit(k_c, num_cells * num_syntax, vocab_size,
+                                  transition_temp, emission_temp,
+                                  initial_temp)
   return MultiMemoryHMM(
       memory_prior=hmm_lib._random_simplex(k_p, (num_cells, memory_size),
                                            memory_temp),
