@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One entry point on a fresh machine with Python 3.11:
+#   ./launch.sh           set up .venv if needed, run the main job
+#   ./launch.sh test      set up .venv if needed, run the test suite
+#   ./launch.sh bench     benchmarks (installs the `bench` extra)
+# Extra arguments pass through to the job (e.g. ./launch.sh --seed=3).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+VENV="${HMMPROMPT_VENV:-.venv}"
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+
+mode="main"
+case "${1:-}" in
+  test|bench) mode="$1"; shift ;;
+esac
+
+extras="test"
+[ "$mode" = bench ] && extras="test,bench"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "creating $VENV with $($PY --version)" >&2
+  "$PY" -m venv "$VENV"
+fi
+stamp="$VENV/.hmmprompt-installed-$extras"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q -e ".[$extras]"
+  touch "$stamp"
+fi
+
+case "$mode" in
+  test)  exec "$VENV/bin/python" -m pytest tests "$@" ;;
+  bench) exec "$VENV/bin/python" -m experiments.bench_hmm "$@" ;;
+  main)  exec "$VENV/bin/python" -m experiments.demo "$@" ;;
+esac
