@@ -1,0 +1,43 @@
+"""Frozen backbones: the black box ``G`` / ``G-bar`` of paper Section 2.
+
+A backbone is a static :class:`Backbone` (pure functions and sizes, hashable,
+safe as a ``jit`` static argument) plus a params pytree that tuning passes
+around but never differentiates:
+
+* ``embed(params, tokens [T]) -> [T, D]``: input embeddings; ``MASK``
+  (= ``hmm.MASK``) is a valid token everywhere.
+* ``apply(params, embeddings [T', D]) -> [T', V]``: per-position distribution
+  over the ``V`` real symbols. A soft prompt is ``P`` extra rows prepended.
+* ``prompt_embedding(raw [P, D]) -> [P, D]``: maps unconstrained prompt
+  parameters to valid input embeddings (a sigmoid for the exact backbone,
+  whose inputs must lie in ``[0, 1]^H``; the identity for a transformer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+
+Params = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Backbone:
+  name: str
+  embed: Callable[[Params, jax.Array], jax.Array]
+  apply: Callable[[Params, jax.Array], jax.Array]
+  prompt_embedding: Callable[[jax.Array], jax.Array]
+  embed_dim: int
+  vocab_size: int
+
+  def outputs(self, params: Params, tokens_T: jax.Array,
+              prompt_raw_PxD: jax.Array | None = None):
+    """``(G [P+T, V], embeddings [P+T, D])`` with the prompt prepended."""
+    emb_TxD = self.embed(params, tokens_T)
+    if prompt_raw_PxD is not None:
+      emb_TxD = jax.numpy.concatenate(
+          [self.prompt_embedding(prompt_raw_PxD).astype(emb_TxD.dtype),
+           emb_TxD], axis=0)
+    return self.apply(params, emb_TxD), emb_TxD

@@ -1,0 +1,90 @@
+"""Classification heads on a frozen backbone's outputs (paper Sections 3-4).
+
+Features: the backbone's probabilities ``G_i`` over the real vocabulary,
+transformed by one of
+
+* ``"raw"``: the probabilities themselves (the paper);
+* ``"log"``: ``log(G + 1e-6)``; near-deterministic HMMs put the signal in
+  small probabilities that a linear map on raw values barely sees;
+* ``"standardized"``: ``(G - mean) / (std + 1e-6)`` per vocabulary entry, with
+  the mean and std of the training set's features at initialisation (fixed
+  for the run, so it is a fixed affine map: the hypothesis class is the raw
+  one, only the optimisation's conditioning changes).
+
+Heads:
+
+* linear (Theorem 3.3 / 3.6): ``logits = w^T f(G_mask) + bias``;
+* attention (eq. 4.1-4.2) over all positions: score
+  ``s_i = q^T (Θ_K f(G_i) + β_i)``, weights ``softmax(exp(log_temp) * s)``
+  (the paper's argmax is the limit of a large inverse temperature), value
+  ``v_i = b^T ((Θ_V f(G_i)) ⊙ e(x_i))`` per class, ``logits = Σ_i a_i v_i``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+FEATURES = ("raw", "log", "standardized")
+HEADS = ("linear", "attention")
+_LOG_EPS = 1e-6
+_STD_EPS = 1e-6
+
+
+def feature_stats(probs_NxV: jax.Array) -> dict:
+  """Mean and std per vocabulary entry over all leading axes."""
+  flat = probs_NxV.reshape(-1, probs_NxV.shape[-1])
+  return {"mean": flat.mean(0), "std": flat.std(0)}
+
+
+def transform(probs_xV: jax.Array, kind: str, stats: dict | None):
+  if kind == "raw":
+    return probs_xV
+  if kind == "log":
+    return jnp.log(probs_xV + _LOG_EPS)
+  if kind == "standardized":
+    return (probs_xV - stats["mean"]) / (stats["std"] + _STD_EPS)
+  raise ValueError(f"unknown feature transform {kind!r}; expected one of "
+                   f"{FEATURES}")
+
+
+def init_linear(key, num_features: int, num_classes: int = 2) -> dict:
+  # Zero init: the first step is symmetric and deterministic; a linear
+  # model has no symmetry to break.
+  del key
+  return {"w": jnp.zeros((num_features, num_classes)),
+          "bias": jnp.zeros((num_classes,))}
+
+
+def apply_linear(params: dict, feats_F: jax.Array) -> jax.Array:
+  return feats_F @ params["w"] + params["bias"]
+
+
+def init_attention(key, vocab_size: int, embed_dim: int, seq_len: int,
+                   num_classes: int = 2, key_dim: int | None = None) -> dict:
+  """``key_dim`` defaults to ``embed_dim + 1`` (the paper's ``|H| + 1``)."""
+  key_dim = key_dim or embed_dim + 1
+  k_k, k_q, k_v, k_b = jax.random.split(key, 4)
+  scale = lambda n: 1.0 / jnp.sqrt(n)
+  return {
+      "theta_k": jax.random.normal(k_k, (key_dim, vocab_size)) * scale(
+          vocab_size),
+      "beta": jnp.zeros((seq_len, key_dim)),
+      "q": jax.random.normal(k_q, (key_dim,)) * scale(key_dim),
+      "log_temp": jnp.zeros(()),
+      "theta_v": jax.random.normal(k_v, (embed_dim, vocab_size)) * scale(
+          vocab_size),
+      "b": jax.random.normal(k_b, (embed_dim, num_classes)) * scale(
+          embed_dim),
+      "bias": jnp.zeros((num_classes,)),
+  }
+
+
+def apply_attention(params: dict, feats_TxV: jax.Array,
+                    emb_TxD: jax.Array) -> jax.Array:
+  t = feats_TxV.shape[0]
+  keys_TxK = feats_TxV @ params["theta_k"].T + params["beta"][:t]
+  scores_T = keys_TxK @ params["q"]
+  attn_T = jax.nn.softmax(jnp.exp(params["log_temp"]) * scores_T)
+  values_TxC = ((feats_TxV @ params["theta_v"].T) * emb_TxD) @ params["b"]
+  return attn_T @ values_TxC + params["bias"]
