@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One entry point on a fresh machine with Python 3.11:
-#   ./launch.sh           set up .venv if needed, run the main job
+#   ./launch.sh           set up .venv if needed, run the main job: Figure 3
+#                         on the exact backbone, cpu preset, into
+#                         runs/figure3 (resumes if rerun)
 #   ./launch.sh test      set up .venv if needed, run the test suite
+#   ./launch.sh demo      a one-minute tour of the HMM core
 #   ./launch.sh bench     benchmarks (installs the `bench` extra)
-# Extra arguments pass through to the job (e.g. ./launch.sh --seed=3).
+# Extra arguments pass through to the job (e.g. ./launch.sh --seeds=3).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -13,7 +16,7 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 
 mode="main"
 case "${1:-}" in
-  test|bench) mode="$1"; shift ;;
+  test|bench|demo) mode="$1"; shift ;;
 esac
 
 extras="test"
@@ -33,5 +36,7 @@ fi
 case "$mode" in
   test)  exec "$VENV/bin/python" -m pytest tests "$@" ;;
   bench) exec "$VENV/bin/python" -m experiments.bench_hmm "$@" ;;
-  main)  exec "$VENV/bin/python" -m experiments.demo "$@" ;;
+  demo)  exec "$VENV/bin/python" -m experiments.demo "$@" ;;
+  main)  exec "$VENV/bin/python" -m experiments.figure3 --backbone=exact \
+           --preset=cpu --workdir=runs/figure3 "$@" ;;
 esac

@@ -1,0 +1,419 @@
+r"""Figure 3 of the paper: head vs prompt tuning, memory vs vanilla HMMs.
+
+  python -m experiments.figure3 --backbone=exact --preset=cpu --workdir=DIR
+      [--panel=left|right|both] [--seeds=N] [--left_sizes=4,8] ...
+
+Left panel: vanilla HMMs with |H| in --left_sizes and |X| = 10; head tuning
+vs prompt tuning, both with a linear head at the MASK position. Right panel:
+single-cell memory HMMs (|H| = 4, |M| in --memory_sizes) with an attention
+head, vs vanilla HMMs with |M||H| states and a linear head (head tuning).
+Every method runs with each of --features (raw probabilities, as the paper,
+and log probabilities).
+
+One HMM is drawn per (panel, size), as the paper pretrained once per size;
+each seed draws a new downstream task (mu and data) on it. Seeds run as one
+vmapped program per (size, method).
+
+Outputs, all written atomically; a rerun skips finished lines:
+  DIR/results.jsonl   one line per (backbone, panel, hmm, num_states,
+                      memory_size, seed, method, features) with test_accuracy
+                      and the assumption checkers' verdicts
+  DIR/figure3.png     mean and 95% t-interval over seeds
+  DIR/figure3.md      the same beside the paper's reference numbers
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+import numpy as np
+
+from hmmprompt import hmm as hmm_lib
+from hmmprompt import memory as memory_lib
+from hmmprompt import results as results_lib
+from hmmprompt import tasks as tasks_lib
+from hmmprompt import theory
+from hmmprompt import tuning
+from hmmprompt.backbones import exact
+
+PRESETS = {
+    # Seconds: for tests and smoke runs.
+    "tiny": dict(left_sizes=(4, 12), memory_sizes=(2,), seeds=2,
+                 num_train=128, num_val=32, num_test=64, seq_len=16,
+                 epochs=2, prompt_len=4, batch_size=32),
+    # Appendix D sizes, 5 seeds (the paper: 5 per setting in Appendix D).
+    "cpu": dict(left_sizes=(4, 8, 10, 12, 15, 25, 30),
+                memory_sizes=(2, 3, 5, 7), seeds=5, num_train=5000,
+                num_val=500, num_test=1000, seq_len=128, epochs=5,
+                prompt_len=20, batch_size=32),
+    # Figure 3's trial counts (20 left); for accelerators.
+    "paper": dict(left_sizes=(4, 8, 10, 12, 15, 25, 30),
+                  memory_sizes=(2, 3, 5, 7), seeds=20, num_train=5000,
+                  num_val=500, num_test=1000, seq_len=128, epochs=5,
+                  prompt_len=20, batch_size=32),
+}
+VOCAB = 10
+MEMORY_SYNTAX_STATES = 4
+
+# Read off the authors' Figure 3 (approximate), test accuracy in %.
+PAPER_LEFT = {"prompt": {4: 100, 8: 97, 10: 93, 15: 87, 25: 75, 30: 75},
+              "head": {4: 94, 8: 84, 10: 80, 15: 75, 25: 66, 30: 66}}
+PAPER_RIGHT = {"memory": {8: 100, 12: 100, 20: 100, 28: 98},
+               "vanilla": {8: 83, 12: 81, 20: 64, 28: 66}}
+
+_BACKBONE = flags.DEFINE_enum("backbone", "exact", ["exact", "transformer"],
+                              "exact: perfect pretraining (Appendix B's "
+                              "message passing)")
+_PRESET = flags.DEFINE_enum("preset", "cpu", list(PRESETS), "sizes preset")
+_WORKDIR = flags.DEFINE_string("workdir", None, "output directory")
+_PANEL = flags.DEFINE_enum("panel", "both", ["left", "right", "both"],
+                           "which panel(s)")
+_SEEDS = flags.DEFINE_integer("seeds", None, "seeds per size (preset)")
+_LEFT = flags.DEFINE_list("left_sizes", None, "|H| of the left panel")
+_MEMORY = flags.DEFINE_list("memory_sizes", None, "|M| of the right panel")
+_FEATURES = flags.DEFINE_list("features", ["raw", "log"],
+                              "head feature transforms to run")
+_NUM_TRAIN = flags.DEFINE_integer("num_train", None, "training examples")
+_NUM_VAL = flags.DEFINE_integer("num_val", None, "validation examples")
+_NUM_TEST = flags.DEFINE_integer("num_test", None, "test examples")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "tokens after the MASK")
+_EPOCHS = flags.DEFINE_integer("epochs", None, "tuning epochs")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", None, "soft prompt length")
+_BATCH = flags.DEFINE_integer("batch_size", None, "tuning batch size")
+_LR = flags.DEFINE_float("lr", 0.01, "peak learning rate")
+_SEED = flags.DEFINE_integer("seed", 0, "base PRNG seed (HMMs and tasks)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """Everything that decides a result line's value besides its key."""
+
+  seeds: int
+  left_sizes: tuple
+  memory_sizes: tuple
+  features: tuple
+  task: tasks_lib.TaskConfig
+  tune: tuning.TuneConfig
+  seed: int
+
+  def fingerprint(self) -> str:
+    blob = json.dumps({"task": dataclasses.asdict(self.task),
+                       "tune": dataclasses.asdict(self.tune),
+                       "seed": self.seed}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _int_list(values, name):
+  try:
+    out = tuple(int(v) for v in values)
+  except ValueError as e:
+    raise app.UsageError(f"--{name} must be integers, got {values}") from e
+  if not out or min(out) < 1:
+    raise app.UsageError(f"--{name} must be positive integers, got {values}")
+  return out
+
+
+def setup_from_flags() -> Setup:
+  p = dict(PRESETS[_PRESET.value])
+  overrides = {"seeds": _SEEDS, "num_train": _NUM_TRAIN, "num_val": _NUM_VAL,
+               "num_test": _NUM_TEST, "seq_len": _SEQ_LEN, "epochs": _EPOCHS,
+               "prompt_len": _PROMPT_LEN, "batch_size": _BATCH}
+  for name, flag in overrides.items():
+    if flag.value is not None:
+      if flag.value < 1:
+        raise app.UsageError(f"--{name} must be >= 1, got {flag.value}")
+      p[name] = flag.value
+  if _LEFT.value is not None:
+    p["left_sizes"] = _int_list(_LEFT.value, "left_sizes")
+  if _MEMORY.value is not None:
+    p["memory_sizes"] = _int_list(_MEMORY.value, "memory_sizes")
+  bad = [f for f in _FEATURES.value if f not in ("raw", "log", "standardized")]
+  if bad or not _FEATURES.value:
+    raise app.UsageError(f"--features must be from raw,log,standardized; got "
+                         f"{_FEATURES.value}")
+  try:
+    task = tasks_lib.TaskConfig(num_train=p["num_train"],
+                                num_val=p["num_val"], num_test=p["num_test"],
+                                seq_len=p["seq_len"])
+    tune = tuning.TuneConfig(epochs=p["epochs"], prompt_len=p["prompt_len"],
+                             batch_size=p["batch_size"], lr=_LR.value)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+  return Setup(seeds=p["seeds"], left_sizes=tuple(p["left_sizes"]),
+               memory_sizes=tuple(p["memory_sizes"]),
+               features=tuple(_FEATURES.value), task=task, tune=tune,
+               seed=_SEED.value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """One HMM and one tuning recipe, run for all seeds at once."""
+
+  panel: str
+  hmm: str  # "vanilla" | "memory"
+  num_states: int  # |H| (vanilla) or syntax states (memory)
+  memory_size: int  # 0 for vanilla
+  method: str  # "head" | "prompt"
+  head: str  # "linear" | "attention"
+  features: str
+
+  @property
+  def method_name(self) -> str:
+    return f"{self.method}_{self.head}"
+
+  @property
+  def size(self) -> int:
+    """x-axis: |H| (left) or |M||H| (right)."""
+    return self.num_states * max(self.memory_size, 1)
+
+
+def groups(setup: Setup, panel: str) -> list[Group]:
+  out = []
+  if panel in ("left", "both"):
+    for h in setup.left_sizes:
+      for method in ("head", "prompt"):
+        for f in setup.features:
+          out.append(Group("left", "vanilla", h, 0, method, "linear", f))
+  if panel in ("right", "both"):
+    for m in setup.memory_sizes:
+      # Groups sharing a model are adjacent, so its tasks are drawn once.
+      for f in setup.features:
+        out.append(Group("right", "memory", MEMORY_SYNTAX_STATES, m, "head",
+                         "attention", f))
+      for f in setup.features:
+        out.append(Group("right", "vanilla", MEMORY_SYNTAX_STATES * m, 0,
+                         "head", "linear", f))
+  return out
+
+
+def _model_key(setup: Setup, g: Group):
+  tag = {"left": 0, "right": 1}[g.panel] * 1000 + g.size + (
+      500 if g.hmm == "memory" else 0)
+  return jax.random.fold_in(jax.random.PRNGKey(setup.seed), tag)
+
+
+def make_model(setup: Setup, g: Group):
+  key = _model_key(setup, g)
+  if g.hmm == "memory":
+    return memory_lib.random_memory_hmm(key, g.memory_size, g.num_states,
+                                        VOCAB)
+  return hmm_lib.random_hmm(key, g.num_states, VOCAB)
+
+
+def line_key(r: dict) -> tuple:
+  return (r["backbone"], r["panel"], r["hmm"], r["num_states"],
+          r["memory_size"], r["seed"], r["method"], r["features"],
+          r["setup"])
+
+
+def _verdicts(model, mu) -> dict:
+  if isinstance(model, memory_lib.MemoryHMM):
+    return theory.memory_verdicts(model, mu)
+  return theory.vanilla_verdicts(model, mu)
+
+
+def run(setup: Setup, workdir: str, panel: str, backbone_name: str) -> None:
+  path = os.path.join(workdir, "results.jsonl")
+  done = {line_key(r) for r in results_lib.read_jsonl(path)}
+  fp = setup.fingerprint()
+  todo = groups(setup, panel)
+  total_cells = len(todo) * setup.seeds
+  finished_cells = 0
+  t_start = time.perf_counter()
+  cache = {}  # (hmm, size) -> (model, tasks by seed)
+  for gi, g in enumerate(todo):
+    base = dict(backbone=backbone_name, panel=g.panel, hmm=g.hmm,
+                num_states=g.num_states, memory_size=g.memory_size,
+                method=g.method_name, features=g.features, setup=fp)
+    seeds = [s for s in range(setup.seeds)
+             if line_key({**base, "seed": s}) not in done]
+    if not seeds:
+      finished_cells += setup.seeds
+      continue
+    ck = (g.panel, g.hmm, g.size)
+    if ck not in cache:
+      cache.clear()  # groups of one model are adjacent; keep memory flat
+      model = make_model(setup, g)
+      cache[ck] = (model, {})
+    model, task_cache = cache[ck]
+    for s in seeds:
+      if s not in task_cache:
+        task = tasks_lib.make_task(
+            jax.random.fold_in(_model_key(setup, g), 10_000 + s), model,
+            setup.task)
+        task_cache[s] = (task, _verdicts(model, task.mu))
+    cfg = dataclasses.replace(setup.tune, method=g.method, head=g.head,
+                              features=g.features)
+    bb, bp = exact.make(model)
+    datas = [tuning.data_from_task(task_cache[s][0], cfg) for s in seeds]
+    keys = [jax.random.fold_in(jax.random.PRNGKey(setup.seed + 1), s)
+            for s in seeds]
+    records, _ = tuning.tune_many(keys, bb, bp, datas, cfg)
+    lines = []
+    for s, rec in zip(seeds, records):
+      task, verdicts = task_cache[s]
+      lines.append({
+          **base, "seed": s, "size": g.size,
+          "test_accuracy": rec["test_accuracy"],
+          "val_accuracy": rec["val_accuracy"],
+          "train_accuracy": rec["train_accuracy"],
+          "final_loss": rec["final_loss"], "steps": rec["steps"],
+          "seconds": rec["seconds"], "task_redraws": task.redraws,
+          "assumptions": verdicts,
+          "tune_config": rec["config"],
+          "task_config": dataclasses.asdict(setup.task),
+      })
+    results_lib.append_jsonl(path, lines)
+    finished_cells += setup.seeds
+    elapsed = time.perf_counter() - t_start
+    eta = elapsed / max(finished_cells, 1) * (total_cells - finished_cells)
+    accs = [line["test_accuracy"] for line in lines]
+    logging.info(
+        "[%d/%d groups] %s %s |H|=%d |M|=%d %s/%s: test acc %.3f +- %.3f "
+        "over %d seeds (%.1fs); elapsed %.0fs, ETA %.0fs", gi + 1, len(todo),
+        g.panel, g.hmm, g.num_states, g.memory_size, g.method_name,
+        g.features, np.mean(accs), np.std(accs), len(seeds),
+        records[0]["seconds"], elapsed, eta)
+
+
+# ----------------------------------------------------------------------------
+# Report.
+
+_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262,
+        2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093,
+        2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045,
+        2.042]
+
+
+def mean_ci(values) -> tuple[float, float]:
+  """Mean and half-width of the 95% t-interval."""
+  v = np.asarray(values, np.float64)
+  if len(v) < 2:
+    return float(v.mean()), float("nan")
+  t = _T95[len(v) - 2] if len(v) - 1 <= len(_T95) else 1.96
+  return float(v.mean()), float(t * v.std(ddof=1) / np.sqrt(len(v)))
+
+
+def summarize(records: list[dict]) -> dict:
+  """(backbone, panel, hmm, method, features) -> {size: (mean, ci, n)}."""
+  buckets = {}
+  for r in records:
+    k = (r["backbone"], r["panel"], r["hmm"], r["method"], r["features"])
+    buckets.setdefault(k, {}).setdefault(r["size"], []).append(
+        100.0 * r["test_accuracy"])
+  return {k: {s: (*mean_ci(v), len(v)) for s, v in sorted(d.items())}
+          for k, d in sorted(buckets.items())}
+
+
+def _label(k) -> str:
+  backbone, panel, hmm, method, features = k
+  return f"{backbone}: {hmm} + {method.replace('_', ' ')} ({features})"
+
+
+def write_table(summary: dict, path: str) -> None:
+  out = ["# Figure 3: test accuracy (%)", "",
+         "Mean ± 95% t-interval over seeds (n); paper values read off the "
+         "authors' Figure 3 (approximate).", ""]
+  for panel, title in (("left", "Left: head vs prompt tuning, vanilla HMM, "
+                        "|X| = 10, x = |H|"),
+                       ("right", "Right: memory HMM + attention head vs "
+                        "vanilla HMM + linear head, x = |M||H|")):
+    cols = [k for k in summary if k[1] == panel]
+    if not cols:
+      continue
+    sizes = sorted({s for k in cols for s in summary[k]})
+    paper = PAPER_LEFT if panel == "left" else PAPER_RIGHT
+    head = ["size"] + [f"paper {p}" for p in paper] + [_label(k) for k in cols]
+    out += [f"## {title}", "", "| " + " | ".join(head) + " |",
+            "|" + "---|" * len(head)]
+    for s in sizes:
+      row = [str(s)]
+      row += [f"~{paper[p][s]}" if s in paper[p] else "" for p in paper]
+      for k in cols:
+        if s in summary[k]:
+          m, ci, n = summary[k][s]
+          row.append(f"{m:.1f} ± {ci:.1f} ({n})" if np.isfinite(ci)
+                     else f"{m:.1f} ({n})")
+        else:
+          row.append("")
+      out.append("| " + " | ".join(row) + " |")
+    out.append("")
+  results_lib.atomic_write_text(path, "\n".join(out))
+
+
+def write_plot(summary: dict, path: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import io  # pylint: disable=g-import-not-at-top
+
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+  colors = {}  # one colour per (backbone, hmm, method); style per features
+  for ax, panel, paper, xlabel in (
+      (axes[0], "left", PAPER_LEFT, "hidden states |H|"),
+      (axes[1], "right", PAPER_RIGHT, "|M||H|")):
+    for name, pts in paper.items():
+      xs = sorted(pts)
+      ax.plot(xs, [pts[x] for x in xs], ":", color="gray", alpha=0.7,
+              marker="x", label=f"paper: {name}")
+    for k, d in summary.items():
+      if k[1] != panel:
+        continue
+      xs = sorted(d)
+      m = np.array([d[x][0] for x in xs])
+      ci = np.nan_to_num(np.array([d[x][1] for x in xs]))
+      style = "-" if k[4] == "raw" else "--"
+      color = colors.setdefault(k[:4], f"C{len(colors)}")
+      ax.plot(xs, m, style, marker="o", color=color, label=_label(k))
+      ax.fill_between(xs, m - ci, m + ci, color=color, alpha=0.12)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title({"left": "Head vs prompt tuning",
+                  "right": "Memory vs vanilla HMM (head tuning)"}[panel])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  buf = io.BytesIO()
+  fig.savefig(buf, format="png", dpi=120)
+  plt.close(fig)
+  results_lib.atomic_write_bytes(path, buf.getvalue())
+
+
+def report(workdir: str) -> dict:
+  records = results_lib.read_jsonl(os.path.join(workdir, "results.jsonl"))
+  summary = summarize(records)
+  write_table(summary, os.path.join(workdir, "figure3.md"))
+  write_plot(summary, os.path.join(workdir, "figure3.png"))
+  return summary
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not _WORKDIR.value:
+    raise app.UsageError("--workdir is required")
+  if _BACKBONE.value != "exact":
+    raise app.UsageError("--backbone=transformer needs the pretrained MLM, "
+                         "which is not implemented yet; use --backbone=exact")
+  setup = setup_from_flags()
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  t0 = time.perf_counter()
+  run(setup, _WORKDIR.value, _PANEL.value, _BACKBONE.value)
+  report(_WORKDIR.value)
+  logging.info("done in %.0fs: %s/results.jsonl, figure3.png, figure3.md",
+               time.perf_counter() - t0, _WORKDIR.value)
+  print(f"results: {os.path.join(_WORKDIR.value, 'results.jsonl')}\n"
+        f"plot:    {os.path.join(_WORKDIR.value, 'figure3.png')}\n"
+        f"table:   {os.path.join(_WORKDIR.value, 'figure3.md')}")
+
+
+if __name__ == "__main__":
+  app.run(main)

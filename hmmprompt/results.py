@@ -1,0 +1,60 @@
+"""Atomic result files: a crash never leaves a half-written file behind.
+
+Every write goes to a temporary file in the same directory, is flushed and
+fsynced, then renamed over the target (``os.replace`` is atomic on POSIX).
+JSONL results are one line per finished cell, so a rerun can skip them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Iterable
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-",
+                             suffix=os.path.basename(path))
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+
+
+def atomic_write_text(path: str, text: str) -> None:
+  atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def read_jsonl(path: str) -> list[dict]:
+  """All records of a JSONL file ([] if missing).
+
+  Raises:
+    ValueError: a line that is not JSON (names the file and line).
+  """
+  if not os.path.exists(path):
+    return []
+  records = []
+  with open(path, encoding="utf-8") as f:
+    for i, line in enumerate(f, 1):
+      if line.strip():
+        try:
+          records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+          raise ValueError(f"{path}:{i} is not valid JSON ({e})") from e
+  return records
+
+
+def append_jsonl(path: str, records: Iterable[dict]) -> None:
+  """Appends records by atomically rewriting the whole file."""
+  lines = [json.dumps(r, sort_keys=True) for r in read_jsonl(path)]
+  lines += [json.dumps(r, sort_keys=True) for r in records]
+  atomic_write_text(path, "".join(line + "\n" for line in lines))
