@@ -1,0 +1,152 @@
+"""BERT-style masked LM in Flax (paper Section 5, Appendix D).
+
+Token ids are the HMM's real symbols ``0..V-1`` plus ``[MASK]`` = ``V``
+(``hmm.MASK`` (-1) in inputs is mapped to it), so the embedding table has
+``V + 1`` rows and the output layer predicts only the ``V`` real symbols.
+Pre-LayerNorm blocks (self-attention, GELU MLP), learned position
+embeddings, a final LayerNorm. Params are fp32; ``MLMConfig.dtype`` sets the
+compute dtype (bf16 on accelerators, fp32 on CPU); logits are fp32.
+
+``embed`` and ``encode`` split the forward pass so soft prompts can be
+prepended to the token embeddings (positions then count the prompt).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from hmmprompt import hmm as hmm_lib
+from hmmprompt.backbones import Backbone
+
+
+@dataclasses.dataclass(frozen=True)
+class MLMConfig:
+  vocab_size: int = 10
+  d_model: int = 768
+  num_heads: int = 12
+  d_ff: int = 3072
+  num_layers: int = 6
+  max_len: int = 512
+  dtype: str = "float32"
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "num_heads", "d_ff", "num_layers",
+                 "max_len"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"MLMConfig.{name} must be >= 1, got "
+                         f"{getattr(self, name)}")
+    if self.d_model % self.num_heads:
+      raise ValueError(f"MLMConfig.d_model = {self.d_model} must be divisible "
+                       f"by num_heads = {self.num_heads}")
+    if self.dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"MLMConfig.dtype must be float32 or bfloat16, got "
+                       f"{self.dtype!r}")
+
+  @property
+  def mask_id(self) -> int:
+    return self.vocab_size
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+
+def paper_config(vocab_size: int = 10, **kw) -> MLMConfig:
+  """BERT-base width with 6 layers (Appendix D)."""
+  return MLMConfig(vocab_size=vocab_size, d_model=768, num_heads=12,
+                   d_ff=3072, num_layers=6, max_len=512, **kw)
+
+
+class Block(nn.Module):
+  cfg: MLMConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxD):
+    cfg = self.cfg
+    dt = cfg.compute_dtype
+    b, t, d = x_BxTxD.shape
+    h, dh = cfg.num_heads, cfg.d_model // cfg.num_heads
+    y = nn.LayerNorm(dtype=dt, name="ln_attn")(x_BxTxD)
+    qkv_BxTx3xHxK = nn.Dense(3 * d, dtype=dt, name="qkv")(y).reshape(
+        b, t, 3, h, dh)
+    q, k, v = (qkv_BxTx3xHxK[:, :, i] for i in range(3))
+    logits_BxHxTxT = jnp.einsum("bqhk,bthk->bhqt", q, k) / jnp.sqrt(
+        jnp.asarray(dh, dt))
+    attn = jax.nn.softmax(logits_BxHxTxT.astype(jnp.float32), -1).astype(dt)
+    out_BxTxHxK = jnp.einsum("bhqt,bthk->bqhk", attn, v)
+    x_BxTxD = x_BxTxD + nn.Dense(d, dtype=dt, name="attn_out")(
+        out_BxTxHxK.reshape(b, t, d))
+    y = nn.LayerNorm(dtype=dt, name="ln_mlp")(x_BxTxD)
+    y = nn.Dense(cfg.d_ff, dtype=dt, name="mlp_in")(y)
+    y = nn.Dense(d, dtype=dt, name="mlp_out")(nn.gelu(y))
+    return x_BxTxD + y
+
+
+class MLM(nn.Module):
+  """``__call__(tokens [B, T]) -> logits [B, T, V]`` (fp32)."""
+
+  cfg: MLMConfig
+
+  def setup(self):
+    cfg = self.cfg
+    init = nn.initializers.normal(0.02)
+    self.tok_embed = nn.Embed(cfg.vocab_size + 1, cfg.d_model,
+                              embedding_init=init, name="tok_embed")
+    self.pos_embed = self.param("pos_embed", init, (cfg.max_len, cfg.d_model))
+    self.blocks = [Block(cfg, name=f"block_{i}")
+                   for i in range(cfg.num_layers)]
+    self.ln_final = nn.LayerNorm(dtype=cfg.compute_dtype, name="ln_final")
+    self.head = nn.Dense(cfg.vocab_size, dtype=cfg.compute_dtype,
+                         name="head")
+
+  def embed(self, tokens_BxT):
+    ids = jnp.where(tokens_BxT == hmm_lib.MASK, self.cfg.mask_id, tokens_BxT)
+    return self.tok_embed(ids)
+
+  def encode(self, emb_BxTxD):
+    t = emb_BxTxD.shape[-2]
+    x = (emb_BxTxD + self.pos_embed[:t]).astype(self.cfg.compute_dtype)
+    for block in self.blocks:
+      x = block(x)
+    return self.head(self.ln_final(x)).astype(jnp.float32)
+
+  def __call__(self, tokens_BxT):
+    return self.encode(self.embed(tokens_BxT))
+
+
+def init_params(key, cfg: MLMConfig):
+  return MLM(cfg).init(key, jnp.zeros((1, min(cfg.max_len, 8)), jnp.int32))
+
+
+def num_params(params) -> int:
+  return sum(x.size for x in jax.tree.leaves(params))
+
+
+def make_backbone(cfg: MLMConfig) -> Backbone:
+  """The backbone interface over ``MLM`` params (fp32 compute for tuning)."""
+  cfg = dataclasses.replace(cfg, dtype="float32")
+  model = MLM(cfg)
+
+  def embed(params, tokens_T):
+    _check_range(tokens_T, cfg)
+    return model.apply(params, tokens_T[None], method=MLM.embed)[0]
+
+  def apply(params, emb_TxD):
+    if emb_TxD.shape[0] > cfg.max_len:
+      raise ValueError(f"input of {emb_TxD.shape[0]} positions exceeds the "
+                       f"model's context max_len = {cfg.max_len}")
+    logits = model.apply(params, emb_TxD[None], method=MLM.encode)[0]
+    return jax.nn.softmax(logits, -1)
+
+  return Backbone(name="transformer", embed=embed, apply=apply,
+                  prompt_embedding=lambda raw: raw, embed_dim=cfg.d_model,
+                  vocab_size=cfg.vocab_size)
+
+
+def _check_range(tokens, cfg):
+  if not isinstance(tokens, jax.core.Tracer):
+    hmm_lib.check_tokens(tokens, cfg.vocab_size)

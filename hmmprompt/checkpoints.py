@@ -1,0 +1,47 @@
+"""Thin wrapper over orbax-checkpoint: periodic saves, keep the last k,
+resume the latest. Only finite states are ever saved."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+
+class Checkpoints:
+  """Checkpoints of a train-state pytree under ``directory``."""
+
+  def __init__(self, directory: str, keep: int = 3):
+    if keep < 1:
+      raise ValueError(f"keep must be >= 1, got {keep}")
+    self.directory = os.path.abspath(directory)
+    self._mngr = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+
+  def latest_step(self) -> int | None:
+    return self._mngr.latest_step()
+
+  def save(self, step: int, state) -> None:
+    bad = [jax.tree_util.keystr(p) for p, x in
+           jax.tree_util.tree_leaves_with_path(state)
+           if np.issubdtype(np.asarray(x).dtype, np.floating)
+           and not np.all(np.isfinite(np.asarray(x)))]
+    if bad:
+      raise FloatingPointError(f"refusing to checkpoint a non-finite state at "
+                               f"step {step} (first bad leaf {bad[0]})")
+    self._mngr.save(step, args=ocp.args.StandardSave(state), force=True)
+    self._mngr.wait_until_finished()
+
+  def restore(self, abstract_state, step: int | None = None):
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint under {self.directory}")
+    return self._mngr.restore(step,
+                              args=ocp.args.StandardRestore(abstract_state))
+
+  def close(self) -> None:
+    self._mngr.wait_until_finished()
+    self._mngr.close()

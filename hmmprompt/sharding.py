@@ -1,0 +1,29 @@
+"""Data parallelism with jax.sharding: one mesh axis over all devices."""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+
+DATA = "data"
+
+
+def data_mesh() -> Mesh:
+  return Mesh(np.asarray(jax.devices()), (DATA,))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def batch_sharded(mesh: Mesh) -> NamedSharding:
+  """Leading (batch) axis split over the devices."""
+  return NamedSharding(mesh, P(DATA))
+
+
+def check_batch(batch_size: int, mesh: Mesh) -> None:
+  n = mesh.devices.size
+  if batch_size % n:
+    raise ValueError(f"batch size {batch_size} is not divisible by the "
+                     f"{n} devices of the data-parallel mesh")
