@@ -232,8 +232,12 @@ def _prepare_workdir(workdir, cfg, model):
 
 
 def run(workdir: str, cfg: PretrainConfig, model,
-        log: Callable[[str], Any] = print) -> dict:
+        log: Callable[[str], Any] = print,
+        after_step: Callable[[int], Any] | None = None) -> dict:
   """Pretrains (or resumes) in ``workdir``; returns the final metrics.
+
+  ``after_step(step)`` is called after each step's bookkeeping (tests use it
+  to crash the process at a chosen point).
 
   Raises:
     FloatingPointError: the loss became non-finite; the last checkpoint
@@ -311,6 +315,8 @@ def run(workdir: str, cfg: PretrainConfig, model,
     is_eval = done % cfg.eval_every == 0 or done == total
     if is_eval or done % cfg.ckpt_every == 0:
       checkpoint_and_eval(done, state, is_eval)
+    if after_step is not None:
+      after_step(done)
   if start == total and not metrics:
     checkpoint_and_eval(total, state, True)
   ckpts.close()
