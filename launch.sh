@@ -5,7 +5,9 @@
 #                         runs/figure3 (resumes if rerun)
 #   ./launch.sh test      set up .venv if needed, run the test suite
 #   ./launch.sh demo      a one-minute tour of the HMM core
-#   ./launch.sh bench     benchmarks (installs the `bench` extra)
+#   ./launch.sh bench     both benchmarks (installs the `bench` extra:
+#                         hmmlearn, dynamax, torch, transformers); for their
+#                         flags run python -m experiments.bench_hmm / bench_mlm
 # Extra arguments pass through to the job (e.g. ./launch.sh --seeds=3).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -35,7 +37,8 @@ fi
 
 case "$mode" in
   test)  exec "$VENV/bin/python" -m pytest tests "$@" ;;
-  bench) exec "$VENV/bin/python" -m experiments.bench_hmm "$@" ;;
+  bench) "$VENV/bin/python" -m experiments.bench_hmm
+         exec "$VENV/bin/python" -m experiments.bench_mlm ;;
   demo)  exec "$VENV/bin/python" -m experiments.demo "$@" ;;
   main)  exec "$VENV/bin/python" -m experiments.figure3 --backbone=exact \
            --preset=cpu --workdir=runs/figure3 "$@" ;;

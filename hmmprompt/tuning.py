@@ -266,22 +266,19 @@ def _record(cfg, accs, losses, steps, seconds, num_batched):
   }
 
 
-def _check_data(data: Data, backbone: Backbone, cfg: TuneConfig):
+def _check_data(data: Data):
   for name in ("train", "val", "test"):
     toks = getattr(data, name + "_tokens")
     labels = getattr(data, name + "_labels")
     if toks.ndim < 2 or labels.shape != toks.shape[:-1]:
       raise ValueError(f"{name} tokens [.., N, T] and labels [.., N] "
                        f"disagree: {toks.shape} vs {labels.shape}")
-  if cfg.head == "attention" and cfg.method == "prompt" and \
-      backbone.embed_dim < 1:
-    raise ValueError("attention head needs token embeddings")
 
 
 def tune(key, backbone: Backbone, bparams, data: Data,
          cfg: TuneConfig) -> tuple[dict, Any]:
   """Tunes one seed. Returns ``(record, tunable_params)``."""
-  _check_data(data, backbone, cfg)
+  _check_data(data)
   t0 = time.perf_counter()
   tunable, losses, accs = jax.block_until_ready(
       _run_one(key, bparams, data, backbone, cfg))
@@ -303,7 +300,7 @@ def tune_many(keys, backbone: Backbone, bparams, datas: Sequence[Data],
   if len(keys) != len(datas):
     raise ValueError(f"{len(keys)} keys for {len(datas)} datasets")
   data = stack_data(datas)
-  _check_data(data, backbone, cfg)
+  _check_data(data)
   t0 = time.perf_counter()
   tunable, losses, accs = jax.block_until_ready(
       _run_many(jnp.stack(list(keys)), bparams, data, backbone, cfg))
