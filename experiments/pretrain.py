@@ -88,6 +88,9 @@ _HEADS = flags.DEFINE_integer("num_heads", None, "heads (preset)")
 _D_FF = flags.DEFINE_integer("d_ff", None, "MLP width (preset)")
 _CONTEXT = flags.DEFINE_integer("context", None, "training chunk length")
 _MASK = flags.DEFINE_float("mask_rate", None, "masking rate (preset)")
+_TARGET_GAP = flags.DEFINE_float(
+    "target_gap", None, "stop once the held-out CE is within this many nats "
+    "of the Bayes CE (steps becomes a cap)")
 _DTYPE = flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"],
                            "compute dtype; auto = bf16 off CPU")
 _CRASH_AT = flags.DEFINE_integer(
@@ -115,7 +118,8 @@ def config_from_flags() -> pretrain.PretrainConfig:
   if _MASK.value is not None:
     corpus_kw["mask_rate"] = _MASK.value
   top = {k: f.value for k, f in (("steps", _STEPS), ("batch_size", _BATCH),
-                                 ("lr", _LR), ("warmup_steps", _WARMUP))
+                                 ("lr", _LR), ("warmup_steps", _WARMUP),
+                                 ("target_gap", _TARGET_GAP))
          if f.value is not None}
   try:
     return dataclasses.replace(

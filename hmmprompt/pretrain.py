@@ -43,7 +43,12 @@ from hmmprompt.backbones import transformer
 
 @dataclasses.dataclass(frozen=True)
 class PretrainConfig:
-  """Defaults: Appendix D (lr 1e-5, batch 8, 3 epochs, 500 warmup steps)."""
+  """Defaults: Appendix D (lr 1e-5, batch 8, 3 epochs, 500 warmup steps).
+
+  ``target_gap``: stop at the first evaluation whose ``mlm_ce - bayes_ce``
+  is at most this (the Bayes CE is exact, so "trained enough" is measured);
+  ``steps`` is then a cap.
+  """
 
   model: transformer.MLMConfig = transformer.MLMConfig()
   corpus: corpus_lib.CorpusConfig = corpus_lib.CorpusConfig()
@@ -59,6 +64,7 @@ class PretrainConfig:
   ckpt_every: int = 1000
   keep: int = 3
   eval_batch: int = 64
+  target_gap: float | None = None
   seed: int = 0
 
   def __post_init__(self):
@@ -76,6 +82,9 @@ class PretrainConfig:
       raise ValueError(f"PretrainConfig.lr must be > 0, got {self.lr}")
     if self.corpus.fresh and self.steps is None:
       raise ValueError("a fresh-sample corpus has no epochs: set steps")
+    if self.target_gap is not None and not self.target_gap > 0:
+      raise ValueError(f"PretrainConfig.target_gap must be > 0, got "
+                       f"{self.target_gap}")
 
   @property
   def total_steps(self) -> int:
@@ -274,6 +283,15 @@ def run(workdir: str, cfg: PretrainConfig, model,
   t_first = None
   last = metrics[-1] if metrics else {}
 
+  def reached(m):
+    return cfg.target_gap is not None and m.get("ce_gap", np.inf) <= \
+        cfg.target_gap
+
+  if last and last["step"] == start and reached(last):
+    log(f"already reached the target gap at step {start}")
+    ckpts.close()
+    return last
+
   def checkpoint_and_eval(step, state, do_eval):
     nonlocal last, metrics
     ckpts.save(step, state)
@@ -317,6 +335,10 @@ def run(workdir: str, cfg: PretrainConfig, model,
       checkpoint_and_eval(done, state, is_eval)
     if after_step is not None:
       after_step(done)
+    if is_eval and reached(last):
+      log(f"CE gap {last['ce_gap']:.4f} <= target {cfg.target_gap} at step "
+          f"{done}: stopping")
+      break
   if start == total and not metrics:
     checkpoint_and_eval(total, state, True)
   ckpts.close()

@@ -253,3 +253,15 @@ def test_data_parallel_matches_single_device():
   assert one["devices"] == 1 and four["devices"] == 4 and four["shards"] == 4
   np.testing.assert_allclose(four["losses"], one["losses"], rtol=1e-5)
   np.testing.assert_allclose(four["param_sum"], one["param_sum"], rtol=1e-5)
+
+
+def test_target_gap_stops_early_and_rerun_is_a_no_op(tmp_path, model):
+  cfg = dataclasses.replace(TINY, steps=400, eval_every=20, ckpt_every=20,
+                            target_gap=10.0)  # met at the first evaluation
+  first = pretrain.run(str(tmp_path), cfg, model, log=lambda s: None)
+  assert first["step"] == 20 and first["ce_gap"] <= 10.0
+  logs = []
+  again = pretrain.run(str(tmp_path), cfg, model, log=logs.append)
+  assert again == first and any("already reached" in l for l in logs)
+  with pytest.raises(ValueError, match="target_gap must be > 0"):
+    dataclasses.replace(TINY, target_gap=0.0)
