@@ -30,41 +30,10 @@ from absl import flags
 from absl import logging
 import jax
 
-from hmmprompt import corpus as corpus_lib
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import memory as memory_lib
 from hmmprompt import pretrain
 from hmmprompt.backbones import transformer
-
-
-def preset_config(name: str, vocab_size: int = 10) -> pretrain.PretrainConfig:
-  if name == "tiny":
-    return pretrain.PretrainConfig(
-        model=transformer.MLMConfig(vocab_size=vocab_size, d_model=32,
-                                    num_heads=2, d_ff=64, num_layers=1,
-                                    max_len=32),
-        corpus=corpus_lib.CorpusConfig(chunk_len=32, mask_rate=0.15,
-                                       fresh=True, val_seqs=16),
-        lr=3e-3, warmup_steps=5, batch_size=8, steps=40, log_every=10,
-        eval_every=20, ckpt_every=10, keep=2)
-  if name == "cpu":
-    return pretrain.PretrainConfig(
-        model=transformer.MLMConfig(vocab_size=vocab_size, d_model=64,
-                                    num_heads=2, d_ff=256, num_layers=2,
-                                    max_len=160),
-        corpus=corpus_lib.CorpusConfig(chunk_len=128, mask_rate=0.15,
-                                       fresh=True, val_seqs=256),
-        lr=2e-3, warmup_steps=200, batch_size=32, steps=3500,
-        log_every=100, eval_every=500, ckpt_every=500, keep=2)
-  if name == "paper":
-    return pretrain.PretrainConfig(
-        model=transformer.paper_config(vocab_size),
-        corpus=corpus_lib.CorpusConfig(num_seqs=5000, seq_len=10240,
-                                       chunk_len=512, mask_rate=0.05,
-                                       val_seqs=64),
-        lr=1e-5, warmup_steps=500, batch_size=8, epochs=3, log_every=100,
-        eval_every=2000, ckpt_every=2000, keep=3)
-  raise ValueError(f"unknown preset {name!r}")
 
 
 _PRESET = flags.DEFINE_enum("preset", "cpu", ["tiny", "cpu", "paper"],
@@ -102,7 +71,7 @@ _DISTRIBUTED = flags.DEFINE_bool("distributed", False,
 
 
 def config_from_flags() -> pretrain.PretrainConfig:
-  cfg = preset_config(_PRESET.value, _VOCAB.value)
+  cfg = pretrain.preset_config(_PRESET.value, _VOCAB.value)
   model_kw = {k: f.value for k, f in (("d_model", _D_MODEL),
                                       ("num_layers", _LAYERS),
                                       ("num_heads", _HEADS), ("d_ff", _D_FF))

@@ -103,6 +103,37 @@ class PretrainConfig:
     return cls(**d)
 
 
+def preset_config(name: str, vocab_size: int = 10) -> PretrainConfig:
+  """``tiny`` (tests), ``cpu`` (2-core machines), ``paper`` (Appendix D)."""
+  if name == "tiny":
+    return PretrainConfig(
+        model=transformer.MLMConfig(vocab_size=vocab_size, d_model=32,
+                                    num_heads=2, d_ff=64, num_layers=1,
+                                    max_len=32),
+        corpus=corpus_lib.CorpusConfig(chunk_len=32, mask_rate=0.15,
+                                       fresh=True, val_seqs=16),
+        lr=3e-3, warmup_steps=5, batch_size=8, steps=40, log_every=10,
+        eval_every=20, ckpt_every=10, keep=2)
+  if name == "cpu":
+    return PretrainConfig(
+        model=transformer.MLMConfig(vocab_size=vocab_size, d_model=64,
+                                    num_heads=2, d_ff=256, num_layers=2,
+                                    max_len=160),
+        corpus=corpus_lib.CorpusConfig(chunk_len=128, mask_rate=0.15,
+                                       fresh=True, val_seqs=256),
+        lr=2e-3, warmup_steps=200, batch_size=32, steps=3500,
+        log_every=100, eval_every=500, ckpt_every=500, keep=2)
+  if name == "paper":
+    return PretrainConfig(
+        model=transformer.paper_config(vocab_size),
+        corpus=corpus_lib.CorpusConfig(num_seqs=5000, seq_len=10240,
+                                       chunk_len=512, mask_rate=0.05,
+                                       val_seqs=64),
+        lr=1e-5, warmup_steps=500, batch_size=8, epochs=3, log_every=100,
+        eval_every=2000, ckpt_every=2000, keep=3)
+  raise ValueError(f"unknown preset {name!r}")
+
+
 def make_optimizer(cfg: PretrainConfig) -> optax.GradientTransformation:
   total = cfg.total_steps
   warmup = min(cfg.warmup_steps, max(total - 1, 0))

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.pretrain import preset_config
 from hmmprompt import checkpoints as ckpt_lib
 from hmmprompt import corpus as corpus_lib
 from hmmprompt import hmm as hmm_lib
@@ -20,7 +19,7 @@ from hmmprompt import tuning
 from hmmprompt.backbones import transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = preset_config("tiny")
+TINY = pretrain.preset_config("tiny")
 
 
 @pytest.fixture(scope="module")
@@ -217,9 +216,8 @@ def test_bad_flags_fail_clearly(tmp_path):
 
 _DP_SCRIPT = """
 import json, jax
-from experiments.pretrain import preset_config
 from hmmprompt import corpus, hmm, pretrain, sharding
-cfg = preset_config("tiny")
+cfg = pretrain.preset_config("tiny")
 model = hmm.random_hmm(jax.random.PRNGKey(3), 6, 10)
 mesh = sharding.data_mesh()
 state = jax.device_put(pretrain.init_state(jax.random.PRNGKey(0), cfg),
