@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import memory as memory_lib
+from hmmprompt import validation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +37,8 @@ class CorpusConfig:
   val_seqs: int = 64
 
   def __post_init__(self):
-    for name in ("num_seqs", "seq_len", "chunk_len", "val_seqs"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"CorpusConfig.{name} must be >= 1, got "
-                         f"{getattr(self, name)}")
+    validation.require_positive(self, "num_seqs", "seq_len", "chunk_len",
+                                "val_seqs")
     if not 0 < self.mask_rate < 1:
       raise ValueError(f"CorpusConfig.mask_rate must be in (0, 1), got "
                        f"{self.mask_rate}")

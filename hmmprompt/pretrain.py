@@ -37,6 +37,7 @@ from hmmprompt import hmm as hmm_lib
 from hmmprompt import memory as memory_lib
 from hmmprompt import results as results_lib
 from hmmprompt import sharding as sharding_lib
+from hmmprompt import validation
 from hmmprompt.backbones import Backbone
 from hmmprompt.backbones import transformer
 
@@ -71,13 +72,9 @@ class PretrainConfig:
     if self.corpus.chunk_len > self.model.max_len:
       raise ValueError(f"corpus chunk_len {self.corpus.chunk_len} exceeds the "
                        f"model context max_len {self.model.max_len}")
-    for name in ("batch_size", "epochs", "log_every", "eval_every",
-                 "ckpt_every", "keep", "eval_batch"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"PretrainConfig.{name} must be >= 1, got "
-                         f"{getattr(self, name)}")
-    if self.steps is not None and self.steps < 1:
-      raise ValueError(f"PretrainConfig.steps must be >= 1, got {self.steps}")
+    validation.require_positive(self, "batch_size", "epochs", "log_every",
+                                "eval_every", "ckpt_every", "keep",
+                                "eval_batch", "steps")
     if not self.lr > 0:
       raise ValueError(f"PretrainConfig.lr must be > 0, got {self.lr}")
     if self.corpus.fresh and self.steps is None:
@@ -358,8 +355,9 @@ def run(workdir: str, cfg: PretrainConfig, model,
         sec_per_step = (now - t_first) / (done - s_first)
       else:
         sec_per_step = (now - t_last) / max(done - step_last, 1)
+      eta = sec_per_step * (total - done)
       log(f"step {done}/{total} loss {losses.mean():.4f} "
-          f"{rate / 1e3:.1f}k tokens/s ETA {sec_per_step * (total - done):.0f}s")
+          f"{rate / 1e3:.1f}k tokens/s ETA {eta:.0f}s")
       t_last, step_last = now, done
     is_eval = done % cfg.eval_every == 0 or done == total
     if is_eval or done % cfg.ckpt_every == 0:

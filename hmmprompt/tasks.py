@@ -36,6 +36,7 @@ import numpy as np
 
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import memory as memory_lib
+from hmmprompt import validation
 
 Model = Union[hmm_lib.HMM, memory_lib.MemoryHMM]
 
@@ -55,11 +56,8 @@ class TaskConfig:
   labeling: str = "paper"
 
   def __post_init__(self):
-    for name in ("num_train", "num_val", "num_test", "seq_len",
-                 "num_nonzero"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"TaskConfig.{name} must be >= 1, got "
-                         f"{getattr(self, name)}")
+    validation.require_positive(self, "num_train", "num_val", "num_test",
+                                "seq_len", "num_nonzero")
     if self.num_classes < 2:
       raise ValueError(f"TaskConfig.num_classes must be >= 2, got "
                        f"{self.num_classes}")

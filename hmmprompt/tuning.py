@@ -28,6 +28,7 @@ import optax
 
 from hmmprompt import heads
 from hmmprompt import tasks as tasks_lib
+from hmmprompt import validation
 from hmmprompt.backbones import Backbone
 
 METHODS = ("head", "prompt")
@@ -77,10 +78,8 @@ class TuneConfig:
     if self.features not in heads.FEATURES:
       raise ValueError(f"TuneConfig.features must be one of "
                        f"{heads.FEATURES}, got {self.features!r}")
-    for name in ("prompt_len", "epochs", "batch_size", "eval_chunk"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"TuneConfig.{name} must be >= 1, got "
-                         f"{getattr(self, name)}")
+    validation.require_positive(self, "prompt_len", "epochs", "batch_size",
+                                "eval_chunk")
     if not self.lr > 0:
       raise ValueError(f"TuneConfig.lr must be > 0, got {self.lr}")
     if not 0 <= self.warmup_frac < 1:

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from hmmprompt import hmm as hmm_lib
+from hmmprompt import validation
 from hmmprompt.backbones import Backbone
 
 
@@ -34,11 +35,8 @@ class MLMConfig:
   dtype: str = "float32"
 
   def __post_init__(self):
-    for name in ("vocab_size", "d_model", "num_heads", "d_ff", "num_layers",
-                 "max_len"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"MLMConfig.{name} must be >= 1, got "
-                         f"{getattr(self, name)}")
+    validation.require_positive(self, "vocab_size", "d_model", "num_heads",
+                                "d_ff", "num_layers", "max_len")
     if self.d_model % self.num_heads:
       raise ValueError(f"MLMConfig.d_model = {self.d_model} must be divisible "
                        f"by num_heads = {self.num_heads}")
