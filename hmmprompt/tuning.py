@@ -1,10 +1,12 @@
 """Head tuning and prompt tuning on a frozen backbone (paper Sections 2-5).
 
-The tunable parameters are a pytree ``{"head": ...}`` (head tuning) or
-``{"prompt": [P, D], "head": ...}`` (prompt tuning), updated by optax. The
-backbone's params are an argument of every function here and are never
-differentiated: ``jax.value_and_grad`` is taken with respect to the tunable
-pytree only.
+The tunable parameters are a pytree ``{"head": ...}`` (head tuning),
+``{"prompt": [P, D], "head": ...}`` (prompt tuning) or ``{"backbone": ...,
+"head": ...}`` (full fine-tuning, the paper's point of comparison; only for
+backbones with ``finetunable`` set), updated by optax. The frozen backbone's
+params are an argument of every function here and are never differentiated:
+``jax.value_and_grad`` is taken with respect to the tunable pytree only
+(fine-tuning starts its own copy from them).
 
 Head tuning computes the frozen backbone's outputs once per example (no
 prompt) and trains on those cached features. Prompt tuning runs the backbone
@@ -31,7 +33,7 @@ from hmmprompt import tasks as tasks_lib
 from hmmprompt import validation
 from hmmprompt.backbones import Backbone
 
-METHODS = ("head", "prompt")
+METHODS = ("head", "prompt", "finetune")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,13 +41,16 @@ class TuneConfig:
   """Downstream tuning (defaults: the paper, Appendix D).
 
   Attributes:
-    method: ``"head"`` (frozen backbone, train the head) or ``"prompt"``
-      (train a soft prompt and the head).
+    method: ``"head"`` (frozen backbone, train the head), ``"prompt"``
+      (train a soft prompt and the head) or ``"finetune"`` (train a copy of
+      the backbone and the head).
     head: ``"linear"`` (on the ``MASK`` position) or ``"attention"``.
     features: see :mod:`hmmprompt.heads`.
     prompt_len: soft prompt vectors (paper: 20).
     prompt_init: raw prompt entries start Uniform[-prompt_init, prompt_init].
     lr: peak learning rate of Adam (paper: 0.01).
+    backbone_lr: peak learning rate of the backbone's params when
+      fine-tuning (0.01 would wreck a pretrained transformer).
     warmup_steps: linear warmup; ``None`` means ``warmup_frac`` of the steps.
       Then linear decay to 0.
     epochs: passes over the training set (paper: 5).
@@ -61,6 +66,7 @@ class TuneConfig:
   prompt_len: int = 20
   prompt_init: float = 0.5
   lr: float = 0.01
+  backbone_lr: float = 1e-3
   warmup_steps: int | None = None
   warmup_frac: float = 0.1
   epochs: int = 5
@@ -80,8 +86,10 @@ class TuneConfig:
                        f"{heads.FEATURES}, got {self.features!r}")
     validation.require_positive(self, "prompt_len", "epochs", "batch_size",
                                 "eval_chunk")
-    if not self.lr > 0:
-      raise ValueError(f"TuneConfig.lr must be > 0, got {self.lr}")
+    for name in ("lr", "backbone_lr"):
+      if not getattr(self, name) > 0:
+        raise ValueError(f"TuneConfig.{name} must be > 0, got "
+                         f"{getattr(self, name)}")
     if not 0 <= self.warmup_frac < 1:
       raise ValueError("TuneConfig.warmup_frac must be in [0, 1)")
     if self.max_len is not None and self.max_len < self.num_prompt + 1:
@@ -163,6 +171,9 @@ def _make_inputs_fn(backbone, cfg):
   """Example -> head inputs. Head tuning: the example *is* cached inputs."""
   if cfg.method == "head":
     return lambda tunable, bparams, example: example
+  if cfg.method == "finetune":
+    return lambda tunable, bparams, example: _backbone_inputs(
+        backbone, tunable["backbone"], cfg, None, example)
   return lambda tunable, bparams, example: _backbone_inputs(
       backbone, bparams, cfg, tunable["prompt"], example)
 
@@ -173,7 +184,8 @@ def _cache(backbone, bparams, cfg, tokens_NxT):
   return jax.lax.map(fn, tokens_NxT, batch_size=cfg.eval_chunk)
 
 
-def _init_tunable(key, backbone: Backbone, cfg: TuneConfig, seq_len: int):
+def _init_tunable(key, backbone: Backbone, bparams, cfg: TuneConfig,
+                  seq_len: int):
   k_head, k_prompt = jax.random.split(key)
   total_len = cfg.num_prompt + seq_len
   if cfg.head == "linear":
@@ -182,6 +194,8 @@ def _init_tunable(key, backbone: Backbone, cfg: TuneConfig, seq_len: int):
     head = heads.init_attention(k_head, backbone.vocab_size,
                                 backbone.embed_dim, total_len)
   tunable = {"head": head}
+  if cfg.method == "finetune":
+    tunable["backbone"] = bparams
   if cfg.method == "prompt":
     tunable["prompt"] = jax.random.uniform(
         k_prompt, (cfg.prompt_len, backbone.embed_dim),
@@ -193,7 +207,7 @@ def _run(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
   """One seed, end to end. Traceable; vmapped by :func:`tune_many`."""
   k_init, k_perm = jax.random.split(key)
   n, seq_len = data.train_tokens.shape
-  tunable = _init_tunable(k_init, backbone, cfg, seq_len)
+  tunable = _init_tunable(k_init, backbone, bparams, cfg, seq_len)
   inputs_fn = _make_inputs_fn(backbone, cfg)
 
   if cfg.method == "head":
@@ -226,6 +240,13 @@ def _run(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
           jnp.arange(cfg.epochs))
   idx_SxB = perms.reshape(total, batch)
   opt = optax.adam(_schedule(total, cfg))
+  if cfg.method == "finetune":
+    slow = optax.adam(_schedule(total, dataclasses.replace(
+        cfg, lr=cfg.backbone_lr)))
+    opt = optax.multi_transform(
+        {"fast": opt, "slow": slow},
+        lambda t: {k: jax.tree.map(lambda _, k=k: "slow" if k == "backbone"
+                                   else "fast", v) for k, v in t.items()})
 
   def step(carry, idx_B):
     tunable, opt_state = carry
@@ -274,9 +295,17 @@ def _check_data(data: Data):
                        f"disagree: {toks.shape} vs {labels.shape}")
 
 
+def _check_method(backbone: Backbone, cfg: TuneConfig):
+  if cfg.method == "finetune" and not backbone.finetunable:
+    raise ValueError(f"the {backbone.name!r} backbone cannot be fine-tuned "
+                     f"(its params are not free parameters); use head or "
+                     f"prompt tuning")
+
+
 def tune(key, backbone: Backbone, bparams, data: Data,
          cfg: TuneConfig) -> tuple[dict, Any]:
   """Tunes one seed. Returns ``(record, tunable_params)``."""
+  _check_method(backbone, cfg)
   _check_data(data)
   t0 = time.perf_counter()
   tunable, losses, accs = jax.block_until_ready(
@@ -298,6 +327,7 @@ def tune_many(keys, backbone: Backbone, bparams, datas: Sequence[Data],
   """
   if len(keys) != len(datas):
     raise ValueError(f"{len(keys)} keys for {len(datas)} datasets")
+  _check_method(backbone, cfg)
   data = stack_data(datas)
   _check_data(data)
   t0 = time.perf_counter()

@@ -139,6 +139,46 @@ def test_load_backbone_feeds_tuning(trained, model):
     np.testing.assert_array_equal(a, np.asarray(b))
 
 
+def test_transformer_backbone_frozen_unless_finetuning(trained, model):
+  """Head and prompt tuning never differentiate the backbone (a sentinel on
+  its params would fire); the fine-tuning arm does, on its own copy."""
+  workdir, _ = trained
+  bb, params, _ = pretrain.load_backbone(workdir)
+  flag = {"traced": False}
+
+  @jax.custom_vjp
+  def sentinel(p):
+    return p
+
+  def bwd(_, g):
+    flag["traced"] = True
+    return (g,)
+
+  sentinel.defvjp(lambda p: (p, None), bwd)
+  sbb = dataclasses.replace(bb, name="sentinel",
+                            apply=lambda p, e: bb.apply(sentinel(p), e))
+  task = tasks.make_task(jax.random.PRNGKey(1), model, tasks.TaskConfig(
+      num_train=64, num_val=16, num_test=32, seq_len=12))
+  before = jax.tree.map(lambda a: np.array(a, copy=True), params)
+  for method in ("head", "prompt"):
+    cfg = tuning.TuneConfig(method=method, prompt_len=4, epochs=1,
+                            batch_size=32)
+    tuning.tune(jax.random.PRNGKey(0), sbb, params,
+                tuning.data_from_task(task, cfg), cfg)
+  assert not flag["traced"]
+  cfg = tuning.TuneConfig(method="finetune", epochs=4, batch_size=32,
+                          backbone_lr=1e-3)
+  rec, tunable = tuning.tune(jax.random.PRNGKey(0), sbb, params,
+                             tuning.data_from_task(task, cfg), cfg)
+  assert flag["traced"] and set(tunable) == {"head", "backbone"}
+  assert 0.0 <= rec["test_accuracy"] <= 1.0
+  moved = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+      jax.tree.leaves(tunable["backbone"]), jax.tree.leaves(params))]
+  assert max(moved) > 1e-4  # the copy was trained ...
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(a, np.asarray(b))  # ... the original not
+
+
 def test_load_backbone_missing(tmp_path):
   with pytest.raises(FileNotFoundError, match="not a pretraining workdir"):
     pretrain.load_backbone(str(tmp_path))

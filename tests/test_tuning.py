@@ -115,8 +115,17 @@ def test_standardized_features_and_authors_preset(setup):
   assert rec["test_accuracy"] >= 0.9
 
 
+def test_exact_backbone_refuses_finetuning(setup):
+  model, bb, bp, task_list = setup
+  cfg = dataclasses.replace(FAST, method="finetune")
+  with pytest.raises(ValueError, match="cannot be fine-tuned"):
+    tuning.tune(jax.random.PRNGKey(0), bb, bp,
+                tuning.data_from_task(task_list[0], cfg), cfg)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(method="full"), "method must be one of"),
+    (dict(backbone_lr=-1.0), "backbone_lr must be > 0"),
     (dict(head="mlp"), "head must be one of"),
     (dict(features="sqrt"), "features must be one of"),
     (dict(lr=0.0), "lr must be > 0"),

@@ -11,6 +11,9 @@ around but never differentiates:
 * ``prompt_embedding(raw [P, D]) -> [P, D]``: maps unconstrained prompt
   parameters to valid input embeddings (a sigmoid for the exact backbone,
   whose inputs must lie in ``[0, 1]^H``; the identity for a transformer).
+* ``finetunable``: whether every params leaf is a free real parameter, so
+  full fine-tuning may update them (not the exact backbone's stochastic
+  matrices).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class Backbone:
   prompt_embedding: Callable[[jax.Array], jax.Array]
   embed_dim: int
   vocab_size: int
+  finetunable: bool = False
 
   def outputs(self, params: Params, tokens_T: jax.Array,
               prompt_raw_PxD: jax.Array | None = None):

@@ -69,15 +69,18 @@ class Block(nn.Module):
     b, t, d = x_BxTxD.shape
     h, dh = cfg.num_heads, cfg.d_model // cfg.num_heads
     y = nn.LayerNorm(dtype=dt, name="ln_attn")(x_BxTxD)
-    qkv_BxTx3xHxK = nn.Dense(3 * d, dtype=dt, name="qkv")(y).reshape(
-        b, t, 3, h, dh)
-    q, k, v = (qkv_BxTx3xHxK[:, :, i] for i in range(3))
-    logits_BxHxTxT = jnp.einsum("bqhk,bthk->bhqt", q, k) / jnp.sqrt(
+    # Heads-major [3, B, H, T, K] so both attention products are batched
+    # matmuls over minor dims: XLA:CPU runs the [B, T, H, K] einsums of the
+    # textbook layout several times slower (experiments/bench_mlm.py).
+    qkv_3xBxHxTxK = nn.Dense(3 * d, dtype=dt, name="qkv")(y).reshape(
+        b, t, 3, h, dh).transpose(2, 0, 3, 1, 4)
+    q, k, v = qkv_3xBxHxTxK[0], qkv_3xBxHxTxK[1], qkv_3xBxHxTxK[2]
+    logits_BxHxTxT = jnp.matmul(q, jnp.swapaxes(k, -1, -2)) / jnp.sqrt(
         jnp.asarray(dh, dt))
     attn = jax.nn.softmax(logits_BxHxTxT.astype(jnp.float32), -1).astype(dt)
-    out_BxTxHxK = jnp.einsum("bhqt,bthk->bqhk", attn, v)
+    out_BxHxTxK = jnp.matmul(attn, v)
     x_BxTxD = x_BxTxD + nn.Dense(d, dtype=dt, name="attn_out")(
-        out_BxTxHxK.reshape(b, t, d))
+        out_BxHxTxK.transpose(0, 2, 1, 3).reshape(b, t, d))
     y = nn.LayerNorm(dtype=dt, name="ln_mlp")(x_BxTxD)
     y = nn.Dense(cfg.d_ff, dtype=dt, name="mlp_in")(y)
     y = nn.Dense(d, dtype=dt, name="mlp_out")(nn.gelu(y))
@@ -142,7 +145,7 @@ def make_backbone(cfg: MLMConfig) -> Backbone:
 
   return Backbone(name="transformer", embed=embed, apply=apply,
                   prompt_embedding=lambda raw: raw, embed_dim=cfg.d_model,
-                  vocab_size=cfg.vocab_size)
+                  vocab_size=cfg.vocab_size, finetunable=True)
 
 
 def _check_range(tokens, cfg):
