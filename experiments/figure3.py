@@ -25,6 +25,7 @@ Outputs, all written atomically; a rerun skips finished lines:
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import json
 import os
@@ -38,6 +39,7 @@ import numpy as np
 
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import memory as memory_lib
+from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import results as results_lib
 from hmmprompt import tasks as tasks_lib
 from hmmprompt import theory
@@ -48,20 +50,36 @@ PRESETS = {
     # Seconds: for tests and smoke runs.
     "tiny": dict(left_sizes=(4, 12), memory_sizes=(2,), seeds=2,
                  num_train=128, num_val=32, num_test=64, seq_len=16,
-                 epochs=2, prompt_len=4, batch_size=32),
-    # Appendix D sizes, 5 seeds (the paper: 5 per setting in Appendix D).
-    "cpu": dict(left_sizes=(4, 8, 10, 12, 15, 25, 30),
-                memory_sizes=(2, 3, 5, 7), seeds=5, num_train=5000,
-                num_val=500, num_test=1000, seq_len=128, epochs=5,
-                prompt_len=20, batch_size=32),
-    # Figure 3's trial counts (20 left); for accelerators.
+                 epochs=2, prompt_len=4, batch_size=32,
+                 pretrain=("tiny", {})),
+    # The main job: both panels with the transformer on 2 CPU cores in
+    # < 30 minutes. Vanilla HMMs are shared by the panels (sizes 8, 12, 28),
+    # so 7 models are pretrained; inputs are 80 positions as in the authors'
+    # tuning scripts (20 prompt vectors, MASK, 59 tokens).
+    "cpu": dict(left_sizes=(4, 8, 12, 28), memory_sizes=(2, 3, 7), seeds=3,
+                num_train=2000, num_val=500, num_test=1000, seq_len=59,
+                epochs=5, prompt_len=20, batch_size=32,
+                pretrain=("cpu", {})),
+    # Appendix D's task sizes and all of Figure 3's sizes, 5 seeds
+    # (the exact backbone: ~6.5 minutes on 2 cores).
+    "full": dict(left_sizes=(4, 8, 10, 12, 15, 25, 30),
+                 memory_sizes=(2, 3, 5, 7), seeds=5, num_train=5000,
+                 num_val=500, num_test=1000, seq_len=128, epochs=5,
+                 prompt_len=20, batch_size=32,
+                 pretrain=("cpu", dict(context=149))),
+    # Figure 3's trial counts (20 left) and Appendix D pretraining; for
+    # accelerators.
     "paper": dict(left_sizes=(4, 8, 10, 12, 15, 25, 30),
                   memory_sizes=(2, 3, 5, 7), seeds=20, num_train=5000,
                   num_val=500, num_test=1000, seq_len=128, epochs=5,
-                  prompt_len=20, batch_size=32),
+                  prompt_len=20, batch_size=32, pretrain=("paper", {})),
 }
 VOCAB = 10
 MEMORY_SYNTAX_STATES = 4
+BACKBONES = ("exact", "transformer")
+# Bumped when the HMM drawn for a given (size, seed) changes, so that old
+# result lines are not mistaken for current ones.
+_MODEL_KEYS_VERSION = 2
 
 # Read off the authors' Figure 3 (approximate), test accuracy in %.
 PAPER_LEFT = {"prompt": {4: 100, 8: 97, 10: 93, 15: 87, 25: 75, 30: 75},
@@ -69,9 +87,11 @@ PAPER_LEFT = {"prompt": {4: 100, 8: 97, 10: 93, 15: 87, 25: 75, 30: 75},
 PAPER_RIGHT = {"memory": {8: 100, 12: 100, 20: 100, 28: 98},
                "vanilla": {8: 83, 12: 81, 20: 64, 28: 66}}
 
-_BACKBONE = flags.DEFINE_enum("backbone", "exact", ["exact", "transformer"],
-                              "exact: perfect pretraining (Appendix B's "
-                              "message passing)")
+_BACKBONE = flags.DEFINE_list(
+    "backbone", ["exact"], "comma-separated, run in this order: exact "
+    "(perfect pretraining: Appendix B's message passing) and/or transformer "
+    "(the masked LM, pretrained once per HMM and cached under "
+    "DIR/pretrain/)")
 _PRESET = flags.DEFINE_enum("preset", "cpu", list(PRESETS), "sizes preset")
 _WORKDIR = flags.DEFINE_string("workdir", None, "output directory")
 _PANEL = flags.DEFINE_enum("panel", "both", ["left", "right", "both"],
@@ -90,6 +110,24 @@ _PROMPT_LEN = flags.DEFINE_integer("prompt_len", None, "soft prompt length")
 _BATCH = flags.DEFINE_integer("batch_size", None, "tuning batch size")
 _LR = flags.DEFINE_float("lr", 0.01, "peak learning rate")
 _SEED = flags.DEFINE_integer("seed", 0, "base PRNG seed (HMMs and tasks)")
+_FINETUNE = flags.DEFINE_bool(
+    "finetune", False, "transformer: also run full fine-tuning (linear "
+    "head, left panel), the standard the paper compares against")
+_BACKBONE_LR = flags.DEFINE_float("backbone_lr", 1e-3,
+                                  "fine-tuning: peak lr of the backbone")
+_PRETRAIN_STEPS = flags.DEFINE_integer(
+    "pretrain_steps", None, "transformer: cap on pretraining steps (preset)")
+_TARGET_GAP = flags.DEFINE_float(
+    "target_gap", None, "transformer: stop pretraining within this many nats "
+    "of the Bayes CE (preset)")
+_PRETRAIN_ONLY = flags.DEFINE_bool(
+    "pretrain_only", False, "transformer: pretrain the sweep's models, "
+    "write DIR/pretraining.md and stop")
+_NUM_TASKS = flags.DEFINE_integer(
+    "num_tasks", 1, "split the sweep over this many hosts (a SLURM array, "
+    "TPU VMs); each HMM's cells go to one host")
+_TASK_INDEX = flags.DEFINE_integer("task_index", 0,
+                                   "this host's index in [0, num_tasks)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,12 +141,22 @@ class Setup:
   task: tasks_lib.TaskConfig
   tune: tuning.TuneConfig
   seed: int
+  pretrain: pretrain_lib.PretrainConfig | None = None
+  finetune: bool = False
 
-  def fingerprint(self) -> str:
-    blob = json.dumps({"task": dataclasses.asdict(self.task),
-                       "tune": dataclasses.asdict(self.tune),
-                       "seed": self.seed}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+  def fingerprint(self, backbone: str = "exact") -> str:
+    blob = {"task": dataclasses.asdict(self.task),
+            "tune": dataclasses.asdict(self.tune), "seed": self.seed,
+            "model_keys": _MODEL_KEYS_VERSION}
+    if backbone == "transformer":
+      blob["pretrain"] = self.pretrain.to_json()
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()
+                          ).hexdigest()[:12]
+
+  @property
+  def input_len(self) -> int:
+    """Positions of a prompt-tuning input: prompt, MASK, tokens."""
+    return self.tune.prompt_len + 1 + self.task.seq_len
 
 
 def _int_list(values, name):
@@ -139,18 +187,57 @@ def setup_from_flags() -> Setup:
   if bad or not _FEATURES.value:
     raise app.UsageError(f"--features must be from raw,log,standardized; got "
                          f"{_FEATURES.value}")
+  pt_preset, pt_kw = p["pretrain"]
+  pt_kw = dict(pt_kw)
+  if _PRETRAIN_STEPS.value is not None:
+    pt_kw["steps"] = _PRETRAIN_STEPS.value
+  if _TARGET_GAP.value is not None:
+    pt_kw["target_gap"] = _TARGET_GAP.value
   try:
     task = tasks_lib.TaskConfig(num_train=p["num_train"],
                                 num_val=p["num_val"], num_test=p["num_test"],
                                 seq_len=p["seq_len"])
     tune = tuning.TuneConfig(epochs=p["epochs"], prompt_len=p["prompt_len"],
-                             batch_size=p["batch_size"], lr=_LR.value)
+                             batch_size=p["batch_size"], lr=_LR.value,
+                             backbone_lr=_BACKBONE_LR.value)
+    pretrain_cfg = pretrain_lib.configure(pt_preset, VOCAB, **pt_kw)
   except ValueError as e:
     raise app.UsageError(str(e)) from e
-  return Setup(seeds=p["seeds"], left_sizes=tuple(p["left_sizes"]),
-               memory_sizes=tuple(p["memory_sizes"]),
-               features=tuple(_FEATURES.value), task=task, tune=tune,
-               seed=_SEED.value)
+  setup = Setup(seeds=p["seeds"], left_sizes=tuple(p["left_sizes"]),
+                memory_sizes=tuple(p["memory_sizes"]),
+                features=tuple(_FEATURES.value), task=task, tune=tune,
+                seed=_SEED.value, pretrain=pretrain_cfg,
+                finetune=_FINETUNE.value)
+  if ("transformer" in _BACKBONE.value
+      and setup.input_len > pretrain_cfg.model.max_len):
+    raise app.UsageError(
+        f"prompt_len + 1 + seq_len = {setup.input_len} positions exceed the "
+        f"pretrained context of {pretrain_cfg.model.max_len}; lower --seq_len "
+        f"or --prompt_len")
+  return setup
+
+
+# ----------------------------------------------------------------------------
+# The sweep: models (one pretraining each), groups (one tuning recipe on one
+# model, all seeds at once), cells (one seed of a group = one result line).
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelId:
+  hmm: str  # "vanilla" | "memory"
+  num_states: int  # |H| (vanilla) or syntax states (memory)
+  memory_size: int  # 0 for vanilla
+
+  @property
+  def size(self) -> int:
+    """x-axis: |H| (left) or |M||H| (right)."""
+    return self.num_states * max(self.memory_size, 1)
+
+  @property
+  def tag(self) -> str:
+    if self.hmm == "memory":
+      return f"memory-h{self.num_states}-m{self.memory_size}"
+    return f"vanilla-h{self.num_states}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +248,7 @@ class Group:
   hmm: str  # "vanilla" | "memory"
   num_states: int  # |H| (vanilla) or syntax states (memory)
   memory_size: int  # 0 for vanilla
-  method: str  # "head" | "prompt"
+  method: str  # "head" | "prompt" | "finetune"
   head: str  # "linear" | "attention"
   features: str
 
@@ -170,42 +257,56 @@ class Group:
     return f"{self.method}_{self.head}"
 
   @property
+  def model_id(self) -> ModelId:
+    return ModelId(self.hmm, self.num_states, self.memory_size)
+
+  @property
   def size(self) -> int:
-    """x-axis: |H| (left) or |M||H| (right)."""
-    return self.num_states * max(self.memory_size, 1)
+    return self.model_id.size
 
 
-def groups(setup: Setup, panel: str) -> list[Group]:
+def groups(setup: Setup, panel: str, backbone: str = "exact") -> list[Group]:
+  """All groups, those of one model adjacent, models by increasing size."""
   out = []
   if panel in ("left", "both"):
+    methods = ["head", "prompt"]
+    if setup.finetune and backbone == "transformer":
+      methods.append("finetune")
     for h in setup.left_sizes:
-      for method in ("head", "prompt"):
+      for method in methods:
         for f in setup.features:
           out.append(Group("left", "vanilla", h, 0, method, "linear", f))
   if panel in ("right", "both"):
     for m in setup.memory_sizes:
-      # Groups sharing a model are adjacent, so its tasks are drawn once.
       for f in setup.features:
         out.append(Group("right", "memory", MEMORY_SYNTAX_STATES, m, "head",
                          "attention", f))
       for f in setup.features:
         out.append(Group("right", "vanilla", MEMORY_SYNTAX_STATES * m, 0,
                          "head", "linear", f))
-  return out
+  order = {mid: i for i, mid in enumerate(models(out))}
+  return sorted(out, key=lambda g: order[g.model_id])  # stable
 
 
-def _model_key(setup: Setup, g: Group):
-  tag = {"left": 0, "right": 1}[g.panel] * 1000 + g.size + (
-      500 if g.hmm == "memory" else 0)
+def models(group_list) -> list[ModelId]:
+  """Distinct models of ``group_list``: vanilla then memory, by size."""
+  ids = {g.model_id for g in group_list}
+  return sorted(ids, key=lambda m: (m.hmm != "vanilla", m.size))
+
+
+def _model_key(setup: Setup, mid: ModelId):
+  # A vanilla HMM depends only on its size, so both panels share it (and its
+  # pretrained transformer); memory HMMs use their own stream.
+  tag = mid.size + (1500 if mid.hmm == "memory" else 0)
   return jax.random.fold_in(jax.random.PRNGKey(setup.seed), tag)
 
 
-def make_model(setup: Setup, g: Group):
-  key = _model_key(setup, g)
-  if g.hmm == "memory":
-    return memory_lib.random_memory_hmm(key, g.memory_size, g.num_states,
+def make_model(setup: Setup, mid: ModelId):
+  key = _model_key(setup, mid)
+  if mid.hmm == "memory":
+    return memory_lib.random_memory_hmm(key, mid.memory_size, mid.num_states,
                                         VOCAB)
-  return hmm_lib.random_hmm(key, g.num_states, VOCAB)
+  return hmm_lib.random_hmm(key, mid.num_states, VOCAB)
 
 
 def line_key(r: dict) -> tuple:
@@ -220,39 +321,94 @@ def _verdicts(model, mu) -> dict:
   return theory.vanilla_verdicts(model, mu)
 
 
-def run(setup: Setup, workdir: str, panel: str, backbone_name: str) -> None:
-  path = os.path.join(workdir, "results.jsonl")
-  done = {line_key(r) for r in results_lib.read_jsonl(path)}
-  fp = setup.fingerprint()
-  todo = groups(setup, panel)
+def results_path(workdir: str, num_tasks: int = 1, task_index: int = 0):
+  if num_tasks == 1:
+    return os.path.join(workdir, "results.jsonl")
+  return os.path.join(workdir,
+                      f"results-{task_index:05d}-of-{num_tasks:05d}.jsonl")
+
+
+def read_results(workdir: str) -> list[dict]:
+  """Lines of every results file in ``workdir`` (hosts write their own)."""
+  out = []
+  for path in sorted(glob.glob(os.path.join(workdir, "results*.jsonl"))):
+    out += results_lib.read_jsonl(path)
+  return out
+
+
+def pretrain_dir(workdir: str, setup: Setup, mid: ModelId) -> str:
+  fp = hashlib.sha256(json.dumps(
+      {"pretrain": setup.pretrain.to_json(), "seed": setup.seed,
+       "model_keys": _MODEL_KEYS_VERSION}, sort_keys=True).encode()
+                      ).hexdigest()[:8]
+  return os.path.join(workdir, "pretrain", f"{mid.tag}-{fp}")
+
+
+def pretrained_backbone(workdir: str, setup: Setup, mid: ModelId, model):
+  """Pretrains (or reuses) the transformer for ``model``.
+
+  Returns ``(backbone, params, quality)``; ``quality`` is the final held-out
+  evaluation (CE gap to Bayes, TV) and the training steps and wall time.
+  """
+  pdir = pretrain_dir(workdir, setup, mid)
+  logging.info("pretraining on %s in %s", mid.tag, pdir)
+  pretrain_lib.run(pdir, setup.pretrain, model, log=logging.info)
+  bb, params, info = pretrain_lib.load_backbone(pdir)
+  m = info["metrics"]
+  quality = {"pretrain_ce_gap": m.get("ce_gap"), "pretrain_tv": m.get("tv"),
+             "pretrain_mlm_ce": m.get("mlm_ce"),
+             "pretrain_bayes_ce": m.get("bayes_ce"),
+             "pretrain_steps": info["step"],
+             "pretrain_wall_s": m.get("wall_s")}
+  return bb, params, quality
+
+
+def run(setup: Setup, workdir: str, panel: str, backbone_name: str,
+        num_tasks: int = 1, task_index: int = 0,
+        pretrain_only: bool = False) -> None:
+  """Runs this host's share of the sweep; finished lines are skipped."""
+  if not 0 <= task_index < num_tasks:
+    raise ValueError(f"task_index {task_index} not in [0, {num_tasks})")
+  path = results_path(workdir, num_tasks, task_index)
+  done = {line_key(r) for r in read_results(workdir)}
+  fp = setup.fingerprint(backbone_name)
+  all_groups = groups(setup, panel, backbone_name)
+  mine = {mid for i, mid in enumerate(models(all_groups))
+          if i % num_tasks == task_index}
+  todo = [g for g in all_groups if g.model_id in mine]
   total_cells = len(todo) * setup.seeds
   finished_cells = 0
   t_start = time.perf_counter()
-  cache = {}  # (hmm, size) -> (model, tasks by seed)
+  cache = {}  # model_id -> (model, tasks by seed, backbone)
   for gi, g in enumerate(todo):
     base = dict(backbone=backbone_name, panel=g.panel, hmm=g.hmm,
                 num_states=g.num_states, memory_size=g.memory_size,
                 method=g.method_name, features=g.features, setup=fp)
     seeds = [s for s in range(setup.seeds)
              if line_key({**base, "seed": s}) not in done]
-    if not seeds:
+    if not seeds and not pretrain_only:
       finished_cells += setup.seeds
       continue
-    ck = (g.panel, g.hmm, g.size)
-    if ck not in cache:
+    mid = g.model_id
+    if mid not in cache:
       cache.clear()  # groups of one model are adjacent; keep memory flat
-      model = make_model(setup, g)
-      cache[ck] = (model, {})
-    model, task_cache = cache[ck]
+      model = make_model(setup, mid)
+      if backbone_name == "transformer":
+        bb = pretrained_backbone(workdir, setup, mid, model)
+      else:
+        bb = (*exact.make(model), {})
+      cache[mid] = (model, {}, bb)
+    if pretrain_only:
+      continue
+    model, task_cache, (bb, bp, quality) = cache[mid]
     for s in seeds:
       if s not in task_cache:
         task = tasks_lib.make_task(
-            jax.random.fold_in(_model_key(setup, g), 10_000 + s), model,
+            jax.random.fold_in(_model_key(setup, mid), 10_000 + s), model,
             setup.task)
         task_cache[s] = (task, _verdicts(model, task.mu))
     cfg = dataclasses.replace(setup.tune, method=g.method, head=g.head,
                               features=g.features)
-    bb, bp = exact.make(model)
     datas = [tuning.data_from_task(task_cache[s][0], cfg) for s in seeds]
     keys = [jax.random.fold_in(jax.random.PRNGKey(setup.seed + 1), s)
             for s in seeds]
@@ -267,7 +423,7 @@ def run(setup: Setup, workdir: str, panel: str, backbone_name: str) -> None:
           "train_accuracy": rec["train_accuracy"],
           "final_loss": rec["final_loss"], "steps": rec["steps"],
           "seconds": rec["seconds"], "task_redraws": task.redraws,
-          "assumptions": verdicts,
+          "assumptions": verdicts, **quality,
           "tune_config": rec["config"],
           "task_config": dataclasses.asdict(setup.task),
       })
@@ -277,10 +433,10 @@ def run(setup: Setup, workdir: str, panel: str, backbone_name: str) -> None:
     eta = elapsed / max(finished_cells, 1) * (total_cells - finished_cells)
     accs = [line["test_accuracy"] for line in lines]
     logging.info(
-        "[%d/%d groups] %s %s |H|=%d |M|=%d %s/%s: test acc %.3f +- %.3f "
+        "[%d/%d groups] %s %s %s |H|=%d |M|=%d %s/%s: test acc %.3f +- %.3f "
         "over %d seeds (%.1fs); elapsed %.0fs, ETA %.0fs", gi + 1, len(todo),
-        g.panel, g.hmm, g.num_states, g.memory_size, g.method_name,
-        g.features, np.mean(accs), np.std(accs), len(seeds),
+        backbone_name, g.panel, g.hmm, g.num_states, g.memory_size,
+        g.method_name, g.features, np.mean(accs), np.std(accs), len(seeds),
         records[0]["seconds"], elapsed, eta)
 
 
@@ -318,7 +474,7 @@ def _label(k) -> str:
   return f"{backbone}: {hmm} + {method.replace('_', ' ')} ({features})"
 
 
-def write_table(summary: dict, path: str) -> None:
+def write_table(summary: dict, path: str, extra: str = "") -> None:
   out = ["# Figure 3: test accuracy (%)", "",
          "Mean ± 95% t-interval over seeds (n); paper values read off the "
          "authors' Figure 3 (approximate).", ""]
@@ -346,6 +502,8 @@ def write_table(summary: dict, path: str) -> None:
           row.append("")
       out.append("| " + " | ".join(row) + " |")
     out.append("")
+  if extra:
+    out.append(extra)
   results_lib.atomic_write_text(path, "\n".join(out))
 
 
@@ -387,10 +545,40 @@ def write_plot(summary: dict, path: str) -> None:
   results_lib.atomic_write_bytes(path, buf.getvalue())
 
 
+def pretraining_table(workdir: str) -> str:
+  """Markdown: the final held-out evaluation of every pretrained model."""
+  rows = []
+  for cfg_path in sorted(glob.glob(os.path.join(workdir, "pretrain", "*",
+                                                "config.json"))):
+    pdir = os.path.dirname(cfg_path)
+    metrics = results_lib.read_jsonl(os.path.join(pdir, "metrics.jsonl"))
+    if not metrics:
+      continue
+    with open(cfg_path) as f:
+      cfg = pretrain_lib.PretrainConfig.from_json(json.load(f))
+    m = metrics[-1]
+    target = cfg.target_gap
+    rows.append((os.path.basename(pdir), m, cfg, target))
+  if not rows:
+    return ""
+  out = ["## Pretraining (transformer): held-out masked-position CE vs the "
+         "exact Bayes CE", "",
+         "| model | steps | wall (s) | mlm CE | Bayes CE | gap | TV | "
+         "gap <= 0.05 |", "|---|---|---|---|---|---|---|---|"]
+  for name, m, cfg, _ in rows:
+    out.append(f"| {name} | {m['step']} | {m.get('wall_s', float('nan')):.0f}"
+               f" | {m['mlm_ce']:.4f} | {m['bayes_ce']:.4f} | "
+               f"{m['ce_gap']:.4f} | {m['tv']:.4f} | "
+               f"{'yes' if m['ce_gap'] <= 0.05 else 'NO'} |")
+  total = sum(m.get("wall_s", 0.0) for _, m, _, _ in rows)
+  out += ["", f"Total pretraining wall time: {total:.0f} s.", ""]
+  return "\n".join(out)
+
+
 def report(workdir: str) -> dict:
-  records = results_lib.read_jsonl(os.path.join(workdir, "results.jsonl"))
-  summary = summarize(records)
-  write_table(summary, os.path.join(workdir, "figure3.md"))
+  summary = summarize(read_results(workdir))
+  write_table(summary, os.path.join(workdir, "figure3.md"),
+              extra=pretraining_table(workdir))
   write_plot(summary, os.path.join(workdir, "figure3.png"))
   return summary
 
@@ -400,19 +588,46 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not _WORKDIR.value:
     raise app.UsageError("--workdir is required")
-  if _BACKBONE.value != "exact":
-    raise app.UsageError("--backbone=transformer needs the pretrained MLM, "
-                         "which is not implemented yet; use --backbone=exact")
+  backbones = _BACKBONE.value
+  bad = [b for b in backbones if b not in BACKBONES]
+  if bad or not backbones:
+    raise app.UsageError(f"--backbone must be from {','.join(BACKBONES)}; "
+                         f"got {backbones}")
+  if _FINETUNE.value and "transformer" not in backbones:
+    raise app.UsageError("--finetune needs --backbone=transformer (the exact "
+                         "backbone has no free parameters to fine-tune)")
+  if _PRETRAIN_ONLY.value and "transformer" not in backbones:
+    raise app.UsageError("--pretrain_only needs --backbone=transformer")
+  if _NUM_TASKS.value < 1 or not 0 <= _TASK_INDEX.value < _NUM_TASKS.value:
+    raise app.UsageError(f"need num_tasks >= 1 and 0 <= task_index < "
+                         f"num_tasks; got --num_tasks={_NUM_TASKS.value} "
+                         f"--task_index={_TASK_INDEX.value}")
   setup = setup_from_flags()
-  os.makedirs(_WORKDIR.value, exist_ok=True)
+  workdir = _WORKDIR.value
+  os.makedirs(workdir, exist_ok=True)
   t0 = time.perf_counter()
-  run(setup, _WORKDIR.value, _PANEL.value, _BACKBONE.value)
-  report(_WORKDIR.value)
-  logging.info("done in %.0fs: %s/results.jsonl, figure3.png, figure3.md",
-               time.perf_counter() - t0, _WORKDIR.value)
-  print(f"results: {os.path.join(_WORKDIR.value, 'results.jsonl')}\n"
-        f"plot:    {os.path.join(_WORKDIR.value, 'figure3.png')}\n"
-        f"table:   {os.path.join(_WORKDIR.value, 'figure3.md')}")
+  for name in backbones:
+    if _PRETRAIN_ONLY.value and name != "transformer":
+      continue
+    logging.info("backbone %s, preset %s, task %d of %d", name,
+                 _PRESET.value, _TASK_INDEX.value, _NUM_TASKS.value)
+    try:
+      run(setup, workdir, _PANEL.value, name, _NUM_TASKS.value,
+          _TASK_INDEX.value, pretrain_only=_PRETRAIN_ONLY.value)
+    except FileNotFoundError as e:  # a damaged pretraining workdir
+      raise app.UsageError(str(e)) from e
+  if _PRETRAIN_ONLY.value:
+    table = pretraining_table(workdir)
+    results_lib.atomic_write_text(os.path.join(workdir, "pretraining.md"),
+                                  table)
+    print(table)
+    return
+  report(workdir)
+  logging.info("done in %.0fs", time.perf_counter() - t0)
+  print(f"done in {time.perf_counter() - t0:.0f}s\n"
+        f"results: {results_path(workdir, _NUM_TASKS.value, _TASK_INDEX.value)}"
+        f"\nplot:    {os.path.join(workdir, 'figure3.png')}\n"
+        f"table:   {os.path.join(workdir, 'figure3.md')}")
 
 
 if __name__ == "__main__":

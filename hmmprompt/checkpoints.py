@@ -3,11 +3,22 @@ resume the latest. Only finite states are ever saved."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+
+class _QuietOrbax(logging.Filter):
+  """Drops orbax's INFO chatter (several lines per save) from absl logs."""
+
+  def filter(self, record):
+    return record.levelno >= logging.WARNING or "orbax" not in record.pathname
+
+
+logging.getLogger("absl").addFilter(_QuietOrbax())
 
 
 class Checkpoints:

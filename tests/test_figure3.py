@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import subprocess
 import sys
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 
 from experiments import figure3
+from hmmprompt import pretrain
 from hmmprompt import results as results_lib
 from hmmprompt import tasks
 from hmmprompt import tuning
@@ -13,7 +15,8 @@ from hmmprompt import tuning
 SETUP = figure3.Setup(
     seeds=2, left_sizes=(4,), memory_sizes=(2,), features=("raw",),
     task=tasks.TaskConfig(num_train=64, num_val=16, num_test=32, seq_len=12),
-    tune=tuning.TuneConfig(epochs=1, prompt_len=2, batch_size=32), seed=0)
+    tune=tuning.TuneConfig(epochs=1, prompt_len=2, batch_size=32), seed=0,
+    pretrain=pretrain.configure("tiny", 10, steps=20))
 
 
 def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
@@ -87,7 +90,11 @@ def test_mean_ci():
     (["--preset=tiny", "--workdir=W", "--left_sizes=4,x"],
      "--left_sizes must be integers"),
     (["--preset=huge", "--workdir=W"], "preset"),
-    (["--workdir=W", "--backbone=transformer"], "not implemented yet"),
+    (["--workdir=W", "--backbone=bert"], "--backbone must be from"),
+    (["--workdir=W", "--finetune"], "--finetune needs --backbone=transformer"),
+    (["--workdir=W", "--backbone=transformer", "--preset=tiny",
+      "--seq_len=100"], "exceed the pretrained context"),
+    (["--workdir=W", "--num_tasks=2", "--task_index=2"], "task_index"),
 ])
 def test_bad_flags_fail_clearly(tmp_path, args, match):
   args = [a.replace("=W", "=" + str(tmp_path)) for a in args]
@@ -97,3 +104,58 @@ def test_bad_flags_fail_clearly(tmp_path, args, match):
   assert proc.returncode != 0
   assert match in proc.stderr + proc.stdout
   assert "Traceback" not in proc.stderr
+
+
+def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
+                                                          monkeypatch):
+  workdir = str(tmp_path)
+  setup = dataclasses.replace(SETUP, memory_sizes=(2,), finetune=True)
+  figure3.run(setup, workdir, "both", "transformer")
+  lines = figure3.read_results(workdir)
+  # left: head, prompt, finetune; right: memory + vanilla; 2 seeds each.
+  assert len(lines) == 10
+  assert {r["backbone"] for r in lines} == {"transformer"}
+  assert {r["method"] for r in lines if r["panel"] == "left"} == {
+      "head_linear", "prompt_linear", "finetune_linear"}
+  for r in lines:
+    assert r["pretrain_steps"] == 20
+    assert r["pretrain_ce_gap"] == pytest.approx(
+        r["pretrain_mlm_ce"] - r["pretrain_bayes_ce"], abs=1e-6)
+    assert 0.0 <= r["pretrain_tv"] <= 1.0 and r["pretrain_wall_s"] > 0
+  # One pretraining per HMM: |H| = 4 (left), memory |M| = 2 and its vanilla
+  # twin of 8 states (right).
+  pdirs = sorted(os.listdir(os.path.join(workdir, "pretrain")))
+  assert [d.rsplit("-", 1)[0] for d in pdirs] == [
+      "memory-h4-m2", "vanilla-h4", "vanilla-h8"]
+
+  # A rerun neither tunes nor pretrains again.
+  def boom(*a, **k):
+    raise AssertionError("finished work was redone")
+
+  monkeypatch.setattr(figure3.tuning, "tune_many", boom)
+  monkeypatch.setattr(figure3.pretrain_lib, "make_train_step", boom)
+  figure3.run(setup, workdir, "both", "transformer")
+  assert len(figure3.read_results(workdir)) == 10
+  monkeypatch.undo()
+
+  figure3.report(workdir)
+  table = open(os.path.join(workdir, "figure3.md")).read()
+  assert "transformer: vanilla + prompt linear" in table
+  assert "vanilla-h8" in table and "Bayes CE" in table
+
+
+def test_sharded_sweep_merges_to_the_unsharded_one(tmp_path):
+  whole, shards = str(tmp_path / "whole"), str(tmp_path / "shards")
+  setup = dataclasses.replace(SETUP, left_sizes=(4, 6), seeds=1)
+  figure3.run(setup, whole, "left", "exact")
+  for i in range(2):
+    figure3.run(setup, shards, "left", "exact", num_tasks=2, task_index=i)
+  files = sorted(os.listdir(shards))
+  assert files == ["results-00000-of-00002.jsonl",
+                   "results-00001-of-00002.jsonl"]
+  per_file = [{r["num_states"] for r in results_lib.read_jsonl(
+      os.path.join(shards, f))} for f in files]
+  assert per_file == [{4}, {6}]  # each HMM on one host
+  acc = lambda d: sorted((figure3.line_key(r), r["test_accuracy"])
+                         for r in figure3.read_results(d))
+  assert acc(shards) == acc(whole)
