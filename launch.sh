@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # One entry point on a fresh machine with Python 3.11:
 #   ./launch.sh           set up .venv if needed, run the main job: Figure 3
-#                         on the exact backbone, cpu preset, into
-#                         runs/figure3 (resumes if rerun)
+#                         (both panels) with the exact backbone and the
+#                         pretrained transformer, cpu preset (~30 min on 2
+#                         cores), into runs/figure3 (resumes if rerun)
 #   ./launch.sh test      set up .venv if needed, run the test suite
 #   ./launch.sh demo      a one-minute tour of the HMM core
 #   ./launch.sh bench     both benchmarks (installs the `bench` extra:
 #                         hmmlearn, dynamax, torch, transformers); for their
 #                         flags run python -m experiments.bench_hmm / bench_mlm
-# Extra arguments pass through to the job (e.g. ./launch.sh --seeds=3).
+# Extra arguments pass through to the job (e.g. ./launch.sh --seeds=3,
+# ./launch.sh --preset=paper, or on many hosts
+# ./launch.sh --num_tasks=$SLURM_ARRAY_TASK_COUNT \
+#             --task_index=$SLURM_ARRAY_TASK_ID --workdir=/shared/figure3).
+# HMMPROMPT_EXTRAS=cuda (or tpu) installs jax's accelerator build too.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -23,6 +28,7 @@ esac
 
 extras="test"
 [ "$mode" = bench ] && extras="test,bench"
+[ -n "${HMMPROMPT_EXTRAS:-}" ] && extras="$extras,$HMMPROMPT_EXTRAS"
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "creating $VENV with $($PY --version)" >&2
@@ -40,6 +46,7 @@ case "$mode" in
   bench) "$VENV/bin/python" -m experiments.bench_hmm
          exec "$VENV/bin/python" -m experiments.bench_mlm ;;
   demo)  exec "$VENV/bin/python" -m experiments.demo "$@" ;;
-  main)  exec "$VENV/bin/python" -m experiments.figure3 --backbone=exact \
-           --preset=cpu --workdir=runs/figure3 "$@" ;;
+  main)  exec "$VENV/bin/python" -m experiments.figure3 \
+           --backbone=exact,transformer --preset=cpu --workdir=runs/figure3 \
+           "$@" ;;
 esac
