@@ -1,25 +1,46 @@
 r"""Figure 3 of the paper: head vs prompt tuning, memory vs vanilla HMMs.
 
-  python -m experiments.figure3 --backbone=exact --preset=cpu --workdir=DIR
-      [--panel=left|right|both] [--seeds=N] [--left_sizes=4,8] ...
+  python -m experiments.figure3 --backbone=exact,transformer --preset=cpu \
+      --workdir=DIR [--panel=left|right|both] [--seeds=N] [--left_sizes=4,8]
+      [--finetune] [--num_tasks=N --task_index=I] [--pretrain_only] ...
 
 Left panel: vanilla HMMs with |H| in --left_sizes and |X| = 10; head tuning
-vs prompt tuning, both with a linear head at the MASK position. Right panel:
-single-cell memory HMMs (|H| = 4, |M| in --memory_sizes) with an attention
-head, vs vanilla HMMs with |M||H| states and a linear head (head tuning).
-Every method runs with each of --features (raw probabilities, as the paper,
-and log probabilities).
+vs prompt tuning, both with a linear head at the MASK position (and, with
+--finetune, full fine-tuning of the transformer). Right panel: single-cell
+memory HMMs (|H| = 4, |M| in --memory_sizes) with an attention head, vs
+vanilla HMMs with |M||H| states and a linear head (head tuning). Every
+method runs with each of --features (raw probabilities, as the paper, and
+log probabilities).
 
-One HMM is drawn per (panel, size), as the paper pretrained once per size;
-each seed draws a new downstream task (mu and data) on it. Seeds run as one
-vmapped program per (size, method).
+Backbones: ``exact`` is perfect pretraining (the HMM's own message passing,
+Appendix B); ``transformer`` is the masked LM of hmmprompt.pretrain,
+pretrained once per HMM under DIR/pretrain/<model>-<config hash>/ (reused
+when present, resumed when interrupted) and then frozen. Each result line
+records the backbone's pretraining quality (held-out CE gap to the exact
+Bayes CE, TV, steps, wall time).
+
+One HMM is drawn per size, as the paper pretrained once per size; a vanilla
+HMM of a given size is the same in both panels. Each seed draws a new
+downstream task (mu and data) on it. Seeds run as one vmapped program per
+(size, method).
+
+Presets (state the sizes; flags override): ``tiny`` (tests), ``cpu`` (the
+main job: both panels on 2 CPU cores in about 30 minutes, 3 seeds),
+``full`` (all of Figure 3's sizes, Appendix D task sizes, 5 seeds), ``paper``
+(20 seeds, Appendix D pretraining; accelerators).
+
+Many hosts: --num_tasks=N --task_index=I runs the I-th share of the HMMs
+(all cells of one HMM on one host, so it is pretrained once) and writes
+DIR/results-IIIII-of-NNNNN.jsonl; the report reads every results file.
 
 Outputs, all written atomically; a rerun skips finished lines:
   DIR/results.jsonl   one line per (backbone, panel, hmm, num_states,
-                      memory_size, seed, method, features) with test_accuracy
-                      and the assumption checkers' verdicts
-  DIR/figure3.png     mean and 95% t-interval over seeds
-  DIR/figure3.md      the same beside the paper's reference numbers
+                      memory_size, seed, method, features) with test_accuracy,
+                      the assumption checkers' verdicts and (transformer)
+                      the pretraining quality
+  DIR/figure3.png     mean and 95% t-interval over seeds, both backbones
+  DIR/figure3.md      the same beside the paper's reference numbers, and a
+                      table of every pretrained model's CE gap and time
 """
 
 from __future__ import annotations
@@ -530,10 +551,13 @@ def write_plot(summary: dict, path: str) -> None:
       ci = np.nan_to_num(np.array([d[x][1] for x in xs]))
       style = "-" if k[4] == "raw" else "--"
       color = colors.setdefault(k[:4], f"C{len(colors)}")
-      ax.plot(xs, m, style, marker="o", color=color, label=_label(k))
-      ax.fill_between(xs, m - ci, m + ci, color=color, alpha=0.12)
+      marker = {"exact": "s", "transformer": "o"}.get(k[0], "^")
+      ax.plot(xs, m, style, marker=marker, color=color, label=_label(k))
+      ax.fill_between(xs, np.maximum(m - ci, 0), np.minimum(m + ci, 100),
+                      color=color, alpha=0.12)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("test accuracy (%)")
+    ax.set_ylim(top=101)
     ax.set_title({"left": "Head vs prompt tuning",
                   "right": "Memory vs vanilla HMM (head tuning)"}[panel])
     ax.grid(alpha=0.3)
