@@ -77,10 +77,13 @@ PRESETS = {
     # < 30 minutes. Vanilla HMMs are shared by the panels (sizes 8, 12, 28),
     # so 7 models are pretrained; inputs are 80 positions as in the authors'
     # tuning scripts (20 prompt vectors, MASK, 59 tokens).
+    # Pretraining is capped at 7000 steps (cycles 1000, 2000, 4000) to fit;
+    # the hardest HMMs then end short of the 0.04-nat target, which their
+    # result lines record.
     "cpu": dict(left_sizes=(4, 8, 12, 28), memory_sizes=(2, 3, 7), seeds=3,
                 num_train=2000, num_val=500, num_test=1000, seq_len=59,
                 epochs=5, prompt_len=20, batch_size=32,
-                pretrain=("cpu", {})),
+                pretrain=("cpu", dict(steps=7000))),
     # Appendix D's task sizes and all of Figure 3's sizes, 5 seeds
     # (the exact backbone: ~6.5 minutes on 2 cores).
     "full": dict(left_sizes=(4, 8, 10, 12, 15, 25, 30),

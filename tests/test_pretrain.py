@@ -308,3 +308,22 @@ def test_target_gap_stops_early_and_rerun_is_a_no_op(tmp_path, model):
   assert again == first and any("already reached" in l for l in logs)
   with pytest.raises(ValueError, match="target_gap must be > 0"):
     dataclasses.replace(TINY, target_gap=0.0)
+
+
+def test_lr_cycles_schedule_steps_cap_and_stop_points(tmp_path, model):
+  cfg = pretrain.configure("cpu", 10, steps=3500)
+  assert cfg.cycles == (1000, 2000, 500) and cfg.cycle_ends == (1000, 3000,
+                                                                3500)
+  sched = pretrain.lr_schedule(cfg)
+  w = cfg.warmup_steps
+  np.testing.assert_allclose(
+      [sched(0), sched(w), sched(1000), sched(1000 + w), sched(3000),
+       sched(3000 + w)], [0, cfg.lr, 0, cfg.lr / 2, 0, cfg.lr / 2],
+      atol=1e-9)
+  with pytest.raises(ValueError, match="must equal sum"):
+    dataclasses.replace(cfg, steps=100)
+  # With cycles, a met target stops the run only at the end of a cycle.
+  tiny = dataclasses.replace(TINY, steps=40, cycles=(30, 10), eval_every=10,
+                             ckpt_every=10, target_gap=10.0)
+  final = pretrain.run(str(tmp_path), tiny, model, log=lambda s: None)
+  assert final["step"] == 30
