@@ -1,12 +1,20 @@
 r"""Train-step throughput: our Flax MLM vs HuggingFace's PyTorch
-``BertForMaskedLM`` (what the authors used), same config, same CPU, one run.
+``BertForMaskedLM`` (what the authors used), same config, same device, one run.
 
-  python -m experiments.bench_mlm [--d_model=64 --num_layers=2 --seq_len=128
-                                   --batch_size=32]   # needs the `bench` extra
+  python -m experiments.bench_mlm [--preset=cpu|paper] [--d_model=64
+      --num_layers=2 --seq_len=128 --batch_size=32 --dtype=auto]
+  # needs the `bench` extra (torch, transformers)
 
 Both sides run a full AdamW step (forward, backward, update) on the same
 shapes with 15% of positions predicted; the HF model gets the matching
-hidden size, heads, MLP width, layers and vocabulary, dropout off.
+hidden size, heads, MLP width, layers and vocabulary, dropout off. On a
+GPU, torch runs on CUDA and, for ``--dtype=bfloat16`` (the default there),
+under bf16 autocast, as our model computes in bf16 with fp32 params.
+
+Model FLOPs per step are ``transformer.train_flops_per_token`` (6 x matmul
+params + 12 x layers x T x d per token, forward + backward); MFU divides
+the achieved FLOP/s by ``--peak_tflops`` (default: the dense bf16 / tf32
+peak of a known GPU, none on CPU).
 """
 
 import time
@@ -22,100 +30,188 @@ from hmmprompt import pretrain
 from hmmprompt import sharding
 from hmmprompt.backbones import transformer
 
-_D = flags.DEFINE_integer("d_model", 64, "width")
-_L = flags.DEFINE_integer("num_layers", 2, "layers")
-_H = flags.DEFINE_integer("num_heads", 2, "heads")
-_T = flags.DEFINE_integer("seq_len", 128, "sequence length")
-_B = flags.DEFINE_integer("batch_size", 32, "batch size")
+# The small CPU shape of the issue, and Appendix D's model and batch.
+PRESETS = {"cpu": dict(d_model=64, num_layers=2, num_heads=2, seq_len=128,
+                       batch_size=32),
+           "paper": dict(d_model=768, num_layers=6, num_heads=12,
+                         seq_len=512, batch_size=8)}
+# Dense peak TFLOP/s by (device kind substring, dtype), from vendor specs.
+PEAK_TFLOPS = {("H100", "bfloat16"): 989.0, ("H100", "float32"): 494.5,
+               ("H200", "bfloat16"): 989.0, ("H200", "float32"): 494.5,
+               ("A100", "bfloat16"): 312.0, ("A100", "float32"): 156.0}
+
+_PRESET = flags.DEFINE_enum("preset", "cpu", list(PRESETS),
+                            "shape preset; the flags below override it")
+_D = flags.DEFINE_integer("d_model", None, "width (preset)")
+_L = flags.DEFINE_integer("num_layers", None, "layers (preset)")
+_H = flags.DEFINE_integer("num_heads", None, "heads (preset)")
+_T = flags.DEFINE_integer("seq_len", None, "sequence length (preset)")
+_B = flags.DEFINE_integer("batch_size", None, "batch size (preset)")
+_DTYPE = flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"],
+                           "compute dtype; auto: float32 on CPU, else bf16")
+_PEAK = flags.DEFINE_float("peak_tflops", None,
+                           "device peak for MFU (default: known GPUs)")
+_SKIP_HF = flags.DEFINE_bool("skip_hf", False, "time our model only")
 _STEPS = flags.DEFINE_integer("steps", 30, "timed steps per repeat")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "repeats (median)")
 _THREADS = flags.DEFINE_integer("torch_threads", 0,
                                 "torch intra-op threads (0: its default)")
 
 
-def bench_ours(vocab=10):
-  cfg = pretrain.PretrainConfig(
-      model=transformer.MLMConfig(vocab_size=vocab, d_model=_D.value,
-                                  num_heads=_H.value, d_ff=4 * _D.value,
-                                  num_layers=_L.value, max_len=_T.value),
-      corpus=corpus_lib.CorpusConfig(chunk_len=_T.value, fresh=True),
-      lr=1e-3, batch_size=_B.value, steps=10**6)
-  mesh = sharding.data_mesh()
-  state = jax.device_put(pretrain.init_state(jax.random.PRNGKey(0), cfg),
-                         sharding.replicated(mesh))
-  step = pretrain.make_train_step(cfg, mesh)
-  rng = np.random.default_rng(0)
-  targets = jnp.asarray(rng.integers(0, vocab, (_B.value, _T.value)),
-                        jnp.int32)
-  inputs, weights = corpus_lib.mask_tokens(jax.random.PRNGKey(1), targets,
-                                           0.15, vocab)
-  state, loss = step(state, inputs, targets, weights)
-  jax.block_until_ready(loss)
+def resolve_shape() -> dict:
+  """The preset's shape with explicit flags applied; validated."""
+  shape = dict(PRESETS[_PRESET.value])
+  for name, flag in (("d_model", _D), ("num_layers", _L), ("num_heads", _H),
+                     ("seq_len", _T), ("batch_size", _B)):
+    if flag.value is not None:
+      if flag.value < 1:
+        raise app.UsageError(f"--{name} must be >= 1, got {flag.value}")
+      shape[name] = flag.value
+  if shape["d_model"] % shape["num_heads"]:
+    raise app.UsageError(f"--d_model={shape['d_model']} is not divisible by "
+                         f"--num_heads={shape['num_heads']}")
+  dtype = _DTYPE.value
+  if dtype == "auto":
+    dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+  shape["dtype"] = dtype
+  return shape
+
+
+def model_config(shape: dict, vocab: int) -> transformer.MLMConfig:
+  return transformer.MLMConfig(vocab_size=vocab, d_model=shape["d_model"],
+                               num_heads=shape["num_heads"],
+                               d_ff=4 * shape["d_model"],
+                               num_layers=shape["num_layers"],
+                               max_len=shape["seq_len"], dtype=shape["dtype"])
+
+
+def peak_tflops(dtype: str) -> float | None:
+  if _PEAK.value is not None:
+    return _PEAK.value
+  if jax.default_backend() != "gpu":
+    return None
+  kind = jax.devices()[0].device_kind
+  for (name, dt), peak in PEAK_TFLOPS.items():
+    if name in kind and dt == dtype:
+      return peak
+  return None
+
+
+def _time(step_fn, sync):
+  step_fn()
+  sync()
   times = []
   for _ in range(_REPEATS.value):
     t0 = time.perf_counter()
     for _ in range(_STEPS.value):
-      state, loss = step(state, inputs, targets, weights)
-    jax.block_until_ready(loss)
+      out = step_fn()
+    sync(out)
     times.append((time.perf_counter() - t0) / _STEPS.value)
-  return float(np.median(times)), transformer.num_params(state["params"])
+  return float(np.median(times))
 
 
-def bench_hf(vocab=10):
+def bench_ours(shape: dict, vocab=10):
+  b, t = shape["batch_size"], shape["seq_len"]
+  cfg = pretrain.PretrainConfig(
+      model=model_config(shape, vocab),
+      corpus=corpus_lib.CorpusConfig(chunk_len=t, fresh=True),
+      lr=1e-3, batch_size=b, steps=10**6)
+  mesh = sharding.data_mesh()
+  holder = {"state": jax.device_put(
+      pretrain.init_state(jax.random.PRNGKey(0), cfg),
+      sharding.replicated(mesh))}
+  n_params = transformer.num_params(holder["state"]["params"])
+  step = pretrain.make_train_step(cfg, mesh)
+  rng = np.random.default_rng(0)
+  targets = jnp.asarray(rng.integers(0, vocab, (b, t)), jnp.int32)
+  inputs, weights = corpus_lib.mask_tokens(jax.random.PRNGKey(1), targets,
+                                           0.15, vocab)
+
+  def step_fn():
+    holder["state"], loss = step(holder["state"], inputs, targets, weights)
+    return loss
+
+  return _time(step_fn, lambda out=None: jax.block_until_ready(
+      holder["state"])), n_params
+
+
+def bench_hf(shape: dict, vocab=10):
   import torch  # pylint: disable=g-import-not-at-top
   from transformers import BertConfig, BertForMaskedLM  # pylint: disable=g-import-not-at-top
   if _THREADS.value:
     torch.set_num_threads(_THREADS.value)
-  cfg = BertConfig(vocab_size=vocab + 1, hidden_size=_D.value,
-                   num_hidden_layers=_L.value,
-                   num_attention_heads=_H.value,
-                   intermediate_size=4 * _D.value,
-                   max_position_embeddings=_T.value,
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  b, t = shape["batch_size"], shape["seq_len"]
+  cfg = BertConfig(vocab_size=vocab + 1, hidden_size=shape["d_model"],
+                   num_hidden_layers=shape["num_layers"],
+                   num_attention_heads=shape["num_heads"],
+                   intermediate_size=4 * shape["d_model"],
+                   max_position_embeddings=t,
                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-  model = BertForMaskedLM(cfg)
+  model = BertForMaskedLM(cfg).to(device)
   model.train()
   opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
   gen = torch.Generator().manual_seed(0)
-  ids = torch.randint(0, vocab, (_B.value, _T.value), generator=gen)
+  ids = torch.randint(0, vocab, (b, t), generator=gen)
   labels = torch.where(torch.rand(ids.shape, generator=gen) < 0.15, ids,
                        torch.full_like(ids, -100))
+  ids, labels = ids.to(device), labels.to(device)
+  autocast = torch.autocast(device, dtype=torch.bfloat16,
+                            enabled=shape["dtype"] == "bfloat16")
 
-  def step():
+  def step_fn():
     opt.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=labels).loss
+    with autocast:
+      loss = model(input_ids=ids, labels=labels).loss
     loss.backward()
     opt.step()
     return loss
 
-  step()
-  times = []
-  for _ in range(_REPEATS.value):
-    t0 = time.perf_counter()
-    for _ in range(_STEPS.value):
-      step()
-    times.append((time.perf_counter() - t0) / _STEPS.value)
+  def sync(out=None):
+    if out is not None:
+      out.item()
+    if device == "cuda":
+      torch.cuda.synchronize()
+
   n_params = sum(p.numel() for p in model.parameters())
-  return float(np.median(times)), n_params, torch.__version__, torch.get_num_threads()
+  desc = f"torch {torch.__version__}, " + (
+      torch.cuda.get_device_name() if device == "cuda"
+      else f"{torch.get_num_threads()} threads")
+  return _time(step_fn, sync), n_params, desc
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  tokens = _B.value * _T.value
-  print(f"MLM train step, d={_D.value} layers={_L.value} heads={_H.value} "
-        f"T={_T.value} B={_B.value}; jax {jax.__version__} on "
-        f"{jax.default_backend()}")
-  t_ours, n_ours = bench_ours()
-  print(f"  hmmprompt Flax MLM      {tokens / t_ours / 1e3:9.1f}k tokens/s "
-        f"({n_ours} params, {1e3 * t_ours:.1f} ms/step)")
+  shape = resolve_shape()
+  vocab = 10
+  tokens = shape["batch_size"] * shape["seq_len"]
+  flops = (transformer.train_flops_per_token(model_config(shape, vocab),
+                                             shape["seq_len"]) * tokens)
+  peak = peak_tflops(shape["dtype"])
+  print(f"MLM train step, d={shape['d_model']} layers={shape['num_layers']} "
+        f"heads={shape['num_heads']} T={shape['seq_len']} "
+        f"B={shape['batch_size']} {shape['dtype']}; jax {jax.__version__} on "
+        f"{jax.devices()[0].device_kind}; {flops / 1e9:.1f} GFLOP/step"
+        + (f"; peak {peak:.0f} TFLOP/s" if peak else ""))
+
+  def report(name, sec, n_params, extra=""):
+    tflops = flops / sec / 1e12
+    mfu = f", MFU {100 * tflops / peak:.1f}%" if peak else ""
+    print(f"  {name:22s} {tokens / sec / 1e3:9.1f}k tokens/s "
+          f"({n_params} params, {1e3 * sec:.2f} ms/step, "
+          f"{tflops:.2f} TFLOP/s{mfu}{extra})")
+
+  t_ours, n_ours = bench_ours(shape, vocab)
+  report("hmmprompt Flax MLM", t_ours, n_ours)
+  if _SKIP_HF.value:
+    return
   try:
-    t_hf, n_hf, version, threads = bench_hf()
+    t_hf, n_hf, desc = bench_hf(shape, vocab)
   except ImportError:
     print("  torch/transformers not installed (pip install -e '.[bench]')")
     return
-  print(f"  HF BertForMaskedLM      {tokens / t_hf / 1e3:9.1f}k tokens/s "
-        f"({n_hf} params, {1e3 * t_hf:.1f} ms/step, torch {version}, "
-        f"{threads} threads)")
+  report("HF BertForMaskedLM", t_hf, n_hf, f", {desc}")
   print(f"  ratio (ours / HF):      {t_hf / t_ours:9.2f}x")
 
 

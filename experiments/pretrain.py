@@ -10,10 +10,11 @@ Rerunning the same command resumes from the latest checkpoint.
 
 Presets:
   tiny   seconds; tests and smoke runs.
-  cpu    what the Figure 3 sweep uses on a 2-core machine: a 2-layer,
-         width-64 model, context 80, batch 32, 15% masking, lr 2e-3, fresh
-         HMM samples every step, until within 0.04 nats of the Bayes CE
-         (at most 8000 steps; README: time and Bayes gap per size).
+  cpu    for a 2-core machine: a 2-layer, width-64, 4-head model, context
+         80, batch 64, 15% masking, lr 3e-3 in cycles of 1000, 2000, 4000,
+         8000 and 16000 steps, fresh HMM samples every step, until within
+         0.04 nats of the Bayes CE at the end of a cycle (at most 31000
+         steps; README: steps, time and Bayes gap per Figure 3 size).
   paper  Appendix D: BERT-base width, 6 layers, context 512, the fixed
          5000 x 10240-token corpus, 5% masking, batch 8, lr 1e-5, 3 epochs,
          500 warmup steps; bf16 compute on accelerators.

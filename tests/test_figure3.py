@@ -95,6 +95,8 @@ def test_mean_ci():
     (["--workdir=W", "--backbone=transformer", "--preset=tiny",
       "--seq_len=100"], "exceed the pretrained context"),
     (["--workdir=W", "--num_tasks=2", "--task_index=2"], "task_index"),
+    (["--workdir=W", "--backbone=transformer",
+      "--pretrain_overrides=model.width=8"], "unknown pretraining override"),
 ])
 def test_bad_flags_fail_clearly(tmp_path, args, match):
   args = [a.replace("=W", "=" + str(tmp_path)) for a in args]

@@ -327,3 +327,36 @@ def test_lr_cycles_schedule_steps_cap_and_stop_points(tmp_path, model):
                              ckpt_every=10, target_gap=10.0)
   final = pretrain.run(str(tmp_path), tiny, model, log=lambda s: None)
   assert final["step"] == 30
+
+
+def test_parse_overrides_builds_configs_and_names_bad_items():
+  kw = pretrain.parse_overrides(
+      ["batch_size=64", "lr=3e-3", "model.num_heads=2", "cycles=500:1500",
+       "corpus.mask_rate=0.05", "dtype=float32", "target_gap=none"])
+  assert kw == {"batch_size": 64, "lr": 3e-3, "model": {"num_heads": 2},
+                "cycles": (500, 1500), "corpus": {"mask_rate": 0.05},
+                "dtype": "float32", "target_gap": None}
+  cfg = pretrain.configure("cpu", 10, **kw)
+  assert (cfg.batch_size, cfg.lr, cfg.model.num_heads, cfg.cycles,
+          cfg.steps, cfg.corpus.mask_rate, cfg.target_gap) == (
+              64, 3e-3, 2, (500, 1500), 2000, 0.05, None)
+  for item, match in [("lr", "not key=value"), ("model.foo=1", "model.foo"),
+                      ("bogus=1", "unknown pretraining override"),
+                      ("cycles=1:x", "cycles must be")]:
+    with pytest.raises(ValueError, match=match):
+      pretrain.parse_overrides([item])
+
+
+def test_train_flops_per_token_matches_xla_cost_analysis():
+  # Two independent counts of one training step's FLOPs: our formula
+  # (used for MFU) and XLA's cost analysis of the compiled gradient.
+  cfg = transformer.MLMConfig(vocab_size=10, d_model=128, num_heads=4,
+                              d_ff=512, num_layers=2, max_len=64)
+  params = transformer.init_params(jax.random.PRNGKey(0), cfg)
+  x_BxT = jnp.zeros((4, 64), jnp.int32)
+  grad = jax.jit(jax.grad(lambda p: pretrain.mlm_loss(
+      p, cfg, x_BxT, x_BxT, jnp.ones((4, 64)))))
+  cost = grad.lower(params).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  ours = transformer.train_flops_per_token(cfg, 64) * 4 * 64
+  assert 0.97 < cost["flops"] / ours < 1.1

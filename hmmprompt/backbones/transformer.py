@@ -127,6 +127,20 @@ def num_params(params) -> int:
   return sum(x.size for x in jax.tree.leaves(params))
 
 
+def train_flops_per_token(cfg: MLMConfig, seq_len: int) -> float:
+  """Model FLOPs of one training step per token, for MFU.
+
+  Forward + backward = 3 x forward: 6 x the matmul params (attention
+  projections, MLP, output layer) plus 12 x layers x T x d for the
+  attention score and value products; embeddings, norms and softmaxes are
+  not counted (the usual convention; XLA's own count is within ~5%).
+  """
+  d = cfg.d_model
+  matmul_params = (cfg.num_layers * (4 * d * d + 2 * d * cfg.d_ff)
+                   + d * cfg.vocab_size)
+  return float(6 * matmul_params + 12 * cfg.num_layers * seq_len * d)
+
+
 def make_backbone(cfg: MLMConfig) -> Backbone:
   """The backbone interface over ``MLM`` params (fp32 compute for tuning)."""
   cfg = dataclasses.replace(cfg, dtype="float32")
