@@ -78,7 +78,7 @@ PRESETS = {
     # so 7 models are pretrained; inputs are 80 positions as in the authors'
     # tuning scripts (20 prompt vectors, MASK, 59 tokens).
     # To fit, pretraining runs at half the cpu preset's batch (32, lr 2e-3:
-    # ~0.55x the time per step) and stops at 7000 steps (cycles 1000, 2000,
+    # about half the CPU time per step) and stops at 7000 steps (cycles 1000, 2000,
     # 4000); the hardest HMMs then end short of the 0.04-nat target, which
     # their result lines record (--pretrain_overrides=batch_size=64,lr=3e-3
     # --pretrain_steps=31000 gives the full recipe).
