@@ -78,9 +78,9 @@ PRESETS = {
     # so 7 models are pretrained; inputs are 80 positions as in the authors'
     # tuning scripts (20 prompt vectors, MASK, 59 tokens).
     # To fit, pretraining runs at half the cpu preset's batch (32, lr 2e-3:
-    # about half the CPU time per step) and stops at 7000 steps (cycles 1000, 2000,
-    # 4000); the hardest HMMs then end short of the 0.04-nat target, which
-    # their result lines record (--pretrain_overrides=batch_size=64,lr=3e-3
+    # about half the CPU time per step) and stops at 7000 steps (cycles
+    # 1000, 2000, 4000); the hardest HMMs then end short of the 0.04-nat
+    # target, which their result lines record (--pretrain_overrides=batch_size=64,lr=3e-3
     # --pretrain_steps=31000 gives the full recipe).
     "cpu": dict(left_sizes=(4, 8, 12, 28), memory_sizes=(2, 3, 7), seeds=3,
                 num_train=2000, num_val=500, num_test=1000, seq_len=59,
