@@ -71,6 +71,23 @@ class TaskConfig:
                        f"got {self.labeling!r}")
 
 
+def mask_index(num_prompt: int) -> int:
+  """Index of the ``MASK`` in a backbone input ``(prompt, MASK, x_1..x_T)``.
+
+  Every example's tokens start with ``MASK`` (position 0 of
+  :attr:`Split.tokens`); a soft prompt of ``num_prompt`` vectors is
+  prepended in front of it, so the label's position moves to
+  ``num_prompt``. This and :func:`input_len` are the one statement of that
+  layout.
+  """
+  return num_prompt
+
+
+def input_len(num_prompt: int, seq_len: int) -> int:
+  """Positions of a backbone input: ``num_prompt`` + ``MASK`` + ``seq_len``."""
+  return num_prompt + 1 + seq_len
+
+
 class Split(NamedTuple):
   """One split. ``tokens [N, T+1]`` int32 (``MASK`` at 0), ``labels [N]``,
   ``latent [N, K]`` the posterior the labels were computed from."""
