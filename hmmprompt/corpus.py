@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from hmmprompt import hmm as hmm_lib
-from hmmprompt import memory as memory_lib
+from hmmprompt import models
 from hmmprompt import validation
 
 
@@ -51,17 +51,11 @@ class CorpusConfig:
     return self.num_seqs * (self.seq_len // self.chunk_len)
 
 
-def _sampler(model):
-  if isinstance(model, memory_lib.MemoryHMM):
-    return lambda k, n: memory_lib.sample(k, model, n)[0]
-  return lambda k, n: hmm_lib._sample_impl(k, model, n)[0]
-
-
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def sample_sequences(key, model, num: int, length: int) -> jax.Array:
   """``[num, length]`` int32 sequences, each from the initial distribution."""
-  draw = _sampler(model)
-  return jax.vmap(lambda k: draw(k, length))(jax.random.split(key, num))
+  return jax.vmap(lambda k: models.sample_tokens(k, model, length))(
+      jax.random.split(key, num))
 
 
 def build_chunks(key, model, cfg: CorpusConfig) -> jax.Array:
@@ -97,8 +91,7 @@ def batch_at(key, step, model, chunks, cfg: CorpusConfig, batch_size: int,
   k_steps, k_epochs = jax.random.split(key)
   k_data, k_mask = jax.random.split(jax.random.fold_in(k_steps, step))
   if cfg.fresh:
-    targets = jax.vmap(lambda k: _sampler(model)(k, cfg.chunk_len))(
-        jax.random.split(k_data, batch_size))
+    targets = sample_sequences(k_data, model, batch_size, cfg.chunk_len)
   else:
     n = chunks.shape[0]
     steps_per_epoch = n // batch_size

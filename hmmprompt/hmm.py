@@ -16,8 +16,17 @@ All inference runs on *evidence vectors* ``e_t[h]`` (non-negative, shape
 ``e(x)[h] = P(X = x | H = h)`` (:func:`embed`); for a soft prompt they can be any
 vector in ``[0, 1]^H`` (Appendix B's message passing on embedding vectors).
 
-The public functions take one sequence and are jitted; ``jax.vmap`` them over a
-batch. Called with concrete (non-traced) arguments they validate values and
+Two layers, both public:
+
+* **Kernels** (:func:`forward_backward`, :func:`token_evidence`,
+  :func:`evidence_conditionals`, :func:`draw_sequence`,
+  :func:`draw_random_hmm`, :func:`random_simplex`): pure, unchecked,
+  traceable functions of explicit arrays with documented shapes, for use
+  inside other jitted code (as dynamax's ``hmm_smoother``).
+* **Entry points** (:func:`sample`, :func:`posterior`, :func:`conditionals`,
+  ...): a thin validating layer over the same kernels, jitted.
+
+The entry points take one sequence; ``jax.vmap`` them over a batch. Called with concrete (non-traced) arguments they validate values and
 raise ``ValueError``; under a caller's ``jit``/``vmap`` only dtypes and shapes
 are checked (out-of-range tokens then have zero likelihood, see
 :func:`embed`), so call :func:`check_tokens` on a batch first if unsure.
@@ -46,7 +55,8 @@ MASK = -1
 _SUM_ATOL = 1e-4
 
 
-def _is_concrete_array(x) -> bool:
+def is_concrete(x) -> bool:
+  """Whether ``x`` is a concrete array-like (not a tracer), i.e. checkable."""
   if isinstance(x, jax.core.Tracer):
     return False
   return isinstance(x, (np.ndarray, jax.Array, list, tuple))
@@ -56,39 +66,6 @@ class _HMMFields(NamedTuple):
   initial: jax.Array
   transition: jax.Array
   emission: jax.Array
-
-
-class HMM(_HMMFields):
-  """HMM parameters (a pytree).
-
-  Attributes:
-    initial: ``[H]`` distribution of the first state.
-    transition: ``[H, H]`` row-stochastic, ``transition[i, j] = P(j | i)``.
-    emission: ``[H, V]`` row-stochastic, ``emission[h, x] = P(x | h)``.
-
-  Built from concrete arrays (or nested lists) the fields are converted to
-  ``jnp`` arrays and validated; tracers and non-array leaves (e.g. ``vmap``
-  axis specs) pass through unchecked.
-  """
-
-  initial: jax.Array
-  transition: jax.Array
-  emission: jax.Array
-
-  def __new__(cls, initial, transition, emission):
-    fields = (initial, transition, emission)
-    if all(_is_concrete_array(f) for f in fields):
-      fields = tuple(jnp.asarray(f) for f in fields)
-      _validate_hmm(*fields)
-    return super().__new__(cls, *fields)
-
-  @property
-  def num_states(self) -> int:
-    return self.transition.shape[-1]
-
-  @property
-  def vocab_size(self) -> int:
-    return self.emission.shape[-1]
 
 
 def register_unchecked_pytree(cls):
@@ -103,10 +80,74 @@ def register_unchecked_pytree(cls):
   return cls
 
 
-register_unchecked_pytree(HMM)
+def validated_params(fields_cls, validate):
+  """A base class for validated parameter NamedTuples (HMM, MemoryHMM, ...).
+
+  ``fields_cls`` is a ``typing.NamedTuple`` of the fields; ``validate`` gets
+  the fields as ``jnp`` arrays and raises ``ValueError``. Built from concrete
+  arrays (or nested lists) the fields are converted and validated; tracers
+  and non-array leaves (``vmap`` axis specs) pass through unchecked.
+  Subclasses are registered as pytrees that JAX rebuilds *without* checks
+  (:func:`register_unchecked_pytree`).
+  """
+
+  class Validated(fields_cls):
+    __slots__ = ()
+
+    def __new__(cls, *args, **kwargs):
+      fields = tuple(fields_cls(*args, **kwargs))
+      if all(is_concrete(f) for f in fields):
+        fields = tuple(jnp.asarray(f) for f in fields)
+        validate(*fields)
+      return tuple.__new__(cls, fields)
+
+    def __init_subclass__(cls, **kwargs):
+      super().__init_subclass__(**kwargs)
+      register_unchecked_pytree(cls)
+
+  return Validated
 
 
-def _check_distribution(name: str, p: jax.Array, ndim: int) -> None:
+def _validate_hmm(initial, transition, emission) -> None:
+  check_distribution("HMM.initial", initial, 1)
+  check_distribution("HMM.transition", transition, 2)
+  check_distribution("HMM.emission", emission, 2)
+  batch, h = initial.shape[:-1], initial.shape[-1]
+  if transition.shape != batch + (h, h):
+    raise ValueError(f"HMM.transition must have shape [H, H] = "
+                     f"{batch + (h, h)} to match HMM.initial of shape "
+                     f"{initial.shape}, got {transition.shape}")
+  if emission.shape[:-1] != batch + (h,):
+    raise ValueError(f"HMM.emission must have shape [H, V] with H = {h} (and "
+                     f"the batch shape {batch} of HMM.initial), got "
+                     f"{emission.shape}")
+
+
+class HMM(validated_params(_HMMFields, _validate_hmm)):
+  """HMM parameters (a pytree).
+
+  Attributes:
+    initial: ``[H]`` distribution of the first state.
+    transition: ``[H, H]`` row-stochastic, ``transition[i, j] = P(j | i)``.
+    emission: ``[H, V]`` row-stochastic, ``emission[h, x] = P(x | h)``.
+
+  Built from concrete arrays (or nested lists) the fields are converted to
+  ``jnp`` arrays and validated; tracers and non-array leaves (e.g. ``vmap``
+  axis specs) pass through unchecked.
+  """
+
+  __slots__ = ()
+
+  @property
+  def num_states(self) -> int:
+    return self.transition.shape[-1]
+
+  @property
+  def vocab_size(self) -> int:
+    return self.emission.shape[-1]
+
+
+def check_distribution(name: str, p: jax.Array, ndim: int) -> None:
   """Validates concrete probability vectors along the last axis.
 
   ``p`` has ``ndim`` event dimensions, after any leading batch dimensions.
@@ -134,21 +175,6 @@ def _check_distribution(name: str, p: jax.Array, ndim: int) -> None:
     what = f"row {where.tolist()}" if p.ndim > 1 else "it"
     raise ValueError(f"{name} must sum to 1 along its last axis, but {what} "
                      f"sums to {float(sums[tuple(where)]):.6g}")
-
-
-def _validate_hmm(initial, transition, emission) -> None:
-  _check_distribution("HMM.initial", initial, 1)
-  _check_distribution("HMM.transition", transition, 2)
-  _check_distribution("HMM.emission", emission, 2)
-  batch, h = initial.shape[:-1], initial.shape[-1]
-  if transition.shape != batch + (h, h):
-    raise ValueError(f"HMM.transition must have shape [H, H] = "
-                     f"{batch + (h, h)} to match HMM.initial of shape "
-                     f"{initial.shape}, got {transition.shape}")
-  if emission.shape[:-1] != batch + (h,):
-    raise ValueError(f"HMM.emission must have shape [H, V] with H = {h} (and "
-                     f"the batch shape {batch} of HMM.initial), got "
-                     f"{emission.shape}")
 
 
 # ----------------------------------------------------------------------------
@@ -180,7 +206,7 @@ def check_tokens(tokens, vocab_size: int) -> jax.Array:
   return jnp.asarray(arr, dtype=jnp.int32)
 
 
-def _check_sequence(tokens, hmm: HMM) -> jax.Array:
+def check_sequence(tokens, hmm: HMM) -> jax.Array:
   tokens = check_tokens(tokens, hmm.vocab_size)
   if tokens.ndim != 1 or tokens.shape[0] == 0:
     raise ValueError(f"tokens must be a non-empty 1-D sequence [T], got shape "
@@ -188,7 +214,7 @@ def _check_sequence(tokens, hmm: HMM) -> jax.Array:
   return tokens
 
 
-def _check_evidence(evidence, hmm: HMM) -> jax.Array:
+def check_evidence(evidence, hmm: HMM) -> jax.Array:
   if not isinstance(evidence, jax.core.Tracer):
     evidence = jnp.asarray(evidence)
   if evidence.ndim != 2 or evidence.shape[1] != hmm.num_states or \
@@ -210,7 +236,7 @@ def _check_evidence(evidence, hmm: HMM) -> jax.Array:
 # Random parameters (Appendix D, with the authors' parametrisation).
 
 
-def _random_simplex(key, shape, temp: float) -> jax.Array:
+def random_simplex(key, shape, temp: float) -> jax.Array:
   """``softmax((U - 0.5) / temp)`` over the last axis, ``U ~ Uniform[0, 1)``."""
   u = jax.random.uniform(key, shape)
   return jax.nn.softmax((u - 0.5) / temp, axis=-1)
@@ -219,7 +245,7 @@ def _random_simplex(key, shape, temp: float) -> jax.Array:
 def random_transition(key, num_states: int, temp: float = 0.01) -> jax.Array:
   """``[H, H]`` convex combination of ``H`` random permutation matrices."""
   k_w, k_p = jax.random.split(key)
-  weights_K = _random_simplex(k_w, (num_states,), temp)
+  weights_K = random_simplex(k_w, (num_states,), temp)
   perms_KxH = jax.vmap(lambda k: jax.random.permutation(k, num_states))(
       jax.random.split(k_p, num_states))
   onehot_KxHxH = jax.nn.one_hot(perms_KxH, num_states)
@@ -243,18 +269,18 @@ def random_hmm(key, num_states: int, vocab_size: int, *,
                   ("initial_temp", initial_temp)):
     if not t > 0:
       raise ValueError(f"{name} must be > 0, got {t}")
-  return _random_hmm_jit(key, num_states, vocab_size, transition_temp,
+  return draw_random_hmm(key, num_states, vocab_size, transition_temp,
                          emission_temp, initial_temp)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
-def _random_hmm_jit(key, num_states, vocab_size, transition_temp,
+def draw_random_hmm(key, num_states, vocab_size, transition_temp,
                     emission_temp, initial_temp):
   k_i, k_t, k_e = jax.random.split(key, 3)
   return HMM(
-      initial=_random_simplex(k_i, (num_states,), initial_temp),
+      initial=random_simplex(k_i, (num_states,), initial_temp),
       transition=random_transition(k_t, num_states, transition_temp),
-      emission=_random_simplex(k_e, (num_states, vocab_size), emission_temp))
+      emission=random_simplex(k_e, (num_states, vocab_size), emission_temp))
 
 
 # ----------------------------------------------------------------------------
@@ -278,7 +304,7 @@ def _draw(cdf: jax.Array, u: jax.Array) -> jax.Array:
   return jnp.minimum(k, cdf.shape[-1] - 1)
 
 
-def _sample_impl(key, hmm: HMM, length: int):
+def draw_sequence(key, hmm: HMM, length: int):
   u_2xT = jax.random.uniform(key, (2, length))
   cdf_init_H = _cdf(hmm.initial)
   cdf_trans_HxH = _cdf(hmm.transition)
@@ -295,7 +321,7 @@ def _sample_impl(key, hmm: HMM, length: int):
   return tokens_T, states_T
 
 
-_sample_jit = jax.jit(_sample_impl, static_argnums=2)
+_sample_jit = jax.jit(draw_sequence, static_argnums=2)
 
 
 def sample(key, hmm: HMM, length: int) -> tuple[jax.Array, jax.Array]:
@@ -329,12 +355,12 @@ def _normalize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return x / jnp.where(s > 0, s, 1.0), s[..., 0]
 
 
-def _safe_log(x: jax.Array) -> jax.Array:
+def safe_log(x: jax.Array) -> jax.Array:
   pos = x > 0
   return jnp.where(pos, jnp.log(jnp.where(pos, x, 1.0)), -jnp.inf)
 
 
-def _smooth_impl(hmm: HMM, evidence_TxH: jax.Array) -> Smoothed:
+def forward_backward(hmm: HMM, evidence_TxH: jax.Array) -> Smoothed:
   """Forward scan, then a backward scan that also emits the posteriors.
 
   ``pred_t``  ∝ P[H_t, e_{<t}]   (forward, before emitting t)
@@ -366,13 +392,13 @@ def _smooth_impl(hmm: HMM, evidence_TxH: jax.Array) -> Smoothed:
 
   _, (post_TxH, masked_TxH) = jax.lax.scan(
       backward, jnp.ones_like(pred_TxH[0]), (pred_TxH, ev_TxH), reverse=True)
-  return Smoothed(jnp.sum(_safe_log(c_T)), post_TxH, masked_TxH)
+  return Smoothed(jnp.sum(safe_log(c_T)), post_TxH, masked_TxH)
 
 
-_smooth_jit = jax.jit(_smooth_impl)
+_smooth_jit = jax.jit(forward_backward)
 
 
-def _embed_impl(hmm: HMM, tokens_T: jax.Array) -> jax.Array:
+def token_evidence(hmm: HMM, tokens_T: jax.Array) -> jax.Array:
   # mode="fill": an out-of-range token under a caller's jit has zero
   # likelihood (an impossible sequence) instead of a silently clamped one.
   cols_TxH = jnp.take(hmm.emission.T, jnp.where(tokens_T == MASK, 0, tokens_T),
@@ -383,56 +409,56 @@ def _embed_impl(hmm: HMM, tokens_T: jax.Array) -> jax.Array:
 
 @jax.jit
 def _posterior_jit(hmm, tokens):
-  return _smooth_impl(hmm, _embed_impl(hmm, tokens)).posterior
+  return forward_backward(hmm, token_evidence(hmm, tokens)).posterior
 
 
 @jax.jit
 def _masked_posterior_jit(hmm, tokens):
-  return _smooth_impl(hmm, _embed_impl(hmm, tokens)).masked_posterior
+  return forward_backward(hmm, token_evidence(hmm, tokens)).masked_posterior
 
 
 @jax.jit
 def _log_likelihood_jit(hmm, tokens):
-  return _smooth_impl(hmm, _embed_impl(hmm, tokens)).log_likelihood
+  return forward_backward(hmm, token_evidence(hmm, tokens)).log_likelihood
 
 
-def _conditionals_impl(hmm, evidence_TxH):
-  masked_TxH = _smooth_impl(hmm, evidence_TxH).masked_posterior
+def evidence_conditionals(hmm, evidence_TxH):
+  masked_TxH = forward_backward(hmm, evidence_TxH).masked_posterior
   return masked_TxH @ hmm.emission.astype(masked_TxH.dtype)
 
 
-_conditionals_from_evidence_jit = jax.jit(_conditionals_impl)
-_embed_jit = jax.jit(_embed_impl)
+_conditionals_from_evidence_jit = jax.jit(evidence_conditionals)
+_embed_jit = jax.jit(token_evidence)
 
 
 @jax.jit
 def _conditionals_jit(hmm, tokens):
-  return _conditionals_impl(hmm, _embed_impl(hmm, tokens))
+  return evidence_conditionals(hmm, token_evidence(hmm, tokens))
 
 
 def embed(hmm: HMM, tokens) -> jax.Array:
   """Proper embeddings ``[T, H]``: ``e(x)[h] = P(x | h)``; ones for ``MASK``."""
-  return _embed_jit(hmm, _check_sequence(tokens, hmm))
+  return _embed_jit(hmm, check_sequence(tokens, hmm))
 
 
 def smooth(hmm: HMM, evidence) -> Smoothed:
   """Forward-backward on evidence vectors ``[T, H]`` (Appendix B)."""
-  return _smooth_jit(hmm, _check_evidence(evidence, hmm))
+  return _smooth_jit(hmm, check_evidence(evidence, hmm))
 
 
 def log_likelihood(hmm: HMM, tokens) -> jax.Array:
   """``log P(x)`` of the observed tokens (``MASK`` positions marginalised)."""
-  return _log_likelihood_jit(hmm, _check_sequence(tokens, hmm))
+  return _log_likelihood_jit(hmm, check_sequence(tokens, hmm))
 
 
 def posterior(hmm: HMM, tokens) -> jax.Array:
   """``[T, H]``: ``P[H_t | observed tokens]``."""
-  return _posterior_jit(hmm, _check_sequence(tokens, hmm))
+  return _posterior_jit(hmm, check_sequence(tokens, hmm))
 
 
 def masked_posterior(hmm: HMM, tokens) -> jax.Array:
   """``[T, H]``: ``P[H_t | x_{-t}]`` (position ``t`` itself left out)."""
-  return _masked_posterior_jit(hmm, _check_sequence(tokens, hmm))
+  return _masked_posterior_jit(hmm, check_sequence(tokens, hmm))
 
 
 def conditionals(hmm: HMM, tokens) -> jax.Array:
@@ -441,10 +467,10 @@ def conditionals(hmm: HMM, tokens) -> jax.Array:
   Row ``t`` does not depend on ``tokens[t]``; all-zero where ``x_{-t}`` is
   impossible.
   """
-  return _conditionals_jit(hmm, _check_sequence(tokens, hmm))
+  return _conditionals_jit(hmm, check_sequence(tokens, hmm))
 
 
 def conditionals_from_evidence(hmm: HMM, evidence) -> jax.Array:
   """``[T, V]``: Appendix B's ``G-bar``: ``W τ_t / ||τ_t||_1`` on evidence
   vectors, ``τ_t ∝ P[H_t, e_{-t}]``; 0 where ``τ_t = 0``."""
-  return _conditionals_from_evidence_jit(hmm, _check_evidence(evidence, hmm))
+  return _conditionals_from_evidence_jit(hmm, check_evidence(evidence, hmm))

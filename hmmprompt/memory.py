@@ -39,10 +39,6 @@ floats; at ``K = 2048`` that is 16 MiB and ~4 GFLOP per 1000 tokens.
 """
 
 
-def _concrete(*xs) -> bool:
-  return all(hmm_lib._is_concrete_array(x) for x in xs)
-
-
 # ----------------------------------------------------------------------------
 # Single memory cell.
 
@@ -54,7 +50,24 @@ class _MemoryFields(NamedTuple):
   emission: jax.Array
 
 
-class MemoryHMM(_MemoryFields):
+def _validate_memory(memory_prior, initial, transition, emission) -> None:
+  chk = hmm_lib.check_distribution
+  chk("MemoryHMM.memory_prior", memory_prior, 1)
+  chk("MemoryHMM.initial", initial, 1)
+  chk("MemoryHMM.transition", transition, 2)
+  chk("MemoryHMM.emission", emission, 3)
+  batch = memory_prior.shape[:-1]
+  m, h = memory_prior.shape[-1], initial.shape[-1]
+  if initial.shape[:-1] != batch or transition.shape != batch + (h, h):
+    raise ValueError(f"MemoryHMM.transition must have shape ({h}, {h}) to "
+                     f"match MemoryHMM.initial, got {transition.shape}")
+  if emission.shape[:-1] != batch + (m, h):
+    raise ValueError(f"MemoryHMM.emission must have shape [M, H, V] = "
+                     f"({m}, {h}, V), got {emission.shape}")
+
+
+class MemoryHMM(
+    hmm_lib.validated_params(_MemoryFields, _validate_memory)):
   """Single-cell memory HMM (a pytree).
 
   Attributes:
@@ -65,13 +78,6 @@ class MemoryHMM(_MemoryFields):
   """
 
   __slots__ = ()
-
-  def __new__(cls, memory_prior, initial, transition, emission):
-    fields = (memory_prior, initial, transition, emission)
-    if _concrete(*fields):
-      fields = tuple(jnp.asarray(f) for f in fields)
-      _validate_memory(*fields)
-    return super().__new__(cls, *fields)
 
   @property
   def memory_size(self) -> int:
@@ -85,25 +91,6 @@ class MemoryHMM(_MemoryFields):
   @property
   def vocab_size(self) -> int:
     return self.emission.shape[-1]
-
-
-hmm_lib.register_unchecked_pytree(MemoryHMM)
-
-
-def _validate_memory(memory_prior, initial, transition, emission) -> None:
-  chk = hmm_lib._check_distribution
-  chk("MemoryHMM.memory_prior", memory_prior, 1)
-  chk("MemoryHMM.initial", initial, 1)
-  chk("MemoryHMM.transition", transition, 2)
-  chk("MemoryHMM.emission", emission, 3)
-  batch = memory_prior.shape[:-1]
-  m, h = memory_prior.shape[-1], initial.shape[-1]
-  if initial.shape[:-1] != batch or transition.shape != batch + (h, h):
-    raise ValueError(f"MemoryHMM.transition must have shape ({h}, {h}) to "
-                     f"match MemoryHMM.initial, got {transition.shape}")
-  if emission.shape[:-1] != batch + (m, h):
-    raise ValueError(f"MemoryHMM.emission must have shape [M, H, V] = "
-                     f"({m}, {h}, V), got {emission.shape}")
 
 
 def to_hmm(mhmm: MemoryHMM) -> hmm_lib.HMM:
@@ -142,14 +129,14 @@ def _random_memory_jit(key, memory_size, num_states, vocab_size,
                        transition_temp, emission_temp, initial_temp,
                        memory_temp):
   k_m, k_h = jax.random.split(key)
-  base = hmm_lib._random_hmm_jit(k_h, num_states, vocab_size,
+  base = hmm_lib.draw_random_hmm(k_h, num_states, vocab_size,
                                  transition_temp, emission_temp, initial_temp)
   k_p, k_e = jax.random.split(k_m)
   return MemoryHMM(
-      memory_prior=hmm_lib._random_simplex(k_p, (memory_size,), memory_temp),
+      memory_prior=hmm_lib.random_simplex(k_p, (memory_size,), memory_temp),
       initial=base.initial,
       transition=base.transition,
-      emission=hmm_lib._random_simplex(
+      emission=hmm_lib.random_simplex(
           k_e, (memory_size, num_states, vocab_size), emission_temp))
 
 
@@ -193,9 +180,9 @@ def _memory_posterior_jit(mhmm: MemoryHMM, tokens_T):
   evidence_MxTxH = jnp.where((tokens_T == hmm_lib.MASK)[:, None], 1.0,
                              evidence_MxTxH)
   loglik_M = jax.vmap(
-      lambda h, e: hmm_lib._smooth_impl(h, e).log_likelihood)(
+      lambda h, e: hmm_lib.forward_backward(h, e).log_likelihood)(
           _syntax_hmms(mhmm), evidence_MxTxH)
-  return _normalize_log(hmm_lib._safe_log(mhmm.memory_prior) + loglik_M)
+  return _normalize_log(hmm_lib.safe_log(mhmm.memory_prior) + loglik_M)
 
 
 def memory_posterior(mhmm: MemoryHMM, tokens) -> jax.Array:
@@ -203,20 +190,20 @@ def memory_posterior(mhmm: MemoryHMM, tokens) -> jax.Array:
 
   All zeros if the observed tokens are impossible.
   """
-  tokens = hmm_lib._check_sequence(tokens, mhmm)
+  tokens = hmm_lib.check_sequence(tokens, mhmm)
   return _memory_posterior_jit(mhmm, tokens)
 
 
 @jax.jit
 def _memory_masked_posterior_jit(mhmm: MemoryHMM, tokens_T):
-  masked_TxK = hmm_lib._masked_posterior_jit(to_hmm(mhmm), tokens_T)
+  masked_TxK = hmm_lib.masked_posterior(to_hmm(mhmm), tokens_T)
   return masked_TxK.reshape(tokens_T.shape[0], mhmm.memory_size,
                             mhmm.num_states).sum(-1)
 
 
 def memory_masked_posterior(mhmm: MemoryHMM, tokens) -> jax.Array:
   """``[T, M]``: ``P[M | x_{-t}]`` for every position ``t``."""
-  tokens = hmm_lib._check_sequence(tokens, mhmm)
+  tokens = hmm_lib.check_sequence(tokens, mhmm)
   return _memory_masked_posterior_jit(mhmm, tokens)
 
 
@@ -236,7 +223,28 @@ class _MultiFields(NamedTuple):
   emission: jax.Array
 
 
-class MultiMemoryHMM(_MultiFields):
+def _validate_multi(memory_prior, initial, transition, emission) -> None:
+  chk = hmm_lib.check_distribution
+  chk("MultiMemoryHMM.memory_prior", memory_prior, 2)
+  chk("MultiMemoryHMM.initial", initial, 1)
+  chk("MultiMemoryHMM.transition", transition, 2)
+  chk("MultiMemoryHMM.emission", emission, 4)
+  if memory_prior.ndim != 2:
+    raise ValueError("MultiMemoryHMM.memory_prior must have shape [N, M] "
+                     "(batches of multi-cell HMMs are not supported)")
+  n, m = memory_prior.shape
+  if emission.shape[:2] != (n, m):
+    raise ValueError(f"MultiMemoryHMM.emission must have shape [N, M, S, V] "
+                     f"= ({n}, {m}, S, V), got {emission.shape}")
+  k = n * emission.shape[2]
+  if initial.shape != (k,) or transition.shape != (k, k):
+    raise ValueError(f"MultiMemoryHMM.initial/transition must have shapes "
+                     f"({k},) and ({k}, {k}) for N*S = {k}, got "
+                     f"{initial.shape} and {transition.shape}")
+
+
+class MultiMemoryHMM(
+    hmm_lib.validated_params(_MultiFields, _validate_multi)):
   """Memory HMM with ``N`` cells (a pytree).
 
   Attributes:
@@ -248,13 +256,6 @@ class MultiMemoryHMM(_MultiFields):
   """
 
   __slots__ = ()
-
-  def __new__(cls, memory_prior, initial, transition, emission):
-    fields = (memory_prior, initial, transition, emission)
-    if _concrete(*fields):
-      fields = tuple(jnp.asarray(f) for f in fields)
-      _validate_multi(*fields)
-    return super().__new__(cls, *fields)
 
   @property
   def num_cells(self) -> int:
@@ -275,29 +276,6 @@ class MultiMemoryHMM(_MultiFields):
   @property
   def num_product_states(self) -> int:
     return self.memory_size**self.num_cells * self.num_cells * self.num_syntax
-
-
-hmm_lib.register_unchecked_pytree(MultiMemoryHMM)
-
-
-def _validate_multi(memory_prior, initial, transition, emission) -> None:
-  chk = hmm_lib._check_distribution
-  chk("MultiMemoryHMM.memory_prior", memory_prior, 2)
-  chk("MultiMemoryHMM.initial", initial, 1)
-  chk("MultiMemoryHMM.transition", transition, 2)
-  chk("MultiMemoryHMM.emission", emission, 4)
-  if memory_prior.ndim != 2:
-    raise ValueError("MultiMemoryHMM.memory_prior must have shape [N, M] "
-                     "(batches of multi-cell HMMs are not supported)")
-  n, m = memory_prior.shape
-  if emission.shape[:2] != (n, m):
-    raise ValueError(f"MultiMemoryHMM.emission must have shape [N, M, S, V] "
-                     f"= ({n}, {m}, S, V), got {emission.shape}")
-  k = n * emission.shape[2]
-  if initial.shape != (k,) or transition.shape != (k, k):
-    raise ValueError(f"MultiMemoryHMM.initial/transition must have shapes "
-                     f"({k},) and ({k}, {k}) for N*S = {k}, got "
-                     f"{initial.shape} and {transition.shape}")
 
 
 def random_multi_memory_hmm(key, num_cells: int, memory_size: int,
@@ -324,15 +302,15 @@ def _random_multi_jit(key, num_cells, memory_size, num_syntax, vocab_size,
                       transition_temp, emission_temp, initial_temp,
                       memory_temp):
   k_c, k_p, k_e = jax.random.split(key, 3)
-  chain = hmm_lib._random_hmm_jit(k_c, num_cells * num_syntax, vocab_size,
+  chain = hmm_lib.draw_random_hmm(k_c, num_cells * num_syntax, vocab_size,
                                   transition_temp, emission_temp,
                                   initial_temp)
   return MultiMemoryHMM(
-      memory_prior=hmm_lib._random_simplex(k_p, (num_cells, memory_size),
+      memory_prior=hmm_lib.random_simplex(k_p, (num_cells, memory_size),
                                            memory_temp),
       initial=chain.initial,
       transition=chain.transition,
-      emission=hmm_lib._random_simplex(
+      emission=hmm_lib.random_simplex(
           k_e, (num_cells, memory_size, num_syntax, vocab_size),
           emission_temp))
 
@@ -385,7 +363,7 @@ def _cell_posteriors_jit(mm: MultiMemoryHMM, tokens_T):
   product = multi_to_hmm(mm)
   # Memory is constant, so P[config | x] is any position's marginal; read it
   # off position 0's posterior.
-  post_K = hmm_lib._posterior_jit(product, tokens_T)[0]
+  post_K = hmm_lib.posterior(product, tokens_T)[0]
   n, m = mm.num_cells, mm.memory_size
   post_C = post_K.reshape(-1, n * mm.num_syntax).sum(-1)
   configs_CxN = jnp.asarray(_memory_configs(n, m))
@@ -399,5 +377,5 @@ def cell_posteriors(mm: MultiMemoryHMM, tokens) -> jax.Array:
   Mask one position with ``MASK`` for ``P[M_j | x_{-t}]``.
   """
   _check_product_size(mm)
-  tokens = hmm_lib._check_sequence(tokens, mm)
+  tokens = hmm_lib.check_sequence(tokens, mm)
   return _cell_posteriors_jit(mm, tokens)

@@ -28,17 +28,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from hmmprompt import hmm as hmm_lib
-from hmmprompt import memory as memory_lib
+from hmmprompt import models
 from hmmprompt import validation
 
-Model = Union[hmm_lib.HMM, memory_lib.MemoryHMM]
+Model = models.Model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,12 +107,7 @@ class Task(NamedTuple):
 
 def num_latent(model: Model) -> int:
   """``K``: ``|H|`` for a vanilla HMM, ``|M|`` for a memory HMM."""
-  if isinstance(model, memory_lib.MemoryHMM):
-    return model.memory_size
-  if isinstance(model, hmm_lib.HMM):
-    return model.num_states
-  raise TypeError(f"model must be an HMM or a MemoryHMM, got "
-                  f"{type(model).__name__}")
+  return models.latent_size(model)
 
 
 def task_weights(key, num_latent: int, num_classes: int = 2,
@@ -132,12 +127,10 @@ def latent_posterior(model: Model, tokens_T: jax.Array,
 
   ``tokens_T`` includes the leading ``MASK``. Traceable; vmap it.
   """
-  if isinstance(model, memory_lib.MemoryHMM):
-    return memory_lib._memory_posterior_jit(model, tokens_T)
-  if labeling == "authors":
-    first_real_H = hmm_lib._posterior_jit(model, tokens_T[1:])[0]
+  if labeling == "authors" and models.kind(model) == "vanilla":
+    first_real_H = hmm_lib.posterior(model, tokens_T[1:])[0]
     return model.transition @ first_real_H
-  return hmm_lib._masked_posterior_jit(model, tokens_T)[0]
+  return models.latent_posterior(model, tokens_T)
 
 
 def labels_from_latent(mu: jax.Array, latent_NxK: jax.Array) -> jax.Array:
@@ -145,18 +138,21 @@ def labels_from_latent(mu: jax.Array, latent_NxK: jax.Array) -> jax.Array:
   return jnp.argmax(latent_NxK @ mu.T, axis=-1).astype(jnp.int32)
 
 
-def _sample_examples(key, model: Model, n: int, seq_len: int,
-                     labeling: str) -> jax.Array:
+def sample_examples(key, model: Model, n: int, seq_len: int,
+                    labeling: str = "paper") -> jax.Array:
+  """``int32 [n, seq_len + 1]`` example inputs, ``MASK`` at position 0.
+
+  ``"paper"``: ``seq_len + 1`` sampled tokens with the first masked;
+  ``"authors"``: ``MASK`` prepended to ``seq_len`` sampled tokens.
+  Traceable (sizes static).
+  """
   keys = jax.random.split(key, n)
   if labeling == "authors":
     length = seq_len
   else:
     length = seq_len + 1
-  if isinstance(model, memory_lib.MemoryHMM):
-    draw = lambda k: memory_lib.sample(k, model, length)[0]
-  else:
-    draw = lambda k: hmm_lib._sample_impl(k, model, length)[0]
-  tokens_NxL = jax.vmap(draw)(keys)
+  tokens_NxL = jax.vmap(lambda k: models.sample_tokens(k, model, length))(
+      keys)
   mask_N1 = jnp.full((n, 1), hmm_lib.MASK, jnp.int32)
   if labeling == "authors":
     return jnp.concatenate([mask_N1, tokens_NxL], axis=1)
@@ -164,14 +160,19 @@ def _sample_examples(key, model: Model, n: int, seq_len: int,
 
 
 @functools.partial(jax.jit, static_argnums=(2,))
-def _draw_task(key, model: Model, config: TaskConfig):
+def draw_task(key, model: Model, config: TaskConfig):
+  """One draw of ``(mu, (train, val, test))``, unchecked for degeneracy.
+
+  :func:`make_task` calls it with ``fold_in(key, attempt)`` until the
+  labels are balanced enough. Jitted (``config`` static).
+  """
   k_mu, k_tr, k_va, k_te = jax.random.split(key, 4)
   mu = task_weights(k_mu, num_latent(model), config.num_classes,
                     config.num_nonzero)
   splits = []
   for k, n in ((k_tr, config.num_train), (k_va, config.num_val),
                (k_te, config.num_test)):
-    tokens = _sample_examples(k, model, n, config.seq_len, config.labeling)
+    tokens = sample_examples(k, model, n, config.seq_len, config.labeling)
     latent = jax.vmap(lambda t: latent_posterior(model, t, config.labeling))(
         tokens)
     splits.append(Split(tokens, labels_from_latent(mu, latent), latent))
@@ -193,7 +194,7 @@ def make_task(key, model: Model, config: TaskConfig = TaskConfig()) -> Task:
   num_latent(model)  # type check with a clear error
   share = None
   for attempt in range(config.max_redraws + 1):
-    mu, (train, val, test) = _draw_task(jax.random.fold_in(key, attempt),
+    mu, (train, val, test) = draw_task(jax.random.fold_in(key, attempt),
                                         model, config)
     all_labels = np.concatenate([np.asarray(s.labels)
                                  for s in (train, val, test)])

@@ -22,6 +22,7 @@ import numpy as np
 
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import memory as memory_lib
+from hmmprompt import models
 
 SUPPORT_TOL = 1e-8
 RANK_TOL = 1e-6
@@ -297,3 +298,10 @@ def memory_verdicts(mhmm: memory_lib.MemoryHMM, mu) -> dict:
   return {"4.2": assumption_4_2(mhmm).as_dict(),
           "4.4": assumption_4_4(mhmm).as_dict(),
           "4.5": assumption_4_5(mhmm, mu).as_dict()}
+
+
+def verdicts(model: models.Model, mu) -> dict:
+  """The assumptions of the model's section, as JSON-ready dicts."""
+  if models.kind(model) == "memory":
+    return memory_verdicts(model, mu)
+  return vanilla_verdicts(model, mu)

@@ -13,7 +13,9 @@ import pytest
 from hmmprompt import checkpoints as ckpt_lib
 from hmmprompt import corpus as corpus_lib
 from hmmprompt import hmm as hmm_lib
+from hmmprompt import config_flags
 from hmmprompt import pretrain
+from hmmprompt.pretrain import train as pretrain_train
 from hmmprompt import tasks
 from hmmprompt import tuning
 from hmmprompt.backbones import transformer
@@ -192,22 +194,22 @@ def test_other_config_in_same_workdir_is_refused(trained, model):
 
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(
     tmp_path, model, monkeypatch):
-  real = pretrain.make_train_step
+  real = pretrain_train.make_train_step
 
   def diverging(cfg, mesh):
     step = real(cfg, mesh)
 
     def wrapped(state, *batch):
       new, loss = step(state, *batch)
-      if int(new["step"]) >= 16:
-        new = {**new, "params": jax.tree.map(lambda x: x * jnp.nan,
-                                             new["params"])}
+      if int(new.step) >= 16:
+        new = new.replace(params=jax.tree.map(lambda x: x * jnp.nan,
+                                              new.params))
         loss = loss * jnp.nan
       return new, loss
 
     return wrapped
 
-  monkeypatch.setattr(pretrain, "make_train_step", diverging)
+  monkeypatch.setattr(pretrain_train, "make_train_step", diverging)
   cfg = dataclasses.replace(TINY, log_every=5, ckpt_every=10, eval_every=10)
   with pytest.raises(FloatingPointError,
                      match=r"non-finite loss at step 16.*step 10"):
@@ -224,7 +226,8 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(
 def _run_binary(workdir, *extra):
   return subprocess.run(
       [sys.executable, "-m", "experiments.pretrain", "--preset=tiny",
-       f"--workdir={workdir}", "--num_states=6", "--hmm_seed=3", *extra],
+       f"--workdir={workdir}", "--config.num_states=6",
+       "--config.hmm_seed=3", *extra],
       capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
@@ -254,8 +257,13 @@ def test_bad_flags_fail_clearly(tmp_path):
                         "--preset=tiny"], capture_output=True, text=True,
                        timeout=120, cwd=ROOT)
   assert out.returncode != 0 and "--workdir is required" in out.stderr
-  out = _run_binary(str(tmp_path), "--num_heads=3")
+  out = _run_binary(str(tmp_path), "--config.pretrain.model.num_heads=3")
   assert out.returncode != 0 and "divisible by num_heads" in out.stderr
+  assert "Traceback" not in out.stderr
+  out = _run_binary(str(tmp_path), "--config.pretrain.lr_typo=1")
+  assert out.returncode != 0 and "config.pretrain.lr_typo" in out.stderr
+  out = _run_binary(str(tmp_path), "--config.pretrain.steps=ten")
+  assert out.returncode != 0 and "config.pretrain.steps" in out.stderr
   assert "Traceback" not in out.stderr
 
 
@@ -275,7 +283,7 @@ for s in range(3):
                       cfg.batch_size, 10), sharding.batch_sharded(mesh))
   state, loss = step(state, *batch)
   losses.append(float(loss))
-leaf = jax.tree.leaves(state["params"])[0]
+leaf = jax.tree.leaves(state.params)[0]
 print(json.dumps({"devices": jax.device_count(), "losses": losses,
                   "shards": len(batch[0].sharding.device_set),
                   "param_sum": float(abs(leaf).sum())}))
@@ -329,22 +337,24 @@ def test_lr_cycles_schedule_steps_cap_and_stop_points(tmp_path, model):
   assert final["step"] == 30
 
 
-def test_parse_overrides_builds_configs_and_names_bad_items():
-  kw = pretrain.parse_overrides(
-      ["batch_size=64", "lr=3e-3", "model.num_heads=2", "cycles=500:1500",
-       "corpus.mask_rate=0.05", "dtype=float32", "target_gap=none"])
-  assert kw == {"batch_size": 64, "lr": 3e-3, "model": {"num_heads": 2},
-                "cycles": (500, 1500), "corpus": {"mask_rate": 0.05},
-                "dtype": "float32", "target_gap": None}
-  cfg = pretrain.configure("cpu", 10, **kw)
+def test_config_overrides_build_configs_and_name_bad_items():
+  base = pretrain.configure("cpu", 10)
+  cfg = config_flags.apply(base, {
+      "batch_size": "64", "lr": "3e-3", "model.num_heads": "2",
+      "cycles": "500:1500", "corpus.mask_rate": "0.05",
+      "model.dtype": "float32", "target_gap": "none"})
   assert (cfg.batch_size, cfg.lr, cfg.model.num_heads, cfg.cycles,
           cfg.steps, cfg.corpus.mask_rate, cfg.target_gap) == (
               64, 3e-3, 2, (500, 1500), 2000, 0.05, None)
-  for item, match in [("lr", "not key=value"), ("model.foo=1", "model.foo"),
-                      ("bogus=1", "unknown pretraining override"),
-                      ("cycles=1:x", "cycles must be")]:
+  # A steps override cuts the preset's cycles, as configure(steps=...).
+  assert config_flags.apply(base, {"steps": 3500}) == pretrain.configure(
+      "cpu", 10, steps=3500)
+  for item, match in [({"model.foo": "1"}, "model.foo"),
+                      ({"bogus": "1"}, "unknown config key 'bogus'"),
+                      ({"cycles": "1:x"}, "config.cycles"),
+                      ({"model.num_heads": "3"}, "divisible by num_heads")]:
     with pytest.raises(ValueError, match=match):
-      pretrain.parse_overrides([item])
+      config_flags.apply(base, item)
 
 
 def test_train_flops_per_token_matches_xla_cost_analysis():

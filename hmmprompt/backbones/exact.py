@@ -15,26 +15,23 @@ from __future__ import annotations
 import jax
 
 from hmmprompt import hmm as hmm_lib
-from hmmprompt import memory as memory_lib
+from hmmprompt import models
 from hmmprompt.backbones import Backbone
 
-
-def _embed(params: hmm_lib.HMM, tokens_T):
-  return hmm_lib._embed_impl(params, tokens_T)
-
-
-def _apply(params: hmm_lib.HMM, emb_TxH):
-  return hmm_lib._conditionals_impl(params, emb_TxH)
+# Module-level functions (not closures), so that every exact backbone of
+# one size is the same static jit argument and tuning compiles once.
+BACKBONE_NAME = "exact"
 
 
-def make(model) -> tuple[Backbone, hmm_lib.HMM]:
-  """``(backbone, params)`` for an ``HMM`` or a single-cell ``MemoryHMM``."""
-  if isinstance(model, memory_lib.MemoryHMM):
-    model = memory_lib.to_hmm(model)
-  if not isinstance(model, hmm_lib.HMM):
-    raise TypeError(f"exact backbone needs an HMM or MemoryHMM, got "
-                    f"{type(model).__name__}")
-  backbone = Backbone(name="exact", embed=_embed, apply=_apply,
+def make(model: models.Model) -> tuple[Backbone, hmm_lib.HMM]:
+  """``(backbone, params)`` for an ``HMM`` or a single-cell ``MemoryHMM``.
+
+  ``embed`` is :func:`hmm.token_evidence`, ``apply`` is
+  :func:`hmm.evidence_conditionals`; ``params`` is the (product-state) HMM.
+  """
+  hmm = models.as_hmm(model)
+  backbone = Backbone(name=BACKBONE_NAME, embed=hmm_lib.token_evidence,
+                      apply=hmm_lib.evidence_conditionals,
                       prompt_embedding=jax.nn.sigmoid,
-                      embed_dim=model.num_states, vocab_size=model.vocab_size)
-  return backbone, model
+                      embed_dim=hmm.num_states, vocab_size=hmm.vocab_size)
+  return backbone, hmm

@@ -14,6 +14,7 @@ prepended to the token embeddings (positions then count the prompt).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -142,8 +143,17 @@ def train_flops_per_token(cfg: MLMConfig, seq_len: int) -> float:
 
 
 def make_backbone(cfg: MLMConfig) -> Backbone:
-  """The backbone interface over ``MLM`` params (fp32 compute for tuning)."""
-  cfg = dataclasses.replace(cfg, dtype="float32")
+  """The backbone interface over ``MLM`` params (fp32 compute for tuning).
+
+  Cached per config: a ``Backbone`` is a static jit argument of tuning, so
+  two pretrained models of one config must give the *same* object (its
+  functions are closures) to share compiled tuning programs.
+  """
+  return _backbone_for(dataclasses.replace(cfg, dtype="float32"))
+
+
+@functools.lru_cache(maxsize=None)
+def _backbone_for(cfg: MLMConfig) -> Backbone:
   model = MLM(cfg)
 
   def embed(params, tokens_T):

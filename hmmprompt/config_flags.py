@@ -1,0 +1,138 @@
+"""Typed config trees for absl binaries: named presets, path overrides.
+
+A binary's configuration is one tree of frozen, validating dataclasses (a
+field whose value is a dataclass is a subtree). The binary picks a named
+preset (its ``--preset`` flag); :func:`define` registers
+``--config.<path>=<value>`` for every leaf, e.g. ``--config.pretrain.lr=3e-3``
+or ``--config.left_sizes=4,8``. A key that is not a leaf is refused by
+absl, naming it ("Unknown command line flag 'config.pretrain.lr_typo'");
+:func:`apply` (the same overrides from Python) refuses it likewise.
+
+Values are parsed by the leaf's annotated type (``int``, ``float``,
+``bool``, ``str``, ``tuple[int, ...]`` as ``4,8`` or ``4:8``, and ``X |
+None`` with ``none``). Overrides are applied with ``dataclasses.replace``
+(or the class's ``with_overrides`` where it keeps fields consistent), so
+every ``__post_init__`` check runs on the final values. This is
+ml_collections' ``config_flags`` convention (what flax's examples and
+nanodo use) for frozen dataclasses: ml_collections sets fields in place,
+which frozen dataclasses refuse and which would skip their validation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from typing import Any, Mapping
+
+from absl import flags
+
+PREFIX = "config"
+
+
+def _hints(cls) -> dict:
+  return typing.get_type_hints(cls)
+
+
+def leaves(cfg, prefix: str = "") -> dict[str, Any]:
+  """``{"a.b.c": type hint}`` for every non-dataclass field of ``cfg``."""
+  out = {}
+  hints = _hints(type(cfg))
+  for f in dataclasses.fields(cfg):
+    value = getattr(cfg, f.name)
+    path = f"{prefix}{f.name}"
+    if dataclasses.is_dataclass(value):
+      out.update(leaves(value, path + "."))
+    else:
+      out[path] = hints[f.name]
+  return out
+
+
+def parse(text: str, hint, path: str = "value"):
+  """Parses ``text`` as ``hint``; ``ValueError`` naming ``path``."""
+  text = text.strip()
+  origin = typing.get_origin(hint)
+  if origin in (typing.Union, types.UnionType):
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if text.lower() == "none":
+      return None
+    return parse(text, args[0], path)
+  try:
+    if origin is tuple:
+      (elem, *_) = typing.get_args(hint) or (str,)
+      parts = [p for p in text.replace(":", ",").split(",") if p.strip()]
+      return tuple(parse(p, elem, path) for p in parts)
+    if hint is bool:
+      low = text.lower()
+      if low in ("true", "1", "yes"):
+        return True
+      if low in ("false", "0", "no"):
+        return False
+      raise ValueError(text)
+    if hint in (int, float, str):
+      return hint(text)
+  except ValueError:
+    raise ValueError(f"--{PREFIX}.{path}={text!r} is not a valid "
+                     f"{getattr(hint, '__name__', hint)}") from None
+  raise ValueError(f"--{PREFIX}.{path}: cannot parse type {hint}")
+
+
+def apply(cfg, overrides: Mapping[str, Any]):
+  """``cfg`` with ``{"a.b": value}`` overrides (strings are parsed).
+
+  Raises:
+    ValueError: an unknown path (named), an unparsable value, or a value
+      the dataclasses' own checks refuse.
+  """
+  known = leaves(cfg)
+  for path in overrides:
+    if path not in known:
+      raise ValueError(f"unknown config key {path!r}; known keys: "
+                       + ", ".join(sorted(known)))
+  parsed = {p: parse(v, known[p], p) if isinstance(v, str)
+            and known[p] is not str else v for p, v in overrides.items()}
+  return _apply_nested(cfg, parsed)
+
+
+def _apply_nested(cfg, overrides: Mapping[str, Any]):
+  direct, nested = {}, {}
+  for path, value in overrides.items():
+    head, _, rest = path.partition(".")
+    if rest:
+      nested.setdefault(head, {})[rest] = value
+    else:
+      direct[head] = value
+  for head, sub in nested.items():
+    direct[head] = _apply_nested(getattr(cfg, head), sub)
+  if not direct:
+    return cfg
+  if hasattr(cfg, "with_overrides"):
+    return cfg.with_overrides(**direct)
+  return dataclasses.replace(cfg, **direct)
+
+
+def define(default_cfg, flag_values=flags.FLAGS) -> "Overrides":
+  """Registers ``--config.<path>`` string flags for every leaf of
+  ``default_cfg`` (its values shown as the defaults in ``--help``)."""
+  for path, hint in leaves(default_cfg).items():
+    value = functools.reduce(getattr, path.split("."), default_cfg)
+    flags.DEFINE_string(f"{PREFIX}.{path}", None,
+                        f"{getattr(hint, '__name__', hint)}; preset default "
+                        f"{value!r}", flag_values=flag_values)
+  return Overrides(tuple(leaves(default_cfg)), flag_values)
+
+
+@dataclasses.dataclass(frozen=True)
+class Overrides:
+  paths: tuple[str, ...]
+  flag_values: Any
+
+  def value(self) -> dict[str, str]:
+    """The ``--config.*`` flags given on the command line."""
+    out = {}
+    for path in self.paths:
+      v = self.flag_values[f"{PREFIX}.{path}"].value
+      if v is not None:
+        out[path] = v
+    return out

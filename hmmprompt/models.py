@@ -1,0 +1,131 @@
+"""Any generative model of the experiments: one home for the two kinds.
+
+A *model* is a vanilla :class:`hmm.HMM` or a single-cell
+:class:`memory.MemoryHMM`. Everything above the HMM math (corpus, tasks,
+backbones, pretraining, the sweep) goes through these functions instead of
+telling the kinds apart itself, so a new kind is added here once.
+
+* :func:`kind`: ``"vanilla"`` or ``"memory"`` (``TypeError`` otherwise);
+* :func:`as_hmm`: the equivalent vanilla HMM (product states for memory);
+* :func:`sample_tokens`: ``int32 [T]`` text, traceable and vmappable;
+* :func:`latent_size` / :func:`latent_posterior`: the latent variable a
+  downstream label reads (``H_0`` at a leading ``MASK``, or the memory);
+* :func:`random_model`: Appendix D's random draw of either kind;
+* :func:`save` / :func:`load`: an ``.npz`` written atomically;
+* :func:`fingerprint`: a short hash of the parameters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from typing import Union
+
+import jax
+import numpy as np
+
+from hmmprompt import hmm as hmm_lib
+from hmmprompt import memory as memory_lib
+from hmmprompt import results as results_lib
+
+Model = Union[hmm_lib.HMM, memory_lib.MemoryHMM]
+KINDS = ("vanilla", "memory")
+
+
+def kind(model) -> str:
+  """``"vanilla"`` or ``"memory"``; ``TypeError`` naming any other type."""
+  if isinstance(model, memory_lib.MemoryHMM):
+    return "memory"
+  if isinstance(model, hmm_lib.HMM):
+    return "vanilla"
+  raise TypeError(f"expected an HMM or a MemoryHMM, got "
+                  f"{type(model).__name__}")
+
+
+def as_hmm(model: Model) -> hmm_lib.HMM:
+  """The vanilla HMM that generates the same text (``|M||H|`` states)."""
+  if kind(model) == "memory":
+    return memory_lib.to_hmm(model)
+  return model
+
+
+def latent_size(model: Model) -> int:
+  """``K``: ``|H|`` for a vanilla HMM, ``|M|`` for a memory HMM."""
+  if kind(model) == "memory":
+    return model.memory_size
+  return model.num_states
+
+
+def sample_tokens(key, model: Model, length: int) -> jax.Array:
+  """``int32 [length]`` tokens from the initial distribution; traceable."""
+  if kind(model) == "memory":
+    return memory_lib.sample(key, model, length)[0]
+  return hmm_lib.draw_sequence(key, model, length)[0]
+
+
+def latent_posterior(model: Model, tokens_T: jax.Array) -> jax.Array:
+  """``[K]``: the latent's posterior given ``tokens_T`` minus position 0.
+
+  Vanilla: ``P[H_0 | x_{-0}]``; memory: ``P[M | x]`` (the memory is shared
+  by all positions; ``tokens_T[0]`` is ``MASK`` in every task, so the two
+  coincide). Traceable; vmap it.
+  """
+  if kind(model) == "memory":
+    return memory_lib.memory_posterior(model, tokens_T)
+  return hmm_lib.masked_posterior(model, tokens_T)[0]
+
+
+def random_model(key, model_kind: str, num_states: int, vocab_size: int,
+                 memory_size: int = 0) -> Model:
+  """Appendix D's random model; ``num_states`` is ``|H|`` (syntax states
+  for memory)."""
+  if model_kind == "memory":
+    return memory_lib.random_memory_hmm(key, memory_size, num_states,
+                                        vocab_size)
+  if model_kind == "vanilla":
+    return hmm_lib.random_hmm(key, num_states, vocab_size)
+  raise ValueError(f"model kind must be one of {KINDS}, got {model_kind!r}")
+
+
+def fingerprint(model: Model) -> str:
+  """12 hex digits of a hash of the kind and the float32 parameters."""
+  h = hashlib.sha256(kind(model).encode())
+  for leaf in model:
+    a = np.ascontiguousarray(np.asarray(leaf, np.float32))
+    h.update(str(a.shape).encode())
+    h.update(a.tobytes())
+  return h.hexdigest()[:12]
+
+
+def save(path: str, model: Model) -> None:
+  """Writes ``model`` to ``path`` (``.npz``) atomically."""
+  buf = io.BytesIO()
+  np.savez(buf, kind=np.array(kind(model)),
+           **{k: np.asarray(v) for k, v in model._asdict().items()})
+  results_lib.atomic_write_bytes(path, buf.getvalue())
+
+
+def load(path: str) -> Model:
+  """Reads a model written by :func:`save` (validated on construction).
+
+  Raises:
+    FileNotFoundError: ``path`` does not exist.
+    ValueError: the file names an unknown kind or holds invalid parameters.
+  """
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"no model file at {path}")
+  with np.load(path) as z:
+    model_kind = str(z["kind"])
+    fields = {k: z[k] for k in z.files if k != "kind"}
+  if model_kind == "memory":
+    return memory_lib.MemoryHMM(**fields)
+  if model_kind == "vanilla":
+    return hmm_lib.HMM(**fields)
+  raise ValueError(f"{path} holds a model of unknown kind {model_kind!r}")
+
+
+def same(a: Model, b: Model) -> bool:
+  """Whether two models are of one kind with bitwise-equal parameters."""
+  return kind(a) == kind(b) and all(
+      np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))

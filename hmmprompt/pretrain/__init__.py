@@ -1,0 +1,33 @@
+"""Masked-LM pretraining on HMM text, measured against the Bayes optimum.
+
+One role per module:
+
+* :mod:`~hmmprompt.pretrain.config`: :class:`PretrainConfig` and the named
+  presets (``tiny``, ``cpu``, ``cpu_capped``, ``paper``), :func:`configure`;
+* :mod:`~hmmprompt.pretrain.train`: :class:`TrainState`, AdamW with
+  learning-rate cycles, the loss and the jitted data-parallel step;
+* :mod:`~hmmprompt.pretrain.evaluation`: held-out CE against the exact Bayes
+  conditionals;
+* :mod:`~hmmprompt.pretrain.workdir`: the run directory and
+  :func:`load_backbone`;
+* :mod:`~hmmprompt.pretrain.loop`: :func:`run` (resumable, early stop at
+  a target gap).
+"""
+
+from hmmprompt.pretrain.config import PRESETS
+from hmmprompt.pretrain.config import PretrainConfig
+from hmmprompt.pretrain.config import configure
+from hmmprompt.pretrain.config import preset_config
+from hmmprompt.pretrain.config import resolve_dtype
+from hmmprompt.pretrain.evaluation import ValidationSet
+from hmmprompt.pretrain.evaluation import evaluate
+from hmmprompt.pretrain.evaluation import validation_set
+from hmmprompt.pretrain.loop import Keys
+from hmmprompt.pretrain.loop import run
+from hmmprompt.pretrain.train import TrainState
+from hmmprompt.pretrain.train import init_state
+from hmmprompt.pretrain.train import lr_schedule
+from hmmprompt.pretrain.train import make_optimizer
+from hmmprompt.pretrain.train import make_train_step
+from hmmprompt.pretrain.train import mlm_loss
+from hmmprompt.pretrain.workdir import load_backbone

@@ -1,0 +1,72 @@
+"""Held-out quality against the exact Bayes conditionals.
+
+On held-out sequences masked with ``MASK`` at the training rate, ``mlm_ce``
+(the model's cross-entropy at the masked positions) is measured beside
+``bayes_ce`` (that of the exact conditionals, :func:`hmm.conditionals`) and
+``tv`` (mean total variation between the two predicted distributions).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hmmprompt import corpus as corpus_lib
+from hmmprompt import hmm as hmm_lib
+from hmmprompt import models
+from hmmprompt.backbones import transformer
+from hmmprompt.pretrain.config import PretrainConfig
+
+
+class ValidationSet(NamedTuple):
+  """``inputs``/``targets``/``weights`` ``[N, T]`` and the exact
+  conditionals ``exact [N, T, V]`` of the inputs."""
+
+  inputs: jax.Array
+  targets: jax.Array
+  weights: jax.Array
+  exact: jax.Array
+
+
+def validation_set(key, model: models.Model,
+                   cfg: PretrainConfig) -> ValidationSet:
+  """Held-out sequences of the context length, ``MASK``-only masking."""
+  seqs = corpus_lib.sample_sequences(key, model, cfg.corpus.val_seqs,
+                                     cfg.corpus.chunk_len)
+  inputs, weights = corpus_lib.mask_tokens(
+      jax.random.fold_in(key, 1), seqs, cfg.corpus.mask_rate,
+      cfg.model.vocab_size, bert=False)
+  exact = jax.jit(jax.vmap(hmm_lib.conditionals, in_axes=(None, 0)))(
+      models.as_hmm(model), inputs)
+  return ValidationSet(inputs, seqs, weights, exact)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _eval_sums(params, model_cfg, inputs, targets, weights, exact):
+  """``[4]``: weighted sums of model CE, Bayes CE, TV, and the weight."""
+  p_model = jax.nn.softmax(
+      transformer.MLM(model_cfg).apply(params, inputs), -1)
+  take = lambda p: jnp.take_along_axis(p, targets[..., None], -1)[..., 0]
+  ce_model = -jnp.log(jnp.maximum(take(p_model), 1e-30))
+  ce_bayes = -jnp.log(jnp.maximum(take(exact), 1e-30))
+  tv = 0.5 * jnp.sum(jnp.abs(p_model - exact), -1)
+  w = weights
+  return jnp.stack([jnp.sum(ce_model * w), jnp.sum(ce_bayes * w),
+                    jnp.sum(tv * w), jnp.sum(w)])
+
+
+def evaluate(params, cfg: PretrainConfig, val: ValidationSet) -> dict:
+  """``{"mlm_ce", "bayes_ce", "tv", "ce_gap", "eval_positions"}``."""
+  tot = np.zeros(4)
+  for i in range(0, val.inputs.shape[0], cfg.eval_batch):
+    sl = slice(i, i + cfg.eval_batch)
+    tot += np.asarray(_eval_sums(params, cfg.model, val.inputs[sl],
+                                 val.targets[sl], val.weights[sl],
+                                 val.exact[sl]))
+  n = max(tot[3], 1.0)
+  return {"mlm_ce": tot[0] / n, "bayes_ce": tot[1] / n, "tv": tot[2] / n,
+          "ce_gap": (tot[0] - tot[1]) / n, "eval_positions": int(tot[3])}

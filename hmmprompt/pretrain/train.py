@@ -1,0 +1,89 @@
+"""The train state, optimizer, loss and the jitted data-parallel step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from hmmprompt import sharding as sharding_lib
+from hmmprompt.backbones import transformer
+from hmmprompt.pretrain.config import PretrainConfig
+
+
+@flax.struct.dataclass
+class TrainState:
+  """What a checkpoint holds: ``step`` (int32 ``[]``), ``params`` (the
+  ``MLM`` variables) and ``opt_state`` (AdamW's moments and count).
+
+  Our own frozen pytree dataclass rather than flax's ``TrainState``: the
+  optimizer is rebuilt from the config, so the state carries no functions
+  and orbax saves and restores it as plain arrays.
+  """
+
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+def lr_schedule(cfg: PretrainConfig):
+  """Warmup then linear decay to 0, per cycle (one cycle without cycles)."""
+
+  def cycle(length, peak):
+    warmup = min(cfg.warmup_steps, max(length - 1, 0))
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, peak, max(warmup, 1)),
+         optax.linear_schedule(peak, 0.0, max(length - warmup, 1))],
+        [warmup])
+
+  lengths = cfg.cycles or (cfg.total_steps,)
+  parts = [cycle(n, cfg.lr * (0.5 if i else 1.0))
+           for i, n in enumerate(lengths)]
+  return optax.join_schedules(parts, list(cfg.cycle_ends[:-1]))
+
+
+def make_optimizer(cfg: PretrainConfig) -> optax.GradientTransformation:
+  """Global-norm clipping, then AdamW on :func:`lr_schedule`."""
+  return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                     optax.adamw(lr_schedule(cfg),
+                                 weight_decay=cfg.weight_decay))
+
+
+def mlm_loss(params, model_cfg, inputs_BxT, targets_BxT, weights_BxT):
+  """Mean cross-entropy over the weighted (masked) positions."""
+  logits_BxTxV = transformer.MLM(model_cfg).apply(params, inputs_BxT)
+  ce_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV,
+                                                           targets_BxT)
+  return jnp.sum(ce_BxT * weights_BxT) / jnp.maximum(jnp.sum(weights_BxT),
+                                                     1.0)
+
+
+def init_state(key, cfg: PretrainConfig) -> TrainState:
+  params = transformer.init_params(key, cfg.model)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                    opt_state=make_optimizer(cfg).init(params))
+
+
+def make_train_step(cfg: PretrainConfig, mesh):
+  """``step(state, inputs, targets, weights) -> (state, loss)``, jitted.
+
+  Params replicated, the batch split along the mesh's data axis; the old
+  state's buffers are donated.
+  """
+  opt = make_optimizer(cfg)
+  rep = sharding_lib.replicated(mesh)
+  bat = sharding_lib.batch_sharded(mesh)
+
+  def step(state: TrainState, inputs_BxT, targets_BxT, weights_BxT):
+    loss, grads = jax.value_and_grad(mlm_loss)(
+        state.params, cfg.model, inputs_BxT, targets_BxT, weights_BxT)
+    updates, opt_state = opt.update(grads, state.opt_state, state.params)
+    return TrainState(step=state.step + 1,
+                      params=optax.apply_updates(state.params, updates),
+                      opt_state=opt_state), loss
+
+  return jax.jit(step, in_shardings=(rep, bat, bat, bat),
+                 out_shardings=(rep, rep), donate_argnums=0)
