@@ -7,35 +7,37 @@ import numpy as np
 import pytest
 
 from experiments import figure3
-from hmmprompt import pretrain
+from experiments.figure3 import records
+from experiments.figure3 import sweep
 from hmmprompt import results as results_lib
-from hmmprompt import tasks
 from hmmprompt import tuning
+from hmmprompt.pretrain import train as pretrain_train
 
-SETUP = figure3.Setup(
-    seeds=2, left_sizes=(4,), memory_sizes=(2,), features=("raw",),
-    task=tasks.TaskConfig(num_train=64, num_val=16, num_test=32, seq_len=12),
-    tune=tuning.TuneConfig(epochs=1, prompt_len=2, batch_size=32), seed=0,
-    pretrain=pretrain.configure("tiny", 10, steps=20))
+SETUP = figure3.get_setup("tiny", seeds=2, left_sizes=(4,), memory_sizes=(2,),
+                          features=("raw",), overrides={
+                              "task.num_train": 64, "task.num_val": 16,
+                              "task.num_test": 32, "task.seq_len": 12,
+                              "tune.epochs": 1, "tune.prompt_len": 2,
+                              "pretrain.steps": 20})
 
 
 def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
   workdir = str(tmp_path)
   path = os.path.join(workdir, "results.jsonl")
   figure3.run(SETUP, workdir, "both", "exact")
-  lines = results_lib.read_jsonl(path)
+  lines = records.read_results(workdir)
   # left: 2 methods; right: memory + vanilla; 2 seeds each.
   assert len(lines) == 8
-  keys = {figure3.line_key(r) for r in lines}
+  keys = {r.key() for r in lines}
   assert len(keys) == 8
   for r in lines:
-    assert 0.0 <= r["test_accuracy"] <= 1.0
-    assert r["backbone"] == "exact"
-    assert set(r["assumptions"]) in ({"3.1", "3.2", "3.5"},
-                                     {"4.2", "4.4", "4.5"})
-    assert isinstance(r["assumptions"]["3.1" if r["hmm"] == "vanilla"
-                                       else "4.2"]["holds"], bool)
-  methods = {(r["panel"], r["hmm"], r["method"]) for r in lines}
+    assert 0.0 <= r.test_accuracy <= 1.0
+    assert r.backbone == "exact" and r.pretrain_steps is None
+    assert set(r.assumptions) in ({"3.1", "3.2", "3.5"},
+                                  {"4.2", "4.4", "4.5"})
+    assert isinstance(r.assumptions["3.1" if r.hmm == "vanilla"
+                                    else "4.2"]["holds"], bool)
+  methods = {(r.panel, r.hmm, r.method) for r in lines}
   assert methods == {("left", "vanilla", "head_linear"),
                      ("left", "vanilla", "prompt_linear"),
                      ("right", "memory", "head_attention"),
@@ -45,13 +47,13 @@ def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
   def boom(*a, **k):
     raise AssertionError("finished cells were recomputed")
 
-  monkeypatch.setattr(figure3.tuning, "tune_many", boom)
+  monkeypatch.setattr(sweep.tuning, "tune_many", boom)
   figure3.run(SETUP, workdir, "both", "exact")
   assert len(results_lib.read_jsonl(path)) == 8
 
   # Lose one group's lines (as if killed mid-sweep): only it is redone.
   monkeypatch.undo()
-  kept = [r for r in lines if r["method"] != "prompt_linear"]
+  kept = [r.to_json() for r in lines if r.method != "prompt_linear"]
   results_lib.atomic_write_text(
       path, "".join(__import__("json").dumps(r) + "\n" for r in kept))
   calls = []
@@ -61,15 +63,15 @@ def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
     calls.append(a[4].method)
     return real(*a, **k)
 
-  monkeypatch.setattr(figure3.tuning, "tune_many", counting)
+  monkeypatch.setattr(sweep.tuning, "tune_many", counting)
   figure3.run(SETUP, workdir, "both", "exact")
   assert calls == ["prompt"]
-  redone = results_lib.read_jsonl(path)
+  redone = records.read_results(workdir)
   assert len(redone) == 8
   # Deterministic: the recomputed lines equal the originals.
-  old = {figure3.line_key(r): r["test_accuracy"] for r in lines}
+  old = {r.key(): r.test_accuracy for r in lines}
   for r in redone:
-    assert r["test_accuracy"] == pytest.approx(old[figure3.line_key(r)])
+    assert r.test_accuracy == pytest.approx(old[r.key()])
 
   summary = figure3.report(workdir)
   assert summary
@@ -87,16 +89,21 @@ def test_mean_ci():
 
 @pytest.mark.parametrize("args,match", [
     (["--preset=tiny"], "--workdir is required"),
-    (["--preset=tiny", "--workdir=W", "--left_sizes=4,x"],
-     "--left_sizes must be integers"),
+    (["--preset=tiny", "--workdir=W", "--config.left_sizes=4,x"],
+     "--config.left_sizes='4,x' is not a valid int"),
+    (["--preset=tiny", "--workdir=W", "--config.left_sizes=4,0"],
+     "left_sizes must be positive integers"),
+    (["--preset=tiny", "--workdir=W", "--config.seeds=0"],
+     "seeds must be >= 1"),
     (["--preset=huge", "--workdir=W"], "preset"),
     (["--workdir=W", "--backbone=bert"], "--backbone must be from"),
-    (["--workdir=W", "--finetune"], "--finetune needs --backbone=transformer"),
+    (["--workdir=W", "--config.finetune=true"],
+     "--config.finetune needs --backbone=transformer"),
     (["--workdir=W", "--backbone=transformer", "--preset=tiny",
-      "--seq_len=100"], "exceed the pretrained context"),
+      "--config.task.seq_len=100"], "exceed the pretrained context"),
     (["--workdir=W", "--num_tasks=2", "--task_index=2"], "task_index"),
     (["--workdir=W", "--backbone=transformer",
-      "--pretrain_overrides=model.width=8"], "unknown pretraining override"),
+      "--config.pretrain.model.width=8"], "config.pretrain.model.width"),
 ])
 def test_bad_flags_fail_clearly(tmp_path, args, match):
   args = [a.replace("=W", "=" + str(tmp_path)) for a in args]
@@ -112,18 +119,19 @@ def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
                                                           monkeypatch):
   workdir = str(tmp_path)
   setup = dataclasses.replace(SETUP, memory_sizes=(2,), finetune=True)
+  assert setup.pretrain.steps == 20 and setup.pretrain.cycles is None
   figure3.run(setup, workdir, "both", "transformer")
   lines = figure3.read_results(workdir)
   # left: head, prompt, finetune; right: memory + vanilla; 2 seeds each.
   assert len(lines) == 10
-  assert {r["backbone"] for r in lines} == {"transformer"}
-  assert {r["method"] for r in lines if r["panel"] == "left"} == {
+  assert {r.backbone for r in lines} == {"transformer"}
+  assert {r.method for r in lines if r.panel == "left"} == {
       "head_linear", "prompt_linear", "finetune_linear"}
   for r in lines:
-    assert r["pretrain_steps"] == 20
-    assert r["pretrain_ce_gap"] == pytest.approx(
-        r["pretrain_mlm_ce"] - r["pretrain_bayes_ce"], abs=1e-6)
-    assert 0.0 <= r["pretrain_tv"] <= 1.0 and r["pretrain_wall_s"] > 0
+    assert r.pretrain_steps == 20
+    assert r.pretrain_ce_gap == pytest.approx(
+        r.pretrain_mlm_ce - r.pretrain_bayes_ce, abs=1e-6)
+    assert 0.0 <= r.pretrain_tv <= 1.0 and r.pretrain_wall_s > 0
   # One pretraining per HMM: |H| = 4 (left), memory |M| = 2 and its vanilla
   # twin of 8 states (right).
   pdirs = sorted(os.listdir(os.path.join(workdir, "pretrain")))
@@ -134,8 +142,8 @@ def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
   def boom(*a, **k):
     raise AssertionError("finished work was redone")
 
-  monkeypatch.setattr(figure3.tuning, "tune_many", boom)
-  monkeypatch.setattr(figure3.pretrain_lib, "make_train_step", boom)
+  monkeypatch.setattr(sweep.tuning, "tune_many", boom)
+  monkeypatch.setattr(pretrain_train, "make_train_step", boom)
   figure3.run(setup, workdir, "both", "transformer")
   assert len(figure3.read_results(workdir)) == 10
   monkeypatch.undo()
@@ -158,6 +166,42 @@ def test_sharded_sweep_merges_to_the_unsharded_one(tmp_path):
   per_file = [{r["num_states"] for r in results_lib.read_jsonl(
       os.path.join(shards, f))} for f in files]
   assert per_file == [{4}, {6}]  # each HMM on one host
-  acc = lambda d: sorted((figure3.line_key(r), r["test_accuracy"])
+  acc = lambda d: sorted((r.key(), r.test_accuracy)
                          for r in figure3.read_results(d))
   assert acc(shards) == acc(whole)
+
+
+def test_get_setup_presets_overrides_and_errors():
+  cpu = figure3.get_setup("cpu")
+  assert cpu.left_sizes == (4, 8, 12, 28) and cpu.seeds == 3
+  # The main job's pretraining is the named cpu_capped recipe.
+  assert (cpu.pretrain.batch_size, cpu.pretrain.lr, cpu.pretrain.steps,
+          cpu.pretrain.cycles) == (32, 2e-3, 7000, (1000, 2000, 4000))
+  s = figure3.get_setup("cpu", seeds=2, overrides={
+      "pretrain.lr": "3e-3", "left_sizes": "4:8", "tune.epochs": 2})
+  assert (s.seeds, s.pretrain.lr, s.left_sizes, s.tune.epochs) == (
+      2, 3e-3, (4, 8), 2)
+  assert s.input_len == 20 + 1 + 59
+  with pytest.raises(ValueError, match="unknown preset 'huge'"):
+    figure3.get_setup("huge")
+  with pytest.raises(ValueError, match="unknown config key 'pretrain.lrr'"):
+    figure3.get_setup("tiny", overrides={"pretrain.lrr": 1.0})
+  with pytest.raises(ValueError, match="features must be from"):
+    figure3.get_setup("tiny", features=("cubic",))
+
+
+def test_result_line_schema_round_trips_and_refuses_bad_lines(tmp_path):
+  fields = dict(backbone="exact", panel="left", hmm="vanilla", num_states=4,
+                memory_size=0, seed=0, method="head_linear", features="raw",
+                setup="abc", size=4, test_accuracy=0.5, val_accuracy=0.5,
+                train_accuracy=0.5, final_loss=0.1, steps=3, seconds=1.0,
+                task_redraws=0, assumptions={}, tune_config={},
+                task_config={})
+  line = records.ResultLine(**fields)
+  records.append(str(tmp_path / "results.jsonl"), [line])
+  assert records.read_results(str(tmp_path)) == [line]
+  assert line.key() == records.line_key(fields)
+  with pytest.raises(ValueError, match="unknown fields"):
+    records.ResultLine.from_json({**fields, "bogus": 1})
+  with pytest.raises(ValueError, match="incomplete"):
+    records.ResultLine.from_json({"backbone": "exact"})

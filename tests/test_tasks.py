@@ -103,7 +103,7 @@ def test_degenerate_draws_are_redrawn(vanilla):
   strict = dataclasses.replace(SMALL, max_label_share=share - 1e-6)
   task = tasks.make_task(key, vanilla, strict)
   assert task.redraws >= 1
-  direct = tasks._draw_task(jax.random.fold_in(key, task.redraws), vanilla,
+  direct = tasks.draw_task(jax.random.fold_in(key, task.redraws), vanilla,
                             strict)
   np.testing.assert_array_equal(task.test.tokens, direct[1][2].tokens)
   labels = np.concatenate([task.train.labels, task.val.labels,

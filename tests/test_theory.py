@@ -100,7 +100,7 @@ def test_theorem_3_6_prompt_recovers_labels_where_heads_cannot():
   assert v.holds and v.details["H_star"] == [0, 1] and 5 in v.details["B"]
   with pytest.raises(ValueError, match="Theorem 3.3 needs Assumption 3.1"):
     theory.theorem_3_3_head(model, MU)
-  tokens = tasks._sample_examples(jax.random.PRNGKey(3), model, 400, 24,
+  tokens = tasks.sample_examples(jax.random.PRNGKey(3), model, 400, 24,
                                   "paper")
   latent = jax.vmap(lambda t: tasks.latent_posterior(model, t))(tokens)
   labels = np.asarray(tasks.labels_from_latent(jnp.asarray(MU), latent))

@@ -1,0 +1,160 @@
+"""The sweep's config tree (:class:`Setup`) and its named presets.
+
+Every number that decides a result line is a field of :class:`Setup`; each
+preset states its numbers once, here (the pretraining recipes they name
+live in ``hmmprompt/pretrain/config.py``). :func:`get_setup` is the one way
+in for the binary, the notebook and the tests; on the command line every
+leaf is a ``--config.<path>`` flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any, Mapping
+
+from hmmprompt import config_flags
+from hmmprompt import heads
+from hmmprompt import pretrain as pretrain_lib
+from hmmprompt import tasks as tasks_lib
+from hmmprompt import tuning
+
+VOCAB = 10
+MEMORY_SYNTAX_STATES = 4
+# Bumped when the HMM drawn for a given (size, seed) changes, so that old
+# result lines are not mistaken for current ones.
+MODEL_KEYS_VERSION = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """Everything that decides a result line's value besides its key.
+
+  Attributes:
+    seeds: tasks (downstream draws) per HMM.
+    left_sizes: ``|H|`` of the left panel's vanilla HMMs.
+    memory_sizes: ``|M|`` of the right panel's memory HMMs (``|H|`` =
+      ``MEMORY_SYNTAX_STATES``) and their vanilla twins of ``|M||H|``.
+    features: head feature transforms, each run as its own arm.
+    task: downstream data sizes (``tasks.TaskConfig``).
+    tune: tuning recipe; ``method``, ``head`` and ``features`` are set per
+      arm by the sweep.
+    seed: root of every random stream (``sweep.model_key`` and friends).
+    pretrain: the transformer's pretraining recipe (unused by ``exact``).
+    finetune: add full fine-tuning of the transformer as a third arm.
+  """
+
+  seeds: int
+  left_sizes: tuple[int, ...]
+  memory_sizes: tuple[int, ...]
+  task: tasks_lib.TaskConfig
+  tune: tuning.TuneConfig
+  pretrain: pretrain_lib.PretrainConfig
+  features: tuple[str, ...] = ("raw", "log")
+  seed: int = 0
+  finetune: bool = False
+
+  def __post_init__(self):
+    if self.seeds < 1:
+      raise ValueError(f"Setup.seeds must be >= 1, got {self.seeds}")
+    for name in ("left_sizes", "memory_sizes"):
+      sizes = getattr(self, name)
+      if not all(isinstance(s, int) and s >= 1 for s in sizes):
+        raise ValueError(f"Setup.{name} must be positive integers, got "
+                         f"{sizes}")
+    bad = [f for f in self.features if f not in heads.FEATURES]
+    if bad or not self.features:
+      raise ValueError(f"Setup.features must be from {heads.FEATURES}, got "
+                       f"{self.features}")
+
+  def fingerprint(self, backbone: str = "exact") -> str:
+    """12 hex digits keying result lines to the setup that made them."""
+    blob = {"task": dataclasses.asdict(self.task),
+            "tune": dataclasses.asdict(self.tune), "seed": self.seed,
+            "model_keys": MODEL_KEYS_VERSION}
+    if backbone == "transformer":
+      blob["pretrain"] = self.pretrain.to_json()
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()
+                          ).hexdigest()[:12]
+
+  @property
+  def input_len(self) -> int:
+    """Positions of a prompt-tuning input: prompt, MASK, tokens."""
+    return tasks_lib.input_len(self.tune.prompt_len, self.task.seq_len)
+
+  def check_context(self) -> None:
+    """``ValueError`` if a prompt-tuning input exceeds the transformer's
+    pretrained context."""
+    if self.input_len > self.pretrain.model.max_len:
+      raise ValueError(
+          f"prompt_len + 1 + seq_len = {self.input_len} positions exceed the "
+          f"pretrained context of {self.pretrain.model.max_len}; lower "
+          f"--config.task.seq_len or --config.tune.prompt_len")
+
+
+def _tune(epochs: int, prompt_len: int, batch_size: int) -> tuning.TuneConfig:
+  return tuning.TuneConfig(epochs=epochs, prompt_len=prompt_len,
+                           batch_size=batch_size)
+
+
+_ALL_LEFT = (4, 8, 10, 12, 15, 25, 30)
+_ALL_MEMORY = (2, 3, 5, 7)
+_APPENDIX_D_TASK = tasks_lib.TaskConfig(num_train=5000, num_val=500,
+                                        num_test=1000, seq_len=128)
+
+
+def _tiny() -> Setup:
+  """Seconds: for tests and smoke runs."""
+  return Setup(seeds=2, left_sizes=(4, 12), memory_sizes=(2,),
+               task=tasks_lib.TaskConfig(num_train=128, num_val=32,
+                                         num_test=64, seq_len=16),
+               tune=_tune(2, 4, 32), pretrain=pretrain_lib.configure("tiny"))
+
+
+def _cpu() -> Setup:
+  """The main job: both panels with the transformer on 2 CPU cores in < 30
+  minutes. Vanilla HMMs are shared by the panels (sizes 8, 12, 28), so 7
+  models are pretrained (``cpu_capped``: 7000 steps at most); inputs are 80
+  positions as in the authors' tuning scripts (20 prompt vectors, MASK, 59
+  tokens)."""
+  return Setup(seeds=3, left_sizes=(4, 8, 12, 28), memory_sizes=(2, 3, 7),
+               task=tasks_lib.TaskConfig(num_train=2000, num_val=500,
+                                         num_test=1000, seq_len=59),
+               tune=_tune(5, 20, 32),
+               pretrain=pretrain_lib.configure("cpu_capped"))
+
+
+def _full() -> Setup:
+  """Appendix D's task sizes and all of Figure 3's sizes, 5 seeds (the
+  exact backbone: ~6.5 minutes on 2 cores)."""
+  return Setup(seeds=5, left_sizes=_ALL_LEFT, memory_sizes=_ALL_MEMORY,
+               task=_APPENDIX_D_TASK, tune=_tune(5, 20, 32),
+               pretrain=pretrain_lib.configure("cpu", context=149))
+
+
+def _paper() -> Setup:
+  """Figure 3's trial count (20) and Appendix D pretraining; for
+  accelerators."""
+  return Setup(seeds=20, left_sizes=_ALL_LEFT, memory_sizes=_ALL_MEMORY,
+               task=_APPENDIX_D_TASK, tune=_tune(5, 20, 32),
+               pretrain=pretrain_lib.configure("paper"))
+
+
+PRESETS = {"tiny": _tiny, "cpu": _cpu, "full": _full, "paper": _paper}
+
+
+def get_setup(preset: str = "cpu",
+              overrides: Mapping[str, Any] | None = None, **fields) -> Setup:
+  """The named preset with overrides, validated.
+
+  ``fields`` are top-level fields (``seeds=2``); ``overrides`` maps config
+  paths to values or strings (``{"pretrain.lr": 3e-3, "task.seq_len":
+  "12"}``), as ``--config.<path>`` flags do. Raises ``ValueError`` naming
+  an unknown preset or key, or a bad value.
+  """
+  if preset not in PRESETS:
+    raise ValueError(f"unknown preset {preset!r}; known: "
+                     f"{', '.join(PRESETS)}")
+  return config_flags.apply(PRESETS[preset](),
+                            {**fields, **dict(overrides or {})})

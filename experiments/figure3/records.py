@@ -1,0 +1,112 @@
+"""The result line: one typed record per (backbone, arm, HMM, seed).
+
+:class:`ResultLine` is the schema: it is written (atomically, one JSONL
+line each), keyed for resume (:meth:`ResultLine.key`), read back
+(:func:`read_results`) and summarised for the table and plot, all through
+this one definition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+from typing import Iterable
+
+from hmmprompt import results as results_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class ResultLine:
+  """One finished cell of the sweep.
+
+  Key fields (what a rerun looks up): ``backbone`` (exact | transformer),
+  ``panel`` (left | right), ``hmm`` (vanilla | memory), ``num_states``
+  (``|H|``, syntax states for memory), ``memory_size`` (0 for vanilla),
+  ``seed`` (the task draw), ``method`` (``<method>_<head>``), ``features``
+  and ``setup`` (:meth:`configs.Setup.fingerprint`). The rest are values;
+  ``pretrain_*`` are ``None`` for the exact backbone.
+  """
+
+  backbone: str
+  panel: str
+  hmm: str
+  num_states: int
+  memory_size: int
+  seed: int
+  method: str
+  features: str
+  setup: str
+  size: int  # the x-axis: |H| (left) or |M||H| (right)
+  test_accuracy: float
+  val_accuracy: float
+  train_accuracy: float
+  final_loss: float
+  steps: int
+  seconds: float
+  task_redraws: int
+  assumptions: dict
+  tune_config: dict
+  task_config: dict
+  pretrain_ce_gap: float | None = None
+  pretrain_tv: float | None = None
+  pretrain_mlm_ce: float | None = None
+  pretrain_bayes_ce: float | None = None
+  pretrain_steps: int | None = None
+  pretrain_wall_s: float | None = None
+
+  KEY_FIELDS = ("backbone", "panel", "hmm", "num_states", "memory_size",
+                "seed", "method", "features", "setup")
+
+  def key(self) -> tuple:
+    return tuple(getattr(self, f) for f in self.KEY_FIELDS)
+
+  @property
+  def summary_key(self) -> tuple:
+    """One curve of the figure: (backbone, panel, hmm, method, features)."""
+    return (self.backbone, self.panel, self.hmm, self.method, self.features)
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, d: dict) -> "ResultLine":
+    """Raises ``ValueError`` naming missing or unknown fields."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+      raise ValueError(f"result line has unknown fields {unknown}")
+    try:
+      return cls(**d)
+    except TypeError as e:
+      raise ValueError(f"result line is incomplete: {e}") from None
+
+
+def line_key(fields: dict) -> tuple:
+  """The key of a line given as a dict of (at least) the key fields."""
+  return tuple(fields[f] for f in ResultLine.KEY_FIELDS)
+
+
+def results_path(workdir: str, num_tasks: int = 1, task_index: int = 0):
+  """Each host of a sharded sweep writes its own file."""
+  if num_tasks == 1:
+    return os.path.join(workdir, "results.jsonl")
+  return os.path.join(workdir,
+                      f"results-{task_index:05d}-of-{num_tasks:05d}.jsonl")
+
+
+def read_results(workdir: str) -> list[ResultLine]:
+  """Lines of every results file in ``workdir`` (hosts write their own)."""
+  out = []
+  for path in sorted(glob.glob(os.path.join(workdir, "results*.jsonl"))):
+    for i, d in enumerate(results_lib.read_jsonl(path), 1):
+      try:
+        out.append(ResultLine.from_json(d))
+      except ValueError as e:
+        raise ValueError(f"{path}:{i}: {e}") from None
+  return out
+
+
+def append(path: str, lines: Iterable[ResultLine]) -> None:
+  """Appends ``lines`` to ``path`` (the whole file rewritten atomically)."""
+  results_lib.append_jsonl(path, [line.to_json() for line in lines])
