@@ -4,7 +4,8 @@
 #                         (both panels) with the exact backbone and the
 #                         pretrained transformer, cpu preset (~30 min on 2
 #                         cores), into runs/figure3 (resumes if rerun)
-#   ./launch.sh test      set up .venv if needed, run the test suite
+#   ./launch.sh test      set up .venv if needed, run the whole test suite
+#                         (./launch.sh test -m "not slow": the fast tier)
 #   ./launch.sh demo      a one-minute tour of the HMM core
 #   ./launch.sh bench     both benchmarks (installs the `bench` extra:
 #                         hmmlearn, dynamax, torch, transformers); for their

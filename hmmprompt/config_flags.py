@@ -58,11 +58,15 @@ def parse(text: str, hint, path: str = "value"):
     if text.lower() == "none":
       return None
     return parse(text, args[0], path)
-  try:
-    if origin is tuple:
-      (elem, *_) = typing.get_args(hint) or (str,)
-      parts = [p for p in text.replace(":", ",").split(",") if p.strip()]
+  if origin is tuple:
+    (elem, *_) = typing.get_args(hint) or (str,)
+    parts = [p for p in text.replace(":", ",").split(",") if p.strip()]
+    try:
       return tuple(parse(p, elem, path) for p in parts)
+    except ValueError:
+      raise ValueError(f"--{PREFIX}.{path}={text!r} is not a valid "
+                       f"tuple of {elem.__name__} (e.g. 4,8)") from None
+  try:
     if hint is bool:
       low = text.lower()
       if low in ("true", "1", "yes"):

@@ -1,3 +1,5 @@
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -29,3 +31,16 @@ def tiny_hmm():
 def paper_hmm():
   """Appendix D's near-deterministic generator, |H| = 30, |X| = 10."""
   return hmm_lib.random_hmm(jax.random.PRNGKey(7), 30, 10)
+
+
+_INTEGRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                            "integration")
+
+
+def pytest_collection_modifyitems(config, items):
+  """Everything under tests/integration/ (subprocesses, the notebook,
+  end-to-end sweeps) is ``slow``: ``-m "not slow"`` is the fast tier."""
+  del config
+  for item in items:
+    if str(item.path).startswith(_INTEGRATION):
+      item.add_marker(pytest.mark.slow)

@@ -25,7 +25,7 @@ One module per role:
 * :mod:`.sweep`: models, groups, random streams, :func:`run`;
 * :mod:`.records`: :class:`ResultLine`, the declared schema of a result
   line (written, keyed, read and plotted through it);
-* :mod:`.report`: table, plot, pretraining table;
+* :mod:`.reporting`: table, plot, pretraining table;
 * ``__main__``: the thin absl binary.
 
 Outputs, all written atomically; a rerun skips finished lines:
@@ -42,8 +42,8 @@ from experiments.figure3.configs import get_setup
 from experiments.figure3.records import ResultLine
 from experiments.figure3.records import read_results
 from experiments.figure3.records import results_path
-from experiments.figure3.report import mean_ci
-from experiments.figure3.report import pretraining_table
-from experiments.figure3.report import report
+from experiments.figure3.reporting import mean_ci
+from experiments.figure3.reporting import pretraining_table
+from experiments.figure3.reporting import report
 from experiments.figure3.sweep import BACKBONES
 from experiments.figure3.sweep import run

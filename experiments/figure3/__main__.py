@@ -12,7 +12,7 @@ from absl import logging
 
 from experiments.figure3 import configs
 from experiments.figure3 import records
-from experiments.figure3 import report
+from experiments.figure3 import reporting
 from experiments.figure3 import sweep
 from hmmprompt import config_flags
 from hmmprompt import results as results_lib
@@ -77,12 +77,12 @@ def main(argv):
     except FileNotFoundError as e:  # a damaged pretraining workdir
       raise app.UsageError(str(e)) from e
   if _PRETRAIN_ONLY.value:
-    table = report.pretraining_table(workdir)
+    table = reporting.pretraining_table(workdir)
     results_lib.atomic_write_text(os.path.join(workdir, "pretraining.md"),
                                   table)
     print(table)
     return
-  report.report(workdir)
+  reporting.report(workdir)
   logging.info("done in %.0fs", time.perf_counter() - t0)
   path = records.results_path(workdir, _NUM_TASKS.value, _TASK_INDEX.value)
   print(f"done in {time.perf_counter() - t0:.0f}s\nresults: {path}\n"

@@ -1,0 +1,168 @@
+"""Figure 3 sweeps end to end: resume, both backbones, sharding, the binary."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from experiments import figure3
+from experiments.figure3 import records
+from experiments.figure3 import sweep
+from hmmprompt import results as results_lib
+from hmmprompt import tuning
+from hmmprompt.pretrain import train as pretrain_train
+
+SETUP = figure3.get_setup("tiny", seeds=2, left_sizes=(4,), memory_sizes=(2,),
+                          features=("raw",), overrides={
+                              "task.num_train": 64, "task.num_val": 16,
+                              "task.num_test": 32, "task.seq_len": 12,
+                              "tune.epochs": 1, "tune.prompt_len": 2,
+                              "pretrain.steps": 20})
+
+
+def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
+  workdir = str(tmp_path)
+  path = os.path.join(workdir, "results.jsonl")
+  figure3.run(SETUP, workdir, "both", "exact")
+  lines = records.read_results(workdir)
+  # left: 2 methods; right: memory + vanilla; 2 seeds each.
+  assert len(lines) == 8
+  keys = {r.key() for r in lines}
+  assert len(keys) == 8
+  for r in lines:
+    assert 0.0 <= r.test_accuracy <= 1.0
+    assert r.backbone == "exact" and r.pretrain_steps is None
+    assert set(r.assumptions) in ({"3.1", "3.2", "3.5"},
+                                  {"4.2", "4.4", "4.5"})
+    assert isinstance(r.assumptions["3.1" if r.hmm == "vanilla"
+                                    else "4.2"]["holds"], bool)
+  methods = {(r.panel, r.hmm, r.method) for r in lines}
+  assert methods == {("left", "vanilla", "head_linear"),
+                     ("left", "vanilla", "prompt_linear"),
+                     ("right", "memory", "head_attention"),
+                     ("right", "vanilla", "head_linear")}
+
+  # A rerun recomputes nothing.
+  def boom(*a, **k):
+    raise AssertionError("finished cells were recomputed")
+
+  monkeypatch.setattr(sweep.tuning, "tune_many", boom)
+  figure3.run(SETUP, workdir, "both", "exact")
+  assert len(results_lib.read_jsonl(path)) == 8
+
+  # Lose one group's lines (as if killed mid-sweep): only it is redone.
+  monkeypatch.undo()
+  kept = [r.to_json() for r in lines if r.method != "prompt_linear"]
+  results_lib.atomic_write_text(
+      path, "".join(__import__("json").dumps(r) + "\n" for r in kept))
+  calls = []
+  real = tuning.tune_many
+
+  def counting(*a, **k):
+    calls.append(a[4].method)
+    return real(*a, **k)
+
+  monkeypatch.setattr(sweep.tuning, "tune_many", counting)
+  figure3.run(SETUP, workdir, "both", "exact")
+  assert calls == ["prompt"]
+  redone = records.read_results(workdir)
+  assert len(redone) == 8
+  # Deterministic: the recomputed lines equal the originals.
+  old = {r.key(): r.test_accuracy for r in lines}
+  for r in redone:
+    assert r.test_accuracy == pytest.approx(old[r.key()])
+
+  summary = figure3.report(workdir)
+  assert summary
+  with open(os.path.join(workdir, "figure3.png"), "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  table = open(os.path.join(workdir, "figure3.md")).read()
+  assert "paper prompt" in table and "exact: vanilla + prompt linear" in table
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--preset=tiny"], "--workdir is required"),
+    (["--preset=tiny", "--workdir=W", "--config.left_sizes=4,x"],
+     "--config.left_sizes='4,x' is not a valid tuple of int"),
+    (["--preset=tiny", "--workdir=W", "--config.left_sizes=4,0"],
+     "left_sizes must be positive integers"),
+    (["--preset=tiny", "--workdir=W", "--config.seeds=0"],
+     "seeds must be >= 1"),
+    (["--preset=huge", "--workdir=W"], "preset"),
+    (["--workdir=W", "--backbone=bert"], "--backbone must be from"),
+    (["--workdir=W", "--config.finetune=true"],
+     "--config.finetune needs --backbone=transformer"),
+    (["--workdir=W", "--backbone=transformer", "--preset=tiny",
+      "--config.task.seq_len=100"], "exceed the pretrained context"),
+    (["--workdir=W", "--num_tasks=2", "--task_index=2"], "task_index"),
+    (["--workdir=W", "--backbone=transformer",
+      "--config.pretrain.model.width=8"], "config.pretrain.model.width"),
+])
+def test_bad_flags_fail_clearly(tmp_path, args, match):
+  args = [a.replace("=W", "=" + str(tmp_path)) for a in args]
+  proc = subprocess.run([sys.executable, "-m", "experiments.figure3", *args],
+                        capture_output=True, text=True, timeout=120,
+                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                            os.path.abspath(__file__)))))
+  assert proc.returncode != 0
+  assert match in proc.stderr + proc.stdout
+  assert "Traceback" not in proc.stderr
+
+
+def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
+                                                          monkeypatch):
+  workdir = str(tmp_path)
+  setup = dataclasses.replace(SETUP, memory_sizes=(2,), finetune=True)
+  assert setup.pretrain.steps == 20 and setup.pretrain.cycles is None
+  figure3.run(setup, workdir, "both", "transformer")
+  lines = figure3.read_results(workdir)
+  # left: head, prompt, finetune; right: memory + vanilla; 2 seeds each.
+  assert len(lines) == 10
+  assert {r.backbone for r in lines} == {"transformer"}
+  assert {r.method for r in lines if r.panel == "left"} == {
+      "head_linear", "prompt_linear", "finetune_linear"}
+  for r in lines:
+    assert r.pretrain_steps == 20
+    assert r.pretrain_ce_gap == pytest.approx(
+        r.pretrain_mlm_ce - r.pretrain_bayes_ce, abs=1e-6)
+    assert 0.0 <= r.pretrain_tv <= 1.0 and r.pretrain_wall_s > 0
+  # One pretraining per HMM: |H| = 4 (left), memory |M| = 2 and its vanilla
+  # twin of 8 states (right).
+  pdirs = sorted(os.listdir(os.path.join(workdir, "pretrain")))
+  assert [d.rsplit("-", 1)[0] for d in pdirs] == [
+      "memory-h4-m2", "vanilla-h4", "vanilla-h8"]
+
+  # A rerun neither tunes nor pretrains again.
+  def boom(*a, **k):
+    raise AssertionError("finished work was redone")
+
+  monkeypatch.setattr(sweep.tuning, "tune_many", boom)
+  monkeypatch.setattr(pretrain_train, "make_train_step", boom)
+  figure3.run(setup, workdir, "both", "transformer")
+  assert len(figure3.read_results(workdir)) == 10
+  monkeypatch.undo()
+
+  figure3.report(workdir)
+  table = open(os.path.join(workdir, "figure3.md")).read()
+  assert "transformer: vanilla + prompt linear" in table
+  assert "vanilla-h8" in table and "Bayes CE" in table
+
+
+def test_sharded_sweep_merges_to_the_unsharded_one(tmp_path):
+  whole, shards = str(tmp_path / "whole"), str(tmp_path / "shards")
+  setup = dataclasses.replace(SETUP, left_sizes=(4, 6), seeds=1)
+  figure3.run(setup, whole, "left", "exact")
+  for i in range(2):
+    figure3.run(setup, shards, "left", "exact", num_tasks=2, task_index=i)
+  files = sorted(os.listdir(shards))
+  assert files == ["results-00000-of-00002.jsonl",
+                   "results-00001-of-00002.jsonl"]
+  per_file = [{r["num_states"] for r in results_lib.read_jsonl(
+      os.path.join(shards, f))} for f in files]
+  assert per_file == [{4}, {6}]  # each HMM on one host
+  acc = lambda d: sorted((r.key(), r.test_accuracy)
+                         for r in figure3.read_results(d))
+  assert acc(shards) == acc(whole)
