@@ -1,9 +1,14 @@
 r"""Train-step throughput: our Flax MLM vs HuggingFace's PyTorch
 ``BertForMaskedLM`` (what the authors used), same config, same device, one run.
 
-  python -m experiments.bench_mlm [--preset=cpu|paper] [--d_model=64
-      --num_layers=2 --seq_len=128 --batch_size=32 --dtype=auto]
+  python -m experiments.bench_mlm [--preset=cpu|paper|...] \
+      [--config.model.d_model=64 --config.batch_size=32 \
+       --config.corpus.chunk_len=128 --config.model.max_len=128 ...]
   # needs the `bench` extra (torch, transformers)
+
+The shape is that of a pretraining preset (``hmmprompt.pretrain.PRESETS``:
+its model, batch and context), so the benchmark times the step that
+pretraining runs; ``--config.<path>`` overrides any field of it.
 
 Both sides run a full AdamW step (forward, backward, update) on the same
 shapes with 15% of positions predicted; the HF model gets the matching
@@ -25,30 +30,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hmmprompt import config_flags
 from hmmprompt import corpus as corpus_lib
 from hmmprompt import pretrain
 from hmmprompt import sharding
 from hmmprompt.backbones import transformer
 
-# The small CPU shape of the issue, and Appendix D's model and batch.
-PRESETS = {"cpu": dict(d_model=64, num_layers=2, num_heads=2, seq_len=128,
-                       batch_size=32),
-           "paper": dict(d_model=768, num_layers=6, num_heads=12,
-                         seq_len=512, batch_size=8)}
 # Dense peak TFLOP/s by (device kind substring, dtype), from vendor specs.
 PEAK_TFLOPS = {("H100", "bfloat16"): 989.0, ("H100", "float32"): 494.5,
                ("H200", "bfloat16"): 989.0, ("H200", "float32"): 494.5,
                ("A100", "bfloat16"): 312.0, ("A100", "float32"): 156.0}
 
-_PRESET = flags.DEFINE_enum("preset", "cpu", list(PRESETS),
-                            "shape preset; the flags below override it")
-_D = flags.DEFINE_integer("d_model", None, "width (preset)")
-_L = flags.DEFINE_integer("num_layers", None, "layers (preset)")
-_H = flags.DEFINE_integer("num_heads", None, "heads (preset)")
-_T = flags.DEFINE_integer("seq_len", None, "sequence length (preset)")
-_B = flags.DEFINE_integer("batch_size", None, "batch size (preset)")
-_DTYPE = flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"],
-                           "compute dtype; auto: float32 on CPU, else bf16")
+_PRESET = flags.DEFINE_enum("preset", "cpu", list(pretrain.PRESETS),
+                            "pretraining preset whose step is timed")
+_CONFIG = config_flags.define(pretrain.preset_config("cpu"))
 _PEAK = flags.DEFINE_float("peak_tflops", None,
                            "device peak for MFU (default: known GPUs)")
 _SKIP_HF = flags.DEFINE_bool("skip_hf", False, "time our model only")
@@ -59,28 +54,23 @@ _THREADS = flags.DEFINE_integer("torch_threads", 0,
 
 
 def resolve_shape() -> dict:
-  """The preset's shape with explicit flags applied; validated."""
-  shape = dict(PRESETS[_PRESET.value])
-  for name, flag in (("d_model", _D), ("num_layers", _L), ("num_heads", _H),
-                     ("seq_len", _T), ("batch_size", _B)):
-    if flag.value is not None:
-      if flag.value < 1:
-        raise app.UsageError(f"--{name} must be >= 1, got {flag.value}")
-      shape[name] = flag.value
-  if shape["d_model"] % shape["num_heads"]:
-    raise app.UsageError(f"--d_model={shape['d_model']} is not divisible by "
-                         f"--num_heads={shape['num_heads']}")
-  dtype = _DTYPE.value
-  if dtype == "auto":
-    dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-  shape["dtype"] = dtype
-  return shape
+  """The preset's model, batch and context with overrides; validated."""
+  try:
+    cfg = config_flags.apply(pretrain.configure(_PRESET.value),
+                             _CONFIG.value())
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+  m = cfg.model
+  return dict(d_model=m.d_model, num_layers=m.num_layers,
+              num_heads=m.num_heads, d_ff=m.d_ff,
+              seq_len=cfg.corpus.chunk_len, batch_size=cfg.batch_size,
+              dtype=m.dtype)
 
 
 def model_config(shape: dict, vocab: int) -> transformer.MLMConfig:
   return transformer.MLMConfig(vocab_size=vocab, d_model=shape["d_model"],
                                num_heads=shape["num_heads"],
-                               d_ff=4 * shape["d_model"],
+                               d_ff=shape["d_ff"],
                                num_layers=shape["num_layers"],
                                max_len=shape["seq_len"], dtype=shape["dtype"])
 
@@ -120,7 +110,7 @@ def bench_ours(shape: dict, vocab=10):
   holder = {"state": jax.device_put(
       pretrain.init_state(jax.random.PRNGKey(0), cfg),
       sharding.replicated(mesh))}
-  n_params = transformer.num_params(holder["state"]["params"])
+  n_params = transformer.num_params(holder["state"].params)
   step = pretrain.make_train_step(cfg, mesh)
   rng = np.random.default_rng(0)
   targets = jnp.asarray(rng.integers(0, vocab, (b, t)), jnp.int32)
@@ -145,7 +135,7 @@ def bench_hf(shape: dict, vocab=10):
   cfg = BertConfig(vocab_size=vocab + 1, hidden_size=shape["d_model"],
                    num_hidden_layers=shape["num_layers"],
                    num_attention_heads=shape["num_heads"],
-                   intermediate_size=4 * shape["d_model"],
+                   intermediate_size=shape["d_ff"],
                    max_position_embeddings=t,
                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
   model = BertForMaskedLM(cfg).to(device)
