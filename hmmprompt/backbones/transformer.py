@@ -147,13 +147,15 @@ def make_backbone(cfg: MLMConfig) -> Backbone:
 
   Cached per config: a ``Backbone`` is a static jit argument of tuning, so
   two pretrained models of one config must give the *same* object (its
-  functions are closures) to share compiled tuning programs.
+  functions are closures) to share compiled tuning programs
+  (``experiments/bench_compiles.py`` measures what that saves).
   """
-  return _backbone_for(dataclasses.replace(cfg, dtype="float32"))
+  return _cached_backbone(dataclasses.replace(cfg, dtype="float32"))
 
 
-@functools.lru_cache(maxsize=None)
-def _backbone_for(cfg: MLMConfig) -> Backbone:
+def build_backbone(cfg: MLMConfig) -> Backbone:
+  """A new, uncached :func:`make_backbone` (new closures every call)."""
+  cfg = dataclasses.replace(cfg, dtype="float32")
   model = MLM(cfg)
 
   def embed(params, tokens_T):
@@ -170,6 +172,9 @@ def _backbone_for(cfg: MLMConfig) -> Backbone:
   return Backbone(name="transformer", embed=embed, apply=apply,
                   prompt_embedding=lambda raw: raw, embed_dim=cfg.d_model,
                   vocab_size=cfg.vocab_size, finetunable=True)
+
+
+_cached_backbone = functools.lru_cache(maxsize=None)(build_backbone)
 
 
 def _check_range(tokens, cfg):
