@@ -18,17 +18,43 @@ Heads:
   ``s_i = q^T (Θ_K f(G_i) + β_i)``, weights ``softmax(exp(log_temp) * s)``
   (the paper's argmax is the limit of a large inverse temperature), value
   ``v_i = b^T ((Θ_V f(G_i)) ⊙ e(x_i))`` per class, ``logits = Σ_i a_i v_i``.
+
+Both are registered by name: a :class:`Head` in :data:`HEADS` and a
+:class:`Features` in :data:`TRANSFORMS` (:data:`FEATURES` is the tuple of
+its names). A new head or transform is one such object and one registry
+entry; :mod:`hmmprompt.tuning` only uses the interfaces.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Callable
+
 import jax
 import jax.numpy as jnp
 
-FEATURES = ("raw", "log", "standardized")
-HEADS = ("linear", "attention")
 _LOG_EPS = 1e-6
 _STD_EPS = 1e-6
+
+
+# ----------------------------------------------------------------------------
+# Feature transforms.
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+  """A feature transform ``f``.
+
+  Attributes:
+    name: its key in :data:`TRANSFORMS`.
+    apply: ``(G [.., V], stats | None) -> features [.., V]``.
+    needs_stats: whether ``apply`` reads :func:`feature_stats` of the
+      training set's features (computed once, at initialisation).
+  """
+
+  name: str
+  apply: Callable[[jax.Array, dict | None], jax.Array]
+  needs_stats: bool = False
 
 
 def feature_stats(probs_NxV: jax.Array) -> dict:
@@ -37,15 +63,59 @@ def feature_stats(probs_NxV: jax.Array) -> dict:
   return {"mean": flat.mean(0), "std": flat.std(0)}
 
 
+def _raw(probs_xV: jax.Array, stats: dict | None) -> jax.Array:
+  del stats
+  return probs_xV
+
+
+def _log(probs_xV: jax.Array, stats: dict | None) -> jax.Array:
+  del stats
+  return jnp.log(probs_xV + _LOG_EPS)
+
+
+def _standardize(probs_xV: jax.Array, stats: dict) -> jax.Array:
+  return (probs_xV - stats["mean"]) / (stats["std"] + _STD_EPS)
+
+
+TRANSFORMS: dict[str, Features] = {
+    "raw": Features("raw", _raw),
+    "log": Features("log", _log),
+    "standardized": Features("standardized", _standardize, needs_stats=True),
+}
+FEATURES = tuple(TRANSFORMS)
+
+
 def transform(probs_xV: jax.Array, kind: str, stats: dict | None):
-  if kind == "raw":
-    return probs_xV
-  if kind == "log":
-    return jnp.log(probs_xV + _LOG_EPS)
-  if kind == "standardized":
-    return (probs_xV - stats["mean"]) / (stats["std"] + _STD_EPS)
-  raise ValueError(f"unknown feature transform {kind!r}; expected one of "
-                   f"{FEATURES}")
+  """``TRANSFORMS[kind]`` applied to ``G [.., V]``."""
+  if kind not in TRANSFORMS:
+    raise ValueError(f"unknown feature transform {kind!r}; expected one of "
+                     f"{tuple(TRANSFORMS)}")
+  return TRANSFORMS[kind].apply(probs_xV, stats)
+
+
+# ----------------------------------------------------------------------------
+# Heads.
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+  """A classification head.
+
+  Attributes:
+    name: its key in :data:`HEADS`.
+    init: ``(key, vocab_size V, embed_dim D, input_len T) -> params``;
+      ``T`` counts every backbone position, soft prompt included.
+    apply: ``(params, feats, emb) -> logits [C]``: ``feats [T, V]`` and
+      ``emb [T, D]`` if ``reads_all_positions``, else ``feats [V]`` of the
+      ``MASK`` position and ``emb`` ``None``.
+    reads_all_positions: what the head reads (and head tuning caches): all
+      positions and the input embeddings, or only ``G`` at the ``MASK``.
+  """
+
+  name: str
+  init: Callable[[Any, int, int, int], Any]
+  apply: Callable[[Any, jax.Array, jax.Array | None], jax.Array]
+  reads_all_positions: bool
 
 
 def init_linear(key, num_features: int, num_classes: int = 2) -> dict:
@@ -88,3 +158,16 @@ def apply_attention(params: dict, feats_TxV: jax.Array,
   attn_T = jax.nn.softmax(jnp.exp(params["log_temp"]) * scores_T)
   values_TxC = ((feats_TxV @ params["theta_v"].T) * emb_TxD) @ params["b"]
   return attn_T @ values_TxC + params["bias"]
+
+
+LINEAR = Head(
+    "linear",
+    init=lambda key, vocab_size, embed_dim, input_len: init_linear(
+        key, vocab_size),
+    apply=lambda params, feats_V, emb: apply_linear(params, feats_V),
+    reads_all_positions=False)
+
+ATTENTION = Head("attention", init=init_attention,
+                 apply=apply_attention, reads_all_positions=True)
+
+HEADS: dict[str, Head] = {"linear": LINEAR, "attention": ATTENTION}

@@ -11,7 +11,12 @@ params are an argument of every function here and are never differentiated:
 Head tuning computes the frozen backbone's outputs once per example (no
 prompt) and trains on those cached features. Prompt tuning runs the backbone
 on ``(prompt, MASK, x_1, ...)`` at every step; the linear head reads the
-output at the ``MASK`` position, index ``P``.
+output at the ``MASK`` position (:func:`hmmprompt.tasks.mask_index`).
+
+Methods are :class:`Method` objects in :data:`METHODS` and heads are
+:class:`hmmprompt.heads.Head` objects in :data:`hmmprompt.heads.HEADS`; the
+training loop only uses their interfaces, so a new one is one object and one
+registry entry.
 
 :func:`tune_many` runs independent seeds / tasks as one vmapped, compiled
 program; each seed's result equals :func:`tune` on that seed alone.
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +38,36 @@ from hmmprompt import tasks as tasks_lib
 from hmmprompt import validation
 from hmmprompt.backbones import Backbone
 
-METHODS = ("head", "prompt", "finetune")
+SPLITS = ("train", "val", "test")
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """What a tuning method trains and how a head sees an example.
+
+  Attributes:
+    name: its key in :data:`METHODS`.
+    init_extra: ``(key, backbone, bparams, cfg) -> dict``: the tunable
+      entries besides ``"head"`` (none, ``"prompt"``, ``"backbone"``, ...).
+    head_inputs: ``(backbone, bparams, tunable, cfg, tokens [T]) -> (G,
+      emb)``, what the head reads (see :func:`backbone_head_inputs`).
+    caches_features: ``head_inputs`` does not depend on ``tunable``, so it
+      is computed once per example before training (and the training loop
+      sees the cached ``(G, emb)`` as the example).
+    uses_prompt: inputs carry ``cfg.prompt_len`` soft prompt vectors in
+      front of the ``MASK`` (sets :attr:`TuneConfig.num_prompt`).
+    slow_keys: tunable entries trained at ``cfg.backbone_lr`` instead of
+      ``cfg.lr``.
+    needs_finetunable: only for backbones whose params are free parameters.
+  """
+
+  name: str
+  init_extra: Callable[..., dict]
+  head_inputs: Callable[..., tuple]
+  caches_features: bool = False
+  uses_prompt: bool = False
+  slow_keys: frozenset = frozenset()
+  needs_finetunable: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +77,9 @@ class TuneConfig:
   Attributes:
     method: ``"head"`` (frozen backbone, train the head), ``"prompt"``
       (train a soft prompt and the head) or ``"finetune"`` (train a copy of
-      the backbone and the head).
-    head: ``"linear"`` (on the ``MASK`` position) or ``"attention"``.
+      the backbone and the head); any key of :data:`METHODS`.
+    head: ``"linear"`` (on the ``MASK`` position) or ``"attention"``; any
+      key of :data:`hmmprompt.heads.HEADS`.
     features: see :mod:`hmmprompt.heads`.
     prompt_len: soft prompt vectors (paper: 20).
     prompt_init: raw prompt entries start Uniform[-prompt_init, prompt_init].
@@ -75,15 +110,11 @@ class TuneConfig:
   eval_chunk: int = 250
 
   def __post_init__(self):
-    if self.method not in METHODS:
-      raise ValueError(f"TuneConfig.method must be one of {METHODS}, got "
-                       f"{self.method!r}")
-    if self.head not in heads.HEADS:
-      raise ValueError(f"TuneConfig.head must be one of {heads.HEADS}, got "
-                       f"{self.head!r}")
-    if self.features not in heads.FEATURES:
-      raise ValueError(f"TuneConfig.features must be one of "
-                       f"{heads.FEATURES}, got {self.features!r}")
+    for field, registry in (("method", METHODS), ("head", heads.HEADS),
+                            ("features", heads.TRANSFORMS)):
+      if getattr(self, field) not in registry:
+        raise ValueError(f"TuneConfig.{field} must be one of "
+                         f"{tuple(registry)}, got {getattr(self, field)!r}")
     validation.require_positive(self, "prompt_len", "epochs", "batch_size",
                                 "eval_chunk")
     for name in ("lr", "backbone_lr"):
@@ -92,13 +123,14 @@ class TuneConfig:
                          f"{getattr(self, name)}")
     if not 0 <= self.warmup_frac < 1:
       raise ValueError("TuneConfig.warmup_frac must be in [0, 1)")
-    if self.max_len is not None and self.max_len < self.num_prompt + 1:
+    if (self.max_len is not None
+        and self.max_len < tasks_lib.input_len(self.num_prompt, 0)):
       raise ValueError(f"TuneConfig.max_len = {self.max_len} leaves no room "
                        f"for the MASK after {self.num_prompt} prompt vectors")
 
   @property
   def num_prompt(self) -> int:
-    return self.prompt_len if self.method == "prompt" else 0
+    return self.prompt_len if METHODS[self.method].uses_prompt else 0
 
   @classmethod
   def authors(cls, **overrides) -> "TuneConfig":
@@ -121,8 +153,18 @@ class Data(NamedTuple):
   test_labels: jax.Array
 
 
+def _tokens(data: Data, split: str) -> jax.Array:
+  return getattr(data, split + "_tokens")
+
+
+def _labels(data: Data, split: str) -> jax.Array:
+  return getattr(data, split + "_labels")
+
+
 def data_from_task(task: tasks_lib.Task, cfg: TuneConfig) -> Data:
   """Split arrays, truncated to ``cfg.max_len`` positions with the prompt."""
+  # Task tokens are (MASK, x_1, ...); keeping ``keep`` of them makes the
+  # backbone input (prompt, MASK, x_1, ...) exactly ``max_len`` long.
   keep = None if cfg.max_len is None else cfg.max_len - cfg.num_prompt
   cut = lambda t: jnp.asarray(t)[:, :keep]
   return Data(cut(task.train.tokens), task.train.labels,
@@ -147,124 +189,193 @@ def _schedule(total: int, cfg: TuneConfig):
 
 
 # ----------------------------------------------------------------------------
-# Forward pieces.
+# Methods.
 
 
-def _backbone_inputs(backbone: Backbone, bparams, cfg: TuneConfig, prompt,
-                     tokens_T):
-  """``(G, emb)`` a head needs for one example (G at MASK for linear)."""
-  probs_TxV, emb_TxD = backbone.outputs(bparams, tokens_T, prompt)
-  if cfg.head == "linear":
-    return probs_TxV[cfg.num_prompt], None
-  return probs_TxV, emb_TxD
+def backbone_head_inputs(backbone: Backbone, params, cfg: TuneConfig,
+                         tokens_T: jax.Array, prompt_raw_PxD=None):
+  """``(G, emb)`` that ``cfg.head`` reads from one backbone input.
+
+  The backbone sees ``(prompt, MASK, x_1, ...)``. Heads reading all
+  positions get ``(G [P+T, V], emb [P+T, D])``; the others get ``(G [V],
+  None)`` at the ``MASK``, which is all head tuning then needs to cache.
+  """
+  probs_TxV, emb_TxD = backbone.outputs(params, tokens_T, prompt_raw_PxD)
+  if heads.HEADS[cfg.head].reads_all_positions:
+    return probs_TxV, emb_TxD
+  return probs_TxV[tasks_lib.mask_index(cfg.num_prompt)], None
 
 
-def _head_logits(cfg: TuneConfig, head_params, stats, inputs):
-  g, emb = inputs
-  feats = heads.transform(g, cfg.features, stats)
-  if cfg.head == "linear":
-    return heads.apply_linear(head_params, feats)
-  return heads.apply_attention(head_params, feats, emb)
+def _nothing_extra(key, backbone, bparams, cfg):
+  del key, backbone, bparams, cfg
+  return {}
 
 
-def _make_inputs_fn(backbone, cfg):
-  """Example -> head inputs. Head tuning: the example *is* cached inputs."""
-  if cfg.method == "head":
-    return lambda tunable, bparams, example: example
-  if cfg.method == "finetune":
-    return lambda tunable, bparams, example: _backbone_inputs(
-        backbone, tunable["backbone"], cfg, None, example)
-  return lambda tunable, bparams, example: _backbone_inputs(
-      backbone, bparams, cfg, tunable["prompt"], example)
+def _frozen_inputs(backbone, bparams, tunable, cfg, tokens_T):
+  del tunable  # Nothing tunable before the head: cacheable.
+  return backbone_head_inputs(backbone, bparams, cfg, tokens_T)
 
 
-def _cache(backbone, bparams, cfg, tokens_NxT):
-  """Frozen-backbone head inputs for every example, computed once."""
-  fn = lambda t: _backbone_inputs(backbone, bparams, cfg, None, t)
-  return jax.lax.map(fn, tokens_NxT, batch_size=cfg.eval_chunk)
+def _init_prompt(key, backbone, bparams, cfg):
+  del bparams
+  return {"prompt": jax.random.uniform(
+      key, (cfg.prompt_len, backbone.embed_dim), minval=-cfg.prompt_init,
+      maxval=cfg.prompt_init)}
+
+
+def _prompted_inputs(backbone, bparams, tunable, cfg, tokens_T):
+  return backbone_head_inputs(backbone, bparams, cfg, tokens_T,
+                              tunable["prompt"])
+
+
+def _copy_backbone(key, backbone, bparams, cfg):
+  del key, backbone, cfg
+  return {"backbone": bparams}
+
+
+def _finetuned_inputs(backbone, bparams, tunable, cfg, tokens_T):
+  del bparams
+  return backbone_head_inputs(backbone, tunable["backbone"], cfg, tokens_T)
+
+
+METHODS: dict[str, Method] = {
+    "head": Method("head", init_extra=_nothing_extra,
+                   head_inputs=_frozen_inputs, caches_features=True),
+    "prompt": Method("prompt", init_extra=_init_prompt,
+                     head_inputs=_prompted_inputs, uses_prompt=True),
+    # A pretrained backbone is wrecked by the head's learning rate.
+    "finetune": Method("finetune", init_extra=_copy_backbone,
+                       head_inputs=_finetuned_inputs,
+                       slow_keys=frozenset({"backbone"}),
+                       needs_finetunable=True),
+}
+
+
+# ----------------------------------------------------------------------------
+# One seed, step by step (all traceable).
 
 
 def _init_tunable(key, backbone: Backbone, bparams, cfg: TuneConfig,
-                  seq_len: int):
-  k_head, k_prompt = jax.random.split(key)
-  total_len = cfg.num_prompt + seq_len
-  if cfg.head == "linear":
-    head = heads.init_linear(k_head, backbone.vocab_size)
-  else:
-    head = heads.init_attention(k_head, backbone.vocab_size,
-                                backbone.embed_dim, total_len)
-  tunable = {"head": head}
-  if cfg.method == "finetune":
-    tunable["backbone"] = bparams
-  if cfg.method == "prompt":
-    tunable["prompt"] = jax.random.uniform(
-        k_prompt, (cfg.prompt_len, backbone.embed_dim),
-        minval=-cfg.prompt_init, maxval=cfg.prompt_init)
-  return tunable
+                  num_tokens: int) -> dict:
+  """``{"head": ..., **extra}``; ``num_tokens`` counts the ``MASK``."""
+  k_head, k_extra = jax.random.split(key)
+  length = tasks_lib.input_len(cfg.num_prompt, num_tokens - 1)
+  head = heads.HEADS[cfg.head].init(k_head, backbone.vocab_size,
+                                    backbone.embed_dim, length)
+  return {"head": head, **METHODS[cfg.method].init_extra(k_extra, backbone,
+                                                         bparams, cfg)}
 
 
-def _run(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
-  """One seed, end to end. Traceable; vmapped by :func:`tune_many`."""
-  k_init, k_perm = jax.random.split(key)
-  n, seq_len = data.train_tokens.shape
-  tunable = _init_tunable(k_init, backbone, bparams, cfg, seq_len)
-  inputs_fn = _make_inputs_fn(backbone, cfg)
+def _prepare_examples(backbone: Backbone, bparams, tunable, data: Data,
+                      cfg: TuneConfig):
+  """``(inputs_fn, examples)``: ``examples[split]`` has one leading ``N``
+  axis and ``inputs_fn(tunable, example) -> (G, emb)``.
 
-  if cfg.method == "head":
-    examples = {s: _cache(backbone, bparams, cfg, getattr(data, s + "_tokens"))
-                for s in ("train", "val", "test")}
-  else:
-    examples = {s: getattr(data, s + "_tokens")
-                for s in ("train", "val", "test")}
+  A caching method's examples are its head inputs, computed once; the
+  others' are the tokens ``[N, T]``.
+  """
+  method = METHODS[cfg.method]
+  inputs_fn = lambda tunable, tokens_T: method.head_inputs(
+      backbone, bparams, tunable, cfg, tokens_T)
+  if not method.caches_features:
+    return inputs_fn, {s: _tokens(data, s) for s in SPLITS}
+  examples = {s: jax.lax.map(lambda t: inputs_fn(tunable, t), _tokens(data, s),
+                             batch_size=cfg.eval_chunk) for s in SPLITS}
+  return lambda tunable, example: example, examples
 
-  stats = None
-  if cfg.features == "standardized":
-    g_train = jax.lax.map(lambda ex: inputs_fn(tunable, bparams, ex)[0],
-                          examples["train"], batch_size=cfg.eval_chunk)
-    stats = heads.feature_stats(g_train)
 
-  def logits_fn(tunable, example):
-    return _head_logits(cfg, tunable["head"], stats,
-                        inputs_fn(tunable, bparams, example))
+def _feature_stats(inputs_fn, tunable, train_examples, cfg: TuneConfig):
+  """Statistics of the training set's ``G`` at initialisation, or ``None``
+  if ``cfg.features`` reads none."""
+  if not heads.TRANSFORMS[cfg.features].needs_stats:
+    return None
+  g_train = jax.lax.map(lambda ex: inputs_fn(tunable, ex)[0], train_examples,
+                        batch_size=cfg.eval_chunk)
+  return heads.feature_stats(g_train)
+
+
+def _logits_fn(inputs_fn, stats, cfg: TuneConfig):
+  """``(tunable, example) -> logits [C]``."""
+  head = heads.HEADS[cfg.head]
+
+  def logits(tunable, example):
+    g, emb = inputs_fn(tunable, example)
+    feats = heads.transform(g, cfg.features, stats)
+    return head.apply(tunable["head"], feats, emb)
+
+  return logits
+
+
+def _batch_indices(key, n: int, cfg: TuneConfig) -> jax.Array:
+  """``[S, B]`` training example indices: a fresh permutation per epoch
+  (``fold_in(key, epoch)``), its tail that fills no batch dropped."""
+  steps_per_epoch = max(n // cfg.batch_size, 1)
+  batch = min(cfg.batch_size, n)
+  perms = jax.vmap(lambda e: jax.random.permutation(
+      jax.random.fold_in(key, e), n)[:steps_per_epoch * batch])(
+          jnp.arange(cfg.epochs))
+  return perms.reshape(cfg.epochs * steps_per_epoch, batch)
+
+
+def _optimizer(total: int, cfg: TuneConfig):
+  """Adam on a warmup / linear-decay schedule; the method's ``slow_keys`` on
+  its own schedule peaking at ``cfg.backbone_lr``."""
+  opt = optax.adam(_schedule(total, cfg))
+  slow_keys = METHODS[cfg.method].slow_keys
+  if not slow_keys:
+    return opt
+  slow = optax.adam(_schedule(total, dataclasses.replace(
+      cfg, lr=cfg.backbone_lr)))
+  return optax.multi_transform(
+      {"fast": opt, "slow": slow},
+      lambda t: {k: jax.tree.map(lambda _, k=k: "slow" if k in slow_keys
+                                 else "fast", v) for k, v in t.items()})
+
+
+def _train(logits_fn, opt, tunable, examples, labels_N, idx_SxB):
+  """Scans the steps. Returns ``(tunable, losses [S])``."""
 
   def loss_fn(tunable, batch, labels_B):
     logits_BxC = jax.vmap(lambda ex: logits_fn(tunable, ex))(batch)
     return optax.softmax_cross_entropy_with_integer_labels(
         logits_BxC, labels_B).mean()
 
-  steps_per_epoch = max(n // cfg.batch_size, 1)
-  batch = min(cfg.batch_size, n)
-  total = cfg.epochs * steps_per_epoch
-  perms = jax.vmap(lambda e: jax.random.permutation(
-      jax.random.fold_in(k_perm, e), n)[:steps_per_epoch * batch])(
-          jnp.arange(cfg.epochs))
-  idx_SxB = perms.reshape(total, batch)
-  opt = optax.adam(_schedule(total, cfg))
-  if cfg.method == "finetune":
-    slow = optax.adam(_schedule(total, dataclasses.replace(
-        cfg, lr=cfg.backbone_lr)))
-    opt = optax.multi_transform(
-        {"fast": opt, "slow": slow},
-        lambda t: {k: jax.tree.map(lambda _, k=k: "slow" if k == "backbone"
-                                   else "fast", v) for k, v in t.items()})
-
   def step(carry, idx_B):
     tunable, opt_state = carry
-    batch_ex = jax.tree.map(lambda a: a[idx_B], examples["train"])
-    loss, grads = jax.value_and_grad(loss_fn)(tunable, batch_ex,
-                                              data.train_labels[idx_B])
+    batch = jax.tree.map(lambda a: a[idx_B], examples)
+    loss, grads = jax.value_and_grad(loss_fn)(tunable, batch, labels_N[idx_B])
     updates, opt_state = opt.update(grads, opt_state, tunable)
     return (optax.apply_updates(tunable, updates), opt_state), loss
 
   (tunable, _), losses = jax.lax.scan(step, (tunable, opt.init(tunable)),
                                       idx_SxB)
+  return tunable, losses
 
-  def accuracy(split):
-    preds = jax.lax.map(lambda ex: jnp.argmax(logits_fn(tunable, ex)),
-                        examples[split], batch_size=cfg.eval_chunk)
-    return jnp.mean(preds == getattr(data, split + "_labels"))
 
-  accs = {s: accuracy(s) for s in ("train", "val", "test")}
+def _accuracy(logits_fn, tunable, examples, labels_N, cfg: TuneConfig):
+  preds_N = jax.lax.map(lambda ex: jnp.argmax(logits_fn(tunable, ex)),
+                        examples, batch_size=cfg.eval_chunk)
+  return jnp.mean(preds_N == labels_N)
+
+
+def _run(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
+  """One seed, end to end. Traceable; vmapped by :func:`tune_many`.
+
+  Returns ``(tunable, losses [S], {split: accuracy})``.
+  """
+  k_init, k_perm = jax.random.split(key)
+  n, num_tokens = data.train_tokens.shape
+  tunable = _init_tunable(k_init, backbone, bparams, cfg, num_tokens)
+  inputs_fn, examples = _prepare_examples(backbone, bparams, tunable, data,
+                                          cfg)
+  stats = _feature_stats(inputs_fn, tunable, examples["train"], cfg)
+  logits_fn = _logits_fn(inputs_fn, stats, cfg)
+  idx_SxB = _batch_indices(k_perm, n, cfg)
+  opt = _optimizer(idx_SxB.shape[0], cfg)
+  tunable, losses = _train(logits_fn, opt, tunable, examples["train"],
+                           data.train_labels, idx_SxB)
+  accs = {s: _accuracy(logits_fn, tunable, examples[s], _labels(data, s), cfg)
+          for s in SPLITS}
   return tunable, losses, accs
 
 
@@ -287,16 +398,15 @@ def _record(cfg, accs, losses, steps, seconds, num_batched):
 
 
 def _check_data(data: Data):
-  for name in ("train", "val", "test"):
-    toks = getattr(data, name + "_tokens")
-    labels = getattr(data, name + "_labels")
+  for name in SPLITS:
+    toks, labels = _tokens(data, name), _labels(data, name)
     if toks.ndim < 2 or labels.shape != toks.shape[:-1]:
       raise ValueError(f"{name} tokens [.., N, T] and labels [.., N] "
                        f"disagree: {toks.shape} vs {labels.shape}")
 
 
 def _check_method(backbone: Backbone, cfg: TuneConfig):
-  if cfg.method == "finetune" and not backbone.finetunable:
+  if METHODS[cfg.method].needs_finetunable and not backbone.finetunable:
     raise ValueError(f"the {backbone.name!r} backbone cannot be fine-tuned "
                      f"(its params are not free parameters); use head or "
                      f"prompt tuning")
