@@ -1,6 +1,16 @@
 import os
 
-import jax
+# A persistent XLA compilation cache shared by this process and the
+# subprocesses the integration tests start (they inherit the environment):
+# the binaries compile the same programs as each other and as the in-process
+# tests, so each is compiled once per run (cold) and reused on reruns.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(_ROOT, ".pytest_cache", "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np
 import pytest
 
