@@ -43,7 +43,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
 fi
 
 case "$mode" in
-  test)  exec "$VENV/bin/python" -m pytest tests "$@" ;;
+  # One xdist worker per core (pass -n 0 to run in one process).
+  test)  exec "$VENV/bin/python" -m pytest tests -n auto "$@" ;;
   bench) "$VENV/bin/python" -m experiments.bench_hmm
          exec "$VENV/bin/python" -m experiments.bench_mlm ;;
   demo)  exec "$VENV/bin/python" -m experiments.demo "$@" ;;
