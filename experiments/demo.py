@@ -1,4 +1,4 @@
-r"""Short demo of the HMM core (the main job until the Figure 3 sweep lands).
+r"""Short demo of the HMM core (`./launch.sh demo`).
 
   python -m experiments.demo [--num_states=10] [--seed=0]
 
