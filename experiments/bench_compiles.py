@@ -22,6 +22,8 @@ import time
 from absl import app
 from absl import flags
 
+from hmmprompt import host_memory
+
 _PRESET = flags.DEFINE_string("preset", "cpu", "figure3 preset")
 _STEPS = flags.DEFINE_integer("pretrain_steps", 100,
                               "pretraining steps per model")
@@ -56,6 +58,7 @@ def _child(mode: str, workdir: str) -> None:
 
 def main(argv):
   del argv
+  host_memory.retain_freed_memory()  # XLA:CPU step temporaries
   if _CHILD.value:
     _child(_CHILD.value, _WORKDIR.value)
     return

@@ -31,7 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from hmmprompt import config_flags
+from hmmprompt import host_memory
 from hmmprompt import corpus as corpus_lib
+from hmmprompt import hmm
 from hmmprompt import pretrain
 from hmmprompt import sharding
 from hmmprompt.backbones import transformer
@@ -49,6 +51,10 @@ _PEAK = flags.DEFINE_float("peak_tflops", None,
 _SKIP_HF = flags.DEFINE_bool("skip_hf", False, "time our model only")
 _STEPS = flags.DEFINE_integer("steps", 30, "timed steps per repeat")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "repeats (median)")
+_EXACT = flags.DEFINE_bool("exact", True, "also time our step with "
+                           "exact-conditional targets")
+_NUM_STATES = flags.DEFINE_integer("num_states", 30, "HMM states for the "
+                                   "exact targets")
 _THREADS = flags.DEFINE_integer("torch_threads", 0,
                                 "torch intra-op threads (0: its default)")
 
@@ -100,12 +106,15 @@ def _time(step_fn, sync):
   return float(np.median(times))
 
 
-def bench_ours(shape: dict, vocab=10):
+def bench_ours(shape: dict, vocab=10, targets="sampled"):
+  """Our step; ``targets="exact"`` adds the in-step forward-backward on an
+  ``|H| = --num_states`` HMM (the exact-conditional targets)."""
   b, t = shape["batch_size"], shape["seq_len"]
   cfg = pretrain.PretrainConfig(
       model=model_config(shape, vocab),
       corpus=corpus_lib.CorpusConfig(chunk_len=t, fresh=True),
-      lr=1e-3, batch_size=b, steps=10**6)
+      lr=1e-3, batch_size=b, steps=10**6, targets=targets)
+  model = hmm.random_hmm(jax.random.PRNGKey(2), _NUM_STATES.value, vocab)
   mesh = sharding.data_mesh()
   holder = {"state": jax.device_put(
       pretrain.init_state(jax.random.PRNGKey(0), cfg),
@@ -113,12 +122,13 @@ def bench_ours(shape: dict, vocab=10):
   n_params = transformer.num_params(holder["state"].params)
   step = pretrain.make_train_step(cfg, mesh)
   rng = np.random.default_rng(0)
-  targets = jnp.asarray(rng.integers(0, vocab, (b, t)), jnp.int32)
-  inputs, weights = corpus_lib.mask_tokens(jax.random.PRNGKey(1), targets,
+  tokens = jnp.asarray(rng.integers(0, vocab, (b, t)), jnp.int32)
+  inputs, weights = corpus_lib.mask_tokens(jax.random.PRNGKey(1), tokens,
                                            0.15, vocab)
 
   def step_fn():
-    holder["state"], loss = step(holder["state"], inputs, targets, weights)
+    holder["state"], loss = step(holder["state"], inputs, tokens, weights,
+                                 model)
     return loss
 
   return _time(step_fn, lambda out=None: jax.block_until_ready(
@@ -173,6 +183,7 @@ def bench_hf(shape: dict, vocab=10):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  host_memory.retain_freed_memory()  # XLA:CPU step temporaries
   shape = resolve_shape()
   vocab = 10
   tokens = shape["batch_size"] * shape["seq_len"]
@@ -194,6 +205,10 @@ def main(argv):
 
   t_ours, n_ours = bench_ours(shape, vocab)
   report("hmmprompt Flax MLM", t_ours, n_ours)
+  if _EXACT.value:
+    t_exact, _ = bench_ours(shape, vocab, "exact")
+    report("  with exact targets", t_exact, n_ours,
+           f", |H| = {_NUM_STATES.value}, {t_exact / t_ours:.2f}x the time")
   if _SKIP_HF.value:
     return
   try:

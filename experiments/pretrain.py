@@ -38,6 +38,7 @@ from absl import logging
 import jax
 
 from hmmprompt import config_flags
+from hmmprompt import host_memory
 from hmmprompt import models
 from hmmprompt import pretrain
 from hmmprompt.backbones import transformer
@@ -87,6 +88,7 @@ _DISTRIBUTED = flags.DEFINE_bool("distributed", False,
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  host_memory.retain_freed_memory()  # XLA:CPU step temporaries
   if not _WORKDIR.value:
     raise app.UsageError("--workdir is required")
   if _DISTRIBUTED.value:

@@ -10,8 +10,18 @@ Two sources, both deterministic given a key and the step:
 
 Masking: each position is selected with probability ``mask_rate``; selected
 positions become ``MASK`` (80%), a uniformly random symbol (10%) or stay
-(10%), as BERT. Evaluation masks with ``MASK`` only, so the Bayes-optimal
-prediction is exactly :func:`hmm.conditionals` of the masked input.
+(10%), as BERT (``corruption="bert"``), or always become ``MASK``
+(``corruption="mask"``). Evaluation masks with ``MASK`` only, so the
+Bayes-optimal prediction is exactly :func:`hmm.conditionals` of the masked
+input.
+
+Exact targets (:func:`exact_targets`): ``P[X_t | x~, S]``, the conditional of
+each selected position's true token given the corrupted input ``x~`` and the
+selection ``S``. A replaced or kept token is a noisy observation of the true
+one, which enters forward-backward as an evidence vector, so the targets are
+exact under BERT's corruption too. Since the sampled token's one-hot has this
+conditional as its mean, cross-entropy to it has the sampled-target MLM
+loss's expected gradient (and minimiser) with less variance.
 """
 
 from __future__ import annotations
@@ -27,6 +37,11 @@ from hmmprompt import models
 from hmmprompt import validation
 
 
+CORRUPTIONS = ("bert", "mask")
+# BERT: of the selected positions, 80% MASK, 10% a uniform symbol, 10% kept.
+_BERT_MASK, _BERT_RANDOM = 0.8, 0.1
+
+
 @dataclasses.dataclass(frozen=True)
 class CorpusConfig:
   num_seqs: int = 5000
@@ -35,8 +50,12 @@ class CorpusConfig:
   mask_rate: float = 0.05
   fresh: bool = False
   val_seqs: int = 64
+  corruption: str = "bert"
 
   def __post_init__(self):
+    if self.corruption not in CORRUPTIONS:
+      raise ValueError(f"CorpusConfig.corruption must be one of "
+                       f"{CORRUPTIONS}, got {self.corruption!r}")
     validation.require_positive(self, "num_seqs", "seq_len", "chunk_len",
                                 "val_seqs")
     if not 0 < self.mask_rate < 1:
@@ -73,8 +92,9 @@ def mask_tokens(key, tokens_BxT, mask_rate: float, vocab_size: int,
   if bert:
     u = jax.random.uniform(k_kind, tokens_BxT.shape)
     random_tok = jax.random.randint(k_rand, tokens_BxT.shape, 0, vocab_size)
-    replaced = jnp.where(u < 0.8, hmm_lib.MASK,
-                         jnp.where(u < 0.9, random_tok, tokens_BxT))
+    replaced = jnp.where(
+        u < _BERT_MASK, hmm_lib.MASK,
+        jnp.where(u < _BERT_MASK + _BERT_RANDOM, random_tok, tokens_BxT))
   else:
     replaced = jnp.full_like(tokens_BxT, hmm_lib.MASK)
   inputs = jnp.where(selected, replaced, tokens_BxT)
@@ -99,5 +119,40 @@ def batch_at(key, step, model, chunks, cfg: CorpusConfig, batch_size: int,
     perm = jax.random.permutation(jax.random.fold_in(k_epochs, epoch), n)
     start = (step % steps_per_epoch) * batch_size
     targets = chunks[jax.lax.dynamic_slice(perm, (start,), (batch_size,))]
-  inputs, weights = mask_tokens(k_mask, targets, cfg.mask_rate, vocab_size)
+  inputs, weights = mask_tokens(k_mask, targets, cfg.mask_rate, vocab_size,
+                                bert=cfg.corruption == "bert")
   return inputs, targets, weights
+
+
+def corruption_likelihood(inputs_T, selected_T, vocab_size: int) -> jax.Array:
+  """``[T, V]``: ``P(x~_t | X_t = x, S)`` up to a factor per position.
+
+  Unselected: ``x~_t = X_t`` (one-hot). Selected and ``MASK``: no
+  information (ones). Selected and a symbol ``v``: BERT's random (10%, any
+  symbol) or kept (10%) token, ``∝ 1/V + [x = v]``. Traceable.
+  """
+  sym_T = jnp.where(inputs_T == hmm_lib.MASK, 0, inputs_T)
+  onehot_TxV = jax.nn.one_hot(sym_T, vocab_size)
+  noisy_TxV = (_BERT_RANDOM / vocab_size + (1 - _BERT_MASK - _BERT_RANDOM)
+               * onehot_TxV) / (1 - _BERT_MASK)
+  selected = (selected_T > 0)[:, None]
+  return jnp.where((inputs_T == hmm_lib.MASK)[:, None], 1.0,
+                   jnp.where(selected, noisy_TxV, onehot_TxV))
+
+
+def exact_targets(hmm: hmm_lib.HMM, inputs_T, selected_T) -> jax.Array:
+  """``[T, V]``: ``P[X_t | x~, S]`` under :func:`mask_tokens`' corruption.
+
+  ``inputs_T`` is the corrupted sequence, ``selected_T`` marks the selected
+  positions (the loss weights). The same formula covers both corruptions
+  (with ``"mask"`` no selected position shows a symbol). ``hmm`` is the
+  generating model's vanilla form (:func:`models.as_hmm`). Rows are all zero
+  where ``x~`` is impossible. Traceable; vmap it over a batch.
+  """
+  lik_TxV = corruption_likelihood(inputs_T, selected_T, hmm.vocab_size)
+  emission_HxV = hmm.emission.astype(lik_TxV.dtype)
+  evidence_TxH = lik_TxV @ emission_HxV.T
+  prior_TxV = hmm_lib.evidence_conditionals(hmm, evidence_TxH)
+  joint_TxV = prior_TxV * lik_TxV
+  total_T = jnp.sum(joint_TxV, -1, keepdims=True)
+  return joint_TxV / jnp.where(total_T > 0, total_T, 1.0)

@@ -22,6 +22,11 @@ import numpy as np
 import pytest
 
 from hmmprompt import hmm as hmm_lib
+from hmmprompt import host_memory
+
+# As the binaries do: XLA:CPU's per-step temporaries are then reused, not
+# faulted in afresh (tests/test_host_memory.py).
+host_memory.retain_freed_memory()
 
 
 def random_dense_hmm(seed, num_states, vocab_size, zero_frac=0.0):

@@ -1,14 +1,18 @@
 """hmmprompt.corpus: pretraining text and BERT masking."""
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from hmmprompt import corpus as corpus_lib
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import pretrain
+from hmmprompt.backbones import transformer
+from hmmprompt.pretrain import train as pretrain_train
 
 TINY = pretrain.preset_config("tiny")
 
@@ -41,3 +45,104 @@ def test_masking_statistics_and_determinism():
   assert sorted(seen) == sorted(tuple(r) for r in np.asarray(chunks))
 
 
+
+
+
+def _sequence_posterior(model, inputs, selected, bert):
+  """Every true sequence ``[N, T]`` and ``P(x | x~, S)``, by enumerating
+  state paths (float64)."""
+  init, trans, emit = (np.asarray(a, np.float64) for a in model)
+  h, v = emit.shape
+  t = len(inputs)
+  seqs = np.array(list(itertools.product(range(v), repeat=t)))
+  paths = np.array(list(itertools.product(range(h), repeat=t)))
+  weights = []
+  for xs in seqs:
+    p_paths = init[paths[:, 0]] * emit[paths[:, 0], xs[0]]
+    for i in range(1, t):
+      p_paths = p_paths * trans[paths[:, i - 1], paths[:, i]] * emit[
+          paths[:, i], xs[i]]
+    lik = 1.0
+    for i in range(t):
+      if not selected[i]:
+        lik *= float(inputs[i] == xs[i])
+      elif inputs[i] == hmm_lib.MASK:
+        lik *= 0.8 if bert else 1.0
+      else:  # BERT's random (10%, any symbol) or kept (10%) token
+        lik *= 0.1 / v + 0.1 * (inputs[i] == xs[i])
+    weights.append(p_paths.sum() * lik)
+  weights = np.array(weights)
+  return seqs, weights / weights.sum()
+
+
+def _brute_force_targets(model, inputs, selected, bert):
+  """``[T, V]``: ``P[X_t | x~, S]`` from :func:`_sequence_posterior`."""
+  seqs, weights = _sequence_posterior(model, inputs, selected, bert)
+  v = model.emission.shape[1]
+  return np.einsum("n,ntv->tv", weights, np.eye(v)[seqs])
+
+
+@pytest.fixture(scope="module")
+def tiny_hmm():
+  # Not near-deterministic, so every corruption changes the targets.
+  return hmm_lib.random_hmm(jax.random.PRNGKey(7), 3, 4, transition_temp=1.0,
+                            emission_temp=1.0)
+
+
+# Positions: unselected, MASK, a replaced/kept symbol, unselected, MASK.
+_INPUTS = np.array([2, hmm_lib.MASK, 1, 3, hmm_lib.MASK])
+_SELECTED = np.array([0, 1, 1, 0, 1], np.float32)
+
+
+def test_exact_targets_equal_brute_force(tiny_hmm):
+  got = corpus_lib.exact_targets(tiny_hmm, jnp.asarray(_INPUTS),
+                                 jnp.asarray(_SELECTED))
+  want = _brute_force_targets(tiny_hmm, _INPUTS, _SELECTED, bert=True)
+  np.testing.assert_allclose(got, want, atol=2e-6)
+  # The symbol at position 2 is informative but not certain.
+  assert 0.3 < float(got[2, 1]) < 0.99
+  masked = _INPUTS.copy()
+  masked[2] = hmm_lib.MASK
+  got_masked = corpus_lib.exact_targets(tiny_hmm, jnp.asarray(masked),
+                                        jnp.asarray(_SELECTED))
+  np.testing.assert_allclose(
+      got_masked, _brute_force_targets(tiny_hmm, masked, _SELECTED, False),
+      atol=2e-6)
+  assert np.abs(np.asarray(got_masked[2]) - np.asarray(got[2])).max() > 0.05
+  # MASK-only corruption: the exact MLM conditionals of the masked input.
+  sel = _SELECTED > 0
+  np.testing.assert_allclose(got_masked[sel],
+                             hmm_lib.conditionals(tiny_hmm, masked)[sel],
+                             atol=1e-6)
+
+
+def test_exact_target_gradient_is_mean_of_sampled_gradients(tiny_hmm):
+  """Cross-entropy to the exact targets has the expected gradient of the
+  sampled-target loss over draws of the true tokens given the corrupted
+  input (Monte Carlo), while a target that ignores BERT's corruption noise
+  (the MASK-only conditionals) does not."""
+  v = 4
+  model_cfg = dataclasses.replace(TINY.model, vocab_size=v, max_len=8)
+  params = transformer.init_params(jax.random.PRNGKey(0), model_cfg)
+  seqs, weights = _sequence_posterior(tiny_hmm, _INPUTS, _SELECTED, True)
+  draws = seqs[np.random.default_rng(0).choice(len(seqs), 4000, p=weights)]
+  inputs_1xT = jnp.asarray(_INPUTS)[None]
+  weights_1xT = jnp.asarray(_SELECTED)[None]
+  grad = jax.jit(lambda t: jax.grad(pretrain_train.mlm_loss)(
+      params, model_cfg, inputs_1xT, t, weights_1xT))
+  flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
+  # One gradient per sampled sequence (integer targets), averaged.
+  per_draw = jax.jit(jax.vmap(lambda d: grad(d[None])))(
+      jnp.asarray(draws, jnp.int32))
+  mc = flat(jax.tree.map(lambda g: g.mean(0), per_draw))
+  exact = flat(grad(corpus_lib.exact_targets(tiny_hmm, inputs_1xT[0],
+                                             weights_1xT[0])[None]))
+  naive_t = hmm_lib.conditionals(
+      tiny_hmm, np.where(_SELECTED > 0, hmm_lib.MASK, _INPUTS))
+  naive = flat(grad(naive_t[None]))
+  scale = np.linalg.norm(mc)
+  err_exact = np.linalg.norm(exact - mc) / scale
+  err_naive = np.linalg.norm(naive - mc) / scale
+  print(f"relative error: exact {err_exact:.4f}, naive {err_naive:.4f}")
+  assert err_exact < 0.05, err_exact
+  assert err_naive > 3 * err_exact, (err_naive, err_exact)

@@ -15,6 +15,7 @@ from experiments.figure3 import records
 from experiments.figure3 import reporting
 from experiments.figure3 import sweep
 from hmmprompt import config_flags
+from hmmprompt import host_memory
 from hmmprompt import results as results_lib
 
 _PRESET = flags.DEFINE_enum("preset", "cpu", list(configs.PRESETS),
@@ -41,6 +42,7 @@ _TASK_INDEX = flags.DEFINE_integer("task_index", 0,
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  host_memory.retain_freed_memory()  # XLA:CPU step temporaries
   if not _WORKDIR.value:
     raise app.UsageError("--workdir is required")
   backbones = _BACKBONE.value

@@ -12,6 +12,9 @@ from hmmprompt import validation
 from hmmprompt.backbones import transformer
 
 
+TARGETS = ("sampled", "exact")
+
+
 @dataclasses.dataclass(frozen=True)
 class PretrainConfig:
   """Defaults: Appendix D (lr 1e-5, batch 8, 3 epochs, 500 warmup steps).
@@ -25,6 +28,12 @@ class PretrainConfig:
   first; with ``target_gap`` the gap is checked at the end of each cycle.
   Decaying to 0 is worth ~30% of the gap at a given step count, so a run
   that may stop early should stop at the bottom of a cycle, not mid-decay.
+
+  ``targets``: ``"sampled"`` (the ordinary MLM: cross-entropy to the true
+  token) or ``"exact"`` (cross-entropy to the exact conditional of each
+  masked position given the corrupted input, :func:`corpus.exact_targets`,
+  computed inside the jitted step: the same expected gradient and
+  minimiser, lower variance).
   """
 
   model: transformer.MLMConfig = transformer.MLMConfig()
@@ -44,8 +53,12 @@ class PretrainConfig:
   target_gap: float | None = None
   cycles: tuple[int, ...] | None = None
   seed: int = 0
+  targets: str = "sampled"
 
   def __post_init__(self):
+    if self.targets not in TARGETS:
+      raise ValueError(f"PretrainConfig.targets must be one of {TARGETS}, "
+                       f"got {self.targets!r}")
     if self.corpus.chunk_len > self.model.max_len:
       raise ValueError(f"corpus chunk_len {self.corpus.chunk_len} exceeds the "
                        f"model context max_len {self.model.max_len}")

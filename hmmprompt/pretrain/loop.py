@@ -128,6 +128,8 @@ def run(workdir: str, cfg: PretrainConfig, model: models.Model,
                         vocab_size=cfg.model.vocab_size),
       out_shardings=sharding_lib.batch_sharded(mesh))
   train_step = train.make_train_step(cfg, mesh)
+  model_hmm = jax.device_put(models.as_hmm(model),
+                             sharding_lib.replicated(mesh))
   val = evaluate_lib.validation_set(keys.val, model, cfg)
   progress = _Progress(cfg, start, log)
   # Training wall time summed over resumed runs (what "time per size" is).
@@ -146,8 +148,8 @@ def run(workdir: str, cfg: PretrainConfig, model: models.Model,
     return m
 
   for step in range(start, total):
-    inputs, targets, weights = get_batch(keys.data, step, model, chunks)
-    state, loss = train_step(state, inputs, targets, weights)
+    inputs, tokens, weights = get_batch(keys.data, step, model, chunks)
+    state, loss = train_step(state, inputs, tokens, weights, model_hmm)
     progress.add(loss)
     done = step + 1
     if done % cfg.log_every == 0 or done == total:

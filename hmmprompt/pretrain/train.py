@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from hmmprompt import corpus as corpus_lib
 from hmmprompt import sharding as sharding_lib
 from hmmprompt.backbones import transformer
 from hmmprompt.pretrain.config import PretrainConfig
@@ -52,11 +53,19 @@ def make_optimizer(cfg: PretrainConfig) -> optax.GradientTransformation:
                                  weight_decay=cfg.weight_decay))
 
 
-def mlm_loss(params, model_cfg, inputs_BxT, targets_BxT, weights_BxT):
-  """Mean cross-entropy over the weighted (masked) positions."""
+def mlm_loss(params, model_cfg, inputs_BxT, targets, weights_BxT):
+  """Mean cross-entropy over the weighted (masked) positions.
+
+  ``targets``: the true tokens ``int [B, T]``, or distributions
+  ``[B, T, V]`` (exact conditionals).
+  """
   logits_BxTxV = transformer.MLM(model_cfg).apply(params, inputs_BxT)
-  ce_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV,
-                                                           targets_BxT)
+  if targets.ndim == logits_BxTxV.ndim:
+    ce_BxT = optax.softmax_cross_entropy(logits_BxTxV,
+                                         targets.astype(logits_BxTxV.dtype))
+  else:
+    ce_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV,
+                                                             targets)
   return jnp.sum(ce_BxT * weights_BxT) / jnp.maximum(jnp.sum(weights_BxT),
                                                      1.0)
 
@@ -67,23 +76,48 @@ def init_state(key, cfg: PretrainConfig) -> TrainState:
                     opt_state=make_optimizer(cfg).init(params))
 
 
-def make_train_step(cfg: PretrainConfig, mesh):
-  """``step(state, inputs, targets, weights) -> (state, loss)``, jitted.
+def loss_targets(cfg: PretrainConfig, hmm, inputs_BxT, tokens_BxT,
+                 weights_BxT):
+  """What the loss is taken against: the true tokens ``[B, T]``, or with
+  ``cfg.targets == "exact"`` their exact conditionals ``[B, T, V]`` given
+  the corrupted inputs (``hmm``: the generating model's vanilla form)."""
+  if cfg.targets == "sampled":
+    return tokens_BxT
+  exact_BxTxV = jax.vmap(corpus_lib.exact_targets, in_axes=(None, 0, 0))(
+      hmm, inputs_BxT, weights_BxT)
+  return jax.lax.stop_gradient(exact_BxTxV)
 
-  Params replicated, the batch split along the mesh's data axis; the old
-  state's buffers are donated.
+
+def make_train_step(cfg: PretrainConfig, mesh):
+  """``step(state, inputs, tokens, weights, hmm=None) -> (state, loss)``.
+
+  Jitted; params and ``hmm`` replicated, the batch split along the mesh's
+  data axis; the old state's buffers are donated. ``hmm`` (the generating
+  model as a vanilla :class:`HMM`, :func:`models.as_hmm`) is needed only for
+  ``cfg.targets == "exact"``: the targets are computed inside the step, per
+  device on its share of the batch.
   """
   opt = make_optimizer(cfg)
   rep = sharding_lib.replicated(mesh)
   bat = sharding_lib.batch_sharded(mesh)
 
-  def step(state: TrainState, inputs_BxT, targets_BxT, weights_BxT):
+  def step(state: TrainState, inputs_BxT, tokens_BxT, weights_BxT, hmm):
+    targets = loss_targets(cfg, hmm, inputs_BxT, tokens_BxT, weights_BxT)
     loss, grads = jax.value_and_grad(mlm_loss)(
-        state.params, cfg.model, inputs_BxT, targets_BxT, weights_BxT)
+        state.params, cfg.model, inputs_BxT, targets, weights_BxT)
     updates, opt_state = opt.update(grads, state.opt_state, state.params)
     return TrainState(step=state.step + 1,
                       params=optax.apply_updates(state.params, updates),
                       opt_state=opt_state), loss
 
-  return jax.jit(step, in_shardings=(rep, bat, bat, bat),
-                 out_shardings=(rep, rep), donate_argnums=0)
+  jitted = jax.jit(step, in_shardings=(rep, bat, bat, bat, rep),
+                   out_shardings=(rep, rep), donate_argnums=0)
+
+  def train_step(state, inputs_BxT, tokens_BxT, weights_BxT, hmm=None):
+    if cfg.targets == "exact" and hmm is None:
+      raise ValueError("PretrainConfig.targets='exact' needs the generating "
+                       "HMM: pass hmm=models.as_hmm(model) to the step")
+    return jitted(state, inputs_BxT, tokens_BxT, weights_BxT,
+                  hmm if cfg.targets == "exact" else None)
+
+  return train_step

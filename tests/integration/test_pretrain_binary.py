@@ -63,7 +63,8 @@ def test_bad_flags_fail_clearly(tmp_path):
 _DP_SCRIPT = """
 import json, jax
 from hmmprompt import corpus, hmm, pretrain, sharding
-cfg = pretrain.preset_config("tiny")
+# Exact targets: computed inside the step, per device on its batch share.
+cfg = pretrain.preset_config("tiny").with_overrides(targets="exact")
 model = hmm.random_hmm(jax.random.PRNGKey(3), 6, 10)
 mesh = sharding.data_mesh()
 state = jax.device_put(pretrain.init_state(jax.random.PRNGKey(0), cfg),
@@ -74,7 +75,7 @@ for s in range(3):
   batch = jax.device_put(
       corpus.batch_at(jax.random.PRNGKey(1), s, model, None, cfg.corpus,
                       cfg.batch_size, 10), sharding.batch_sharded(mesh))
-  state, loss = step(state, *batch)
+  state, loss = step(state, *batch, model)
   losses.append(float(loss))
 leaf = jax.tree.leaves(state.params)[0]
 print(json.dumps({"devices": jax.device_count(), "losses": losses,

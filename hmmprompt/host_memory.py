@@ -1,0 +1,49 @@
+"""Keep freed host memory in the process (glibc), for XLA:CPU's sake.
+
+XLA:CPU allocates each execution's temporaries afresh, and glibc serves
+large blocks with ``mmap`` and gives them back with ``munmap`` when freed.
+Every step of a jitted training loop then faults its working set in again,
+page by page, zero-filled by the kernel: on the 2-core machine the cpu
+pretraining step took 8.8 M minor page faults and 30 s of system time per
+600 steps, about 40% of its CPU time (README, "Where the system time went").
+
+:func:`retain_freed_memory` tells glibc to keep freed memory for reuse
+(no ``mmap`` for large blocks, no trimming of the heap top): the same run
+takes 0.2 M faults and 3 s of system time and 1.6x fewer seconds per step.
+The price is that the process's resident size stays at its peak.
+
+It changes the process's allocator, so the library never calls it on its
+own: binaries call it first thing in ``main``, notebooks and scripts may
+call it once at the start. A no-op (returning ``False``) where the C library
+is not glibc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+
+# mallopt(3) parameters.
+_M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
+_M_MMAP_MAX = -4
+_TRIM_THRESHOLD = 2**31 - 1  # an int: mallopt's largest value
+_TOP_PAD = 256 << 20
+
+
+@functools.cache
+def retain_freed_memory() -> bool:
+  """Sets glibc's ``M_MMAP_MAX = 0``, ``M_TRIM_THRESHOLD`` = 2 GiB - 1 and
+  ``M_TOP_PAD`` = 256 MiB; ``True`` if all three took effect."""
+  name = ctypes.util.find_library("c")
+  try:
+    libc = ctypes.CDLL(name)
+    mallopt = libc.mallopt
+  except (OSError, AttributeError, TypeError):
+    return False
+  mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+  mallopt.restype = ctypes.c_int
+  return all(mallopt(param, value) == 1 for param, value in (
+      (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD),
+      (_M_TOP_PAD, _TOP_PAD)))
