@@ -55,6 +55,9 @@ _EXACT = flags.DEFINE_bool("exact", True, "also time our step with "
                            "exact-conditional targets")
 _NUM_STATES = flags.DEFINE_integer("num_states", 30, "HMM states for the "
                                    "exact targets")
+_RETAIN = flags.DEFINE_bool(
+    "retain_freed_memory", True, "host_memory.retain_freed_memory() first "
+    "(as the binaries do); false times glibc's defaults")
 _THREADS = flags.DEFINE_integer("torch_threads", 0,
                                 "torch intra-op threads (0: its default)")
 
@@ -183,7 +186,8 @@ def bench_hf(shape: dict, vocab=10):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  host_memory.retain_freed_memory()  # XLA:CPU step temporaries
+  if _RETAIN.value:
+    host_memory.retain_freed_memory()  # XLA:CPU step temporaries
   shape = resolve_shape()
   vocab = 10
   tokens = shape["batch_size"] * shape["seq_len"]

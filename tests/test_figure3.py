@@ -19,7 +19,9 @@ def test_get_setup_presets_overrides_and_errors():
   assert cpu.left_sizes == (4, 8, 12, 28) and cpu.seeds == 3
   # The main job's pretraining is the named cpu_capped recipe.
   assert (cpu.pretrain.batch_size, cpu.pretrain.lr, cpu.pretrain.steps,
-          cpu.pretrain.cycles) == (32, 2e-3, 7000, (1000, 2000, 4000))
+          cpu.pretrain.cycles, cpu.pretrain.targets,
+          cpu.pretrain.corpus.corruption) == (
+              32, 5e-3, 9000, (1000, 2000, 2000, 4000), "exact", "mask")
   s = figure3.get_setup("cpu", seeds=2, overrides={
       "pretrain.lr": "3e-3", "left_sizes": "4:8", "tune.epochs": 2})
   assert (s.seeds, s.pretrain.lr, s.left_sizes, s.tune.epochs) == (

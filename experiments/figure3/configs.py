@@ -113,9 +113,9 @@ def _tiny() -> Setup:
 
 
 def _cpu() -> Setup:
-  """The main job: both panels with the transformer on 2 CPU cores in < 30
-  minutes. Vanilla HMMs are shared by the panels (sizes 8, 12, 28), so 7
-  models are pretrained (``cpu_capped``: 7000 steps at most); inputs are 80
+  """The main job: both panels with the transformer on 2 CPU cores. Vanilla
+  HMMs are shared by the panels (sizes 8, 12, 28), so 7 models are
+  pretrained (``cpu_capped``: exact targets, 9000 steps at most); inputs are 80
   positions as in the authors' tuning scripts (20 prompt vectors, MASK, 59
   tokens)."""
   return Setup(seeds=3, left_sizes=(4, 8, 12, 28), memory_sizes=(2, 3, 7),
