@@ -2,7 +2,7 @@
 # One entry point on a fresh machine with Python 3.11:
 #   ./launch.sh           set up .venv if needed, run the main job: Figure 3
 #                         (both panels) with the exact backbone and the
-#                         pretrained transformer, cpu preset (~30 min on 2
+#                         pretrained transformer, cpu preset (~26 min on 2
 #                         cores), into runs/figure3 (resumes if rerun)
 #   ./launch.sh test      set up .venv if needed, run the whole test suite
 #                         (./launch.sh test -m "not slow": the fast tier)
