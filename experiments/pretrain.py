@@ -17,9 +17,15 @@ Rerunning the same command resumes from the latest checkpoint.
 Presets (hmmprompt/pretrain/config.py states their numbers):
   tiny        seconds; tests and smoke runs.
   cpu         a 2-core machine: 2 layers, width 64, 4 heads, context 80,
-              batch 64, lr 3e-3 in cycles up to 31000 steps, until within
-              0.04 nats of the Bayes CE at the end of a cycle.
-  cpu_capped  the main job's budget: cpu at batch 32, lr 2e-3, 7000 steps.
+              batch 64, exact-conditional targets, lr 3e-3 in cycles up to
+              31000 steps, until within 0.04 nats of the Bayes CE at the
+              end of a cycle.
+  cpu_capped  the main job's: cpu at batch 32, lr 5e-3, MASK-only
+              corruption, cycles 1000/2000/2000/4000 (at most 9000 steps).
+
+--config.pretrain.targets=sampled|exact picks the loss's targets (the true
+token, or its exact conditional given the corrupted input);
+--config.pretrain.corpus.corruption=bert|mask the corruption.
   paper       Appendix D: BERT-base width, 6 layers, context 512, the fixed
               5000 x 10240-token corpus, 5% masking, batch 8, lr 1e-5, 3
               epochs; bf16 compute on accelerators.
