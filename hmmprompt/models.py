@@ -23,6 +23,7 @@ import os
 from typing import Union
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from hmmprompt import hmm as hmm_lib
@@ -86,6 +87,78 @@ def random_model(key, model_kind: str, num_states: int, vocab_size: int,
   if model_kind == "vanilla":
     return hmm_lib.random_hmm(key, num_states, vocab_size)
   raise ValueError(f"model kind must be one of {KINDS}, got {model_kind!r}")
+
+
+# Trials: models of one kind and size stacked on a leading trial axis ``[K]``
+# (every field gains it), so sampling, inference, pretraining and tuning can
+# vmap over trials. Built from concrete arrays they are validated per trial.
+
+
+def num_trials(model: Model) -> int | None:
+  """``K`` for stacked models, ``None`` for a single one."""
+  kind(model)
+  # The first field (HMM.initial, MemoryHMM.memory_prior) is [K?, N].
+  lead = model[0].ndim - 1
+  if lead == 0:
+    return None
+  if lead != 1:
+    raise ValueError(f"expected one model or a [K] stack of models, got "
+                     f"{lead} leading axes")
+  return int(model[0].shape[0])
+
+
+def stack(models) -> Model:
+  """``[K]`` stacked models from a sequence of models of one kind and size.
+
+  Raises:
+    ValueError: empty, mixed kinds, or different sizes (named).
+  """
+  models = list(models)
+  if not models:
+    raise ValueError("stack needs at least one model (a trial count >= 1)")
+  kinds = {kind(m) for m in models}
+  if len(kinds) > 1:
+    raise ValueError(f"cannot stack models of different kinds: "
+                     f"{sorted(kinds)}")
+  shapes = [tuple(leaf.shape for leaf in m) for m in models]
+  for i, sh in enumerate(shapes):
+    if sh != shapes[0]:
+      raise ValueError(f"cannot stack models of different sizes: trial 0 "
+                       f"has field shapes {shapes[0]}, trial {i} {sh}")
+  if any(num_trials(m) is not None for m in models):
+    raise ValueError("stack takes single models, not stacks")
+  return type(models[0])(*(jnp.stack(fields) for fields in zip(*models)))
+
+
+def trial(models: Model, k: int) -> Model:
+  """Trial ``k`` of stacked models (validated)."""
+  n = num_trials(models)
+  if n is None or not 0 <= k < n:
+    raise ValueError(f"trial {k} out of range for "
+                     f"{'a single model' if n is None else f'{n} trials'}")
+  return type(models)(*(leaf[k] for leaf in models))
+
+
+def random_models(key, num: int, model_kind: str, num_states: int,
+                  vocab_size: int, memory_size: int = 0) -> Model:
+  """``num`` independent :func:`random_model` draws stacked ``[K]``, in one
+  vmapped call; trial ``k`` is ``random_model(fold_in(key, k), ...)``.
+
+  Raises:
+    ValueError: ``num < 1`` or a bad kind or size (named).
+  """
+  if not isinstance(num, int) or num < 1:
+    raise ValueError(f"the trial count must be an int >= 1, got {num!r}")
+  random_model(key, model_kind, num_states, vocab_size, memory_size)  # checks
+  keys = jax.vmap(lambda k: jax.random.fold_in(key, k))(jnp.arange(num))
+  drawn = jax.vmap(lambda k: random_model(k, model_kind, num_states,
+                                          vocab_size, memory_size))(keys)
+  return type(drawn)(*drawn)  # validated, per trial
+
+
+def fingerprints(models: Model) -> list[str]:
+  """:func:`fingerprint` of every trial of stacked models."""
+  return [fingerprint(trial(models, k)) for k in range(num_trials(models))]
 
 
 def fingerprint(model: Model) -> str:

@@ -74,3 +74,55 @@ def test_save_load_round_trip_fingerprint_and_errors(pair, tmp_path):
     models.load(str(tmp_path / "odd.npz"))
   with pytest.raises(ValueError, match="model kind must be one of"):
     models.random_model(jax.random.PRNGKey(0), "quantum", 3, 4)
+
+
+@pytest.mark.parametrize("model_kind", models.KINDS)
+def test_stacked_trials_equal_separate_draws(model_kind):
+  """K models drawn in one vmapped call are the K separate draws; sampling
+  and latent posteriors vmapped over the trial axis equal the per-trial
+  results (same keys)."""
+  key = jax.random.PRNGKey(5)
+  stacked = models.random_models(key, 3, model_kind, 4, 6, memory_size=3)
+  assert models.num_trials(stacked) == 3 and models.kind(stacked) == model_kind
+  singles = [models.random_model(jax.random.fold_in(key, k), model_kind, 4,
+                                 6, 3) for k in range(3)]
+  for k, single in enumerate(singles):
+    assert models.num_trials(single) is None
+    assert models.same(models.trial(stacked, k), single)
+  assert models.same(models.stack(singles), stacked)
+  assert models.fingerprints(stacked) == [models.fingerprint(m)
+                                          for m in singles]
+  assert len(set(models.fingerprints(stacked))) == 3
+
+  keys = jax.random.split(jax.random.PRNGKey(6), 3)
+  tokens_KxT = jax.jit(jax.vmap(models.sample_tokens, in_axes=(0, 0, None)),
+                       static_argnums=2)(keys, stacked, 12)
+  post_KxM = jax.jit(jax.vmap(models.latent_posterior))(stacked, tokens_KxT)
+  for k, single in enumerate(singles):
+    np.testing.assert_array_equal(tokens_KxT[k],
+                                  models.sample_tokens(keys[k], single, 12))
+    np.testing.assert_allclose(post_KxM[k],
+                               models.latent_posterior(single, tokens_KxT[k]),
+                               atol=1e-6)
+
+
+def test_stacking_errors_name_the_problem(pair):
+  vanilla, memory = pair
+  with pytest.raises(ValueError, match="trial count must be an int >= 1"):
+    models.random_models(jax.random.PRNGKey(0), 0, "vanilla", 4, 6)
+  with pytest.raises(ValueError, match="at least one model"):
+    models.stack([])
+  with pytest.raises(ValueError, match="different kinds"):
+    models.stack([vanilla, memory])
+  other = hmm_lib.random_hmm(jax.random.PRNGKey(1),
+                             vanilla.num_states + 1, vanilla.vocab_size)
+  with pytest.raises(ValueError, match="different sizes: trial 0 .* trial 1"):
+    models.stack([vanilla, other])
+  with pytest.raises(ValueError, match="trial 2 out of range for 2 trials"):
+    models.trial(models.stack([vanilla, vanilla]), 2)
+  # A stack is validated per trial: one bad trial is named by its index.
+  bad = models.stack([vanilla, vanilla])
+  bad_transition = np.array(bad.transition)
+  bad_transition[1, 0, 0] += 0.5
+  with pytest.raises(ValueError, match=r"HMM.transition must sum to 1.*\[1, 0\]"):
+    hmm_lib.HMM(bad.initial, bad_transition, bad.emission)
