@@ -22,6 +22,12 @@ def batch_sharded(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(DATA))
 
 
+def trial_batch_sharded(mesh: Mesh) -> NamedSharding:
+  """``[K, B, ...]`` stacked trials: the trial axis replicated, the batch
+  axis split over the devices."""
+  return NamedSharding(mesh, P(None, DATA))
+
+
 def check_batch(batch_size: int, mesh: Mesh) -> None:
   n = mesh.devices.size
   if batch_size % n:

@@ -28,6 +28,7 @@ from hmmprompt.pretrain.train import TrainState
 from hmmprompt.pretrain.train import init_state
 from hmmprompt.pretrain.train import lr_schedule
 from hmmprompt.pretrain.train import make_optimizer
+from hmmprompt.pretrain.train import make_stacked_train_step
 from hmmprompt.pretrain.train import make_train_step
 from hmmprompt.pretrain.train import mlm_loss
 from hmmprompt.pretrain.workdir import load_backbone

@@ -88,18 +88,10 @@ def loss_targets(cfg: PretrainConfig, hmm, inputs_BxT, tokens_BxT,
   return jax.lax.stop_gradient(exact_BxTxV)
 
 
-def make_train_step(cfg: PretrainConfig, mesh):
-  """``step(state, inputs, tokens, weights, hmm=None) -> (state, loss)``.
-
-  Jitted; params and ``hmm`` replicated, the batch split along the mesh's
-  data axis; the old state's buffers are donated. ``hmm`` (the generating
-  model as a vanilla :class:`HMM`, :func:`models.as_hmm`) is needed only for
-  ``cfg.targets == "exact"``: the targets are computed inside the step, per
-  device on its share of the batch.
-  """
+def _step_fn(cfg: PretrainConfig):
+  """The pure step ``(state, inputs, tokens, weights, hmm) -> (state, loss)``
+  for one model (shared by the single and the stacked jitted steps)."""
   opt = make_optimizer(cfg)
-  rep = sharding_lib.replicated(mesh)
-  bat = sharding_lib.batch_sharded(mesh)
 
   def step(state: TrainState, inputs_BxT, tokens_BxT, weights_BxT, hmm):
     targets = loss_targets(cfg, hmm, inputs_BxT, tokens_BxT, weights_BxT)
@@ -110,14 +102,67 @@ def make_train_step(cfg: PretrainConfig, mesh):
                       params=optax.apply_updates(state.params, updates),
                       opt_state=opt_state), loss
 
-  jitted = jax.jit(step, in_shardings=(rep, bat, bat, bat, rep),
+  return step
+
+
+def _needs_hmm(cfg: PretrainConfig, hmm):
+  if cfg.targets == "exact" and hmm is None:
+    raise ValueError("PretrainConfig.targets='exact' needs the generating "
+                     "HMM: pass hmm=models.as_hmm(model) to the step")
+  return hmm if cfg.targets == "exact" else None
+
+
+def make_train_step(cfg: PretrainConfig, mesh):
+  """``step(state, inputs, tokens, weights, hmm=None) -> (state, loss)``.
+
+  Jitted; params and ``hmm`` replicated, the batch split along the mesh's
+  data axis; the old state's buffers are donated. ``hmm`` (the generating
+  model as a vanilla :class:`HMM`, :func:`models.as_hmm`) is needed only for
+  ``cfg.targets == "exact"``: the targets are computed inside the step, per
+  device on its share of the batch.
+  """
+  rep = sharding_lib.replicated(mesh)
+  bat = sharding_lib.batch_sharded(mesh)
+  jitted = jax.jit(_step_fn(cfg), in_shardings=(rep, bat, bat, bat, rep),
                    out_shardings=(rep, rep), donate_argnums=0)
 
   def train_step(state, inputs_BxT, tokens_BxT, weights_BxT, hmm=None):
-    if cfg.targets == "exact" and hmm is None:
-      raise ValueError("PretrainConfig.targets='exact' needs the generating "
-                       "HMM: pass hmm=models.as_hmm(model) to the step")
     return jitted(state, inputs_BxT, tokens_BxT, weights_BxT,
-                  hmm if cfg.targets == "exact" else None)
+                  _needs_hmm(cfg, hmm))
+
+  return train_step
+
+
+def make_stacked_train_step(cfg: PretrainConfig, mesh):
+  """K models of one config in one jitted step (trials, issue 12).
+
+  ``step(states, inputs, tokens, weights, active, hmms=None) -> (states,
+  losses)``: every leaf of ``states`` and ``hmms`` (stacked vanilla HMMs,
+  :func:`models.as_hmm` of :func:`models.stack`) has a leading trial axis
+  ``[K]``; the batch arrays are ``[K, B, T]``, split over the devices along
+  ``B``; ``active [K]`` bool: an inactive trial (one that reached its
+  target) keeps its state unchanged (a masked update), so the stack keeps
+  one shape and one compiled program. ``losses [K]``. Trial ``k`` computes
+  what :func:`make_train_step` computes for it alone.
+  """
+  rep = sharding_lib.replicated(mesh)
+  bat = sharding_lib.trial_batch_sharded(mesh)
+  one = _step_fn(cfg)
+
+  def step(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT, active_K,
+           hmms):
+    new, losses_K = jax.vmap(one)(states, inputs_KxBxT, tokens_KxBxT,
+                                  weights_KxBxT, hmms)
+    keep = lambda n, o: jnp.where(
+        active_K.reshape(active_K.shape + (1,) * (n.ndim - 1)), n, o)
+    return jax.tree.map(keep, new, states), losses_K
+
+  jitted = jax.jit(step, in_shardings=(rep, bat, bat, bat, rep, rep),
+                   out_shardings=(rep, rep), donate_argnums=0)
+
+  def train_step(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT, active_K,
+                 hmms=None):
+    return jitted(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT,
+                  jnp.asarray(active_K, bool), _needs_hmm(cfg, hmms))
 
   return train_step
