@@ -382,6 +382,8 @@ def _run(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
 _run_one = jax.jit(_run, static_argnums=(3, 4))
 _run_many = jax.jit(jax.vmap(_run, in_axes=(0, None, 0, None, None)),
                     static_argnums=(3, 4))
+_run_trials = jax.jit(jax.vmap(_run, in_axes=(0, 0, 0, None, None)),
+                      static_argnums=(3, 4))
 
 
 def _record(cfg, accs, losses, steps, seconds, num_batched):
@@ -429,12 +431,8 @@ def stack_data(datas: Sequence[Data]) -> Data:
   return jax.tree.map(lambda *xs: jnp.stack(xs), *datas)
 
 
-def tune_many(keys, backbone: Backbone, bparams, datas: Sequence[Data],
-              cfg: TuneConfig) -> tuple[list[dict], Any]:
-  """Tunes ``len(datas)`` seeds in one vmapped program on a shared backbone.
-
-  Returns one record per seed and the stacked tunable params.
-  """
+def _tune_stacked(run, keys, backbone: Backbone, bparams,
+                  datas: Sequence[Data], cfg: TuneConfig):
   if len(keys) != len(datas):
     raise ValueError(f"{len(keys)} keys for {len(datas)} datasets")
   _check_method(backbone, cfg)
@@ -442,7 +440,7 @@ def tune_many(keys, backbone: Backbone, bparams, datas: Sequence[Data],
   _check_data(data)
   t0 = time.perf_counter()
   tunable, losses, accs = jax.block_until_ready(
-      _run_many(jnp.stack(list(keys)), bparams, data, backbone, cfg))
+      run(jnp.stack(list(keys)), bparams, data, backbone, cfg))
   seconds = time.perf_counter() - t0
   steps = num_steps(data.train_tokens.shape[1], cfg)
   records = [
@@ -450,3 +448,29 @@ def tune_many(keys, backbone: Backbone, bparams, datas: Sequence[Data],
               seconds, len(datas)) for i in range(len(datas))
   ]
   return records, tunable
+
+
+def tune_many(keys, backbone: Backbone, bparams, datas: Sequence[Data],
+              cfg: TuneConfig) -> tuple[list[dict], Any]:
+  """Tunes ``len(datas)`` seeds in one vmapped program on a shared backbone.
+
+  Returns one record per seed and the stacked tunable params.
+  """
+  return _tune_stacked(_run_many, keys, backbone, bparams, datas, cfg)
+
+
+def tune_trials(keys, backbone: Backbone, bparams_K, datas: Sequence[Data],
+                cfg: TuneConfig) -> tuple[list[dict], Any]:
+  """Tunes K trials in one vmapped program, each on its own backbone params.
+
+  ``bparams_K``: the backbone params of K models of one size stacked on a
+  leading trial axis (e.g. ``jax.vmap(models.as_hmm)`` of
+  :func:`models.random_models` for the exact backbone); ``datas[k]`` and
+  ``keys[k]`` belong to trial ``k``. Returns one record per trial and the
+  stacked tunable params; trial ``k`` gets what :func:`tune` gives it alone.
+  """
+  k = jax.tree.leaves(bparams_K)[0].shape[0]
+  if k != len(datas):
+    raise ValueError(f"backbone params for {k} trials, {len(datas)} "
+                     f"datasets")
+  return _tune_stacked(_run_trials, keys, backbone, bparams_K, datas, cfg)
