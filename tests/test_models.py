@@ -124,5 +124,6 @@ def test_stacking_errors_name_the_problem(pair):
   bad = models.stack([vanilla, vanilla])
   bad_transition = np.array(bad.transition)
   bad_transition[1, 0, 0] += 0.5
-  with pytest.raises(ValueError, match=r"HMM.transition must sum to 1.*\[1, 0\]"):
+  with pytest.raises(ValueError,
+                     match=r"HMM.transition must sum to 1.*\[1, 0\]"):
     hmm_lib.HMM(bad.initial, bad_transition, bad.emission)
