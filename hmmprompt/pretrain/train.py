@@ -61,8 +61,9 @@ def mlm_loss(params, model_cfg, inputs_BxT, targets, weights_BxT):
   """
   logits_BxTxV = transformer.MLM(model_cfg).apply(params, inputs_BxT)
   if targets.ndim == logits_BxTxV.ndim:
-    ce_BxT = optax.softmax_cross_entropy(logits_BxTxV,
-                                         targets.astype(logits_BxTxV.dtype))
+    # float32: soft targets would lose their small probabilities in bf16.
+    ce_BxT = optax.softmax_cross_entropy(
+        logits_BxTxV.astype(jnp.float32), targets.astype(jnp.float32))
   else:
     ce_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV,
                                                              targets)
