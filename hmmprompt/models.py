@@ -149,7 +149,8 @@ def random_models(key, num: int, model_kind: str, num_states: int,
   """
   if not isinstance(num, int) or num < 1:
     raise ValueError(f"the trial count must be an int >= 1, got {num!r}")
-  random_model(key, model_kind, num_states, vocab_size, memory_size)  # checks
+  # random_model's kind and size checks are Python, so they raise while
+  # the vmap traces, naming the bad value.
   keys = jax.vmap(lambda k: jax.random.fold_in(key, k))(jnp.arange(num))
   drawn = jax.vmap(lambda k: random_model(k, model_kind, num_states,
                                           vocab_size, memory_size))(keys)

@@ -110,6 +110,10 @@ def test_stacking_errors_name_the_problem(pair):
   vanilla, memory = pair
   with pytest.raises(ValueError, match="trial count must be an int >= 1"):
     models.random_models(jax.random.PRNGKey(0), 0, "vanilla", 4, 6)
+  with pytest.raises(ValueError, match="model kind must be one of"):
+    models.random_models(jax.random.PRNGKey(0), 2, "vanila", 4, 6)
+  with pytest.raises(ValueError, match="memory_size, num_states and vocab"):
+    models.random_models(jax.random.PRNGKey(0), 2, "memory", 4, 6)
   with pytest.raises(ValueError, match="at least one model"):
     models.stack([])
   with pytest.raises(ValueError, match="different kinds"):
