@@ -266,3 +266,51 @@ def test_stacked_step_equals_separate_steps_and_masks_inactive_trials():
     for a, b in zip(jax.tree.leaves(got.params),
                     jax.tree.leaves(states[k].params)):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5)
+
+
+def test_run_trials_equals_separate_runs_stops_each_and_resumes(tmp_path):
+  """K = 2 stacked trials (one program, one trial after another) equal the
+  two separate runs bit for bit, trial 1 with seed + 1; each stops at the
+  target on its own; an interrupted run resumes to the same result."""
+  cfg = dataclasses.replace(TINY, target_gap=0.5)
+  assert cfg.trials_per_vmap == 1
+  stacked = models.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6, 10)
+  workdir = str(tmp_path / "stacked")
+
+  class Crash(Exception):
+    pass
+
+  def crash(step):
+    if step == 25:
+      raise Crash
+
+  with pytest.raises(Crash):
+    pretrain.run_trials(workdir, cfg, stacked, log=lambda s: None,
+                        after_step=crash)
+  logs = []
+  final = pretrain.run_trials(workdir, cfg, stacked, log=logs.append)
+  assert "resumed 2 trials from step 20" in logs
+  # Trial 0 (gap 0.29 at step 20) stops there; trial 1 (1.02) runs on.
+  assert [(m["trial"], m["step"]) for m in final] == [(0, 20), (1, 40)]
+  _, params_k, infos = pretrain.load_trials(workdir)
+  assert [i["step"] for i in infos] == [20, 40]
+  for k in range(2):
+    alone = str(tmp_path / f"alone{k}")
+    m = pretrain.run(alone, dataclasses.replace(cfg, seed=cfg.seed + k),
+                     models.trial(stacked, k), log=lambda s: None)
+    drop = lambda d: {a: b for a, b in d.items()
+                      if a not in ("wall_s", "trial")}
+    assert drop(m) == drop(final[k])
+    for a, b in zip(jax.tree.leaves(params_k),
+                    jax.tree.leaves(pretrain.load_backbone(alone)[1])):
+      np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b))
+  assert pretrain.run_trials(workdir, cfg, stacked) == final  # a no-op
+
+  with pytest.raises(ValueError, match="holds a run of 2 stacked trials, "
+                     "this run has 3 stacked trials"):
+    pretrain.run_trials(workdir, cfg, models.random_models(
+        jax.random.PRNGKey(5), 3, "vanilla", 6, 10))
+  with pytest.raises(ValueError, match="load it with load_trials"):
+    pretrain.load_backbone(workdir)
+  with pytest.raises(ValueError, match="needs \\[K\\] stacked models"):
+    pretrain.run_trials(workdir, cfg, models.trial(stacked, 0))

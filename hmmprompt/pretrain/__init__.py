@@ -11,7 +11,8 @@ One role per module:
 * :mod:`~hmmprompt.pretrain.workdir`: the run directory and
   :func:`load_backbone`;
 * :mod:`~hmmprompt.pretrain.loop`: :func:`run` (resumable, early stop at
-  a target gap).
+  a target gap) and :func:`run_trials` (K models of one config, one per
+  HMM draw, in one jitted step; each stops on its own).
 """
 
 from hmmprompt.pretrain.config import PRESETS
@@ -24,11 +25,15 @@ from hmmprompt.pretrain.evaluation import evaluate
 from hmmprompt.pretrain.evaluation import validation_set
 from hmmprompt.pretrain.loop import Keys
 from hmmprompt.pretrain.loop import run
+from hmmprompt.pretrain.loop import run_trials
+from hmmprompt.pretrain.loop import trial_keys
 from hmmprompt.pretrain.train import TrainState
 from hmmprompt.pretrain.train import init_state
+from hmmprompt.pretrain.train import init_states
 from hmmprompt.pretrain.train import lr_schedule
 from hmmprompt.pretrain.train import make_optimizer
 from hmmprompt.pretrain.train import make_stacked_train_step
 from hmmprompt.pretrain.train import make_train_step
 from hmmprompt.pretrain.train import mlm_loss
 from hmmprompt.pretrain.workdir import load_backbone
+from hmmprompt.pretrain.workdir import load_trials

@@ -168,3 +168,137 @@ def run(workdir: str, cfg: PretrainConfig, model: models.Model,
     last = checkpoint(total, state, True)
   ckpts.close()
   return last
+
+
+def trial_keys(seed: int, num: int) -> Keys:
+  """Trial ``k``'s streams are those of a single run with seed
+  ``seed + k`` (:meth:`Keys.of`), stacked ``[K]``."""
+  return jax.tree.map(lambda *ks: jnp.stack(ks),
+                      *[Keys.of(seed + k) for k in range(num)])
+
+
+def _take(tree, idx):
+  return jax.tree.map(lambda x: x[idx], tree)
+
+
+def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
+               log: Callable[[str], Any] = print,
+               after_step: Callable[[int], Any] | None = None) -> list[dict]:
+  """Pretrains (or resumes) K transformers of one config in ``workdir``, one
+  per trial of ``models_K`` (:func:`models.random_models`), in one jitted
+  step; returns each trial's final metrics (lines of ``metrics.jsonl``,
+  which carry ``trial``).
+
+  Trial ``k`` is the run of :func:`run` with ``seed = cfg.seed + k`` on
+  model ``k`` (own init, batches and validation set; equal up to float
+  rounding, tested). Each trial stops on its own at the target gap: it is
+  dropped from the stack that steps (the stack shrinks, so a finished
+  trial costs nothing), and its state stays in the checkpoint, which holds
+  all K. A rerun resumes bit for bit: the trials still running follow from
+  the evaluations up to the checkpoint. ``after_step`` as in :func:`run`.
+
+  Raises:
+    ValueError: ``models_K`` is not a stack, ``workdir`` holds another run
+      (config, trial count, HMMs), or the batch does not split over the
+      devices.
+    FloatingPointError: a non-finite loss; the last checkpoint is kept.
+  """
+  num = models.num_trials(models_K)
+  if num is None:
+    raise ValueError("run_trials needs [K] stacked models "
+                     "(models.random_models or models.stack); use run for "
+                     "one model")
+  paths = workdir_lib.prepare(workdir, cfg, models_K)
+  mesh = sharding_lib.data_mesh()
+  sharding_lib.check_batch(cfg.batch_size, mesh)
+  keys = trial_keys(cfg.seed, num)
+  ckpts = ckpt_lib.Checkpoints(paths.ckpt, keep=cfg.keep)
+  rep = sharding_lib.replicated(mesh)
+
+  states = jax.device_put(train.init_states(keys.init, cfg, num), rep)
+  start = ckpts.latest_step() or 0
+  if start:
+    states = ckpts.restore(states)
+    log(f"resumed {num} trials from step {start}")
+  total = cfg.total_steps
+  metrics = workdir_lib.read_metrics(paths, upto=start)
+  last = {m["trial"]: m for m in metrics}
+  stopped = {m["trial"] for m in metrics
+             if _may_stop(cfg, m["step"]) and _reached(cfg, m)}
+  running = [k for k in range(num) if k not in stopped]
+  if not running or start >= total:
+    ckpts.close()
+    return [last.get(k, {}) for k in range(num)]
+
+  hmms = jax.device_put(jax.vmap(models.as_hmm)(models_K), rep)
+  chunks = (None if cfg.corpus.fresh else jnp.stack(
+      [corpus_lib.build_chunks(keys.corpus[k], models.trial(models_K, k),
+                               cfg.corpus) for k in range(num)]))
+  get_batch = jax.jit(jax.vmap(
+      functools.partial(corpus_lib.batch_at, cfg=cfg.corpus,
+                        batch_size=cfg.batch_size,
+                        vocab_size=cfg.model.vocab_size),
+      in_axes=(0, None, 0, None if chunks is None else 0)),
+                      out_shardings=sharding_lib.trial_batch_sharded(mesh))
+  train_step = train.make_stacked_train_step(cfg, mesh)
+  vals = [evaluate_lib.validation_set(keys.val[k], models.trial(models_K, k),
+                                      cfg) for k in range(num)]
+  progress = _Progress(cfg, start, log)
+  wall_before = max((m.get("wall_s", 0.0) for m in metrics), default=0.0)
+  t_run = time.perf_counter()
+
+  def substack(running):
+    idx = np.asarray(running)
+    return (idx, _take(models_K, idx), _take(hmms, idx), keys.data[idx],
+            None if chunks is None else chunks[idx])
+
+  idx, sub_models, sub_hmms, sub_keys, sub_chunks = substack(running)
+  sub = _take(states, idx)
+
+  def merge(states, sub):
+    return jax.tree.map(lambda full, part: full.at[idx].set(part), states,
+                        sub)
+
+  def evaluate(step, sub):
+    wall = wall_before + time.perf_counter() - t_run
+    for j, k in enumerate(running):
+      m = {"trial": k, "step": step,
+           **evaluate_lib.evaluate(_take(sub.params, j), cfg, vals[k]),
+           "wall_s": wall}
+      metrics.append(m)
+      last[k] = m
+      log(f"trial {k} step {step}: mlm_ce {m['mlm_ce']:.4f} bayes_ce "
+          f"{m['bayes_ce']:.4f} gap {m['ce_gap']:.4f} tv {m['tv']:.4f}")
+    workdir_lib.write_metrics(paths, metrics)
+
+  ones = np.ones(len(running), bool)
+  for step in range(start, total):
+    batch = get_batch(sub_keys, step, sub_models, sub_chunks)
+    sub, losses = train_step(sub, *batch, ones, sub_hmms)
+    progress.add(jnp.mean(losses))
+    done = step + 1
+    if done % cfg.log_every == 0 or done == total:
+      progress.flush(done, ckpts.latest_step(), paths.ckpt)
+    is_eval = (done % cfg.eval_every == 0 or done == total
+               or done in cfg.cycle_ends)
+    if is_eval or done % cfg.ckpt_every == 0:
+      states = merge(states, sub)
+      ckpts.save(done, states)
+      if is_eval:
+        evaluate(done, sub)
+    if after_step is not None:
+      after_step(done)
+    if is_eval and _may_stop(cfg, done):
+      now = [k for k in running if _reached(cfg, last[k])]
+      for k in now:
+        log(f"trial {k}: CE gap {last[k]['ce_gap']:.4f} <= target "
+            f"{cfg.target_gap} at step {done}: stopping it")
+      if now:
+        running = [k for k in running if k not in now]
+        if not running:
+          break
+        idx, sub_models, sub_hmms, sub_keys, sub_chunks = substack(running)
+        sub = _take(states, idx)
+        ones = np.ones(len(running), bool)
+  ckpts.close()
+  return [last.get(k, {}) for k in range(num)]

@@ -77,6 +77,15 @@ def init_state(key, cfg: PretrainConfig) -> TrainState:
                     opt_state=make_optimizer(cfg).init(params))
 
 
+def init_states(key, cfg: PretrainConfig, num: int | None):
+  """One :class:`TrainState` (``num`` None) or ``num`` stacked, each from
+  its own key (``key`` is then ``[num]`` keys or one key to split)."""
+  if num is None:
+    return init_state(key, cfg)
+  keys = key if key.ndim == 2 else jax.random.split(key, num)
+  return jax.vmap(lambda k: init_state(k, cfg))(keys)
+
+
 def loss_targets(cfg: PretrainConfig, hmm, inputs_BxT, tokens_BxT,
                  weights_BxT):
   """What the loss is taken against: the true tokens ``[B, T]``, or with
@@ -134,6 +143,16 @@ def make_train_step(cfg: PretrainConfig, mesh):
   return train_step
 
 
+def map_trials(f, xs, trials_per_vmap: int):
+  """``f`` over the leading trial axis of ``xs``: one ``vmap`` (0), one
+  trial after another (1: the unbatched body in a ``scan``), or groups of
+  ``trials_per_vmap`` vmapped."""
+  if trials_per_vmap == 0:
+    return jax.vmap(f)(xs)
+  return jax.lax.map(f, xs, batch_size=(None if trials_per_vmap == 1
+                                        else trials_per_vmap))
+
+
 def make_stacked_train_step(cfg: PretrainConfig, mesh):
   """K models of one config in one jitted step (trials, issue 12).
 
@@ -141,7 +160,8 @@ def make_stacked_train_step(cfg: PretrainConfig, mesh):
   losses)``: every leaf of ``states`` and ``hmms`` (stacked vanilla HMMs,
   :func:`models.as_hmm` of :func:`models.stack`) has a leading trial axis
   ``[K]``; the batch arrays are ``[K, B, T]``, split over the devices along
-  ``B``; ``active [K]`` bool: an inactive trial (one that reached its
+  ``B``; trials run ``cfg.trials_per_vmap`` at a time (``lax.map`` with
+  that batch size; 0: one ``vmap``); ``active [K]`` bool: an inactive trial (one that reached its
   target) keeps its state unchanged (a masked update), so the stack keeps
   one shape and one compiled program. ``losses [K]``. Trial ``k`` computes
   what :func:`make_train_step` computes for it alone.
@@ -152,8 +172,9 @@ def make_stacked_train_step(cfg: PretrainConfig, mesh):
 
   def step(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT, active_K,
            hmms):
-    new, losses_K = jax.vmap(one)(states, inputs_KxBxT, tokens_KxBxT,
-                                  weights_KxBxT, hmms)
+    new, losses_K = map_trials(
+        lambda a: one(*a), (states, inputs_KxBxT, tokens_KxBxT,
+                            weights_KxBxT, hmms), cfg.trials_per_vmap)
     keep = lambda n, o: jnp.where(
         active_K.reshape(active_K.shape + (1,) * (n.ndim - 1)), n, o)
     return jax.tree.map(keep, new, states), losses_K
