@@ -205,3 +205,49 @@ def make_task(key, model: Model, config: TaskConfig = TaskConfig()) -> Task:
       f"every one of {config.max_redraws + 1} drawn tasks was degenerate (the "
       f"last had a majority-label share of {share:.3f} > max_label_share = "
       f"{config.max_label_share}); raise max_label_share or max_redraws")
+
+
+@functools.cache
+def _draw_tasks(config: TaskConfig):
+  return jax.jit(jax.vmap(lambda key, model: draw_task(key, model, config)))
+
+
+def make_tasks(keys_K, models_K: Model,
+               config: TaskConfig = TaskConfig()) -> list[Task]:
+  """One task per trial of stacked models (:func:`models.random_models`):
+  trial ``k`` gets :func:`make_task` ``(keys_K[k], trial k, config)``,
+  every attempt drawn for all trials in one vmapped call (a trial whose
+  draw was degenerate takes the next attempt's; the rest ignore it).
+
+  Raises:
+    ValueError: not stacked models, a key count that is not the trial count,
+      or a trial whose every draw was degenerate (named).
+  """
+  num = models.num_trials(models_K)
+  if num is None:
+    raise ValueError("make_tasks needs [K] stacked models; use make_task "
+                     "for one")
+  keys_K = jnp.asarray(keys_K)
+  if keys_K.shape[0] != num:
+    raise ValueError(f"{keys_K.shape[0]} keys for {num} trials")
+  draw = _draw_tasks(config)
+  out, share = [None] * num, [None] * num
+  for attempt in range(config.max_redraws + 1):
+    if all(t is not None for t in out):
+      break
+    mu_K, splits_K = draw(
+        jax.vmap(lambda k: jax.random.fold_in(k, attempt))(keys_K), models_K)
+    for k in (k for k in range(num) if out[k] is None):
+      mu, splits = jax.tree.map(lambda x: x[k], (mu_K, splits_K))
+      share[k] = majority_share(np.concatenate(
+          [np.asarray(s.labels) for s in splits]), config.num_classes)
+      if share[k] <= config.max_label_share:
+        out[k] = Task(mu, *splits, attempt)
+  bad = [k for k in range(num) if out[k] is None]
+  if bad:
+    raise ValueError(
+        f"trial {bad[0]}: every one of {config.max_redraws + 1} drawn tasks "
+        f"was degenerate (the last had a majority-label share of "
+        f"{share[bad[0]]:.3f} > max_label_share = {config.max_label_share}); "
+        f"raise max_label_share or max_redraws")
+  return out

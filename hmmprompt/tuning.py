@@ -382,8 +382,10 @@ def _run(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
 _run_one = jax.jit(_run, static_argnums=(3, 4))
 _run_many = jax.jit(jax.vmap(_run, in_axes=(0, None, 0, None, None)),
                     static_argnums=(3, 4))
-_run_trials = jax.jit(jax.vmap(_run, in_axes=(0, 0, 0, None, None)),
-                      static_argnums=(3, 4))
+# Trials x tasks: each trial's backbone params shared by its tasks.
+_run_trials = jax.jit(
+    jax.vmap(jax.vmap(_run, in_axes=(0, None, 0, None, None)),
+             in_axes=(0, 0, 0, None, None)), static_argnums=(3, 4))
 
 
 def _record(cfg, accs, losses, steps, seconds, num_batched):
@@ -459,18 +461,39 @@ def tune_many(keys, backbone: Backbone, bparams, datas: Sequence[Data],
   return _tune_stacked(_run_many, keys, backbone, bparams, datas, cfg)
 
 
-def tune_trials(keys, backbone: Backbone, bparams_K, datas: Sequence[Data],
-                cfg: TuneConfig) -> tuple[list[dict], Any]:
-  """Tunes K trials in one vmapped program, each on its own backbone params.
+def tune_trials(keys, backbone: Backbone, bparams_K,
+                datas: Sequence[Sequence[Data]],
+                cfg: TuneConfig) -> tuple[list[list[dict]], Any]:
+  """Tunes K trials x S tasks in one vmapped program, every trial on its
+  own backbone params, shared by its tasks.
 
   ``bparams_K``: the backbone params of K models of one size stacked on a
-  leading trial axis (e.g. ``jax.vmap(models.as_hmm)`` of
-  :func:`models.random_models` for the exact backbone); ``datas[k]`` and
-  ``keys[k]`` belong to trial ``k``. Returns one record per trial and the
-  stacked tunable params; trial ``k`` gets what :func:`tune` gives it alone.
+  leading trial axis (``jax.vmap(models.as_hmm)`` of
+  :func:`models.random_models` for the exact backbone, or
+  :func:`pretrain.load_trials`' params); ``datas[k][s]`` and ``keys[k][s]``
+  are trial ``k``'s task ``s`` (S the same for every trial). Returns
+  ``records[k][s]`` and the tunable params stacked ``[K, S, ...]``; trial
+  ``k``'s task ``s`` gets what :func:`tune` gives it alone.
   """
   k = jax.tree.leaves(bparams_K)[0].shape[0]
-  if k != len(datas):
-    raise ValueError(f"backbone params for {k} trials, {len(datas)} "
-                     f"datasets")
-  return _tune_stacked(_run_trials, keys, backbone, bparams_K, datas, cfg)
+  if k != len(datas) or k != len(keys):
+    raise ValueError(f"backbone params for {k} trials, {len(datas)} trials "
+                     f"of datasets and {len(keys)} of keys")
+  per_trial = {len(d) for d in datas} | {len(kk) for kk in keys}
+  if len(per_trial) != 1 or 0 in per_trial:
+    raise ValueError(f"every trial needs the same number (>= 1) of tasks "
+                     f"and keys, got {[len(d) for d in datas]} datasets and "
+                     f"{[len(kk) for kk in keys]} keys")
+  _check_method(backbone, cfg)
+  data = stack_data([stack_data(d) for d in datas])
+  _check_data(data)
+  t0 = time.perf_counter()
+  tunable, losses, accs = jax.block_until_ready(_run_trials(
+      jnp.stack([jnp.stack(list(kk)) for kk in keys]), bparams_K, data,
+      backbone, cfg))
+  seconds = time.perf_counter() - t0
+  steps = num_steps(data.train_tokens.shape[2], cfg)
+  records = [[_record(cfg, jax.tree.map(lambda a: a[i, j], accs),
+                      losses[i, j], steps, seconds, k * len(datas[0]))
+              for j in range(len(datas[0]))] for i in range(k)]
+  return records, tunable

@@ -6,6 +6,7 @@ import pytest
 
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import memory as memory_lib
+from hmmprompt import models
 from hmmprompt import tasks
 from hmmprompt.hmm import MASK
 import reference as ref
@@ -112,6 +113,30 @@ def test_degenerate_draws_are_redrawn(vanilla):
   impossible = dataclasses.replace(SMALL, max_label_share=0.5, max_redraws=2)
   with pytest.raises(ValueError, match="every one of 3 drawn tasks"):
     tasks.make_task(key, vanilla, impossible)
+
+
+def test_make_tasks_for_stacked_models_equal_make_task_per_trial():
+  """Trials: one vmapped draw per attempt gives every trial the task that
+  make_task gives it alone, redraws included."""
+  stacked = models.random_models(jax.random.PRNGKey(4), 3, "vanilla", 5, 10)
+  keys = jax.random.split(jax.random.PRNGKey(9), 3)
+  # Strict enough that some trial's first draw is degenerate.
+  cfg = dataclasses.replace(SMALL, max_label_share=0.75)
+  got = tasks.make_tasks(keys, stacked, cfg)
+  alone = [tasks.make_task(keys[k], models.trial(stacked, k), cfg)
+           for k in range(3)]
+  assert [t.redraws for t in got] == [t.redraws for t in alone]
+  assert max(t.redraws for t in got) >= 1
+  for a, b in zip(got, alone):
+    np.testing.assert_array_equal(a.train.tokens, b.train.tokens)
+    np.testing.assert_array_equal(a.test.labels, b.test.labels)
+    np.testing.assert_allclose(a.test.latent, b.test.latent, atol=1e-6)
+    np.testing.assert_array_equal(a.mu, b.mu)
+  with pytest.raises(ValueError, match="2 keys for 3 trials"):
+    tasks.make_tasks(keys[:2], stacked, cfg)
+  with pytest.raises(ValueError, match="trial .: every one of 2"):
+    tasks.make_tasks(keys, stacked, dataclasses.replace(
+        SMALL, max_label_share=0.5, max_redraws=1))
 
 
 @pytest.mark.parametrize("kwargs,match", [

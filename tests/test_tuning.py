@@ -192,25 +192,29 @@ def test_new_method_through_registry(setup, monkeypatch):
 
 @pytest.mark.parametrize("method", ["head", "prompt"])
 def test_vmapped_trials_equal_one_by_one(method):
-  """Trials: each its own HMM (exact backbone params) and task, tuned in
-  one vmapped program, give what each gets alone."""
+  """Trials x tasks: 2 HMMs (exact backbone params), 2 tasks on each, tuned
+  in one vmapped program, give what each gets alone."""
   stacked_models = models.random_models(jax.random.PRNGKey(8), 2, "vanilla",
                                         4, 10)
   cfg = dataclasses.replace(FAST, method=method, epochs=1)
   singles = [models.trial(stacked_models, k) for k in range(2)]
-  datas = [tuning.data_from_task(tasks.make_task(jax.random.PRNGKey(k),
-                                                 m, SMALL), cfg)
+  datas = [[tuning.data_from_task(tasks.make_task(
+      jax.random.PRNGKey(10 * k + s), m, SMALL), cfg) for s in range(2)]
            for k, m in enumerate(singles)]
-  keys = [jax.random.PRNGKey(20 + k) for k in range(2)]
+  keys = [[jax.random.PRNGKey(20 + 2 * k + s) for s in range(2)]
+          for k in range(2)]
   bb, _ = exact.make(singles[0])
   bparams_k = jax.vmap(models.as_hmm)(stacked_models)
   records, stacked = tuning.tune_trials(keys, bb, bparams_k, datas, cfg)
   for k, model in enumerate(singles):
     _, bp = exact.make(model)
-    rec, tunable = tuning.tune(keys[k], bb, bp, datas[k], cfg)
-    assert rec["test_accuracy"] == pytest.approx(records[k]["test_accuracy"],
-                                                 abs=1e-6)
-    for a, b in zip(jax.tree.leaves(tunable), jax.tree.leaves(stacked)):
-      np.testing.assert_allclose(a, b[k], rtol=2e-4, atol=2e-5)
-  with pytest.raises(ValueError, match="params for 2 trials, 1 datasets"):
+    for s in range(2):
+      rec, tunable = tuning.tune(keys[k][s], bb, bp, datas[k][s], cfg)
+      assert rec["test_accuracy"] == pytest.approx(
+          records[k][s]["test_accuracy"], abs=1e-6)
+      for a, b in zip(jax.tree.leaves(tunable), jax.tree.leaves(stacked)):
+        np.testing.assert_allclose(a, b[k, s], rtol=2e-4, atol=2e-5)
+  with pytest.raises(ValueError, match="params for 2 trials, 1 trials"):
     tuning.tune_trials(keys[:1], bb, bparams_k, datas[:1], cfg)
+  with pytest.raises(ValueError, match="same number"):
+    tuning.tune_trials(keys, bb, bparams_k, [datas[0], datas[1][:1]], cfg)
