@@ -17,6 +17,7 @@ telling the kinds apart itself, so a new kind is added here once.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
@@ -151,10 +152,17 @@ def random_models(key, num: int, model_kind: str, num_states: int,
     raise ValueError(f"the trial count must be an int >= 1, got {num!r}")
   # random_model's kind and size checks are Python, so they raise while
   # the vmap traces, naming the bad value.
-  keys = jax.vmap(lambda k: jax.random.fold_in(key, k))(jnp.arange(num))
-  drawn = jax.vmap(lambda k: random_model(k, model_kind, num_states,
-                                          vocab_size, memory_size))(keys)
+  drawn = _draw_stacked(key, num, model_kind, num_states, vocab_size,
+                        memory_size)
   return type(drawn)(*drawn)  # validated, per trial
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _draw_stacked(key, num, model_kind, num_states, vocab_size, memory_size):
+  # One compiled program (eager vmap would compile op by op).
+  keys = jax.vmap(lambda k: jax.random.fold_in(key, k))(jnp.arange(num))
+  return jax.vmap(lambda k: random_model(k, model_kind, num_states,
+                                         vocab_size, memory_size))(keys)
 
 
 def fingerprints(models: Model) -> list[str]:

@@ -209,7 +209,11 @@ def make_task(key, model: Model, config: TaskConfig = TaskConfig()) -> Task:
 
 @functools.cache
 def _draw_tasks(config: TaskConfig):
-  return jax.jit(jax.vmap(lambda key, model: draw_task(key, model, config)))
+  """``(keys [K], attempt, models [K]) -> draws [K]``, jitted once."""
+  return jax.jit(jax.vmap(
+      lambda key, attempt, model: draw_task(jax.random.fold_in(key, attempt),
+                                            model, config),
+      in_axes=(0, None, 0)))
 
 
 def make_tasks(keys_K, models_K: Model,
@@ -235,8 +239,8 @@ def make_tasks(keys_K, models_K: Model,
   for attempt in range(config.max_redraws + 1):
     if all(t is not None for t in out):
       break
-    mu_K, splits_K = draw(
-        jax.vmap(lambda k: jax.random.fold_in(k, attempt))(keys_K), models_K)
+    # On the host: indexing device arrays per trial compiles a gather each.
+    mu_K, splits_K = jax.device_get(draw(keys_K, attempt, models_K))
     for k in (k for k in range(num) if out[k] is None):
       mu, splits = jax.tree.map(lambda x: x[k], (mu_K, splits_K))
       share[k] = majority_share(np.concatenate(

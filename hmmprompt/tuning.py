@@ -445,6 +445,7 @@ def _tune_stacked(run, keys, backbone: Backbone, bparams,
       run(jnp.stack(list(keys)), bparams, data, backbone, cfg))
   seconds = time.perf_counter() - t0
   steps = num_steps(data.train_tokens.shape[1], cfg)
+  accs, losses = jax.device_get((accs, losses))  # index on the host
   records = [
       _record(cfg, jax.tree.map(lambda a: a[i], accs), losses[i], steps,
               seconds, len(datas)) for i in range(len(datas))
@@ -493,6 +494,7 @@ def tune_trials(keys, backbone: Backbone, bparams_K,
       backbone, cfg))
   seconds = time.perf_counter() - t0
   steps = num_steps(data.train_tokens.shape[2], cfg)
+  accs, losses = jax.device_get((accs, losses))  # index on the host
   records = [[_record(cfg, jax.tree.map(lambda a: a[i, j], accs),
                       losses[i, j], steps, seconds, k * len(datas[0]))
               for j in range(len(datas[0]))] for i in range(k)]

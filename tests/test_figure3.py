@@ -16,15 +16,15 @@ def test_mean_ci():
 
 def test_get_setup_presets_overrides_and_errors():
   cpu = figure3.get_setup("cpu")
-  assert cpu.left_sizes == (4, 8, 12, 28) and cpu.seeds == 3
+  assert cpu.left_sizes == (4, 8, 12, 28) and cpu.trials == 3
   # The main job's pretraining is the named cpu_capped recipe.
   assert (cpu.pretrain.batch_size, cpu.pretrain.lr, cpu.pretrain.steps,
           cpu.pretrain.cycles, cpu.pretrain.targets,
           cpu.pretrain.corpus.corruption) == (
               32, 5e-3, 9000, (1000, 2000, 2000, 4000), "exact", "mask")
-  s = figure3.get_setup("cpu", seeds=2, overrides={
+  s = figure3.get_setup("cpu", trials=2, overrides={
       "pretrain.lr": "3e-3", "left_sizes": "4:8", "tune.epochs": 2})
-  assert (s.seeds, s.pretrain.lr, s.left_sizes, s.tune.epochs) == (
+  assert (s.trials, s.pretrain.lr, s.left_sizes, s.tune.epochs) == (
       2, 3e-3, (4, 8), 2)
   assert s.input_len == 20 + 1 + 59
   with pytest.raises(ValueError, match="unknown preset 'huge'"):
@@ -37,8 +37,8 @@ def test_get_setup_presets_overrides_and_errors():
 
 def test_result_line_schema_round_trips_and_refuses_bad_lines(tmp_path):
   fields = dict(backbone="exact", panel="left", hmm="vanilla", num_states=4,
-                memory_size=0, seed=0, method="head_linear", features="raw",
-                setup="abc", size=4, test_accuracy=0.5, val_accuracy=0.5,
+                memory_size=0, trial=0, task=0, method="head_linear",
+                features="raw", setup="abc", hmm_fingerprint="0123abcd4567", size=4, test_accuracy=0.5, val_accuracy=0.5,
                 train_accuracy=0.5, final_loss=0.1, steps=3, seconds=1.0,
                 task_redraws=0, assumptions={}, tune_config={},
                 task_config={})

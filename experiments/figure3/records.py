@@ -1,4 +1,4 @@
-"""The result line: one typed record per (backbone, arm, HMM, seed).
+"""The result line: one typed record per (backbone, arm, size, trial, task).
 
 :class:`ResultLine` is the schema: it is written (atomically, one JSONL
 line each), keyed for resume (:meth:`ResultLine.key`), read back
@@ -23,9 +23,13 @@ class ResultLine:
   Key fields (what a rerun looks up): ``backbone`` (exact | transformer),
   ``panel`` (left | right), ``hmm`` (vanilla | memory), ``num_states``
   (``|H|``, syntax states for memory), ``memory_size`` (0 for vanilla),
-  ``seed`` (the task draw), ``method`` (``<method>_<head>``), ``features``
-  and ``setup`` (:meth:`configs.Setup.fingerprint`). The rest are values;
-  ``pretrain_*`` are ``None`` for the exact backbone.
+  ``trial`` (the HMM draw of this size, with its pretrained backbone),
+  ``task`` (the downstream draw on that HMM), ``method``
+  (``<method>_<head>``), ``features`` and ``setup``
+  (:meth:`configs.Setup.fingerprint`). The rest are values:
+  ``hmm_fingerprint`` (:func:`models.fingerprint` of the trial's HMM) and
+  the results; ``pretrain_*`` (the trial's transformer) are ``None`` for
+  the exact backbone.
   """
 
   backbone: str
@@ -33,10 +37,12 @@ class ResultLine:
   hmm: str
   num_states: int
   memory_size: int
-  seed: int
+  trial: int
+  task: int
   method: str
   features: str
   setup: str
+  hmm_fingerprint: str
   size: int  # the x-axis: |H| (left) or |M||H| (right)
   test_accuracy: float
   val_accuracy: float
@@ -56,7 +62,7 @@ class ResultLine:
   pretrain_wall_s: float | None = None
 
   KEY_FIELDS = ("backbone", "panel", "hmm", "num_states", "memory_size",
-                "seed", "method", "features", "setup")
+                "trial", "task", "method", "features", "setup")
 
   def key(self) -> tuple:
     return tuple(getattr(self, f) for f in self.KEY_FIELDS)

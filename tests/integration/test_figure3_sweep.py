@@ -14,7 +14,7 @@ from hmmprompt import results as results_lib
 from hmmprompt import tuning
 from hmmprompt.pretrain import train as pretrain_train
 
-SETUP = figure3.get_setup("tiny", seeds=2, left_sizes=(4,), memory_sizes=(2,),
+SETUP = figure3.get_setup("tiny", trials=2, left_sizes=(4,), memory_sizes=(2,),
                           features=("raw",), overrides={
                               "task.num_train": 64, "task.num_val": 16,
                               "task.num_test": 32, "task.seq_len": 12,
@@ -48,7 +48,7 @@ def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
   def boom(*a, **k):
     raise AssertionError("finished cells were recomputed")
 
-  monkeypatch.setattr(sweep.tuning, "tune_many", boom)
+  monkeypatch.setattr(sweep.tuning, "tune_trials", boom)
   figure3.run(SETUP, workdir, "both", "exact")
   assert len(results_lib.read_jsonl(path)) == 8
 
@@ -58,13 +58,13 @@ def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
   results_lib.atomic_write_text(
       path, "".join(__import__("json").dumps(r) + "\n" for r in kept))
   calls = []
-  real = tuning.tune_many
+  real = tuning.tune_trials
 
   def counting(*a, **k):
     calls.append(a[4].method)
     return real(*a, **k)
 
-  monkeypatch.setattr(sweep.tuning, "tune_many", counting)
+  monkeypatch.setattr(sweep.tuning, "tune_trials", counting)
   figure3.run(SETUP, workdir, "both", "exact")
   assert calls == ["prompt"]
   redone = records.read_results(workdir)
@@ -88,8 +88,8 @@ def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
      "--config.left_sizes='4,x' is not a valid tuple of int"),
     (["--preset=tiny", "--workdir=W", "--config.left_sizes=4,0"],
      "left_sizes must be positive integers"),
-    (["--preset=tiny", "--workdir=W", "--config.seeds=0"],
-     "seeds must be >= 1"),
+    (["--preset=tiny", "--workdir=W", "--config.trials=0"],
+     "trials must be an int >= 1"),
     (["--preset=huge", "--workdir=W"], "preset"),
     (["--workdir=W", "--backbone=bert"], "--backbone must be from"),
     (["--workdir=W", "--config.finetune=true"],
@@ -138,7 +138,7 @@ def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
   def boom(*a, **k):
     raise AssertionError("finished work was redone")
 
-  monkeypatch.setattr(sweep.tuning, "tune_many", boom)
+  monkeypatch.setattr(sweep.tuning, "tune_trials", boom)
   monkeypatch.setattr(pretrain_train, "make_train_step", boom)
   figure3.run(setup, workdir, "both", "transformer")
   assert len(figure3.read_results(workdir)) == 10
@@ -152,13 +152,14 @@ def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
 
 def test_sharded_sweep_merges_to_the_unsharded_one(tmp_path):
   whole, shards = str(tmp_path / "whole"), str(tmp_path / "shards")
-  setup = dataclasses.replace(SETUP, left_sizes=(4, 6), seeds=1)
+  setup = dataclasses.replace(SETUP, left_sizes=(4, 6), trials=1)
   figure3.run(setup, whole, "left", "exact")
   for i in range(2):
     figure3.run(setup, shards, "left", "exact", num_tasks=2, task_index=i)
   files = sorted(os.listdir(shards))
   assert files == ["results-00000-of-00002.jsonl",
-                   "results-00001-of-00002.jsonl"]
+                   "results-00001-of-00002.jsonl", "sweep.json"]
+  files = files[:2]
   per_file = [{r["num_states"] for r in results_lib.read_jsonl(
       os.path.join(shards, f))} for f in files]
   assert per_file == [{4}, {6}]  # each HMM on one host
