@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 
@@ -14,12 +15,46 @@ from hmmprompt import results as results_lib
 from hmmprompt import tuning
 from hmmprompt.pretrain import train as pretrain_train
 
-SETUP = figure3.get_setup("tiny", trials=2, left_sizes=(4,), memory_sizes=(2,),
-                          features=("raw",), overrides={
-                              "task.num_train": 64, "task.num_val": 16,
-                              "task.num_test": 32, "task.seq_len": 12,
-                              "tune.epochs": 1, "tune.prompt_len": 2,
-                              "pretrain.steps": 20})
+_SETUP_ARGS = dict(trials=2, left_sizes=(4,), memory_sizes=(2,),
+                   features=("raw",), overrides={
+                       "task.num_train": 64, "task.num_val": 16,
+                       "task.num_test": 32, "task.seq_len": 12,
+                       "tune.epochs": 1, "tune.prompt_len": 2,
+                       "pretrain.steps": 20})
+SETUP = figure3.get_setup("tiny", **_SETUP_ARGS)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+
+# The transformer sweep in a subprocess, SIGKILLed at a chosen point: during
+# the second size's stacked pretraining (after step 15; checkpoint at 10),
+# or when the second group's tuning starts (the first group's lines are
+# written, the second's are not).
+_KILLED_SWEEP = """
+import dataclasses, os, signal, sys
+from experiments import figure3
+from experiments.figure3 import sweep
+setup = dataclasses.replace(figure3.get_setup("tiny", **{args!r}),
+                            finetune=True)
+kill = lambda: os.kill(os.getpid(), signal.SIGKILL)
+calls = []
+if sys.argv[2] == "pretrain":
+  real = sweep.pretrain_lib.run_trials
+  def run_trials(*a, **k):
+    calls.append(1)
+    if len(calls) == 2:
+      k["after_step"] = lambda step: step == 15 and kill()
+    return real(*a, **k)
+  sweep.pretrain_lib.run_trials = run_trials
+elif sys.argv[2] == "tune":
+  real = sweep.tuning.tune_trials
+  def tune_trials(*a, **k):
+    calls.append(1)
+    if len(calls) == 2:
+      kill()
+    return real(*a, **k)
+  sweep.tuning.tune_trials = tune_trials
+figure3.run(setup, sys.argv[1], "both", "transformer")
+"""
 
 
 def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
@@ -104,8 +139,7 @@ def test_bad_flags_fail_clearly(tmp_path, args, match):
   args = [a.replace("=W", "=" + str(tmp_path)) for a in args]
   proc = subprocess.run([sys.executable, "-m", "experiments.figure3", *args],
                         capture_output=True, text=True, timeout=120,
-                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(
-                            os.path.abspath(__file__)))))
+                        cwd=ROOT)
   assert proc.returncode != 0
   assert match in proc.stderr + proc.stdout
   assert "Traceback" not in proc.stderr
@@ -148,6 +182,42 @@ def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
   table = open(os.path.join(workdir, "figure3.md")).read()
   assert "transformer: vanilla + prompt linear" in table
   assert "vanilla-h8" in table and "Bayes CE" in table
+  assert "Per trial (HMM draw)" in table
+
+  # SIGKILL during stacked pretraining, then during tuning, then a plain
+  # rerun: the same lines as the uninterrupted run, none duplicated, none
+  # torn, none missing, equal values (resumed pretraining is bit-exact).
+  crashed = str(tmp_path / "crashed")
+  script = _KILLED_SWEEP.format(args=_SETUP_ARGS)
+  run = lambda *a: subprocess.run([sys.executable, "-c", script, crashed, *a],
+                                  capture_output=True, text=True,
+                                  timeout=300, cwd=ROOT)
+  first = run("pretrain")
+  assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
+  sizes = lambda: [(r["hmm"], r["num_states"]) for r in
+                   results_lib.read_jsonl(os.path.join(crashed,
+                                                       "results.jsonl"))]
+  # Sizes run in order (vanilla 4, vanilla 8, memory 2), each tuned once
+  # pretrained: killed during vanilla 8's pretraining, vanilla 4 is done.
+  assert sizes() == [("vanilla", 4)] * 6
+  h8 = [d for d in os.listdir(os.path.join(crashed, "pretrain"))
+        if d.startswith("vanilla-h8")]
+  assert os.listdir(os.path.join(crashed, "pretrain", h8[0],
+                                 "checkpoints")) == ["10"]
+  second = run("tune")
+  assert second.returncode == -signal.SIGKILL, second.stderr[-2000:]
+  assert sizes() == [("vanilla", 4)] * 6 + [("vanilla", 8)] * 2
+  third = run("none")
+  assert third.returncode == 0, third.stderr[-2000:]
+  raw = results_lib.read_jsonl(os.path.join(crashed, "results.jsonl"))
+  got = figure3.read_results(crashed)
+  assert len(raw) == len(got) == len({r.key() for r in got}) == 10
+  want = {r.key(): r for r in lines}
+  assert {r.key() for r in got} == set(want)
+  for r in got:
+    w = want[r.key()]
+    assert (r.test_accuracy, r.pretrain_ce_gap, r.hmm_fingerprint) == (
+        w.test_accuracy, w.pretrain_ce_gap, w.hmm_fingerprint)
 
 
 def test_sharded_sweep_merges_to_the_unsharded_one(tmp_path):
