@@ -50,3 +50,25 @@ def test_result_line_schema_round_trips_and_refuses_bad_lines(tmp_path):
     records.ResultLine.from_json({**fields, "bogus": 1})
   with pytest.raises(ValueError, match="incomplete"):
     records.ResultLine.from_json({"backbone": "exact"})
+
+
+def test_trial_counts_are_checked_and_recorded_per_workdir(tmp_path):
+  from experiments.figure3 import sweep  # pylint: disable=g-import-not-at-top
+  paper = figure3.get_setup("paper")
+  assert (paper.trials, paper.right_trials, paper.tasks_per_hmm) == (20, 5, 1)
+  # A vanilla HMM both panels use is one stack of the larger count.
+  assert sweep.stack_size(paper, sweep.ModelId("vanilla", 8, 0)) == 20
+  assert sweep.stack_size(paper, sweep.ModelId("vanilla", 20, 0)) == 5
+  assert sweep.stack_size(paper, sweep.ModelId("memory", 4, 7)) == 5
+  assert sweep.stack_size(paper, sweep.ModelId("vanilla", 30, 0)) == 20
+  tiny = figure3.get_setup("tiny")
+  sweep.check_workdir(str(tmp_path), tiny)
+  sweep.check_workdir(str(tmp_path), tiny)  # the same counts: fine
+  with pytest.raises(ValueError, match="was made with trial counts "
+                     "{'trials': 2, 'right_trials': 2}, this run asks for "
+                     "{'trials': 3, 'right_trials': 3}"):
+    sweep.check_workdir(str(tmp_path), figure3.get_setup("tiny", trials=3))
+  for bad in ({"trials": 0}, {"right_trials": 0}, {"tasks_per_hmm": 0},
+              {"trials": 1.5}):
+    with pytest.raises(ValueError, match="must be an int >= 1"):
+      figure3.get_setup("tiny", **bad)

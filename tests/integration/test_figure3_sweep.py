@@ -25,24 +25,21 @@ SETUP = figure3.get_setup("tiny", **_SETUP_ARGS)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
 
-# The transformer sweep in a subprocess, SIGKILLed at a chosen point: during
-# the second size's stacked pretraining (after step 15; checkpoint at 10),
+# The left panel's transformer sweep in a subprocess, SIGKILLed at a chosen
+# point: during the stacked pretraining (after step 15; checkpoint at 10),
 # or when the second group's tuning starts (the first group's lines are
 # written, the second's are not).
 _KILLED_SWEEP = """
-import dataclasses, os, signal, sys
+import os, signal, sys
 from experiments import figure3
 from experiments.figure3 import sweep
-setup = dataclasses.replace(figure3.get_setup("tiny", **{args!r}),
-                            finetune=True)
+setup = figure3.get_setup("tiny", **{args!r})
 kill = lambda: os.kill(os.getpid(), signal.SIGKILL)
 calls = []
 if sys.argv[2] == "pretrain":
   real = sweep.pretrain_lib.run_trials
   def run_trials(*a, **k):
-    calls.append(1)
-    if len(calls) == 2:
-      k["after_step"] = lambda step: step == 15 and kill()
+    k["after_step"] = lambda step: step == 15 and kill()
     return real(*a, **k)
   sweep.pretrain_lib.run_trials = run_trials
 elif sys.argv[2] == "tune":
@@ -53,7 +50,7 @@ elif sys.argv[2] == "tune":
       kill()
     return real(*a, **k)
   sweep.tuning.tune_trials = tune_trials
-figure3.run(setup, sys.argv[1], "both", "transformer")
+figure3.run(setup, sys.argv[1], "left", "transformer")
 """
 
 
@@ -194,25 +191,22 @@ def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
                                   timeout=300, cwd=ROOT)
   first = run("pretrain")
   assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
-  sizes = lambda: [(r["hmm"], r["num_states"]) for r in
-                   results_lib.read_jsonl(os.path.join(crashed,
-                                                       "results.jsonl"))]
-  # Sizes run in order (vanilla 4, vanilla 8, memory 2), each tuned once
-  # pretrained: killed during vanilla 8's pretraining, vanilla 4 is done.
-  assert sizes() == [("vanilla", 4)] * 6
-  h8 = [d for d in os.listdir(os.path.join(crashed, "pretrain"))
-        if d.startswith("vanilla-h8")]
-  assert os.listdir(os.path.join(crashed, "pretrain", h8[0],
+  results = os.path.join(crashed, "results.jsonl")
+  assert not os.path.exists(results)
+  h4 = os.listdir(os.path.join(crashed, "pretrain"))
+  assert os.listdir(os.path.join(crashed, "pretrain", h4[0],
                                  "checkpoints")) == ["10"]
   second = run("tune")
   assert second.returncode == -signal.SIGKILL, second.stderr[-2000:]
-  assert sizes() == [("vanilla", 4)] * 6 + [("vanilla", 8)] * 2
+  assert [r["method"] for r in results_lib.read_jsonl(results)] == [
+      "head_linear"] * 2
   third = run("none")
   assert third.returncode == 0, third.stderr[-2000:]
-  raw = results_lib.read_jsonl(os.path.join(crashed, "results.jsonl"))
+  raw = results_lib.read_jsonl(results)
   got = figure3.read_results(crashed)
-  assert len(raw) == len(got) == len({r.key() for r in got}) == 10
-  want = {r.key(): r for r in lines}
+  assert len(raw) == len(got) == len({r.key() for r in got}) == 4
+  want = {r.key(): r for r in lines if r.panel == "left"
+          and r.method != "finetune_linear"}
   assert {r.key() for r in got} == set(want)
   for r in got:
     w = want[r.key()]
