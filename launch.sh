@@ -10,7 +10,7 @@
 #   ./launch.sh bench     both benchmarks (installs the `bench` extra:
 #                         hmmlearn, dynamax, torch, transformers); for their
 #                         flags run python -m experiments.bench_hmm / bench_mlm
-# Extra arguments pass through to the job (e.g. ./launch.sh --config.seeds=3,
+# Extra arguments pass through to the job (e.g. ./launch.sh --config.trials=5,
 # ./launch.sh --preset=paper, or on many hosts
 # ./launch.sh --num_tasks=$SLURM_ARRAY_TASK_COUNT \
 #             --task_index=$SLURM_ARRAY_TASK_ID --workdir=/shared/figure3).

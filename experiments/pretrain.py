@@ -2,7 +2,7 @@ r"""Pretrain the masked LM on text from an HMM.
 
   python -m experiments.pretrain --preset=tiny|cpu|cpu_capped|paper \
       --workdir=DIR [--config.model_kind=memory --config.memory_size=3] \
-      [--config.num_states=10] [--config.hmm_seed=0] \
+      [--config.num_states=10] [--config.hmm_seed=0] [--config.trials=K] \
       [--config.pretrain.lr=3e-3 --config.pretrain.model.num_heads=4 ...]
 
 One config tree (:class:`Job`): the generating HMM's fields and the
@@ -14,6 +14,10 @@ Writes DIR/config.json, DIR/hmm.npz, orbax checkpoints under
 DIR/checkpoints/ and DIR/metrics.jsonl (step, mlm_ce, bayes_ce, tv, ...).
 Rerunning the same command resumes from the latest checkpoint.
 
+``--config.trials=K`` draws K HMMs (trial k from ``fold_in(PRNGKey(hmm_seed),
+k)``) and pretrains K transformers in one stacked run
+(:func:`hmmprompt.pretrain.run_trials`; metrics lines carry ``trial``).
+
 Presets (hmmprompt/pretrain/config.py states their numbers):
   tiny        seconds; tests and smoke runs.
   cpu         a 2-core machine: 2 layers, width 64, 4 heads, context 80,
@@ -21,7 +25,7 @@ Presets (hmmprompt/pretrain/config.py states their numbers):
               31000 steps, until within 0.04 nats of the Bayes CE at the
               end of a cycle.
   cpu_capped  the main job's: cpu at batch 32, lr 5e-3, MASK-only
-              corruption, cycles 1000/2000/2000/4000 (at most 9000 steps).
+              corruption, cycles 1000/1000 (at most 2000 steps).
 
 --config.pretrain.targets=sampled|exact picks the loss's targets (the true
 token, or its exact conditional given the corrupted input);
@@ -60,17 +64,23 @@ class Job:
   num_states: int = 10
   memory_size: int = 3
   hmm_seed: int = 0
+  trials: int = 1
 
   def __post_init__(self):
     if self.model_kind not in models.KINDS:
       raise ValueError(f"model_kind must be one of {models.KINDS}, got "
                        f"{self.model_kind!r}")
+    if not isinstance(self.trials, int) or self.trials < 1:
+      raise ValueError(f"trials must be an int >= 1, got {self.trials!r}")
 
   def make_model(self) -> models.Model:
-    return models.random_model(jax.random.PRNGKey(self.hmm_seed),
-                               self.model_kind, self.num_states,
-                               self.pretrain.model.vocab_size,
-                               self.memory_size)
+    """One model, or (``trials > 1``) ``[trials]`` stacked draws."""
+    key = jax.random.PRNGKey(self.hmm_seed)
+    args = (self.model_kind, self.num_states, self.pretrain.model.vocab_size,
+            self.memory_size)
+    if self.trials > 1:
+      return models.random_models(key, self.trials, *args)
+    return models.random_model(key, *args)
 
 
 def get_config(preset: str = "cpu", **overrides) -> Job:
@@ -115,8 +125,9 @@ def main(argv):
       os.kill(os.getpid(), signal.SIGKILL)
 
   try:
-    final = pretrain.run(_WORKDIR.value, cfg, model, log=logging.info,
-                         after_step=after_step)
+    run = pretrain.run_trials if job.trials > 1 else pretrain.run
+    final = run(_WORKDIR.value, cfg, model, log=logging.info,
+                after_step=after_step)
   except ValueError as e:  # a workdir holding another run
     raise app.UsageError(str(e)) from e
   print(f"done in {time.perf_counter() - t0:.0f}s: {final}")

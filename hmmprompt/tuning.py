@@ -433,24 +433,20 @@ def stack_data(datas: Sequence[Data]) -> Data:
   return jax.tree.map(lambda *xs: jnp.stack(xs), *datas)
 
 
-def _tune_stacked(run, keys, backbone: Backbone, bparams,
-                  datas: Sequence[Data], cfg: TuneConfig):
-  if len(keys) != len(datas):
-    raise ValueError(f"{len(keys)} keys for {len(datas)} datasets")
+def _tune_lanes(run, keys, backbone: Backbone, bparams, data: Data,
+                cfg: TuneConfig):
+  """Runs ``run`` over lanes (leading axes of ``keys`` and ``data``);
+  returns ``(tunable, losses, accs, seconds, steps)``, losses and
+  accuracies on the host."""
   _check_method(backbone, cfg)
-  data = stack_data(datas)
   _check_data(data)
   t0 = time.perf_counter()
   tunable, losses, accs = jax.block_until_ready(
-      run(jnp.stack(list(keys)), bparams, data, backbone, cfg))
+      run(keys, bparams, data, backbone, cfg))
   seconds = time.perf_counter() - t0
-  steps = num_steps(data.train_tokens.shape[1], cfg)
-  accs, losses = jax.device_get((accs, losses))  # index on the host
-  records = [
-      _record(cfg, jax.tree.map(lambda a: a[i], accs), losses[i], steps,
-              seconds, len(datas)) for i in range(len(datas))
-  ]
-  return records, tunable
+  losses, accs = jax.device_get((losses, accs))  # index on the host
+  return (tunable, losses, accs, seconds,
+          num_steps(data.train_tokens.shape[-2], cfg))
 
 
 def tune_many(keys, backbone: Backbone, bparams, datas: Sequence[Data],
@@ -459,7 +455,14 @@ def tune_many(keys, backbone: Backbone, bparams, datas: Sequence[Data],
 
   Returns one record per seed and the stacked tunable params.
   """
-  return _tune_stacked(_run_many, keys, backbone, bparams, datas, cfg)
+  if len(keys) != len(datas):
+    raise ValueError(f"{len(keys)} keys for {len(datas)} datasets")
+  tunable, losses, accs, seconds, steps = _tune_lanes(
+      _run_many, jnp.stack(list(keys)), backbone, bparams, stack_data(datas),
+      cfg)
+  n = len(datas)
+  return [_record(cfg, {s: a[i] for s, a in accs.items()}, losses[i], steps,
+                  seconds, n) for i in range(n)], tunable
 
 
 def tune_trials(keys, backbone: Backbone, bparams_K,
@@ -485,17 +488,10 @@ def tune_trials(keys, backbone: Backbone, bparams_K,
     raise ValueError(f"every trial needs the same number (>= 1) of tasks "
                      f"and keys, got {[len(d) for d in datas]} datasets and "
                      f"{[len(kk) for kk in keys]} keys")
-  _check_method(backbone, cfg)
-  data = stack_data([stack_data(d) for d in datas])
-  _check_data(data)
-  t0 = time.perf_counter()
-  tunable, losses, accs = jax.block_until_ready(_run_trials(
-      jnp.stack([jnp.stack(list(kk)) for kk in keys]), bparams_K, data,
-      backbone, cfg))
-  seconds = time.perf_counter() - t0
-  steps = num_steps(data.train_tokens.shape[2], cfg)
-  accs, losses = jax.device_get((accs, losses))  # index on the host
-  records = [[_record(cfg, jax.tree.map(lambda a: a[i, j], accs),
-                      losses[i, j], steps, seconds, k * len(datas[0]))
-              for j in range(len(datas[0]))] for i in range(k)]
-  return records, tunable
+  tunable, losses, accs, seconds, steps = _tune_lanes(
+      _run_trials, jnp.stack([jnp.stack(list(kk)) for kk in keys]), backbone,
+      bparams_K, stack_data([stack_data(d) for d in datas]), cfg)
+  n = len(datas[0])
+  return [[_record(cfg, {s: a[i, j] for s, a in accs.items()}, losses[i, j],
+                   steps, seconds, k * n) for j in range(n)]
+          for i in range(k)], tunable

@@ -21,7 +21,8 @@ def test_get_setup_presets_overrides_and_errors():
   assert (cpu.pretrain.batch_size, cpu.pretrain.lr, cpu.pretrain.steps,
           cpu.pretrain.cycles, cpu.pretrain.targets,
           cpu.pretrain.corpus.corruption) == (
-              32, 5e-3, 9000, (1000, 2000, 2000, 4000), "exact", "mask")
+              32, 5e-3, 2000, (1000, 1000), "exact", "mask")
+  assert (cpu.trials, cpu.tasks_per_hmm, cpu.features) == (3, 1, ("raw",))
   s = figure3.get_setup("cpu", trials=2, overrides={
       "pretrain.lr": "3e-3", "left_sizes": "4:8", "tune.epochs": 2})
   assert (s.trials, s.pretrain.lr, s.left_sizes, s.tune.epochs) == (

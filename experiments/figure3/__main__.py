@@ -76,7 +76,8 @@ def main(argv):
     try:
       sweep.run(setup, workdir, _PANEL.value, name, _NUM_TASKS.value,
                 _TASK_INDEX.value, pretrain_only=_PRETRAIN_ONLY.value)
-    except FileNotFoundError as e:  # a damaged pretraining workdir
+    except (FileNotFoundError, ValueError) as e:
+      # A damaged pretraining workdir, or one made with other trial counts.
       raise app.UsageError(str(e)) from e
   if _PRETRAIN_ONLY.value:
     table = reporting.pretraining_table(workdir)

@@ -143,10 +143,12 @@ def _cpu() -> Setup:
   """The main job: both panels with the transformer on 2 CPU cores, 3
   trials per size (an HMM draw, its pretrained transformer and a task
   each). Vanilla HMMs are shared by the panels (sizes 8, 12, 28), so 7
-  stacks of 3 are pretrained (``cpu_capped``); inputs are 80 positions as
-  in the authors' tuning scripts (20 prompt vectors, MASK, 59 tokens)."""
+  stacks of 3 are pretrained (``cpu_capped``: at most 2000 steps each);
+  inputs are 80 positions as in the authors' tuning scripts (20 prompt
+  vectors, MASK, 59 tokens); the head reads the raw output probabilities
+  (the paper's ``G``; ``log`` is the other feature kind)."""
   return Setup(trials=3, tasks_per_hmm=1, left_sizes=(4, 8, 12, 28),
-               memory_sizes=(2, 3, 7),
+               memory_sizes=(2, 3, 7), features=("raw",),
                task=tasks_lib.TaskConfig(num_train=2000, num_val=500,
                                          num_test=1000, seq_len=59),
                tune=_tune(5, 20, 32),
@@ -157,9 +159,11 @@ def _paper() -> Setup:
   """Figure 3's protocol: every size of both panels, 20 trials per size on
   the left and 5 on the right (a new HMM, pretrained model and task each),
   Appendix D's task sizes and pretraining (for accelerators; the exact
-  backbone runs it on 2 CPU cores, README)."""
+  backbone runs it on 2 CPU cores, README); heads on the raw probabilities
+  (the paper's ``G``)."""
   return Setup(trials=20, right_trials=5, tasks_per_hmm=1,
                left_sizes=_ALL_LEFT, memory_sizes=_ALL_MEMORY,
+               features=("raw",),
                task=_APPENDIX_D_TASK, tune=_tune(5, 20, 32),
                pretrain=pretrain_lib.configure("paper"))
 

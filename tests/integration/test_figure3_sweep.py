@@ -142,6 +142,17 @@ def test_bad_flags_fail_clearly(tmp_path, args, match):
   assert "Traceback" not in proc.stderr
 
 
+def test_rerun_with_other_trial_counts_fails_clearly(tmp_path):
+  results_lib.atomic_write_text(str(tmp_path / "sweep.json"),
+                                '{"trials": 5, "right_trials": 5}')
+  proc = subprocess.run([sys.executable, "-m", "experiments.figure3",
+                         "--preset=tiny", f"--workdir={tmp_path}"],
+                        capture_output=True, text=True, timeout=120, cwd=ROOT)
+  assert proc.returncode != 0 and "Traceback" not in proc.stderr
+  assert ("was made with trial counts {'trials': 5, 'right_trials': 5}, "
+          "this run asks for {'trials': 2, 'right_trials': 2}") in proc.stderr
+
+
 def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
                                                           monkeypatch):
   workdir = str(tmp_path)

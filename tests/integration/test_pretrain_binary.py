@@ -58,6 +58,9 @@ def test_bad_flags_fail_clearly(tmp_path):
   out = _run_binary(str(tmp_path), "--config.pretrain.steps=ten")
   assert out.returncode != 0 and "config.pretrain.steps" in out.stderr
   assert "Traceback" not in out.stderr
+  out = _run_binary(str(tmp_path), "--config.trials=0")
+  assert out.returncode != 0 and "trials must be an int >= 1" in out.stderr
+  assert "Traceback" not in out.stderr
 
 
 _DP_SCRIPT = """
