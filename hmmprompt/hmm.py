@@ -349,10 +349,29 @@ class Smoothed(NamedTuple):
   masked_posterior: jax.Array
 
 
-def _normalize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Rescales non-negative ``x`` to sum 1 (all-zero stays zero, no NaN)."""
+@jax.custom_jvp
+def _unit_sum(x: jax.Array) -> jax.Array:
   s = jnp.sum(x, axis=-1, keepdims=True)
-  return x / jnp.where(s > 0, s, 1.0), s[..., 0]
+  return x / jnp.where(s > 0, s, 1.0)
+
+
+@_unit_sum.defjvp
+def _unit_sum_jvp(primals, tangents):
+  # d(x / s) = (dx - y sum(dx)) / s with y = x / s. Autodiff's form has
+  # x ds / s**2, and s**2 underflows to 0 in float32 for the tiny sums of
+  # near-deterministic HMMs (s < 1e-19): inf * 0 = NaN gradients.
+  (x,), (dx,) = primals, tangents
+  s = jnp.sum(x, axis=-1, keepdims=True)
+  safe = jnp.where(s > 0, s, 1.0)
+  y = x / safe
+  dy = (dx - y * jnp.sum(dx, axis=-1, keepdims=True)) / safe
+  return y, dy
+
+
+def _normalize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Rescales non-negative ``x`` to sum 1 (all-zero stays zero, no NaN),
+  with a gradient that stays finite for tiny sums."""
+  return _unit_sum(x), jnp.sum(x, axis=-1)
 
 
 def safe_log(x: jax.Array) -> jax.Array:

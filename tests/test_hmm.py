@@ -227,6 +227,26 @@ def test_grad_matches_brute_force_grad(tiny_hmm):
                              fd, rtol=2e-2)
 
 
+def test_grad_finite_on_near_impossible_evidence():
+  """A message whose sum is ~1e-24 (a near-deterministic HMM reading an
+  unlikely token, as Appendix D's draws under a soft prompt do): the float32
+  gradient is finite and equals float64's (autodiff's x ds / s**2 would
+  underflow s**2 to 0 and give NaN)."""
+  eps = 1e-25
+  near = lambda n: (np.eye(n) * (1 - (n - 1) * eps) + eps).astype(np.float32)
+  hmm = hmm_lib.HMM(np.array([1 - 2 * eps, eps, eps], np.float32), near(3),
+                    near(3))
+  ev = hmm_lib.embed(hmm, [0, 0, 1, MASK, 1]) * np.float32(0.5)
+  w = jnp.arange(15.0).reshape(5, 3)
+  f = lambda e, hm: jnp.sum(w * hmm_lib.evidence_conditionals(hm, e))
+  g32 = np.asarray(jax.grad(f)(ev, hmm))
+  assert np.all(np.isfinite(g32))
+  with jax.enable_x64(True):
+    h64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), hmm)
+    g64 = np.asarray(jax.grad(f)(jnp.asarray(ev, jnp.float64), h64))
+  np.testing.assert_allclose(g32, g64, rtol=1e-3, atol=1e-3 * np.abs(g64).max())
+
+
 # ---------------------------------------------------------------------------
 # Bad input.
 

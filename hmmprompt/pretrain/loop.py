@@ -42,8 +42,9 @@ class _Progress:
   """Collects per-step losses; logs rate and ETA every ``log_every`` steps
   and raises on a non-finite loss (naming the last good checkpoint)."""
 
-  def __init__(self, cfg: PretrainConfig, start: int, log):
+  def __init__(self, cfg: PretrainConfig, start: int, log, trials: int = 1):
     self.cfg, self.log = cfg, log
+    self.trials = trials  # models stepping together (tokens/s counts all)
     self.pending = []
     self.t_last, self.step_last = time.perf_counter(), start
     self.t_first = self.step_first = None
@@ -63,7 +64,7 @@ class _Progress:
     now, total = time.perf_counter(), self.cfg.total_steps
     if self.t_first is None:  # exclude compilation from the rate
       self.t_first, self.step_first = now, done
-    tokens = self.cfg.batch_size * self.cfg.corpus.chunk_len
+    tokens = self.cfg.batch_size * self.cfg.corpus.chunk_len * self.trials
     rate = tokens * (done - self.step_last) / max(now - self.t_last, 1e-9)
     if done > self.step_first:
       sec_per_step = (now - self.t_first) / (done - self.step_first)
@@ -78,6 +79,11 @@ class _Progress:
 def _reached(cfg: PretrainConfig, metrics: dict) -> bool:
   return (cfg.target_gap is not None
           and metrics.get("ce_gap", np.inf) <= cfg.target_gap)
+
+
+def _is_eval(cfg: PretrainConfig, done: int) -> bool:
+  return (done % cfg.eval_every == 0 or done == cfg.total_steps
+          or done in cfg.cycle_ends)
 
 
 def _may_stop(cfg: PretrainConfig, step: int) -> bool:
@@ -154,8 +160,7 @@ def run(workdir: str, cfg: PretrainConfig, model: models.Model,
     done = step + 1
     if done % cfg.log_every == 0 or done == total:
       progress.flush(done, ckpts.latest_step(), paths.ckpt)
-    is_eval = (done % cfg.eval_every == 0 or done == total
-               or done in cfg.cycle_ends)
+    is_eval = _is_eval(cfg, done)
     if is_eval or done % cfg.ckpt_every == 0:
       last = checkpoint(done, state, is_eval) or last
     if after_step is not None:
@@ -243,7 +248,7 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
   train_step = train.make_stacked_train_step(cfg, mesh)
   vals = [evaluate_lib.validation_set(keys.val[k], models.trial(models_K, k),
                                       cfg) for k in range(num)]
-  progress = _Progress(cfg, start, log)
+  progress = _Progress(cfg, start, log, trials=len(running))
   wall_before = max((m.get("wall_s", 0.0) for m in metrics), default=0.0)
   t_run = time.perf_counter()
 
@@ -279,8 +284,7 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
     done = step + 1
     if done % cfg.log_every == 0 or done == total:
       progress.flush(done, ckpts.latest_step(), paths.ckpt)
-    is_eval = (done % cfg.eval_every == 0 or done == total
-               or done in cfg.cycle_ends)
+    is_eval = _is_eval(cfg, done)
     if is_eval or done % cfg.ckpt_every == 0:
       states = merge(states, sub)
       ckpts.save(done, states)
@@ -300,5 +304,6 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
         idx, sub_models, sub_hmms, sub_keys, sub_chunks = substack(running)
         sub = _take(states, idx)
         ones = np.ones(len(running), bool)
+        progress.trials = len(running)
   ckpts.close()
   return [last.get(k, {}) for k in range(num)]
