@@ -25,7 +25,7 @@ Presets (hmmprompt/pretrain/config.py states their numbers):
               31000 steps, until within 0.04 nats of the Bayes CE at the
               end of a cycle.
   cpu_capped  the main job's: cpu at batch 32, lr 5e-3, MASK-only
-              corruption, cycles 1000/1000 (at most 2000 steps).
+              corruption, cycles 500/500/1000 (at most 2000 steps).
 
 --config.pretrain.targets=sampled|exact picks the loss's targets (the true
 token, or its exact conditional given the corrupted input);

@@ -6,6 +6,7 @@ import pytest
 
 from experiments import figure3
 from experiments.figure3 import records
+from experiments.figure3 import reporting
 
 
 def test_mean_ci():
@@ -21,7 +22,7 @@ def test_get_setup_presets_overrides_and_errors():
   assert (cpu.pretrain.batch_size, cpu.pretrain.lr, cpu.pretrain.steps,
           cpu.pretrain.cycles, cpu.pretrain.targets,
           cpu.pretrain.corpus.corruption) == (
-              32, 5e-3, 2000, (1000, 1000), "exact", "mask")
+              32, 5e-3, 2000, (500, 500, 1000), "exact", "mask")
   assert (cpu.trials, cpu.tasks_per_hmm, cpu.features) == (3, 1, ("raw",))
   s = figure3.get_setup("cpu", trials=2, overrides={
       "pretrain.lr": "3e-3", "left_sizes": "4:8", "tune.epochs": 2})
@@ -49,6 +50,11 @@ def test_result_line_schema_round_trips_and_refuses_bad_lines(tmp_path):
   assert line.key() == records.line_key(fields)
   with pytest.raises(ValueError, match="unknown fields"):
     records.ResultLine.from_json({**fields, "bogus": 1})
+  # The report names a cell whose tuning diverged, and only that one.
+  nan = records.ResultLine(**{**fields, "trial": 1, "final_loss": np.nan})
+  table = reporting.diverged_table([line, nan])
+  assert "1 cell(s)" in table and "| exact | left | 4 | 1 | 0 |" in table
+  assert reporting.diverged_table([line]) == ""
   with pytest.raises(ValueError, match="incomplete"):
     records.ResultLine.from_json({"backbone": "exact"})
 

@@ -128,6 +128,22 @@ def trial_table(lines: list[records.ResultLine]) -> str:
   return "\n".join(out)
 
 
+def diverged_table(lines: list[records.ResultLine]) -> str:
+  """Markdown naming every cell whose tuning loss ended non-finite (its
+  accuracy is that of a constant prediction, not of the method)."""
+  bad = [r for r in lines if not np.isfinite(r.final_loss)]
+  if not bad:
+    return ""
+  out = [f"## Diverged tuning: {len(bad)} cell(s) ended with a non-finite "
+         "loss (their accuracies are in the tables)", "",
+         "| backbone | panel | size | trial | task | arm | HMM | test acc |",
+         "|---|---|---|---|---|---|---|---|"]
+  out += [f"| {r.backbone} | {r.panel} | {r.size} | {r.trial} | {r.task} | "
+          f"{r.hmm} {r.method} ({r.features}) | {r.hmm_fingerprint} | "
+          f"{100 * r.test_accuracy:.1f} |" for r in bad]
+  return "\n".join(out + [""])
+
+
 def components_table(lines: list[records.ResultLine]) -> str:
   comps = variance_components(lines)
   if not comps:
@@ -258,8 +274,8 @@ def report(workdir: str) -> dict:
   ``figure3.png``; returns the summary."""
   lines = records.read_results(workdir)
   summary = summarize(lines)
-  extra = [components_table(lines), trial_table(lines),
-           pretraining_table(workdir)]
+  extra = [diverged_table(lines), components_table(lines),
+           trial_table(lines), pretraining_table(workdir)]
   write_table(summary, os.path.join(workdir, "figure3.md"),
               extra="\n".join(e for e in extra if e))
   write_plot(summary, os.path.join(workdir, "figure3.png"))

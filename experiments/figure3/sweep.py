@@ -322,6 +322,11 @@ def run(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
     lines = [records.ResultLine(**base, **fields)
              for fields in _tune_group(setup, g, cells, stack)]
     records.append(path, lines)
+    diverged = [(r.trial, r.task) for r in lines
+                if not np.isfinite(r.final_loss)]
+    if diverged:
+      logging.warning("%s %s: tuning loss non-finite for (trial, task) %s",
+                      mid.tag, g.method_name, diverged)
     finished_cells += cells_of(g)
     elapsed = time.perf_counter() - t_start
     eta = elapsed / max(finished_cells, 1) * (total_cells - finished_cells)
