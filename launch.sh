@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One entry point on a fresh machine with Python 3.11:
 #   ./launch.sh           set up .venv if needed, run the main job: Figure 3
-#                         (both panels) with the exact backbone and the
-#                         pretrained transformer, cpu preset (~26 min on 2
-#                         cores), into runs/figure3 (resumes if rerun)
+#                         (both panels, 3 HMM draws per size) with the exact
+#                         backbone and pretrained transformers, cpu preset
+#                         (~25 min on 2 cores), into runs/figure3 (resumes
+#                         if rerun)
 #   ./launch.sh test      set up .venv if needed, run the whole test suite
 #                         (./launch.sh test -m "not slow": the fast tier)
 #   ./launch.sh demo      a one-minute tour of the HMM core
