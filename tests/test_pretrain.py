@@ -234,8 +234,10 @@ def test_config_overrides_build_configs_and_name_bad_items():
 
 def test_stacked_step_equals_separate_steps_and_masks_inactive_trials():
   """K = 2 models (own HMMs, inits and batches) in one vmapped step give
-  each model's separate run; a trial marked inactive keeps its state."""
-  cfg = TINY.with_overrides(targets="exact")
+  each model's separate run; a trial marked inactive keeps its state.
+  (trials_per_vmap=0: the accelerators' path; the CPU path, one trial at a
+  time, is bit-exact: test_run_trials_equals_separate_runs...)"""
+  cfg = TINY.with_overrides(targets="exact", trials_per_vmap=0)
   mesh = sharding.data_mesh()
   stacked_hmms = models.random_models(jax.random.PRNGKey(11), 2, "vanilla",
                                       5, 10)
