@@ -79,3 +79,28 @@ def test_trial_counts_are_checked_and_recorded_per_workdir(tmp_path):
               {"trials": 1.5}):
     with pytest.raises(ValueError, match="must be an int >= 1"):
       figure3.get_setup("tiny", **bad)
+
+
+def test_summary_is_over_trials_and_splits_the_variance():
+  """Tasks are averaged within a trial first; the interval and n are over
+  trials; the between / within SDs match a hand computation."""
+  base = dict(backbone="exact", panel="left", hmm="vanilla", num_states=4,
+              memory_size=0, method="head_linear", features="raw",
+              setup="abc", hmm_fingerprint="f", size=4, val_accuracy=0.5,
+              train_accuracy=0.5, final_loss=0.1, steps=3, seconds=1.0,
+              task_redraws=0, assumptions={}, tune_config={},
+              task_config={})
+  accs = {(0, 0): 0.6, (0, 1): 0.8, (1, 0): 0.9, (1, 1): 0.9}
+  lines = [records.ResultLine(**base, trial=k, task=s, test_accuracy=a)
+           for (k, s), a in accs.items()]
+  (key, by_size), = reporting.summarize(lines).items()
+  mean, ci, n = by_size[4]
+  assert n == 2 and mean == pytest.approx(80.0)
+  assert ci == pytest.approx(12.706 * np.std([70.0, 90.0], ddof=1)
+                             / np.sqrt(2))
+  between, within = reporting.variance_components(lines)[key][4]
+  assert between == pytest.approx(np.std([70.0, 90.0], ddof=1))
+  assert within == pytest.approx(np.sqrt((10.0**2 * 2) / 2))
+  one = [r for r in lines if r.trial == 0]  # one trial: over its tasks
+  assert reporting.summarize(one)[key][4][2] == 2
+  assert reporting.variance_components(one) == {}

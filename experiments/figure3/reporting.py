@@ -41,6 +41,14 @@ def _by_trial(lines) -> dict:
   return out
 
 
+def _curves(lines) -> dict:
+  """Curve key -> size -> its result lines, curves sorted."""
+  buckets = {}
+  for r in lines:
+    buckets.setdefault(r.summary_key, {}).setdefault(r.size, []).append(r)
+  return dict(sorted(buckets.items()))
+
+
 def summarize(lines: list[records.ResultLine]) -> dict:
   """(backbone, panel, hmm, method, features) -> {size: (mean, ci, n)}.
 
@@ -49,11 +57,8 @@ def summarize(lines: list[records.ResultLine]) -> dict:
   one trial the interval is over its tasks (``n`` tasks), which measures
   task noise only.
   """
-  buckets = {}
-  for r in lines:
-    buckets.setdefault(r.summary_key, {}).setdefault(r.size, []).append(r)
   out = {}
-  for k, by_size in sorted(buckets.items()):
+  for k, by_size in _curves(lines).items():
     out[k] = {}
     for size, rs in sorted(by_size.items()):
       trials = _by_trial(rs)
@@ -70,11 +75,8 @@ def variance_components(lines: list[records.ResultLine]) -> dict:
   the SD of the trial means (HMM draws) and the pooled SD of tasks around
   their trial's mean (task draws); only where both are measurable (>= 2
   trials with >= 2 tasks each)."""
-  buckets = {}
-  for r in lines:
-    buckets.setdefault(r.summary_key, {}).setdefault(r.size, []).append(r)
   out = {}
-  for k, by_size in sorted(buckets.items()):
+  for k, by_size in _curves(lines).items():
     for size, rs in sorted(by_size.items()):
       trials = _by_trial(rs)
       if len(trials) < 2 or min(len(v) for v in trials.values()) < 2:
