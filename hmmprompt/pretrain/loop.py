@@ -246,8 +246,9 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
       in_axes=(0, None, 0, None if chunks is None else 0)),
                       out_shardings=sharding_lib.trial_batch_sharded(mesh))
   train_step = train.make_stacked_train_step(cfg, mesh)
-  vals = [evaluate_lib.validation_set(keys.val[k], models.trial(models_K, k),
-                                      cfg) for k in range(num)]
+  vals = {k: evaluate_lib.validation_set(keys.val[k],  # stopped: never
+                                         models.trial(models_K, k), cfg)
+          for k in running}
   progress = _Progress(cfg, start, log, trials=len(running))
   wall_before = max((m.get("wall_s", 0.0) for m in metrics), default=0.0)
   t_run = time.perf_counter()
