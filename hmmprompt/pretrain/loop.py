@@ -246,7 +246,8 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
       in_axes=(0, None, 0, None if chunks is None else 0)),
                       out_shardings=sharding_lib.trial_batch_sharded(mesh))
   train_step = train.make_stacked_train_step(cfg, mesh)
-  vals = {k: evaluate_lib.validation_set(keys.val[k],  # stopped: never
+  # Stopped trials are never evaluated again: no validation set for them.
+  vals = {k: evaluate_lib.validation_set(keys.val[k],
                                          models.trial(models_K, k), cfg)
           for k in running}
   progress = _Progress(cfg, start, log, trials=len(running))
