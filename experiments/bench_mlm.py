@@ -119,19 +119,22 @@ def bench_ours(shape: dict, vocab=10, targets="sampled"):
       lr=1e-3, batch_size=b, steps=10**6, targets=targets)
   model = hmm.random_hmm(jax.random.PRNGKey(2), _NUM_STATES.value, vocab)
   mesh = sharding.data_mesh()
+  # One model: a stack of one (the unbatched body inside the step).
   holder = {"state": jax.device_put(
-      pretrain.init_state(jax.random.PRNGKey(0), cfg),
+      pretrain.init_states(jax.random.PRNGKey(0)[None], cfg),
       sharding.replicated(mesh))}
-  n_params = transformer.num_params(holder["state"].params)
+  n_params = transformer.num_params(
+      jax.tree.map(lambda x: x[0], holder["state"].params))
   step = pretrain.make_train_step(cfg, mesh)
   rng = np.random.default_rng(0)
-  tokens = jnp.asarray(rng.integers(0, vocab, (b, t)), jnp.int32)
+  tokens = jnp.asarray(rng.integers(0, vocab, (1, b, t)), jnp.int32)
   inputs, weights = corpus_lib.mask_tokens(jax.random.PRNGKey(1), tokens,
                                            0.15, vocab)
+  hmms = jax.tree.map(lambda x: x[None], model)
 
   def step_fn():
     holder["state"], loss = step(holder["state"], inputs, tokens, weights,
-                                 model)
+                                 hmms)
     return loss
 
   return _time(step_fn, lambda out=None: jax.block_until_ready(

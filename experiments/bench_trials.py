@@ -18,7 +18,6 @@ import time
 from absl import app
 from absl import flags
 import jax
-import jax.numpy as jnp
 
 from hmmprompt import corpus
 from hmmprompt import host_memory
@@ -57,24 +56,22 @@ def main(argv):
       lambda key, s, m: corpus.batch_at(key, s, m, None, cfg.corpus,
                                         cfg.batch_size, cfg.model.vocab_size),
       in_axes=(0, None, 0)))
-  one = models.trial(hmms, 0)
+  # The baseline: one model, a stack of one (the unbatched body).
+  take1 = lambda tree: jax.tree.map(lambda x: x[:1], tree)
   single = _time(pretrain.make_train_step(cfg, mesh),
-                 lambda s: jax.tree.map(lambda x: x[0],
-                                        batch(keys, s, stacked)),
-                 pretrain.init_state(keys[0], cfg), one, _STEPS.value)
+                 lambda s: take1(batch(keys, s, stacked)),
+                 pretrain.init_states(keys[:1], cfg), take1(hmms),
+                 _STEPS.value)
   print(f"{_PRESET.value}, |H| {_STATES.value}, B {cfg.batch_size}, T "
         f"{cfg.corpus.chunk_len}, {jax.default_backend()}")
   print(f"single model            {single * 1e3:7.1f} ms/step (baseline)")
   for per_vmap, name in ((0, "one vmap"), (1, "one trial at a time")):
     c = dataclasses.replace(cfg, trials_per_vmap=per_vmap)
-    step = pretrain.make_stacked_train_step(c, mesh)
-    active = jnp.ones(k, bool)
-    t = _time(lambda st, i, tk, w, h: step(st, i, tk, w, active, h),
+    t = _time(pretrain.make_train_step(c, mesh),
               lambda s: batch(keys, s, stacked),
-              pretrain.init_states(keys, c, k), hmms, _STEPS.value)
+              pretrain.init_states(keys, c), hmms, _STEPS.value)
     print(f"{k} trials, {name:20s}{t * 1e3 / k:7.1f} ms per trial-step "
           f"({t / k / single:.2f}x the single model)")
-
 
 if __name__ == "__main__":
   app.run(main)

@@ -11,12 +11,15 @@ leaf is a ``--config.<path>`` flag (``--helpfull`` lists them), unknown
 keys are refused by name.
 
 Writes DIR/config.json, DIR/hmm.npz, orbax checkpoints under
-DIR/checkpoints/ and DIR/metrics.jsonl (step, mlm_ce, bayes_ce, tv, ...).
-Rerunning the same command resumes from the latest checkpoint.
+DIR/checkpoints/ and DIR/metrics.jsonl (trial, step, mlm_ce, bayes_ce, tv,
+...). Rerunning the same command resumes from the newest readable
+checkpoint (an unreadable one, e.g. a partial copy, is reported and set
+aside in DIR/checkpoints.damaged/); runtime fields (log_every, ckpt_every,
+keep, eval_batch, trials_per_vmap) may change between runs.
 
 ``--config.trials=K`` draws K HMMs (trial k from ``fold_in(PRNGKey(hmm_seed),
 k)``) and pretrains K transformers in one stacked run
-(:func:`hmmprompt.pretrain.run_trials`; metrics lines carry ``trial``).
+(:func:`hmmprompt.pretrain.run_trials`; one model is a stack of one).
 
 Presets (hmmprompt/pretrain/config.py states their numbers):
   tiny        seconds; tests and smoke runs.
@@ -51,6 +54,7 @@ from hmmprompt import config_flags
 from hmmprompt import host_memory
 from hmmprompt import models
 from hmmprompt import pretrain
+from hmmprompt.pretrain import workdir as workdir_lib
 from hmmprompt.backbones import transformer
 
 
@@ -74,13 +78,14 @@ class Job:
       raise ValueError(f"trials must be an int >= 1, got {self.trials!r}")
 
   def make_model(self) -> models.Model:
-    """One model, or (``trials > 1``) ``[trials]`` stacked draws."""
+    """``[trials]`` stacked draws (one: ``random_model(PRNGKey(hmm_seed))``,
+    stacked)."""
     key = jax.random.PRNGKey(self.hmm_seed)
     args = (self.model_kind, self.num_states, self.pretrain.model.vocab_size,
             self.memory_size)
     if self.trials > 1:
       return models.random_models(key, self.trials, *args)
-    return models.random_model(key, *args)
+    return models.stack([models.random_model(key, *args)])
 
 
 def get_config(preset: str = "cpu", **overrides) -> Job:
@@ -109,9 +114,13 @@ def main(argv):
     raise app.UsageError("--workdir is required")
   if _DISTRIBUTED.value:
     jax.distributed.initialize()
+  # Usage errors (flags, config, a workdir holding another run) are found
+  # here, before any work; whatever fails later is a real error and keeps
+  # its traceback.
   try:
     job = get_config(_PRESET.value, **_CONFIG.value())
-    model = job.make_model()
+    models_K = job.make_model()
+    workdir_lib.prepare(_WORKDIR.value, job.pretrain, models_K)
   except ValueError as e:
     raise app.UsageError(str(e)) from e
   cfg = job.pretrain
@@ -124,14 +133,10 @@ def main(argv):
     if _CRASH_AT.value is not None and step >= _CRASH_AT.value:
       os.kill(os.getpid(), signal.SIGKILL)
 
-  try:
-    run = pretrain.run_trials if job.trials > 1 else pretrain.run
-    final = run(_WORKDIR.value, cfg, model, log=logging.info,
-                after_step=after_step)
-  except ValueError as e:  # a workdir holding another run
-    raise app.UsageError(str(e)) from e
-  print(f"done in {time.perf_counter() - t0:.0f}s: {final}")
-
+  final = pretrain.run_trials(_WORKDIR.value, cfg, models_K,
+                              log=logging.info, after_step=after_step)
+  print(f"done in {time.perf_counter() - t0:.0f}s: "
+        f"{final[0] if len(final) == 1 else final}")
 
 if __name__ == "__main__":
   app.run(main)

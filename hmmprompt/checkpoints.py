@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import jax
 import numpy as np
@@ -52,6 +53,49 @@ class Checkpoints:
       raise FileNotFoundError(f"no checkpoint under {self.directory}")
     return self._mngr.restore(step,
                               args=ocp.args.StandardRestore(abstract_state))
+
+  def restore_latest(self, abstract_state, log=logging.warning):
+    """``(step, state)`` of the newest readable checkpoint, or ``(None,
+    None)`` if there is none.
+
+    A checkpoint that fails to read (a partial copy, corrupted files) is
+    reported through ``log`` with its step and the reason, and the next
+    older one is tried: ``keep`` is there for this. Once one reads, the
+    newer unreadable ones are moved to ``<directory>.damaged/`` (kept for a
+    look, out of the way of the steps the run saves again).
+
+    Raises:
+      FileNotFoundError: checkpoints exist but none reads (each step's
+        reason named; nothing is moved).
+    """
+    failed = []
+    for step in sorted(self._mngr.all_steps(), reverse=True):
+      try:
+        state = self.restore(abstract_state, step)
+      except Exception as e:  # pylint: disable=broad-except
+        # orbax and tensorstore raise many types for unreadable files.
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        log(f"checkpoint at step {step} in {self.directory} is unreadable "
+            f"({reason}); trying the one before")
+        failed.append((step, reason))
+        continue
+      if failed:
+        self._set_aside([s for s, _ in failed])
+      return step, state
+    if failed:
+      raise FileNotFoundError(
+          f"no readable checkpoint in {self.directory}: " + "; ".join(
+              f"step {s}: {r}" for s, r in failed))
+    return None, None
+
+  def _set_aside(self, steps) -> None:
+    if jax.process_index() == 0:
+      aside = self.directory + ".damaged"
+      os.makedirs(aside, exist_ok=True)
+      for step in steps:
+        os.replace(os.path.join(self.directory, str(step)),
+                   os.path.join(aside, f"{step}-{time.time_ns()}"))
+    self._mngr.reload()
 
   def close(self) -> None:
     self._mngr.wait_until_finished()

@@ -35,6 +35,27 @@ def _hints(cls) -> dict:
   return typing.get_type_hints(cls)
 
 
+RUNTIME = {"runtime": True}
+"""``dataclasses.field(metadata=RUNTIME)`` marks a field that changes how a
+run goes (speed, logging, what is kept on disk), never what it computes:
+:func:`identity` leaves it out, so changing it neither re-runs nor
+invalidates anything."""
+
+
+def identity(cfg) -> dict:
+  """``cfg`` as a JSON-able dict of the fields that decide results: every
+  field but those marked :data:`RUNTIME`, subtrees recursed. What
+  directory names, fingerprints and resume checks hash or compare."""
+  out = {}
+  for f in dataclasses.fields(cfg):
+    if f.metadata.get("runtime"):
+      continue
+    value = getattr(cfg, f.name)
+    out[f.name] = (identity(value) if dataclasses.is_dataclass(value)
+                   else value)
+  return out
+
+
 def leaves(cfg, prefix: str = "") -> dict[str, Any]:
   """``{"a.b.c": type hint}`` for every non-dataclass field of ``cfg``."""
   out = {}

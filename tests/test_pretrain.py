@@ -138,7 +138,7 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(
 
     def wrapped(state, *batch):
       new, loss = step(state, *batch)
-      if int(new.step) >= 16:
+      if int(new.step.max()) >= 16:  # [K] steps, a stack of one
         new = new.replace(params=jax.tree.map(lambda x: x * jnp.nan,
                                               new.params))
         loss = loss * jnp.nan
@@ -172,9 +172,10 @@ def test_exact_targets_train_and_beat_sampled_at_equal_steps(
   assert final["ce_gap"] < sampled["ce_gap"]
   step = pretrain.make_train_step(cfg, sharding.data_mesh())
   with pytest.raises(ValueError, match="needs the generating HMM"):
-    step(pretrain.init_state(jax.random.PRNGKey(0), cfg),
-         *corpus.batch_at(jax.random.PRNGKey(1), 0, model, None, cfg.corpus,
-                          cfg.batch_size, 10))
+    step(pretrain.init_states(jax.random.PRNGKey(0)[None], cfg),
+         *jax.tree.map(lambda x: x[None], corpus.batch_at(
+             jax.random.PRNGKey(1), 0, model, None, cfg.corpus,
+             cfg.batch_size, 10)))
   with pytest.raises(ValueError, match="targets must be one of"):
     TINY.with_overrides(targets="soft")
   with pytest.raises(ValueError, match="corruption must be one of"):
@@ -232,33 +233,39 @@ def test_config_overrides_build_configs_and_name_bad_items():
       config_flags.apply(base, item)
 
 
-def test_stacked_step_equals_separate_steps_and_masks_inactive_trials():
+def test_stacked_step_equals_separate_steps_and_drops_stopped_trials():
   """K = 2 models (own HMMs, inits and batches) in one vmapped step give
-  each model's separate run; a trial marked inactive keeps its state.
-  (trials_per_vmap=0: the accelerators' path; the CPU path, one trial at a
-  time, is bit-exact: test_run_trials_equals_separate_runs...)"""
+  each model's separate run (a stack of one); a trial dropped from the
+  stack (as the loop drops a stopped one) keeps its state, and the other
+  steps on alone. (trials_per_vmap=0: the accelerators' path; the CPU
+  path, one trial at a time, is bit-exact:
+  test_run_trials_equals_separate_runs...)"""
   cfg = TINY.with_overrides(targets="exact", trials_per_vmap=0)
   mesh = sharding.data_mesh()
   stacked_hmms = models.random_models(jax.random.PRNGKey(11), 2, "vanilla",
                                       5, 10)
-  hmms = [models.trial(stacked_hmms, k) for k in range(2)]
-  states = [pretrain.init_state(jax.random.PRNGKey(20 + k), cfg)
-            for k in range(2)]
-  batches = [[corpus.batch_at(jax.random.PRNGKey(30 + k), s, hmms[k], None,
-                              cfg.corpus, cfg.batch_size, 10)
-              for s in range(3)] for k in range(2)]
-  single = pretrain.make_train_step(cfg, mesh)
-  stacked = pretrain.make_stacked_train_step(cfg, mesh)
-  stack = lambda trees: jax.tree.map(lambda *x: jnp.stack(x), *trees)
-  state_k = stack(states)
+  hmms = [jax.tree.map(lambda x, k=k: x[k:k + 1], stacked_hmms)
+          for k in range(2)]  # stacks of one
+  keys = jax.random.split(jax.random.PRNGKey(20), 2)
+  states = [pretrain.init_states(keys[k:k + 1], cfg) for k in range(2)]
+  batches = [[jax.tree.map(lambda x: x[None], corpus.batch_at(
+      jax.random.PRNGKey(30 + k), s, models.trial(stacked_hmms, k), None,
+      cfg.corpus, cfg.batch_size, 10)) for s in range(3)] for k in range(2)]
+  step = pretrain.make_train_step(cfg, mesh)
+  cat = lambda trees: jax.tree.map(lambda *x: jnp.concatenate(x), *trees)
+  state_k = cat(states)
   for s in range(3):
-    active = [True, s < 2]  # trial 1 reaches its target after 2 steps
-    state_k, losses = stacked(state_k, *stack([batches[0][s], batches[1][s]]),
-                              active, stacked_hmms)
-    for k in range(2):
-      if active[k]:
-        states[k], loss = single(states[k], *batches[k][s], hmms[k])
-        np.testing.assert_allclose(losses[k], loss, rtol=1e-5)
+    if s < 2:
+      state_k, losses = step(state_k, *cat([batches[0][s], batches[1][s]]),
+                             stacked_hmms)
+    else:  # trial 1 reached its target after 2 steps: dropped
+      sub, losses = step(jax.tree.map(lambda x: x[:1], state_k),
+                         *batches[0][s], hmms[0])
+      state_k = jax.tree.map(lambda full, part: full.at[:1].set(part),
+                             state_k, sub)
+    for k in range(2 if s < 2 else 1):
+      states[k], loss = step(states[k], *batches[k][s], hmms[k])
+      np.testing.assert_allclose(losses[k], loss[0], rtol=1e-5)
   # Float tolerance: vmapped reductions round differently, and Adam's
   # first steps (update ~ lr * sign(g)) amplify that on near-zero gradient
   # entries. One step's update is ~lr = 1e-3 here, 20x the tolerance.
@@ -267,7 +274,7 @@ def test_stacked_step_equals_separate_steps_and_masks_inactive_trials():
     assert int(got.step) == (3 if k == 0 else 2)
     for a, b in zip(jax.tree.leaves(got.params),
                     jax.tree.leaves(states[k].params)):
-      np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5)
+      np.testing.assert_allclose(a, b[0], rtol=1e-4, atol=5e-5)
 
 
 def test_run_trials_equals_separate_runs_stops_each_and_resumes(tmp_path):

@@ -63,22 +63,21 @@ def main(argv):
                        "exact backbone has no free parameters to fine-tune)")
     if "transformer" in backbones:
       setup.check_context()
+    workdir = _WORKDIR.value
+    os.makedirs(workdir, exist_ok=True)
+    sweep.check_workdir(workdir, setup)  # made with other trial counts?
   except ValueError as e:
     raise app.UsageError(str(e)) from e
-  workdir = _WORKDIR.value
-  os.makedirs(workdir, exist_ok=True)
+  # Usage errors end above; whatever fails below is a real error and keeps
+  # its traceback.
   t0 = time.perf_counter()
   for name in backbones:
     if _PRETRAIN_ONLY.value and name != "transformer":
       continue
     logging.info("backbone %s, preset %s, task %d of %d", name,
                  _PRESET.value, _TASK_INDEX.value, _NUM_TASKS.value)
-    try:
-      sweep.run(setup, workdir, _PANEL.value, name, _NUM_TASKS.value,
-                _TASK_INDEX.value, pretrain_only=_PRETRAIN_ONLY.value)
-    except (FileNotFoundError, ValueError) as e:
-      # A damaged pretraining workdir, or one made with other trial counts.
-      raise app.UsageError(str(e)) from e
+    sweep.run(setup, workdir, _PANEL.value, name, _NUM_TASKS.value,
+              _TASK_INDEX.value, pretrain_only=_PRETRAIN_ONLY.value)
   if _PRETRAIN_ONLY.value:
     table = reporting.pretraining_table(workdir)
     results_lib.atomic_write_text(os.path.join(workdir, "pretraining.md"),

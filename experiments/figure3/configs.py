@@ -89,7 +89,7 @@ class Setup:
             "tune": dataclasses.asdict(self.tune), "seed": self.seed,
             "model_keys": MODEL_KEYS_VERSION}
     if backbone == "transformer":
-      blob["pretrain"] = self.pretrain.to_json()
+      blob["pretrain"] = self.pretrain.identity()
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()
                           ).hexdigest()[:12]
 

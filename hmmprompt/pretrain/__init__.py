@@ -5,14 +5,16 @@ One role per module:
 * :mod:`~hmmprompt.pretrain.config`: :class:`PretrainConfig` and the named
   presets (``tiny``, ``cpu``, ``cpu_capped``, ``paper``), :func:`configure`;
 * :mod:`~hmmprompt.pretrain.train`: :class:`TrainState`, AdamW with
-  learning-rate cycles, the loss and the jitted data-parallel step;
+  learning-rate cycles, the loss and the jitted data-parallel step of K
+  models (one model: K = 1);
 * :mod:`~hmmprompt.pretrain.evaluation`: held-out CE against the exact Bayes
   conditionals;
-* :mod:`~hmmprompt.pretrain.workdir`: the run directory and
-  :func:`load_backbone`;
-* :mod:`~hmmprompt.pretrain.loop`: :func:`run` (resumable, early stop at
-  a target gap) and :func:`run_trials` (K models of one config, one per
-  HMM draw, in one jitted step; each stops on its own).
+* :mod:`~hmmprompt.pretrain.workdir`: the run directory (its layout
+  version), :func:`load_trials` and :func:`load_backbone`;
+* :mod:`~hmmprompt.pretrain.loop`: :func:`run_trials`, the one loop (K
+  models of one config, one per HMM draw, in one jitted step; resumable
+  from the newest readable checkpoint; each stops on its own at a target
+  gap), and :func:`run`, one model as a stack of one.
 """
 
 from hmmprompt.pretrain.config import PRESETS
@@ -26,13 +28,10 @@ from hmmprompt.pretrain.evaluation import validation_set
 from hmmprompt.pretrain.loop import Keys
 from hmmprompt.pretrain.loop import run
 from hmmprompt.pretrain.loop import run_trials
-from hmmprompt.pretrain.loop import trial_keys
 from hmmprompt.pretrain.train import TrainState
-from hmmprompt.pretrain.train import init_state
 from hmmprompt.pretrain.train import init_states
 from hmmprompt.pretrain.train import lr_schedule
 from hmmprompt.pretrain.train import make_optimizer
-from hmmprompt.pretrain.train import make_stacked_train_step
 from hmmprompt.pretrain.train import make_train_step
 from hmmprompt.pretrain.train import mlm_loss
 from hmmprompt.pretrain.workdir import load_backbone

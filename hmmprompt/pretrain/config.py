@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
 
+from hmmprompt import config_flags
 from hmmprompt import corpus as corpus_lib
 from hmmprompt import validation
 from hmmprompt.backbones import transformer
 
 
 TARGETS = ("sampled", "exact")
+
+
+def _runtime(default):
+  return dataclasses.field(default=default, metadata=config_flags.RUNTIME)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,16 +59,18 @@ class PretrainConfig:
   steps: int | None = None
   weight_decay: float = 0.01
   clip_norm: float = 1.0
-  log_every: int = 100
   eval_every: int = 1000
-  ckpt_every: int = 1000
-  keep: int = 3
-  eval_batch: int = 64
   target_gap: float | None = None
   cycles: tuple[int, ...] | None = None
   seed: int = 0
   targets: str = "sampled"
-  trials_per_vmap: int = 0
+  # Runtime settings (config_flags.RUNTIME): how a run goes, not what it
+  # computes, so no directory name, fingerprint or resume check reads them.
+  log_every: int = _runtime(100)
+  ckpt_every: int = _runtime(1000)
+  keep: int = _runtime(3)
+  eval_batch: int = _runtime(64)
+  trials_per_vmap: int = _runtime(0)
 
   def __post_init__(self):
     if self.targets not in TARGETS:
@@ -132,7 +140,15 @@ class PretrainConfig:
     return dataclasses.replace(self, **overrides)
 
   def to_json(self) -> dict:
+    """Every field (what ``config.json`` records)."""
     return dataclasses.asdict(self)
+
+  def identity(self) -> dict:
+    """The fields that decide a run's results, JSON-normalised: what the
+    pretraining directory's name, the sweep's fingerprint and the resume
+    check compare (the runtime fields, :data:`config_flags.RUNTIME`, left
+    out: a run resumes and is reused whatever they are)."""
+    return json.loads(json.dumps(config_flags.identity(self)))
 
   @classmethod
   def from_json(cls, d: dict) -> "PretrainConfig":

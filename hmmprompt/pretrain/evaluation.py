@@ -40,7 +40,7 @@ def validation_set(key, model: models.Model,
   inputs, weights = corpus_lib.mask_tokens(
       jax.random.fold_in(key, 1), seqs, cfg.corpus.mask_rate,
       cfg.model.vocab_size, bert=False)
-  exact = jax.jit(jax.vmap(hmm_lib.conditionals, in_axes=(None, 0)))(
+  exact = jax.jit(jax.vmap(hmm_lib.token_conditionals, in_axes=(None, 0)))(
       models.as_hmm(model), inputs)
   return ValidationSet(inputs, seqs, weights, exact)
 

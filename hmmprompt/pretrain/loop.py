@@ -26,7 +26,8 @@ from hmmprompt.pretrain.config import PretrainConfig
 
 
 class Keys(NamedTuple):
-  """The run's random streams, all from ``PRNGKey(cfg.seed)``."""
+  """The random streams of K runs, each leaf ``[K, 2]``: run ``k``'s are
+  ``split(PRNGKey(seed + k), 4)``."""
 
   init: jax.Array  # model parameters
   data: jax.Array  # training batches and their masks (folded with the step)
@@ -34,8 +35,9 @@ class Keys(NamedTuple):
   val: jax.Array  # held-out evaluation sequences
 
   @classmethod
-  def of(cls, seed: int) -> "Keys":
-    return cls(*jax.random.split(jax.random.PRNGKey(seed), 4))
+  def of(cls, seed: int, num: int = 1) -> "Keys":
+    return cls(*jnp.stack([jax.random.split(jax.random.PRNGKey(seed + k), 4)
+                           for k in range(num)], axis=1))
 
 
 class _Progress:
@@ -91,121 +93,42 @@ def _may_stop(cfg: PretrainConfig, step: int) -> bool:
   return cfg.cycles is None or step in cfg.cycle_ends
 
 
+def _take(tree, idx):
+  return jax.tree.map(lambda x: x[idx], tree)
+
+
 def run(workdir: str, cfg: PretrainConfig, model: models.Model,
         log: Callable[[str], Any] = print,
         after_step: Callable[[int], Any] | None = None) -> dict:
-  """Pretrains (or resumes) in ``workdir``; returns the final metrics.
-
-  ``after_step(step)`` is called after each step's bookkeeping (tests use it
-  to crash the process at a chosen point).
-
-  Raises:
-    ValueError: ``workdir`` holds another run, or the batch does not split
-      over the devices.
-    FloatingPointError: the loss became non-finite; the last checkpoint
-      (from before) is kept.
-  """
-  paths = workdir_lib.prepare(workdir, cfg, model)
-  mesh = sharding_lib.data_mesh()
-  sharding_lib.check_batch(cfg.batch_size, mesh)
-  keys = Keys.of(cfg.seed)
-  ckpts = ckpt_lib.Checkpoints(paths.ckpt, keep=cfg.keep)
-
-  # Resume: the latest checkpoint and the evaluations up to it.
-  state = jax.device_put(train.init_state(keys.init, cfg),
-                         sharding_lib.replicated(mesh))
-  if ckpts.latest_step() is not None:
-    state = ckpts.restore(state)
-    log(f"resumed from step {ckpts.latest_step()}")
-  start, total = int(state.step), cfg.total_steps
-  metrics = workdir_lib.read_metrics(paths, upto=start)
-  last = metrics[-1] if metrics else {}
-  if (last and last["step"] == start and _may_stop(cfg, start)
-      and _reached(cfg, last)):
-    log(f"already reached the target gap at step {start}")
-    ckpts.close()
-    return last
-
-  chunks = (None if cfg.corpus.fresh else
-            corpus_lib.build_chunks(keys.corpus, model, cfg.corpus))
-  get_batch = jax.jit(
-      functools.partial(corpus_lib.batch_at, cfg=cfg.corpus,
-                        batch_size=cfg.batch_size,
-                        vocab_size=cfg.model.vocab_size),
-      out_shardings=sharding_lib.batch_sharded(mesh))
-  train_step = train.make_train_step(cfg, mesh)
-  model_hmm = jax.device_put(models.as_hmm(model),
-                             sharding_lib.replicated(mesh))
-  val = evaluate_lib.validation_set(keys.val, model, cfg)
-  progress = _Progress(cfg, start, log)
-  # Training wall time summed over resumed runs (what "time per size" is).
-  wall_before, t_run = last.get("wall_s", 0.0), time.perf_counter()
-
-  def checkpoint(step, state, do_eval):
-    ckpts.save(step, state)
-    if not do_eval:
-      return None
-    m = {"step": step, **evaluate_lib.evaluate(state.params, cfg, val),
-         "wall_s": wall_before + time.perf_counter() - t_run}
-    metrics.append(m)
-    workdir_lib.write_metrics(paths, metrics)
-    log(f"step {step}: mlm_ce {m['mlm_ce']:.4f} bayes_ce "
-        f"{m['bayes_ce']:.4f} gap {m['ce_gap']:.4f} tv {m['tv']:.4f}")
-    return m
-
-  for step in range(start, total):
-    inputs, tokens, weights = get_batch(keys.data, step, model, chunks)
-    state, loss = train_step(state, inputs, tokens, weights, model_hmm)
-    progress.add(loss)
-    done = step + 1
-    if done % cfg.log_every == 0 or done == total:
-      progress.flush(done, ckpts.latest_step(), paths.ckpt)
-    is_eval = _is_eval(cfg, done)
-    if is_eval or done % cfg.ckpt_every == 0:
-      last = checkpoint(done, state, is_eval) or last
-    if after_step is not None:
-      after_step(done)
-    if is_eval and _may_stop(cfg, done) and _reached(cfg, last):
-      log(f"CE gap {last['ce_gap']:.4f} <= target {cfg.target_gap} at step "
-          f"{done}: stopping")
-      break
-  if start == total and not metrics:
-    last = checkpoint(total, state, True)
-  ckpts.close()
-  return last
-
-
-def trial_keys(seed: int, num: int) -> Keys:
-  """Trial ``k``'s streams are those of a single run with seed
-  ``seed + k`` (:meth:`Keys.of`), stacked ``[K]``."""
-  return jax.tree.map(lambda *ks: jnp.stack(ks),
-                      *[Keys.of(seed + k) for k in range(num)])
-
-
-def _take(tree, idx):
-  return jax.tree.map(lambda x: x[idx], tree)
+  """Pretrains one model (a stack of one, :func:`run_trials`); returns its
+  final metrics line."""
+  return run_trials(workdir, cfg, models.stack([model]), log=log,
+                    after_step=after_step)[0]
 
 
 def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
                log: Callable[[str], Any] = print,
                after_step: Callable[[int], Any] | None = None) -> list[dict]:
   """Pretrains (or resumes) K transformers of one config in ``workdir``, one
-  per trial of ``models_K`` (:func:`models.random_models`), in one jitted
-  step; returns each trial's final metrics (lines of ``metrics.jsonl``,
-  which carry ``trial``).
+  per trial of ``models_K`` (:func:`models.random_models`,
+  :func:`models.stack`), in one jitted step; returns each trial's final
+  metrics (lines of ``metrics.jsonl``, which carry ``trial``).
 
-  Trial ``k`` is the run of :func:`run` with ``seed = cfg.seed + k`` on
-  model ``k`` (own init, batches and validation set; equal up to float
-  rounding, tested). Each trial stops on its own at the target gap: it is
-  dropped from the stack that steps (the stack shrinks, so a finished
-  trial costs nothing), and its state stays in the checkpoint, which holds
-  all K. A rerun resumes bit for bit: the trials still running follow from
-  the evaluations up to the checkpoint. ``after_step`` as in :func:`run`.
+  Trial ``k`` has its own init, batches and validation set, from
+  ``seed = cfg.seed + k`` (:class:`Keys`): it is the run of ``models_K``'s
+  trial ``k`` alone with that seed (bit for bit at ``trials_per_vmap``
+  1, tested). Each trial stops on its own at the target gap: it is dropped
+  from the stack that steps (so a finished trial costs nothing), and its
+  state stays in the checkpoint, which holds all K. A rerun resumes bit
+  for bit from the newest readable checkpoint: the trials still running
+  follow from the evaluations up to it. ``after_step(step)`` is called
+  after each step's bookkeeping (tests use it to crash at a chosen point).
 
   Raises:
     ValueError: ``models_K`` is not a stack, ``workdir`` holds another run
       (config, trial count, HMMs), or the batch does not split over the
       devices.
+    FileNotFoundError: checkpoints exist but none is readable.
     FloatingPointError: a non-finite loss; the last checkpoint is kept.
   """
   num = models.num_trials(models_K)
@@ -216,24 +139,27 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
   paths = workdir_lib.prepare(workdir, cfg, models_K)
   mesh = sharding_lib.data_mesh()
   sharding_lib.check_batch(cfg.batch_size, mesh)
-  keys = trial_keys(cfg.seed, num)
-  ckpts = ckpt_lib.Checkpoints(paths.ckpt, keep=cfg.keep)
   rep = sharding_lib.replicated(mesh)
+  keys = Keys.of(cfg.seed, num)
+  tag = (lambda k: "") if num == 1 else (lambda k: f"trial {k} ")
 
-  states = jax.device_put(train.init_states(keys.init, cfg, num), rep)
-  start = ckpts.latest_step() or 0
-  if start:
-    states = ckpts.restore(states)
-    log(f"resumed {num} trials from step {start}")
+  # Resume: the newest readable checkpoint and the evaluations up to it.
+  ckpts = ckpt_lib.Checkpoints(paths.ckpt, keep=cfg.keep)
+  start, states = workdir_lib.restore(ckpts, cfg, num, log=log)
+  if start is None:
+    start, states = 0, train.init_states(keys.init, cfg)
+  else:
+    log(f"resumed {'' if num == 1 else f'{num} trials '}from step {start}")
+  states = jax.device_put(states, rep)
   total = cfg.total_steps
   metrics = workdir_lib.read_metrics(paths, upto=start)
-  last = {m["trial"]: m for m in metrics}
-  stopped = {m["trial"] for m in metrics
-             if _may_stop(cfg, m["step"]) and _reached(cfg, m)}
-  running = [k for k in range(num) if k not in stopped]
-  if not running or start >= total:
-    ckpts.close()
-    return [last.get(k, {}) for k in range(num)]
+  last = {m.get("trial", 0): m for m in metrics}
+  stops = lambda k: (k in last and _may_stop(cfg, last[k]["step"])
+                     and _reached(cfg, last[k]))
+  running = [k for k in range(num) if not stops(k)]
+  if not running:
+    log(f"already reached the target gap at step "
+        f"{max(m['step'] for m in last.values())}")
 
   hmms = jax.device_put(jax.vmap(models.as_hmm)(models_K), rep)
   chunks = (None if cfg.corpus.fresh else jnp.stack(
@@ -245,67 +171,72 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
                         vocab_size=cfg.model.vocab_size),
       in_axes=(0, None, 0, None if chunks is None else 0)),
                       out_shardings=sharding_lib.trial_batch_sharded(mesh))
-  train_step = train.make_stacked_train_step(cfg, mesh)
+  train_step = train.make_train_step(cfg, mesh)
   # Stopped trials are never evaluated again: no validation set for them.
   vals = {k: evaluate_lib.validation_set(keys.val[k],
                                          models.trial(models_K, k), cfg)
           for k in running}
   progress = _Progress(cfg, start, log, trials=len(running))
+  # Training wall time summed over resumed runs (what "time per size" is).
   wall_before = max((m.get("wall_s", 0.0) for m in metrics), default=0.0)
   t_run = time.perf_counter()
 
-  def substack(running):
-    idx = np.asarray(running)
-    return (idx, _take(models_K, idx), _take(hmms, idx), keys.data[idx],
-            None if chunks is None else chunks[idx])
-
-  idx, sub_models, sub_hmms, sub_keys, sub_chunks = substack(running)
-  sub = _take(states, idx)
-
-  def merge(states, sub):
-    return jax.tree.map(lambda full, part: full.at[idx].set(part), states,
-                        sub)
-
-  def evaluate(step, sub):
+  def evaluate(step, sub, trials):
+    """Appends (and writes) the metrics of ``trials`` (``sub``'s rows)."""
     wall = wall_before + time.perf_counter() - t_run
-    for j, k in enumerate(running):
+    for j, k in enumerate(trials):
       m = {"trial": k, "step": step,
            **evaluate_lib.evaluate(_take(sub.params, j), cfg, vals[k]),
            "wall_s": wall}
       metrics.append(m)
       last[k] = m
-      log(f"trial {k} step {step}: mlm_ce {m['mlm_ce']:.4f} bayes_ce "
+      log(f"{tag(k)}step {step}: mlm_ce {m['mlm_ce']:.4f} bayes_ce "
           f"{m['bayes_ce']:.4f} gap {m['ce_gap']:.4f} tv {m['tv']:.4f}")
     workdir_lib.write_metrics(paths, metrics)
 
-  ones = np.ones(len(running), bool)
-  for step in range(start, total):
-    batch = get_batch(sub_keys, step, sub_models, sub_chunks)
-    sub, losses = train_step(sub, *batch, ones, sub_hmms)
-    progress.add(jnp.mean(losses))
-    done = step + 1
-    if done % cfg.log_every == 0 or done == total:
-      progress.flush(done, ckpts.latest_step(), paths.ckpt)
-    is_eval = _is_eval(cfg, done)
-    if is_eval or done % cfg.ckpt_every == 0:
-      states = merge(states, sub)
-      ckpts.save(done, states)
-      if is_eval:
-        evaluate(done, sub)
-    if after_step is not None:
-      after_step(done)
-    if is_eval and _may_stop(cfg, done):
-      now = [k for k in running if _reached(cfg, last[k])]
-      for k in now:
-        log(f"trial {k}: CE gap {last[k]['ce_gap']:.4f} <= target "
-            f"{cfg.target_gap} at step {done}: stopping it")
-      if now:
-        running = [k for k in running if k not in now]
-        if not running:
-          break
-        idx, sub_models, sub_hmms, sub_keys, sub_chunks = substack(running)
-        sub = _take(states, idx)
-        ones = np.ones(len(running), bool)
-        progress.trials = len(running)
+  def stop_reached(step):
+    """Drops the trials at their target from ``running``."""
+    if not (_is_eval(cfg, step) and _may_stop(cfg, step)):
+      return
+    for k in [k for k in running if _reached(cfg, last[k])]:
+      log(f"{tag(k)}CE gap {last[k]['ce_gap']:.4f} <= target "
+          f"{cfg.target_gap} at step {step}: stopping"
+          f"{'' if num == 1 else ' it'}")
+      running.remove(k)
+
+  # A crash between a checkpoint and its evaluation: evaluate it now.
+  missing = [k for k in running if last.get(k, {}).get("step") != start]
+  if start and missing and _is_eval(cfg, start):
+    evaluate(start, _take(states, np.asarray(missing)), missing)
+    stop_reached(start)
+
+  while running and start < total:
+    idx = np.asarray(running)
+    sub = _take(states, idx)
+    sub_batch = (keys.data[idx], _take(models_K, idx),
+                 None if chunks is None else chunks[idx])
+    sub_hmms = _take(hmms, idx)
+    progress.trials = len(running)
+    for step in range(start, total):
+      batch = get_batch(sub_batch[0], step, *sub_batch[1:])
+      sub, losses = train_step(sub, *batch, sub_hmms)
+      progress.add(jnp.mean(losses))
+      done = step + 1
+      if done % cfg.log_every == 0 or done == total:
+        progress.flush(done, ckpts.latest_step(), paths.ckpt)
+      is_eval = _is_eval(cfg, done)
+      if is_eval or done % cfg.ckpt_every == 0:
+        states = jax.tree.map(lambda full, part: full.at[idx].set(part),
+                              states, sub)
+        ckpts.save(done, states)
+        if is_eval:
+          evaluate(done, sub, running)
+      if after_step is not None:
+        after_step(done)
+      before = len(running)
+      stop_reached(done)
+      if len(running) < before:
+        break  # re-form the stack without the stopped trials
+    start = done
   ckpts.close()
   return [last.get(k, {}) for k in range(num)]

@@ -71,19 +71,16 @@ def mlm_loss(params, model_cfg, inputs_BxT, targets, weights_BxT):
                                                      1.0)
 
 
-def init_state(key, cfg: PretrainConfig) -> TrainState:
+def _init_one(key, cfg: PretrainConfig) -> TrainState:
   params = transformer.init_params(key, cfg.model)
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                     opt_state=make_optimizer(cfg).init(params))
 
 
-def init_states(key, cfg: PretrainConfig, num: int | None):
-  """One :class:`TrainState` (``num`` None) or ``num`` stacked, each from
-  its own key (``key`` is then ``[num]`` keys or one key to split)."""
-  if num is None:
-    return init_state(key, cfg)
-  keys = key if key.ndim == 2 else jax.random.split(key, num)
-  return jax.vmap(lambda k: init_state(k, cfg))(keys)
+def init_states(keys_K, cfg: PretrainConfig) -> TrainState:
+  """``K`` train states stacked ``[K, ...]``, model ``k`` initialised from
+  ``keys_K[k]`` (one model is a stack of one)."""
+  return jax.vmap(lambda k: _init_one(k, cfg))(keys_K)
 
 
 def loss_targets(cfg: PretrainConfig, hmm, inputs_BxT, tokens_BxT,
@@ -100,7 +97,7 @@ def loss_targets(cfg: PretrainConfig, hmm, inputs_BxT, tokens_BxT,
 
 def _step_fn(cfg: PretrainConfig):
   """The pure step ``(state, inputs, tokens, weights, hmm) -> (state, loss)``
-  for one model (shared by the single and the stacked jitted steps)."""
+  of one model (the body :func:`make_train_step` maps over the stack)."""
   opt = make_optimizer(cfg)
 
   def step(state: TrainState, inputs_BxT, tokens_BxT, weights_BxT, hmm):
@@ -115,76 +112,52 @@ def _step_fn(cfg: PretrainConfig):
   return step
 
 
-def _needs_hmm(cfg: PretrainConfig, hmm):
-  if cfg.targets == "exact" and hmm is None:
-    raise ValueError("PretrainConfig.targets='exact' needs the generating "
-                     "HMM: pass hmm=models.as_hmm(model) to the step")
-  return hmm if cfg.targets == "exact" else None
-
-
-def make_train_step(cfg: PretrainConfig, mesh):
-  """``step(state, inputs, tokens, weights, hmm=None) -> (state, loss)``.
-
-  Jitted; params and ``hmm`` replicated, the batch split along the mesh's
-  data axis; the old state's buffers are donated. ``hmm`` (the generating
-  model as a vanilla :class:`HMM`, :func:`models.as_hmm`) is needed only for
-  ``cfg.targets == "exact"``: the targets are computed inside the step, per
-  device on its share of the batch.
-  """
-  rep = sharding_lib.replicated(mesh)
-  bat = sharding_lib.batch_sharded(mesh)
-  jitted = jax.jit(_step_fn(cfg), in_shardings=(rep, bat, bat, bat, rep),
-                   out_shardings=(rep, rep), donate_argnums=0)
-
-  def train_step(state, inputs_BxT, tokens_BxT, weights_BxT, hmm=None):
-    return jitted(state, inputs_BxT, tokens_BxT, weights_BxT,
-                  _needs_hmm(cfg, hmm))
-
-  return train_step
-
-
 def map_trials(f, xs, trials_per_vmap: int):
   """``f`` over the leading trial axis of ``xs``: one ``vmap`` (0), one
   trial after another (1: the unbatched body in a ``scan``), or groups of
-  ``trials_per_vmap`` vmapped."""
-  if trials_per_vmap == 0:
+  ``trials_per_vmap`` vmapped. A stack of one always runs the unbatched
+  body: one model trains exactly as it would alone, whatever the setting."""
+  num = jax.tree.leaves(xs)[0].shape[0]
+  if trials_per_vmap == 0 and num > 1:
     return jax.vmap(f)(xs)
-  return jax.lax.map(f, xs, batch_size=(None if trials_per_vmap == 1
+  return jax.lax.map(f, xs, batch_size=(None if trials_per_vmap <= 1
                                         else trials_per_vmap))
 
 
-def make_stacked_train_step(cfg: PretrainConfig, mesh):
-  """K models of one config in one jitted step (trials, issue 12).
+def make_train_step(cfg: PretrainConfig, mesh):
+  """K models of one config in one jitted step (one model: K = 1).
 
-  ``step(states, inputs, tokens, weights, active, hmms=None) -> (states,
-  losses)``: every leaf of ``states`` and ``hmms`` (stacked vanilla HMMs,
-  :func:`models.as_hmm` of :func:`models.stack`) has a leading trial axis
-  ``[K]``; the batch arrays are ``[K, B, T]``, split over the devices along
-  ``B``; trials run ``cfg.trials_per_vmap`` at a time (``lax.map`` with
-  that batch size; 0: one ``vmap``); ``active [K]`` bool: an inactive trial (one that reached its
-  target) keeps its state unchanged (a masked update), so the stack keeps
-  one shape and one compiled program. ``losses [K]``. Trial ``k`` computes
-  what :func:`make_train_step` computes for it alone.
+  ``step(states, inputs, tokens, weights, hmms=None) -> (states,
+  losses_K)``: every leaf of ``states`` (:func:`init_states`) and ``hmms``
+  has a leading model axis ``[K]``; the batch arrays are ``[K, B, T]``,
+  split over the devices along ``B``; params and ``hmms`` replicated, the
+  old states' buffers donated. Models run ``cfg.trials_per_vmap`` at a
+  time (``lax.map`` with that batch size; 0: one ``vmap``). ``hmms``
+  (the generating models as vanilla HMMs, ``jax.vmap(models.as_hmm)``) is
+  needed only for ``cfg.targets == "exact"``: the targets are computed
+  inside the step, per device on its share of the batch. A model that
+  should stop is dropped from the stack by the caller (the loop), so
+  every model in it steps.
   """
   rep = sharding_lib.replicated(mesh)
   bat = sharding_lib.trial_batch_sharded(mesh)
   one = _step_fn(cfg)
 
-  def step(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT, active_K,
-           hmms):
-    new, losses_K = map_trials(
-        lambda a: one(*a), (states, inputs_KxBxT, tokens_KxBxT,
-                            weights_KxBxT, hmms), cfg.trials_per_vmap)
-    keep = lambda n, o: jnp.where(
-        active_K.reshape(active_K.shape + (1,) * (n.ndim - 1)), n, o)
-    return jax.tree.map(keep, new, states), losses_K
+  def step(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT, hmms):
+    return map_trials(lambda a: one(*a), (states, inputs_KxBxT, tokens_KxBxT,
+                                          weights_KxBxT, hmms),
+                      cfg.trials_per_vmap)
 
-  jitted = jax.jit(step, in_shardings=(rep, bat, bat, bat, rep, rep),
+  jitted = jax.jit(step, in_shardings=(rep, bat, bat, bat, rep),
                    out_shardings=(rep, rep), donate_argnums=0)
 
-  def train_step(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT, active_K,
+  def train_step(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT,
                  hmms=None):
+    if cfg.targets == "exact" and hmms is None:
+      raise ValueError("PretrainConfig.targets='exact' needs the generating "
+                       "HMMs: pass hmms=jax.vmap(models.as_hmm)(models_K) "
+                       "to the step")
     return jitted(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT,
-                  jnp.asarray(active_K, bool), _needs_hmm(cfg, hmms))
+                  hmms if cfg.targets == "exact" else None)
 
   return train_step

@@ -1,16 +1,24 @@
 """A pretraining run's directory, and loading a finished one for tuning.
 
-Layout: ``config.json`` (the :class:`PretrainConfig`), ``hmm.npz`` (the
-generating model, :func:`models.save`), ``checkpoints/`` (orbax, the
-:class:`TrainState`), ``metrics.jsonl`` (one line per evaluation).
+Layout (version :data:`LAYOUT`): ``config.json`` (``{"layout", "pretrain":
+PretrainConfig}``), ``hmm.npz`` (the generating models stacked ``[K]``,
+:func:`models.save`), ``checkpoints/`` (orbax, the :class:`TrainState` of
+all K), ``metrics.jsonl`` (one line per trial and evaluation). One model is
+a stack of one.
+
+Layout 1 (before 2026-11-23) wrote ``config.json`` as the bare config, and
+a one-model run unstacked: its stacked runs resume as they are; a finished
+one-model run still loads for tuning (:func:`load_trials`,
+:func:`load_backbone`), but is not resumed (refused by name).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -21,6 +29,8 @@ from hmmprompt.backbones import Backbone
 from hmmprompt.backbones import transformer
 from hmmprompt.pretrain import train
 from hmmprompt.pretrain.config import PretrainConfig
+
+LAYOUT = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,41 +48,63 @@ class Paths:
                metrics=os.path.join(workdir, "metrics.jsonl"))
 
 
-def prepare(workdir: str, cfg: PretrainConfig, model: models.Model) -> Paths:
-  """Creates ``workdir`` or checks that it holds this very run.
+def _read_config(paths: Paths) -> tuple[int, PretrainConfig]:
+  with open(paths.config) as f:
+    blob = json.load(f)
+  if "layout" not in blob:  # layout 1: the bare config
+    return 1, PretrainConfig.from_json(blob)
+  return blob["layout"], PretrainConfig.from_json(blob["pretrain"])
 
-  ``model`` is one model, or ``[K]`` stacked models for a stacked run
-  (:func:`~hmmprompt.pretrain.run_trials`).
+
+def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+  out = []
+  for key in sorted(set(old) | set(new)):
+    a, b = old.get(key), new.get(key)
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += _differences(a, b, f"{prefix}{key}.")
+    elif a != b:
+      out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+  return out
+
+
+def prepare(workdir: str, cfg: PretrainConfig,
+            models_K: models.Model) -> Paths:
+  """Creates ``workdir`` for a run of ``[K]`` stacked models, or checks
+  that it holds this very run: the same result-deciding config
+  (:meth:`PretrainConfig.identity`; runtime fields may differ), trial
+  count and HMMs.
 
   Raises:
-    ValueError: the workdir holds a run of another config, another trial
-      count or other HMMs (named).
+    ValueError: the workdir holds another run (what differs named), or a
+      layout-1 one-model run (which this version does not resume).
   """
   paths = Paths.of(workdir)
   os.makedirs(workdir, exist_ok=True)
   if os.path.exists(paths.config):
-    with open(paths.config) as f:
-      old = json.load(f)
-    if old != json.loads(json.dumps(cfg.to_json())):
-      raise ValueError(f"{workdir} holds a run with a different config; use "
-                       f"a new --workdir (or delete it) to start another")
-    old_model = models.load(paths.model)
-    had, has = models.num_trials(old_model), models.num_trials(model)
+    _, old = _read_config(paths)
+    diff = _differences(old.identity(), cfg.identity())
+    if diff:
+      raise ValueError(f"{workdir} holds a run with a different config "
+                       f"({'; '.join(diff)}); use a new --workdir (or "
+                       f"delete it) to start another")
+    old_models = models.load(paths.model)
+    had, has = models.num_trials(old_models), models.num_trials(models_K)
+    if had is None:
+      raise ValueError(f"{workdir} holds a one-model run of layout 1 (an "
+                       f"unstacked checkpoint); this version (layout "
+                       f"{LAYOUT}) resumes only stacks: load it with "
+                       f"load_backbone, or start a new workdir")
     if had != has:
-      raise ValueError(f"{workdir} holds a run of {_trials(had)}, this run "
-                       f"has {_trials(has)}: use a new workdir (or delete "
-                       f"it) to change the trial count")
-    if not models.same(old_model, model):
+      raise ValueError(f"{workdir} holds a run of {had} stacked trials, "
+                       f"this run has {has} stacked trials: use a new "
+                       f"workdir (or delete it) to change the trial count")
+    if not models.same(old_models, models_K):
       raise ValueError(f"{workdir} was pretrained on a different HMM")
   elif jax.process_index() == 0:
-    models.save(paths.model, model)
-    results_lib.atomic_write_text(paths.config,
-                                  json.dumps(cfg.to_json(), indent=1))
+    models.save(paths.model, models_K)
+    results_lib.atomic_write_text(paths.config, json.dumps(
+        {"layout": LAYOUT, "pretrain": cfg.to_json()}, indent=1))
   return paths
-
-
-def _trials(k: int | None) -> str:
-  return "one model (not stacked)" if k is None else f"{k} stacked trials"
 
 
 def read_metrics(paths: Paths, upto: int | None = None) -> list[dict]:
@@ -88,61 +120,76 @@ def write_metrics(paths: Paths, metrics: list[dict]) -> None:
         paths.metrics, "".join(json.dumps(m) + "\n" for m in metrics))
 
 
-def _load(workdir: str, stacked: bool):
+def restore(ckpts: ckpt_lib.Checkpoints, cfg: PretrainConfig, num: int,
+            log: Callable[[str], Any] = logging.warning):
+  """``(step, states_K)`` of the newest readable checkpoint (an unreadable
+  newer one is reported and set aside, :meth:`Checkpoints.restore_latest`),
+  or ``(None, None)`` if there is none."""
+  abstract = jax.eval_shape(lambda: train.init_states(
+      jax.random.split(jax.random.PRNGKey(0), num), cfg))
+  return ckpts.restore_latest(abstract, log=log)
+
+
+def _restore_layout1(ckpts: ckpt_lib.Checkpoints, cfg: PretrainConfig):
+  """A layout-1 one-model checkpoint, as a stack of one."""
+  one = jax.eval_shape(lambda: jax.tree.map(
+      lambda x: x[0], train.init_states(jax.random.PRNGKey(0)[None], cfg)))
+  step, state = ckpts.restore_latest(one)
+  if step is None:
+    return None, None
+  return step, jax.tree.map(lambda x: x[None], state)
+
+
+def load_trials(workdir: str) -> tuple[Backbone, Any, list[dict]]:
+  """``(backbone, params_K, infos)`` of a pretraining run, for tuning.
+
+  ``params_K``: the K transformers' params stacked ``[K, ...]`` (feed them
+  to :func:`tuning.tune_trials`); ``infos[k]`` holds trial ``k``'s
+  ``PretrainConfig`` (``config``), its generating ``model`` (unstacked),
+  its last ``metrics`` line and its ``step`` (where it stopped).
+
+  Raises:
+    FileNotFoundError: ``workdir`` is not a pretraining workdir, or holds
+      no readable checkpoint (named).
+  """
   paths = Paths.of(workdir)
   for what in ("config", "model"):
     if not os.path.exists(getattr(paths, what)):
       raise FileNotFoundError(f"{getattr(paths, what)} not found: {workdir} "
                               f"is not a pretraining workdir")
-  with open(paths.config) as f:
-    cfg = PretrainConfig.from_json(json.load(f))
-  model = models.load(paths.model)
-  k = models.num_trials(model)
-  if (k is not None) != stacked:
-    raise ValueError(f"{workdir} holds {_trials(k)}: load it with "
-                     f"{'load_trials' if k else 'load_backbone'}")
-  if not os.path.isdir(paths.ckpt):
-    raise FileNotFoundError(f"no checkpoints in {paths.ckpt}")
+  _, cfg = _read_config(paths)
+  models_K = models.load(paths.model)
+  num = models.num_trials(models_K)
   ckpts = ckpt_lib.Checkpoints(paths.ckpt, keep=cfg.keep)
-  if ckpts.latest_step() is None:
+  try:
+    if num is None:
+      models_K = models.stack([models_K])
+      step, state = _restore_layout1(ckpts, cfg)
+    else:
+      step, state = restore(ckpts, cfg, num)
+  finally:
     ckpts.close()
+  if step is None:
     raise FileNotFoundError(f"no checkpoints in {paths.ckpt}")
-  abstract = jax.eval_shape(
-      lambda: train.init_states(jax.random.PRNGKey(0), cfg, k))
-  state = ckpts.restore(abstract)
-  ckpts.close()
-  return cfg, model, state, read_metrics(paths)
-
-
-def load_backbone(workdir: str) -> tuple[Backbone, Any, dict]:
-  """``(backbone, params, info)`` of a pretrained run, for tuning.
-
-  ``info`` holds the ``PretrainConfig`` (``config``), the generating
-  ``model``, the last ``metrics`` line and the checkpoint's ``step``.
-  Raises ``FileNotFoundError`` naming what is missing, ``ValueError`` for a
-  stacked run (:func:`load_trials`).
-  """
-  cfg, model, state, metrics = _load(workdir, stacked=False)
-  info = {"config": cfg, "model": model,
-          "metrics": metrics[-1] if metrics else {},
-          "step": int(state.step)}
-  return transformer.make_backbone(cfg.model), state.params, info
-
-
-def load_trials(workdir: str) -> tuple[Backbone, Any, list[dict]]:
-  """``(backbone, params_K, infos)`` of a stacked run, for tuning.
-
-  ``params_K``: the K transformers' params stacked ``[K, ...]`` (feed them
-  to :func:`tuning.tune_trials`); ``infos[k]`` as :func:`load_backbone`'s
-  ``info`` for trial ``k`` (its ``model`` unstacked, its last ``metrics``
-  line, its ``step``: where it stopped). Raises ``FileNotFoundError``
-  naming what is missing, ``ValueError`` for a single run.
-  """
-  cfg, model_k, state, metrics = _load(workdir, stacked=True)
+  metrics = read_metrics(paths)
   infos = []
-  for k in range(models.num_trials(model_k)):
-    mine = [m for m in metrics if m.get("trial") == k]
-    infos.append({"config": cfg, "model": models.trial(model_k, k),
+  for k in range(models.num_trials(models_K)):
+    mine = [m for m in metrics if m.get("trial", 0) == k]
+    infos.append({"config": cfg, "model": models.trial(models_K, k),
                   "metrics": mine[-1] if mine else {},
                   "step": int(state.step[k])})
   return transformer.make_backbone(cfg.model), state.params, infos
+
+
+def load_backbone(workdir: str) -> tuple[Backbone, Any, dict]:
+  """``(backbone, params, info)`` of a one-model run: :func:`load_trials`'
+  only trial, unstacked.
+
+  Raises ``FileNotFoundError`` as :func:`load_trials`, ``ValueError`` for a
+  run of several trials.
+  """
+  backbone, params_K, infos = load_trials(workdir)
+  if len(infos) != 1:
+    raise ValueError(f"{workdir} holds {len(infos)} stacked trials: load it "
+                     f"with load_trials")
+  return backbone, jax.tree.map(lambda x: x[0], params_K), infos[0]

@@ -69,17 +69,19 @@ from hmmprompt import corpus, hmm, pretrain, sharding
 # Exact targets: computed inside the step, per device on its batch share.
 cfg = pretrain.preset_config("tiny").with_overrides(targets="exact")
 model = hmm.random_hmm(jax.random.PRNGKey(3), 6, 10)
+one = lambda tree: jax.tree.map(lambda x: x[None], tree)  # a stack of one
 mesh = sharding.data_mesh()
-state = jax.device_put(pretrain.init_state(jax.random.PRNGKey(0), cfg),
+state = jax.device_put(pretrain.init_states(jax.random.PRNGKey(0)[None], cfg),
                        sharding.replicated(mesh))
 step = pretrain.make_train_step(cfg, mesh)
 losses = []
 for s in range(3):
   batch = jax.device_put(
-      corpus.batch_at(jax.random.PRNGKey(1), s, model, None, cfg.corpus,
-                      cfg.batch_size, 10), sharding.batch_sharded(mesh))
-  state, loss = step(state, *batch, model)
-  losses.append(float(loss))
+      one(corpus.batch_at(jax.random.PRNGKey(1), s, model, None, cfg.corpus,
+                          cfg.batch_size, 10)),
+      sharding.trial_batch_sharded(mesh))
+  state, loss = step(state, *batch, one(model))
+  losses.append(float(loss[0]))
 leaf = jax.tree.leaves(state.params)[0]
 print(json.dumps({"devices": jax.device_count(), "losses": losses,
                   "shards": len(batch[0].sharding.device_set),
