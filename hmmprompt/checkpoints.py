@@ -29,9 +29,14 @@ class Checkpoints:
     if keep < 1:
       raise ValueError(f"keep must be >= 1, got {keep}")
     self.directory = os.path.abspath(directory)
-    self._mngr = ocp.CheckpointManager(
+    self._keep = keep
+    self._mngr = self._open()
+
+  def _open(self) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(
         self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+        options=ocp.CheckpointManagerOptions(max_to_keep=self._keep,
+                                             create=True))
 
   def latest_step(self) -> int | None:
     return self._mngr.latest_step()
@@ -78,6 +83,10 @@ class Checkpoints:
         log(f"checkpoint at step {step} in {self.directory} is unreadable "
             f"({reason}); trying the one before")
         failed.append((step, reason))
+        # orbax infers the item layout from what it read: a manager that
+        # met a damaged step misreads the good ones, so start afresh.
+        self._mngr.close()
+        self._mngr = self._open()
         continue
       if failed:
         self._set_aside([s for s, _ in failed])
@@ -95,7 +104,8 @@ class Checkpoints:
       for step in steps:
         os.replace(os.path.join(self.directory, str(step)),
                    os.path.join(aside, f"{step}-{time.time_ns()}"))
-    self._mngr.reload()
+    self._mngr.close()
+    self._mngr = self._open()
 
   def close(self) -> None:
     self._mngr.wait_until_finished()

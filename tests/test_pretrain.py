@@ -3,6 +3,8 @@
 import dataclasses
 import json
 import os
+import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -323,3 +325,124 @@ def test_run_trials_equals_separate_runs_stops_each_and_resumes(tmp_path):
     pretrain.load_backbone(workdir)
   with pytest.raises(ValueError, match="needs \\[K\\] stacked models"):
     pretrain.run_trials(workdir, cfg, models.trial(stacked, 0))
+
+
+RUNTIME_FIELDS = {"log_every": 7, "ckpt_every": 5, "keep": 5,
+                  "eval_batch": 3, "trials_per_vmap": 0}
+
+
+def test_runtime_fields_resume_and_reuse_result_fields_are_refused(
+    trained, model, monkeypatch):
+  """Changing a runtime field keeps the run's identity: the finished run is
+  reused as it is (nothing trains), and the sweep's pretraining directory
+  and fingerprint stay. A result-deciding field is refused by name."""
+  workdir, final = trained
+  from experiments.figure3 import configs as fig_configs
+  from experiments.figure3 import sweep
+  setup = fig_configs.get_setup("tiny")
+  mid = sweep.ModelId("vanilla", 4, 0)
+  pdir, fp = (sweep.pretrain_dir("W", setup, mid),
+              setup.fingerprint("transformer"))
+
+  def boom(*a, **k):
+    raise AssertionError("a runtime field re-ran finished work")
+
+  monkeypatch.setattr(pretrain_train, "make_train_step", boom)
+  for field, value in RUNTIME_FIELDS.items():
+    cfg = dataclasses.replace(TINY, **{field: value})
+    assert cfg.identity() == TINY.identity()
+    assert pretrain.run(workdir, cfg, model, log=lambda s: None) == final
+    other = dataclasses.replace(
+        setup, pretrain=dataclasses.replace(setup.pretrain, **{field: value}))
+    assert sweep.pretrain_dir("W", other, mid) == pdir
+    assert other.fingerprint("transformer") == fp
+  monkeypatch.undo()
+  for field, value, named in [
+      ("lr", 1e-3, "lr: 0.003 -> 0.001"), ("steps", 60, "steps: 40 -> 60"),
+      ("model", dataclasses.replace(TINY.model, d_model=16),
+       "model.d_model: 32 -> 16")]:
+    cfg = dataclasses.replace(TINY, **{field: value})
+    with pytest.raises(ValueError, match=re.escape(named)):
+      pretrain.run(workdir, cfg, model)
+    other = dataclasses.replace(
+        setup, pretrain=dataclasses.replace(setup.pretrain, **{field: value}))
+    assert sweep.pretrain_dir("W", other, mid) != pdir
+    assert other.fingerprint("transformer") != fp
+
+
+def _damage(step_dir: str, how: str) -> None:
+  if how == "item folder missing":  # a partial copy between machines
+    shutil.rmtree(os.path.join(step_dir, "default"))
+  else:  # every data file overwritten
+    for root, _, files in os.walk(step_dir):
+      for name in files:
+        if "metadata" not in name.lower() and "commit" not in name:
+          with open(os.path.join(root, name), "wb") as f:
+            f.write(b"\0garbage" * 8)
+
+
+@pytest.mark.parametrize("how", ["item folder missing", "data corrupted"])
+def test_damaged_newest_checkpoint_falls_back_and_ends_as_uninterrupted(
+    tmp_path, trained, model, how):
+  """Killed after step 30 (checkpoints 20 and 30 kept), the newest then
+  damaged: the rerun warns naming step 30, resumes from 20 and ends bit
+  for bit as the uninterrupted run; the damaged one is set aside. With no
+  readable checkpoint left, the error names the folder."""
+  workdir, final = trained
+  crashed = str(tmp_path / "crashed")
+
+  class Crash(Exception):
+    pass
+
+  def crash(step):
+    if step == 30:
+      raise Crash
+
+  with pytest.raises(Crash):
+    pretrain.run(crashed, TINY, model, log=lambda s: None, after_step=crash)
+  ckpt_dir = os.path.join(crashed, "checkpoints")
+  assert sorted(os.listdir(ckpt_dir)) == ["20", "30"]
+  _damage(os.path.join(ckpt_dir, "30"), how)
+  logs = []
+  again = pretrain.run(crashed, TINY, model, log=logs.append)
+  assert any("checkpoint at step 30" in l and "unreadable" in l
+             for l in logs), logs
+  assert "resumed from step 20" in logs
+  drop = lambda m: {k: v for k, v in m.items() if k != "wall_s"}
+  assert drop(again) == drop(final)
+  for a, b in zip(jax.tree.leaves(pretrain.load_backbone(crashed)[1]),
+                  jax.tree.leaves(pretrain.load_backbone(workdir)[1])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert os.listdir(ckpt_dir + ".damaged")[0].startswith("30-")
+
+  for step in os.listdir(ckpt_dir):
+    _damage(os.path.join(ckpt_dir, step), how)
+  with pytest.raises(FileNotFoundError,
+                     match=f"no readable checkpoint in {re.escape(ckpt_dir)}"
+                     ".*step 40.*step 30"):
+    pretrain.run(crashed, TINY, model, log=lambda s: None)
+
+
+def test_layout1_one_model_run_loads_but_is_not_resumed(tmp_path, trained,
+                                                       model):
+  """A one-model workdir written before layout 2 (bare config.json, an
+  unstacked model and checkpoint) still loads for tuning; resuming it is
+  refused by name."""
+  workdir, _ = trained
+  _, params, info = pretrain.load_backbone(workdir)
+  old = str(tmp_path / "old")
+  os.makedirs(old)
+  with open(os.path.join(old, "config.json"), "w") as f:
+    json.dump(TINY.to_json(), f)
+  models.save(os.path.join(old, "hmm.npz"), model)
+  state = jax.tree.map(lambda x: x[0], pretrain.init_states(
+      jax.random.PRNGKey(0)[None], TINY))
+  ck = ckpt_lib.Checkpoints(os.path.join(old, "checkpoints"))
+  ck.save(40, state.replace(step=jnp.int32(40), params=params))
+  ck.close()
+  _, got, got_info = pretrain.load_backbone(old)
+  assert got_info["step"] == 40 and got_info["config"] == TINY
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="one-model run of layout 1"):
+    pretrain.run(old, TINY, model)

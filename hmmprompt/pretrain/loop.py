@@ -157,9 +157,15 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
   stops = lambda k: (k in last and _may_stop(cfg, last[k]["step"])
                      and _reached(cfg, last[k]))
   running = [k for k in range(num) if not stops(k)]
+  # A crash between a checkpoint and its evaluation leaves one to redo.
+  missing = ([k for k in running if last.get(k, {}).get("step") != start]
+             if start and _is_eval(cfg, start) else [])
   if not running:
     log(f"already reached the target gap at step "
         f"{max(m['step'] for m in last.values())}")
+  if not running or (start >= total and not missing):
+    ckpts.close()
+    return [last.get(k, {}) for k in range(num)]
 
   hmms = jax.device_put(jax.vmap(models.as_hmm)(models_K), rep)
   chunks = (None if cfg.corpus.fresh else jnp.stack(
@@ -204,9 +210,7 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
           f"{'' if num == 1 else ' it'}")
       running.remove(k)
 
-  # A crash between a checkpoint and its evaluation: evaluate it now.
-  missing = [k for k in running if last.get(k, {}).get("step") != start]
-  if start and missing and _is_eval(cfg, start):
+  if missing:
     evaluate(start, _take(states, np.asarray(missing)), missing)
     stop_reached(start)
 
