@@ -18,18 +18,18 @@ vector in ``[0, 1]^H`` (Appendix B's message passing on embedding vectors).
 
 Two layers, both public:
 
-* **Kernels** (:func:`forward_backward`, :func:`token_evidence`,
-  :func:`evidence_conditionals`, :func:`draw_sequence`,
-  :func:`draw_random_hmm`, :func:`random_simplex`): pure, unchecked,
+* **Kernels** (:func:`forward_backward`, :func:`token_smooth`,
+  :func:`evidence_conditionals`, :func:`draw_sequence`, ...): pure, unchecked,
   traceable functions of explicit arrays with documented shapes, for use
-  inside other jitted code (as dynamax's ``hmm_smoother``).
+  inside jitted code (as dynamax's ``hmm_smoother``); the package's own
+  traced code calls only these.
 * **Entry points** (:func:`sample`, :func:`posterior`, :func:`conditionals`,
-  ...): a thin validating layer over the same kernels, jitted.
-
-The entry points take one sequence; ``jax.vmap`` them over a batch. Called with concrete (non-traced) arguments they validate values and
-raise ``ValueError``; under a caller's ``jit``/``vmap`` only dtypes and shapes
-are checked (out-of-range tokens then have zero likelihood, see
-:func:`embed`), so call :func:`check_tokens` on a batch first if unsure.
+  ...): each a check over one kernel, jitted (:func:`validation.entry_point`).
+  They take one sequence; ``jax.vmap`` them over a batch. Called with
+  concrete arguments they validate values and raise ``ValueError``; under a
+  caller's ``jit``/``vmap`` only dtypes and shapes are checked (out-of-range
+  tokens then have zero likelihood), so call :func:`check_tokens` on a batch
+  first if unsure.
 
 Messages are rescaled at every step (Rabiner's scaling), so float32 is stable
 on sequences of 10^4 tokens from the near-deterministic HMMs of Appendix D. A
@@ -40,26 +40,16 @@ posteriors/conditionals at the positions whose context is impossible
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hmmprompt import validation
+
 MASK = -1
 """Token id of an unobserved (``[MASK]``) position."""
-
-# Row sums must be 1 within this tolerance (float32 softmax rounding is ~1e-7
-# per entry; a few hundred states stay far below 1e-4).
-_SUM_ATOL = 1e-4
-
-
-def is_concrete(x) -> bool:
-  """Whether ``x`` is a concrete array-like (not a tracer), i.e. checkable."""
-  if isinstance(x, jax.core.Tracer):
-    return False
-  return isinstance(x, (np.ndarray, jax.Array, list, tuple))
 
 
 class _HMMFields(NamedTuple):
@@ -68,50 +58,11 @@ class _HMMFields(NamedTuple):
   emission: jax.Array
 
 
-def register_unchecked_pytree(cls):
-  """Registers a validating NamedTuple so JAX rebuilds it without checks.
-
-  Gradients, optimizer updates and ``tree.map`` results share the pytree
-  type but are not distributions; only explicit construction validates.
-  """
-  jax.tree_util.register_pytree_node(
-      cls, lambda x: (tuple(x), None),
-      lambda _, children: tuple.__new__(cls, children))
-  return cls
-
-
-def validated_params(fields_cls, validate):
-  """A base class for validated parameter NamedTuples (HMM, MemoryHMM, ...).
-
-  ``fields_cls`` is a ``typing.NamedTuple`` of the fields; ``validate`` gets
-  the fields as ``jnp`` arrays and raises ``ValueError``. Built from concrete
-  arrays (or nested lists) the fields are converted and validated; tracers
-  and non-array leaves (``vmap`` axis specs) pass through unchecked.
-  Subclasses are registered as pytrees that JAX rebuilds *without* checks
-  (:func:`register_unchecked_pytree`).
-  """
-
-  class Validated(fields_cls):
-    __slots__ = ()
-
-    def __new__(cls, *args, **kwargs):
-      fields = tuple(fields_cls(*args, **kwargs))
-      if all(is_concrete(f) for f in fields):
-        fields = tuple(jnp.asarray(f) for f in fields)
-        validate(*fields)
-      return tuple.__new__(cls, fields)
-
-    def __init_subclass__(cls, **kwargs):
-      super().__init_subclass__(**kwargs)
-      register_unchecked_pytree(cls)
-
-  return Validated
-
-
 def _validate_hmm(initial, transition, emission) -> None:
-  check_distribution("HMM.initial", initial, 1)
-  check_distribution("HMM.transition", transition, 2)
-  check_distribution("HMM.emission", emission, 2)
+  chk = validation.check_distribution
+  chk("HMM.initial", initial, 1)
+  chk("HMM.transition", transition, 2)
+  chk("HMM.emission", emission, 2)
   batch, h = initial.shape[:-1], initial.shape[-1]
   if transition.shape != batch + (h, h):
     raise ValueError(f"HMM.transition must have shape [H, H] = "
@@ -123,7 +74,7 @@ def _validate_hmm(initial, transition, emission) -> None:
                      f"{emission.shape}")
 
 
-class HMM(validated_params(_HMMFields, _validate_hmm)):
+class HMM(validation.validated_params(_HMMFields, _validate_hmm)):
   """HMM parameters (a pytree).
 
   Attributes:
@@ -131,9 +82,8 @@ class HMM(validated_params(_HMMFields, _validate_hmm)):
     transition: ``[H, H]`` row-stochastic, ``transition[i, j] = P(j | i)``.
     emission: ``[H, V]`` row-stochastic, ``emission[h, x] = P(x | h)``.
 
-  Built from concrete arrays (or nested lists) the fields are converted to
-  ``jnp`` arrays and validated; tracers and non-array leaves (e.g. ``vmap``
-  axis specs) pass through unchecked.
+  Built from concrete arrays (or nested lists) it is validated; tracers pass
+  unchecked (:func:`validation.validated_params`).
   """
 
   __slots__ = ()
@@ -145,36 +95,6 @@ class HMM(validated_params(_HMMFields, _validate_hmm)):
   @property
   def vocab_size(self) -> int:
     return self.emission.shape[-1]
-
-
-def check_distribution(name: str, p: jax.Array, ndim: int) -> None:
-  """Validates concrete probability vectors along the last axis.
-
-  ``p`` has ``ndim`` event dimensions, after any leading batch dimensions.
-  """
-  if p.ndim < ndim:
-    raise ValueError(f"{name} must have {ndim} dimension(s) (plus optional "
-                     f"leading batch dimensions), got shape {p.shape}")
-  if not jnp.issubdtype(p.dtype, jnp.floating):
-    raise ValueError(f"{name} must be a floating-point array, got dtype "
-                     f"{p.dtype}")
-  if p.size == 0:
-    raise ValueError(f"{name} is empty (shape {p.shape})")
-  p_np = np.asarray(p, dtype=np.float64)
-  if not np.all(np.isfinite(p_np)):
-    bad = np.argwhere(~np.isfinite(p_np))[0].tolist()
-    raise ValueError(f"{name} has a non-finite entry at index {bad}")
-  if np.any(p_np < 0):
-    bad = np.argwhere(p_np < 0)[0].tolist()
-    raise ValueError(f"{name} has a negative entry {p_np[tuple(bad)]:.3g} at "
-                     f"index {bad}")
-  sums = np.atleast_1d(p_np.sum(axis=-1))
-  off = np.abs(sums - 1.0) > _SUM_ATOL
-  if np.any(off):
-    where = np.argwhere(off)[0]
-    what = f"row {where.tolist()}" if p.ndim > 1 else "it"
-    raise ValueError(f"{name} must sum to 1 along its last axis, but {what} "
-                     f"sums to {float(sums[tuple(where)]):.6g}")
 
 
 # ----------------------------------------------------------------------------
@@ -207,6 +127,7 @@ def check_tokens(tokens, vocab_size: int) -> jax.Array:
 
 
 def check_sequence(tokens, hmm: HMM) -> jax.Array:
+  """:func:`check_tokens` for one non-empty sequence ``[T]``; returns it."""
   tokens = check_tokens(tokens, hmm.vocab_size)
   if tokens.ndim != 1 or tokens.shape[0] == 0:
     raise ValueError(f"tokens must be a non-empty 1-D sequence [T], got shape "
@@ -215,6 +136,8 @@ def check_sequence(tokens, hmm: HMM) -> jax.Array:
 
 
 def check_evidence(evidence, hmm: HMM) -> jax.Array:
+  """Checks evidence vectors ``[T, H]`` (finite, non-negative when concrete)
+  and returns them as an array."""
   if not isinstance(evidence, jax.core.Tracer):
     evidence = jnp.asarray(evidence)
   if evidence.ndim != 2 or evidence.shape[1] != hmm.num_states or \
@@ -252,6 +175,17 @@ def random_transition(key, num_states: int, temp: float = 0.01) -> jax.Array:
   return jnp.einsum("k,kij->ij", weights_K, onehot_KxHxH)
 
 
+def draw_random_hmm(key, num_states: int, vocab_size: int,
+                    transition_temp, emission_temp, initial_temp) -> HMM:
+  """Kernel of :func:`random_hmm` (sizes static, temperatures traceable)."""
+  k_i, k_t, k_e = jax.random.split(key, 3)
+  return HMM(
+      initial=random_simplex(k_i, (num_states,), initial_temp),
+      transition=random_transition(k_t, num_states, transition_temp),
+      emission=random_simplex(k_e, (num_states, vocab_size), emission_temp))
+
+
+@validation.entry_point(draw_random_hmm, static_argnums=(1, 2))
 def random_hmm(key, num_states: int, vocab_size: int, *,
                transition_temp: float = 0.01, emission_temp: float = 0.01,
                initial_temp: float = 10.0) -> HMM:
@@ -269,18 +203,8 @@ def random_hmm(key, num_states: int, vocab_size: int, *,
                   ("initial_temp", initial_temp)):
     if not t > 0:
       raise ValueError(f"{name} must be > 0, got {t}")
-  return draw_random_hmm(key, num_states, vocab_size, transition_temp,
-                         emission_temp, initial_temp)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def draw_random_hmm(key, num_states, vocab_size, transition_temp,
-                    emission_temp, initial_temp):
-  k_i, k_t, k_e = jax.random.split(key, 3)
-  return HMM(
-      initial=random_simplex(k_i, (num_states,), initial_temp),
-      transition=random_transition(k_t, num_states, transition_temp),
-      emission=random_simplex(k_e, (num_states, vocab_size), emission_temp))
+  return (key, num_states, vocab_size, transition_temp, emission_temp,
+          initial_temp)
 
 
 # ----------------------------------------------------------------------------
@@ -305,6 +229,7 @@ def _draw(cdf: jax.Array, u: jax.Array) -> jax.Array:
 
 
 def draw_sequence(key, hmm: HMM, length: int):
+  """Kernel of :func:`sample`: ``(tokens int32[T], states int32[T])``."""
   u_2xT = jax.random.uniform(key, (2, length))
   cdf_init_H = _cdf(hmm.initial)
   cdf_trans_HxH = _cdf(hmm.transition)
@@ -319,16 +244,6 @@ def draw_sequence(key, hmm: HMM, length: int):
   # Given the states, the emissions are independent: draw them all at once.
   tokens_T = _draw(_cdf(hmm.emission)[states_T], u_2xT[1])
   return tokens_T, states_T
-
-
-_sample_jit = jax.jit(draw_sequence, static_argnums=2)
-
-
-def sample(key, hmm: HMM, length: int) -> tuple[jax.Array, jax.Array]:
-  """Samples ``(tokens int32[T], states int32[T])``; vmappable over ``key``."""
-  if not isinstance(length, (int, np.integer)) or length < 1:
-    raise ValueError(f"length must be a positive int, got {length!r}")
-  return _sample_jit(key, hmm, int(length))
 
 
 # ----------------------------------------------------------------------------
@@ -414,10 +329,8 @@ def forward_backward(hmm: HMM, evidence_TxH: jax.Array) -> Smoothed:
   return Smoothed(jnp.sum(safe_log(c_T)), post_TxH, masked_TxH)
 
 
-_smooth_jit = jax.jit(forward_backward)
-
-
 def token_evidence(hmm: HMM, tokens_T: jax.Array) -> jax.Array:
+  """Proper embeddings ``[T, H]``: ``e(x)[h] = P(x | h)``; ones for ``MASK``."""
   # mode="fill": an out-of-range token under a caller's jit has zero
   # likelihood (an impossible sequence) instead of a silently clamped one.
   cols_TxH = jnp.take(hmm.emission.T, jnp.where(tokens_T == MASK, 0, tokens_T),
@@ -426,70 +339,75 @@ def token_evidence(hmm: HMM, tokens_T: jax.Array) -> jax.Array:
       hmm.emission.dtype)
 
 
-@jax.jit
-def _posterior_jit(hmm, tokens):
-  return forward_backward(hmm, token_evidence(hmm, tokens)).posterior
-
-
-@jax.jit
-def _masked_posterior_jit(hmm, tokens):
-  return forward_backward(hmm, token_evidence(hmm, tokens)).masked_posterior
-
-
-@jax.jit
-def _log_likelihood_jit(hmm, tokens):
-  return forward_backward(hmm, token_evidence(hmm, tokens)).log_likelihood
-
-
-def evidence_conditionals(hmm, evidence_TxH):
+def evidence_conditionals(hmm: HMM, evidence_TxH: jax.Array) -> jax.Array:
+  """``[T, V]``: Appendix B's ``G-bar``, ``W τ_t / ||τ_t||_1``."""
   masked_TxH = forward_backward(hmm, evidence_TxH).masked_posterior
   return masked_TxH @ hmm.emission.astype(masked_TxH.dtype)
 
 
-_conditionals_from_evidence_jit = jax.jit(evidence_conditionals)
-_embed_jit = jax.jit(token_evidence)
+def token_smooth(hmm: HMM, tokens_T: jax.Array) -> Smoothed:
+  """:func:`forward_backward` on the tokens' proper embeddings."""
+  return forward_backward(hmm, token_evidence(hmm, tokens_T))
 
 
-@jax.jit
-def _conditionals_jit(hmm, tokens):
-  return evidence_conditionals(hmm, token_evidence(hmm, tokens))
+def token_conditionals(hmm: HMM, tokens_T: jax.Array) -> jax.Array:
+  """``[T, V]``: ``P[X_t | x_{-t}]``, :func:`evidence_conditionals` on the
+  tokens' proper embeddings."""
+  return evidence_conditionals(hmm, token_evidence(hmm, tokens_T))
 
 
+# ----------------------------------------------------------------------------
+# Entry points: each checks its input and runs its kernel, jitted.
+
+
+@validation.entry_point(draw_sequence, static_argnums=2)
+def sample(key, hmm: HMM, length: int) -> tuple[jax.Array, jax.Array]:
+  """Samples ``(tokens int32[T], states int32[T])``; vmappable over ``key``."""
+  return key, hmm, validation.positive_int("length", length)
+
+
+@validation.entry_point(token_evidence)
 def embed(hmm: HMM, tokens) -> jax.Array:
   """Proper embeddings ``[T, H]``: ``e(x)[h] = P(x | h)``; ones for ``MASK``."""
-  return _embed_jit(hmm, check_sequence(tokens, hmm))
+  return hmm, check_sequence(tokens, hmm)
 
 
+@validation.entry_point(forward_backward)
 def smooth(hmm: HMM, evidence) -> Smoothed:
   """Forward-backward on evidence vectors ``[T, H]`` (Appendix B)."""
-  return _smooth_jit(hmm, check_evidence(evidence, hmm))
+  return hmm, check_evidence(evidence, hmm)
 
 
+@validation.entry_point(token_smooth, field="log_likelihood")
 def log_likelihood(hmm: HMM, tokens) -> jax.Array:
   """``log P(x)`` of the observed tokens (``MASK`` positions marginalised)."""
-  return _log_likelihood_jit(hmm, check_sequence(tokens, hmm))
+  return hmm, check_sequence(tokens, hmm)
 
 
+@validation.entry_point(token_smooth, field="posterior")
 def posterior(hmm: HMM, tokens) -> jax.Array:
   """``[T, H]``: ``P[H_t | observed tokens]``."""
-  return _posterior_jit(hmm, check_sequence(tokens, hmm))
+  return hmm, check_sequence(tokens, hmm)
 
 
+@validation.entry_point(token_smooth, field="masked_posterior")
 def masked_posterior(hmm: HMM, tokens) -> jax.Array:
   """``[T, H]``: ``P[H_t | x_{-t}]`` (position ``t`` itself left out)."""
-  return _masked_posterior_jit(hmm, check_sequence(tokens, hmm))
+  return hmm, check_sequence(tokens, hmm)
 
 
+@validation.entry_point(token_conditionals)
 def conditionals(hmm: HMM, tokens) -> jax.Array:
   """``[T, V]``: ``P[X_t | x_{-t}]`` for every ``t``; the exact masked LM ``G``.
 
   Row ``t`` does not depend on ``tokens[t]``; all-zero where ``x_{-t}`` is
   impossible.
   """
-  return _conditionals_jit(hmm, check_sequence(tokens, hmm))
+  return hmm, check_sequence(tokens, hmm)
 
 
+@validation.entry_point(evidence_conditionals)
 def conditionals_from_evidence(hmm: HMM, evidence) -> jax.Array:
   """``[T, V]``: Appendix B's ``G-bar``: ``W τ_t / ||τ_t||_1`` on evidence
   vectors, ``τ_t ∝ P[H_t, e_{-t}]``; 0 where ``τ_t = 0``."""
-  return _conditionals_from_evidence_jit(hmm, check_evidence(evidence, hmm))
+  return hmm, check_evidence(evidence, hmm)

@@ -17,11 +17,14 @@ checked against :data:`MAX_PRODUCT_STATES`.
 Posteriors over the memory use the fact that ``M`` is constant: ``P[M = m |
 x] ∝ P(M = m) P(x | M = m)``, one ``|H|``-state likelihood per value ``m``.
 Per-position masked versions come from the product HMM.
+
+As in :mod:`hmm`, each entry point (:func:`sample`, :func:`memory_posterior`,
+...) is a check over a public kernel (:func:`draw_memory_sequence`,
+:func:`token_memory_posterior`, ...); traced code calls the kernels.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 from typing import NamedTuple
 
@@ -30,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hmmprompt import hmm as hmm_lib
+from hmmprompt import validation
 
 MAX_PRODUCT_STATES = 2048
 """Largest product-state space exact multi-cell inference will build.
@@ -51,7 +55,7 @@ class _MemoryFields(NamedTuple):
 
 
 def _validate_memory(memory_prior, initial, transition, emission) -> None:
-  chk = hmm_lib.check_distribution
+  chk = validation.check_distribution
   chk("MemoryHMM.memory_prior", memory_prior, 1)
   chk("MemoryHMM.initial", initial, 1)
   chk("MemoryHMM.transition", transition, 2)
@@ -67,7 +71,7 @@ def _validate_memory(memory_prior, initial, transition, emission) -> None:
 
 
 class MemoryHMM(
-    hmm_lib.validated_params(_MemoryFields, _validate_memory)):
+    validation.validated_params(_MemoryFields, _validate_memory)):
   """Single-cell memory HMM (a pytree).
 
   Attributes:
@@ -104,6 +108,23 @@ def to_hmm(mhmm: MemoryHMM) -> hmm_lib.HMM:
       emission=mhmm.emission.reshape(m * h, mhmm.vocab_size))
 
 
+def draw_random_memory_hmm(key, memory_size: int, num_states: int,
+                           vocab_size: int, transition_temp, emission_temp,
+                           initial_temp, memory_temp) -> MemoryHMM:
+  """Kernel of :func:`random_memory_hmm` (sizes static)."""
+  k_m, k_h = jax.random.split(key)
+  base = hmm_lib.draw_random_hmm(k_h, num_states, vocab_size,
+                                 transition_temp, emission_temp, initial_temp)
+  k_p, k_e = jax.random.split(k_m)
+  return MemoryHMM(
+      memory_prior=hmm_lib.random_simplex(k_p, (memory_size,), memory_temp),
+      initial=base.initial,
+      transition=base.transition,
+      emission=hmm_lib.random_simplex(
+          k_e, (memory_size, num_states, vocab_size), emission_temp))
+
+
+@validation.entry_point(draw_random_memory_hmm, static_argnums=(1, 2, 3))
 def random_memory_hmm(key, memory_size: int, num_states: int,
                       vocab_size: int, *, transition_temp: float = 0.01,
                       emission_temp: float = 0.01, initial_temp: float = 10.0,
@@ -119,25 +140,8 @@ def random_memory_hmm(key, memory_size: int, num_states: int,
   if min(memory_size, num_states, vocab_size) < 1:
     raise ValueError(f"memory_size, num_states and vocab_size must be >= 1, "
                      f"got {memory_size}, {num_states}, {vocab_size}")
-  return _random_memory_jit(key, memory_size, num_states, vocab_size,
-                            transition_temp, emission_temp, initial_temp,
-                            memory_temp)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _random_memory_jit(key, memory_size, num_states, vocab_size,
-                       transition_temp, emission_temp, initial_temp,
-                       memory_temp):
-  k_m, k_h = jax.random.split(key)
-  base = hmm_lib.draw_random_hmm(k_h, num_states, vocab_size,
-                                 transition_temp, emission_temp, initial_temp)
-  k_p, k_e = jax.random.split(k_m)
-  return MemoryHMM(
-      memory_prior=hmm_lib.random_simplex(k_p, (memory_size,), memory_temp),
-      initial=base.initial,
-      transition=base.transition,
-      emission=hmm_lib.random_simplex(
-          k_e, (memory_size, num_states, vocab_size), emission_temp))
+  return (key, memory_size, num_states, vocab_size, transition_temp,
+          emission_temp, initial_temp, memory_temp)
 
 
 def vanilla_twin(key, memory_size: int, num_states: int, vocab_size: int,
@@ -146,11 +150,17 @@ def vanilla_twin(key, memory_size: int, num_states: int, vocab_size: int,
   return hmm_lib.random_hmm(key, memory_size * num_states, vocab_size, **temps)
 
 
+def draw_memory_sequence(key, mhmm: MemoryHMM, length: int):
+  """Kernel of :func:`sample`, through the product HMM."""
+  tokens_T, product_T = hmm_lib.draw_sequence(key, to_hmm(mhmm), length)
+  h = mhmm.num_states
+  return tokens_T, product_T % h, product_T[0] // h
+
+
+@validation.entry_point(draw_memory_sequence, static_argnums=2)
 def sample(key, mhmm: MemoryHMM, length: int):
   """Samples ``(tokens int32[T], syntax_states int32[T], memory int32[])``."""
-  tokens, product_states = hmm_lib.sample(key, to_hmm(mhmm), length)
-  h = mhmm.num_states
-  return tokens, product_states % h, product_states[0] // h
+  return key, mhmm, validation.positive_int("length", length)
 
 
 def _syntax_hmms(mhmm: MemoryHMM) -> hmm_lib.HMM:
@@ -172,8 +182,9 @@ def _normalize_log(logits: jax.Array) -> jax.Array:
   return w / jnp.where(s > 0, s, 1.0)
 
 
-@jax.jit
-def _memory_posterior_jit(mhmm: MemoryHMM, tokens_T):
+def token_memory_posterior(mhmm: MemoryHMM, tokens_T) -> jax.Array:
+  """Kernel of :func:`memory_posterior`: ``[M]``, one ``|H|``-state
+  likelihood per memory value."""
   evidence_MxTxH = jnp.swapaxes(
       jnp.take(mhmm.emission, jnp.where(tokens_T == hmm_lib.MASK, 0, tokens_T),
                axis=-1, mode="fill", fill_value=0), -1, -2)
@@ -185,26 +196,27 @@ def _memory_posterior_jit(mhmm: MemoryHMM, tokens_T):
   return _normalize_log(hmm_lib.safe_log(mhmm.memory_prior) + loglik_M)
 
 
+def token_memory_masked_posterior(mhmm: MemoryHMM, tokens_T) -> jax.Array:
+  """Kernel of :func:`memory_masked_posterior`: ``[T, M]``, through the
+  product HMM."""
+  masked_TxK = hmm_lib.token_smooth(to_hmm(mhmm), tokens_T).masked_posterior
+  return masked_TxK.reshape(tokens_T.shape[0], mhmm.memory_size,
+                            mhmm.num_states).sum(-1)
+
+
+@validation.entry_point(token_memory_posterior)
 def memory_posterior(mhmm: MemoryHMM, tokens) -> jax.Array:
   """``[M]``: ``P[M | observed tokens]`` (``MASK`` positions marginalised).
 
   All zeros if the observed tokens are impossible.
   """
-  tokens = hmm_lib.check_sequence(tokens, mhmm)
-  return _memory_posterior_jit(mhmm, tokens)
+  return mhmm, hmm_lib.check_sequence(tokens, mhmm)
 
 
-@jax.jit
-def _memory_masked_posterior_jit(mhmm: MemoryHMM, tokens_T):
-  masked_TxK = hmm_lib.masked_posterior(to_hmm(mhmm), tokens_T)
-  return masked_TxK.reshape(tokens_T.shape[0], mhmm.memory_size,
-                            mhmm.num_states).sum(-1)
-
-
+@validation.entry_point(token_memory_masked_posterior)
 def memory_masked_posterior(mhmm: MemoryHMM, tokens) -> jax.Array:
   """``[T, M]``: ``P[M | x_{-t}]`` for every position ``t``."""
-  tokens = hmm_lib.check_sequence(tokens, mhmm)
-  return _memory_masked_posterior_jit(mhmm, tokens)
+  return mhmm, hmm_lib.check_sequence(tokens, mhmm)
 
 
 def conditionals(mhmm: MemoryHMM, tokens) -> jax.Array:
@@ -224,7 +236,7 @@ class _MultiFields(NamedTuple):
 
 
 def _validate_multi(memory_prior, initial, transition, emission) -> None:
-  chk = hmm_lib.check_distribution
+  chk = validation.check_distribution
   chk("MultiMemoryHMM.memory_prior", memory_prior, 2)
   chk("MultiMemoryHMM.initial", initial, 1)
   chk("MultiMemoryHMM.transition", transition, 2)
@@ -244,7 +256,7 @@ def _validate_multi(memory_prior, initial, transition, emission) -> None:
 
 
 class MultiMemoryHMM(
-    hmm_lib.validated_params(_MultiFields, _validate_multi)):
+    validation.validated_params(_MultiFields, _validate_multi)):
   """Memory HMM with ``N`` cells (a pytree).
 
   Attributes:
@@ -278,6 +290,27 @@ class MultiMemoryHMM(
     return self.memory_size**self.num_cells * self.num_cells * self.num_syntax
 
 
+def draw_random_multi_memory_hmm(key, num_cells: int, memory_size: int,
+                                  num_syntax: int, vocab_size: int,
+                                  transition_temp, emission_temp,
+                                  initial_temp, memory_temp) -> MultiMemoryHMM:
+  """Kernel of :func:`random_multi_memory_hmm` (sizes static)."""
+  k_c, k_p, k_e = jax.random.split(key, 3)
+  chain = hmm_lib.draw_random_hmm(k_c, num_cells * num_syntax, vocab_size,
+                                  transition_temp, emission_temp,
+                                  initial_temp)
+  return MultiMemoryHMM(
+      memory_prior=hmm_lib.random_simplex(k_p, (num_cells, memory_size),
+                                           memory_temp),
+      initial=chain.initial,
+      transition=chain.transition,
+      emission=hmm_lib.random_simplex(
+          k_e, (num_cells, memory_size, num_syntax, vocab_size),
+          emission_temp))
+
+
+@validation.entry_point(draw_random_multi_memory_hmm,
+                        static_argnums=(1, 2, 3, 4))
 def random_multi_memory_hmm(key, num_cells: int, memory_size: int,
                             num_syntax: int, vocab_size: int, *,
                             transition_temp: float = 0.01,
@@ -292,27 +325,8 @@ def random_multi_memory_hmm(key, num_cells: int, memory_size: int,
   if min(num_cells, memory_size, num_syntax, vocab_size) < 1:
     raise ValueError("num_cells, memory_size, num_syntax and vocab_size must "
                      "be >= 1")
-  return _random_multi_jit(key, num_cells, memory_size, num_syntax,
-                           vocab_size, transition_temp, emission_temp,
-                           initial_temp, memory_temp)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _random_multi_jit(key, num_cells, memory_size, num_syntax, vocab_size,
-                      transition_temp, emission_temp, initial_temp,
-                      memory_temp):
-  k_c, k_p, k_e = jax.random.split(key, 3)
-  chain = hmm_lib.draw_random_hmm(k_c, num_cells * num_syntax, vocab_size,
-                                  transition_temp, emission_temp,
-                                  initial_temp)
-  return MultiMemoryHMM(
-      memory_prior=hmm_lib.random_simplex(k_p, (num_cells, memory_size),
-                                           memory_temp),
-      initial=chain.initial,
-      transition=chain.transition,
-      emission=hmm_lib.random_simplex(
-          k_e, (num_cells, memory_size, num_syntax, vocab_size),
-          emission_temp))
+  return (key, num_cells, memory_size, num_syntax, vocab_size,
+          transition_temp, emission_temp, initial_temp, memory_temp)
 
 
 def _check_product_size(mm: MultiMemoryHMM) -> None:
@@ -358,12 +372,12 @@ def multi_sample(key, mm: MultiMemoryHMM, length: int):
       states[0] // ns]
 
 
-@jax.jit
-def _cell_posteriors_jit(mm: MultiMemoryHMM, tokens_T):
-  product = multi_to_hmm(mm)
+def token_cell_posteriors(mm: MultiMemoryHMM, tokens_T) -> jax.Array:
+  """Kernel of :func:`cell_posteriors`: ``[N, M]``, through the product
+  HMM."""
   # Memory is constant, so P[config | x] is any position's marginal; read it
   # off position 0's posterior.
-  post_K = hmm_lib.posterior(product, tokens_T)[0]
+  post_K = hmm_lib.token_smooth(multi_to_hmm(mm), tokens_T).posterior[0]
   n, m = mm.num_cells, mm.memory_size
   post_C = post_K.reshape(-1, n * mm.num_syntax).sum(-1)
   configs_CxN = jnp.asarray(_memory_configs(n, m))
@@ -371,11 +385,11 @@ def _cell_posteriors_jit(mm: MultiMemoryHMM, tokens_T):
   return jnp.einsum("c,cnm->nm", post_C, onehot_CxNxM)
 
 
+@validation.entry_point(token_cell_posteriors)
 def cell_posteriors(mm: MultiMemoryHMM, tokens) -> jax.Array:
   """``[N, M]``: ``P[M_j | observed tokens]`` for every cell ``j``.
 
   Mask one position with ``MASK`` for ``P[M_j | x_{-t}]``.
   """
   _check_product_size(mm)
-  tokens = hmm_lib.check_sequence(tokens, mm)
-  return _cell_posteriors_jit(mm, tokens)
+  return mm, hmm_lib.check_sequence(tokens, mm)

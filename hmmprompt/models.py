@@ -62,7 +62,7 @@ def latent_size(model: Model) -> int:
 def sample_tokens(key, model: Model, length: int) -> jax.Array:
   """``int32 [length]`` tokens from the initial distribution; traceable."""
   if kind(model) == "memory":
-    return memory_lib.sample(key, model, length)[0]
+    return memory_lib.draw_memory_sequence(key, model, length)[0]
   return hmm_lib.draw_sequence(key, model, length)[0]
 
 
@@ -74,8 +74,8 @@ def latent_posterior(model: Model, tokens_T: jax.Array) -> jax.Array:
   coincide). Traceable; vmap it.
   """
   if kind(model) == "memory":
-    return memory_lib.memory_posterior(model, tokens_T)
-  return hmm_lib.masked_posterior(model, tokens_T)[0]
+    return memory_lib.token_memory_posterior(model, tokens_T)
+  return hmm_lib.token_smooth(model, tokens_T).masked_posterior[0]
 
 
 def random_model(key, model_kind: str, num_states: int, vocab_size: int,

@@ -128,7 +128,7 @@ def latent_posterior(model: Model, tokens_T: jax.Array,
   ``tokens_T`` includes the leading ``MASK``. Traceable; vmap it.
   """
   if labeling == "authors" and models.kind(model) == "vanilla":
-    first_real_H = hmm_lib.posterior(model, tokens_T[1:])[0]
+    first_real_H = hmm_lib.token_smooth(model, tokens_T[1:]).posterior[0]
     return model.transition @ first_real_H
   return models.latent_posterior(model, tokens_T)
 
@@ -163,8 +163,9 @@ def sample_examples(key, model: Model, n: int, seq_len: int,
 def draw_task(key, model: Model, config: TaskConfig):
   """One draw of ``(mu, (train, val, test))``, unchecked for degeneracy.
 
-  :func:`make_task` calls it with ``fold_in(key, attempt)`` until the
-  labels are balanced enough. Jitted (``config`` static).
+  :func:`make_tasks` calls it (vmapped over trials) with
+  ``fold_in(key, attempt)`` until the labels are balanced enough. Jitted
+  (``config`` static).
   """
   k_mu, k_tr, k_va, k_te = jax.random.split(key, 4)
   mu = task_weights(k_mu, num_latent(model), config.num_classes,
@@ -187,41 +188,41 @@ def majority_share(labels, num_classes: int = 2) -> float:
 def make_task(key, model: Model, config: TaskConfig = TaskConfig()) -> Task:
   """Draws ``mu`` and train/val/test splits; deterministic given ``key``.
 
+  The stack of one: :func:`make_tasks` on ``key`` and ``model`` alone.
+
   Raises:
     ValueError: if every one of ``1 + config.max_redraws`` draws is
       degenerate (e.g. ``mu`` has no non-zero weight on a reachable state).
   """
-  num_latent(model)  # type check with a clear error
-  share = None
-  for attempt in range(config.max_redraws + 1):
-    mu, (train, val, test) = draw_task(jax.random.fold_in(key, attempt),
-                                        model, config)
-    all_labels = np.concatenate([np.asarray(s.labels)
-                                 for s in (train, val, test)])
-    share = majority_share(all_labels, config.num_classes)
-    if share <= config.max_label_share:
-      return Task(mu, train, val, test, attempt)
-  raise ValueError(
-      f"every one of {config.max_redraws + 1} drawn tasks was degenerate (the "
-      f"last had a majority-label share of {share:.3f} > max_label_share = "
-      f"{config.max_label_share}); raise max_label_share or max_redraws")
+  # models.stack names a non-model (TypeError) or a stack (ValueError).
+  return make_tasks(jnp.asarray(key)[None], models.stack([model]), config)[0]
 
 
 @functools.cache
-def _draw_tasks(config: TaskConfig):
-  """``(keys [K], attempt, models [K]) -> draws [K]``, jitted once."""
-  return jax.jit(jax.vmap(
-      lambda key, attempt, model: draw_task(jax.random.fold_in(key, attempt),
-                                            model, config),
-      in_axes=(0, None, 0)))
+def _draw_tasks(config: TaskConfig, stacked: bool):
+  """``(keys [K], attempt, models [K]) -> draws [K]``, jitted once.
+
+  ``K = 1`` (not ``stacked``) runs :func:`draw_task` itself and adds the
+  axis: vmap's batched matmuls round differently (~1e-8 in the authors'
+  latent), and a single task keeps the exact numbers of its unstacked draw.
+  """
+  def draw(key, attempt, model):
+    return draw_task(jax.random.fold_in(key, attempt), model, config)
+
+  if stacked:
+    return jax.jit(jax.vmap(draw, in_axes=(0, None, 0)))
+  first = lambda tree: jax.tree.map(lambda x: x[0], tree)
+  return jax.jit(lambda keys_K, attempt, models_K: jax.tree.map(
+      lambda x: x[None], draw(keys_K[0], attempt, first(models_K))))
 
 
 def make_tasks(keys_K, models_K: Model,
                config: TaskConfig = TaskConfig()) -> list[Task]:
   """One task per trial of stacked models (:func:`models.random_models`):
-  trial ``k`` gets :func:`make_task` ``(keys_K[k], trial k, config)``,
-  every attempt drawn for all trials in one vmapped call (a trial whose
-  draw was degenerate takes the next attempt's; the rest ignore it).
+  trial ``k``'s is drawn from ``fold_in(keys_K[k], attempt)`` at the first
+  attempt whose labels are balanced enough, every attempt drawn for all
+  trials in one vmapped call (a trial whose draw was degenerate takes the
+  next attempt's; the rest ignore it).
 
   Raises:
     ValueError: not stacked models, a key count that is not the trial count,
@@ -234,7 +235,7 @@ def make_tasks(keys_K, models_K: Model,
   keys_K = jnp.asarray(keys_K)
   if keys_K.shape[0] != num:
     raise ValueError(f"{keys_K.shape[0]} keys for {num} trials")
-  draw = _draw_tasks(config)
+  draw = _draw_tasks(config, num > 1)
   out, share = [None] * num, [None] * num
   for attempt in range(config.max_redraws + 1):
     if all(t is not None for t in out):
@@ -249,9 +250,10 @@ def make_tasks(keys_K, models_K: Model,
         out[k] = Task(mu, *splits, attempt)
   bad = [k for k in range(num) if out[k] is None]
   if bad:
+    where = f"trial {bad[0]}: " if num > 1 else ""
     raise ValueError(
-        f"trial {bad[0]}: every one of {config.max_redraws + 1} drawn tasks "
-        f"was degenerate (the last had a majority-label share of "
+        f"{where}every one of {config.max_redraws + 1} drawn tasks was "
+        f"degenerate (the last had a majority-label share of "
         f"{share[bad[0]]:.3f} > max_label_share = {config.max_label_share}); "
         f"raise max_label_share or max_redraws")
   return out

@@ -1,4 +1,30 @@
-"""Shared checks for the config dataclasses."""
+"""Validation at the user-facing boundary, for every module above it.
+
+The bottom of the import graph (it imports nothing from the package):
+
+* config checks (:func:`require_positive`, :func:`positive_int`);
+* validated parameter pytrees (:func:`validated_params`,
+  :func:`register_unchecked_pytree`, :func:`check_distribution`): built from
+  concrete arrays they check themselves; JAX's own rebuilds do not;
+* :func:`entry_point`, the one way a validating, jitted entry point is made
+  from a pure kernel (``hmm.posterior`` over ``hmm.token_smooth``, ...).
+
+Checks see values only when their input is concrete (:func:`is_concrete`);
+under a caller's ``jit``/``vmap`` they check what tracing knows: dtypes,
+shapes and Python numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Row sums must be 1 within this tolerance (float32 softmax rounding is ~1e-7
+# per entry; a few hundred states stay far below 1e-4).
+_SUM_ATOL = 1e-4
 
 
 def require_positive(config, *names: str) -> None:
@@ -8,3 +34,115 @@ def require_positive(config, *names: str) -> None:
     if value is not None and value < 1:
       raise ValueError(f"{type(config).__name__}.{name} must be >= 1, got "
                        f"{value}")
+
+
+def positive_int(name: str, value) -> int:
+  """``value`` as an ``int``; ``ValueError`` naming it unless an int >= 1."""
+  if not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"{name} must be a positive int, got {value!r}")
+  return int(value)
+
+
+def is_concrete(x) -> bool:
+  """Whether ``x`` is a concrete array-like (not a tracer), i.e. checkable."""
+  if isinstance(x, jax.core.Tracer):
+    return False
+  return isinstance(x, (np.ndarray, jax.Array, list, tuple))
+
+
+def register_unchecked_pytree(cls):
+  """Registers a validating NamedTuple so JAX rebuilds it without checks.
+
+  Gradients, optimizer updates and ``tree.map`` results share the pytree
+  type but are not distributions; only explicit construction validates.
+  """
+  jax.tree_util.register_pytree_node(
+      cls, lambda x: (tuple(x), None),
+      lambda _, children: tuple.__new__(cls, children))
+  return cls
+
+
+def validated_params(fields_cls, validate):
+  """A base class for validated parameter NamedTuples (HMM, MemoryHMM, ...).
+
+  ``fields_cls`` is a ``typing.NamedTuple`` of the fields; ``validate`` gets
+  the fields as ``jnp`` arrays and raises ``ValueError``. Built from concrete
+  arrays (or nested lists) the fields are converted and validated; tracers
+  and non-array leaves (``vmap`` axis specs) pass through unchecked.
+  Subclasses are registered as pytrees that JAX rebuilds *without* checks
+  (:func:`register_unchecked_pytree`).
+  """
+
+  class Validated(fields_cls):
+    __slots__ = ()
+
+    def __new__(cls, *args, **kwargs):
+      fields = tuple(fields_cls(*args, **kwargs))
+      if all(is_concrete(f) for f in fields):
+        fields = tuple(jnp.asarray(f) for f in fields)
+        validate(*fields)
+      return tuple.__new__(cls, fields)
+
+    def __init_subclass__(cls, **kwargs):
+      super().__init_subclass__(**kwargs)
+      register_unchecked_pytree(cls)
+
+  return Validated
+
+
+def check_distribution(name: str, p: jax.Array, ndim: int) -> None:
+  """Validates concrete probability vectors along the last axis.
+
+  ``p`` has ``ndim`` event dimensions, after any leading batch dimensions.
+  """
+  if p.ndim < ndim:
+    raise ValueError(f"{name} must have {ndim} dimension(s) (plus optional "
+                     f"leading batch dimensions), got shape {p.shape}")
+  if not jnp.issubdtype(p.dtype, jnp.floating):
+    raise ValueError(f"{name} must be a floating-point array, got dtype "
+                     f"{p.dtype}")
+  if p.size == 0:
+    raise ValueError(f"{name} is empty (shape {p.shape})")
+  p_np = np.asarray(p, dtype=np.float64)
+  if not np.all(np.isfinite(p_np)):
+    bad = np.argwhere(~np.isfinite(p_np))[0].tolist()
+    raise ValueError(f"{name} has a non-finite entry at index {bad}")
+  if np.any(p_np < 0):
+    bad = np.argwhere(p_np < 0)[0].tolist()
+    raise ValueError(f"{name} has a negative entry {p_np[tuple(bad)]:.3g} at "
+                     f"index {bad}")
+  sums = np.atleast_1d(p_np.sum(axis=-1))
+  off = np.abs(sums - 1.0) > _SUM_ATOL
+  if np.any(off):
+    where = np.argwhere(off)[0]
+    what = f"row {where.tolist()}" if p.ndim > 1 else "it"
+    raise ValueError(f"{name} must sum to 1 along its last axis, but {what} "
+                     f"sums to {float(sums[tuple(where)]):.6g}")
+
+
+def entry_point(kernel, *, static_argnums=(), field: str | None = None):
+  """Makes a validating entry point over a pure ``kernel`` (a decorator).
+
+  The decorated function is the check: it takes the entry point's arguments
+  (its signature and docstring are the entry point's), raises ``ValueError``
+  on bad input and returns the kernel's positional arguments, converted.
+  The entry point then runs ``kernel`` on them, jitted once here
+  (``static_argnums`` as for ``jax.jit``). ``field`` returns one field of
+  a NamedTuple result, selected inside the jit so that XLA drops the work
+  only the other fields need (a log-likelihood needs no backward pass).
+
+  Package code that is itself traced calls the kernel, not the entry point.
+  """
+  if field is not None:
+    whole = kernel
+    kernel = lambda *args: getattr(whole(*args), field)
+  jitted = jax.jit(kernel, static_argnums=static_argnums)
+
+  def decorate(check):
+    @functools.wraps(check)
+    def entry(*args, **kwargs):
+      return jitted(*check(*args, **kwargs))
+
+    return entry
+
+  return decorate

@@ -1,3 +1,5 @@
+import ast
+import inspect
 import itertools
 
 import jax
@@ -193,6 +195,52 @@ def test_jit_vmap_match_single_calls(tiny_hmm):
                               3, 4)
   np.testing.assert_allclose(ll[1], hmm_lib.log_likelihood(single, batch[0]),
                              rtol=1e-6)
+
+
+def test_entry_points_run_their_kernels(tiny_hmm):
+  """Each entry point is its kernel, jitted, behind a check: traced package
+  code calling the kernel gets the same numbers."""
+  tokens = jnp.array([0, MASK, 2, 3, 1], jnp.int32)
+  sm = jax.jit(hmm_lib.token_smooth)(tiny_hmm, tokens)
+  for field in sm._fields:
+    np.testing.assert_allclose(getattr(hmm_lib, field)(tiny_hmm, tokens),
+                               getattr(sm, field), rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(
+      hmm_lib.conditionals(tiny_hmm, tokens),
+      jax.jit(hmm_lib.token_conditionals)(tiny_hmm, tokens), atol=1e-7)
+  np.testing.assert_array_equal(hmm_lib.embed(tiny_hmm, tokens),
+                                hmm_lib.token_evidence(tiny_hmm, tokens))
+  key = jax.random.PRNGKey(4)
+  for a, b in zip(hmm_lib.sample(key, tiny_hmm, 7),
+                  hmm_lib.draw_sequence(key, tiny_hmm, 7)):
+    np.testing.assert_array_equal(a, b)
+  draw_hmm = jax.jit(hmm_lib.draw_random_hmm, static_argnums=(1, 2))
+  for a, b in zip(hmm_lib.random_hmm(key, 3, 4),
+                  draw_hmm(key, 3, 4, 0.01, 0.01, 10.0)):
+    np.testing.assert_array_equal(a, b)
+  # The entry point keeps its check's name, docstring and signature.
+  assert hmm_lib.posterior.__name__ == "posterior"
+  assert "P[H_t | observed tokens]" in hmm_lib.posterior.__doc__
+  assert list(inspect.signature(hmm_lib.sample).parameters) == [
+      "key", "hmm", "length"]
+
+
+def test_validation_sits_at_the_bottom():
+  """hmmprompt.validation imports nothing from the package (every module
+  may import it), and the HMM math imports only it."""
+  def package_imports(module):
+    tree = ast.parse(inspect.getsource(module))
+    names = set()
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom) and node.module:
+        names.update(f"{node.module}.{a.name}" for a in node.names)
+      elif isinstance(node, ast.Import):
+        names.update(a.name for a in node.names)
+    return {n for n in names if n.startswith("hmmprompt")}
+
+  from hmmprompt import validation  # pylint: disable=g-import-not-at-top
+  assert package_imports(validation) == set()
+  assert package_imports(hmm_lib) == {"hmmprompt.validation"}
 
 
 def _brute_log_lik_jax(hmm, tokens):

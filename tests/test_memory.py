@@ -167,3 +167,29 @@ def test_malformed_memory_hmm_raises(field, value, match):
 def test_memory_bad_tokens_raise(tiny_memory):
   with pytest.raises(ValueError, match="out of range"):
     memory_lib.memory_posterior(tiny_memory, [0, 4])
+  with pytest.raises(ValueError, match="length must be a positive int"):
+    memory_lib.sample(jax.random.PRNGKey(0), tiny_memory, 0)
+  with pytest.raises(ValueError, match="memory_size, num_states and vocab"):
+    memory_lib.random_memory_hmm(jax.random.PRNGKey(0), 0, 2, 3)
+
+
+def test_memory_entry_points_run_their_kernels(tiny_memory, tiny_multi):
+  """What traced package code calls (the kernels) gives the entry points'
+  numbers."""
+  tokens = jnp.array([0, MASK, 3, 2], jnp.int32)
+  np.testing.assert_allclose(
+      memory_lib.memory_posterior(tiny_memory, tokens),
+      jax.jit(memory_lib.token_memory_posterior)(tiny_memory, tokens),
+      atol=1e-7)
+  np.testing.assert_allclose(
+      memory_lib.memory_masked_posterior(tiny_memory, tokens),
+      jax.jit(memory_lib.token_memory_masked_posterior)(tiny_memory, tokens),
+      atol=1e-7)
+  np.testing.assert_allclose(
+      memory_lib.cell_posteriors(tiny_multi, [0, 2, MASK]),
+      jax.jit(memory_lib.token_cell_posteriors)(
+          tiny_multi, jnp.array([0, 2, MASK], jnp.int32)), atol=1e-7)
+  key = jax.random.PRNGKey(2)
+  for a, b in zip(memory_lib.sample(key, tiny_memory, 9),
+                  memory_lib.draw_memory_sequence(key, tiny_memory, 9)):
+    np.testing.assert_array_equal(a, b)

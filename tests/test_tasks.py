@@ -139,6 +139,23 @@ def test_make_tasks_for_stacked_models_equal_make_task_per_trial():
         SMALL, max_label_share=0.5, max_redraws=1))
 
 
+@pytest.mark.parametrize("labeling", ["paper", "authors"])
+def test_make_task_is_make_tasks_of_one(vanilla, labeling):
+  """One task is the stack of one: bit for bit, redraws included."""
+  cfg = dataclasses.replace(SMALL, labeling=labeling, max_label_share=0.75)
+  key = jax.random.PRNGKey(9)
+  alone = tasks.make_task(key, vanilla, cfg)
+  (stacked,) = tasks.make_tasks(key[None], models.stack([vanilla]), cfg)
+  for a, b in zip(jax.tree.leaves(alone), jax.tree.leaves(stacked)):
+    np.testing.assert_array_equal(a, b)
+  # One trial needs no trial index in the error; a stack is refused.
+  with pytest.raises(ValueError, match="^every one of 2 drawn tasks"):
+    tasks.make_task(key, vanilla, dataclasses.replace(
+        SMALL, max_label_share=0.5, max_redraws=1))
+  with pytest.raises(ValueError, match="takes single models, not stacks"):
+    tasks.make_task(key, models.stack([vanilla, vanilla]), cfg)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_train=0), "num_train must be >= 1"),
     (dict(labeling="bert"), "labeling must be 'paper' or 'authors'"),
