@@ -69,6 +69,15 @@ def test_trial_counts_are_checked_and_recorded_per_workdir(tmp_path):
   assert sweep.stack_size(paper, sweep.ModelId("memory", 4, 7)) == 5
   assert sweep.stack_size(paper, sweep.ModelId("vanilla", 30, 0)) == 20
   tiny = figure3.get_setup("tiny")
+  # The plan: each model once, vanilla then memory by size, with its groups.
+  by_model = sweep.plan(tiny)
+  assert [m.tag for m in by_model] == [
+      "vanilla-h4", "vanilla-h8", "vanilla-h12", "memory-h4-m2"]
+  assert [(g.panel, g.method_name) for g in by_model[
+      sweep.ModelId("vanilla", 8, 0)]] == [("right", "head_linear")] * 2
+  assert all(g.model_id == m for m, gs in by_model.items() for g in gs)
+  assert [m.tag for m in sweep.plan(tiny, "left")] == [
+      "vanilla-h4", "vanilla-h12"]
   sweep.check_workdir(str(tmp_path), tiny)
   sweep.check_workdir(str(tmp_path), tiny)  # the same counts: fine
   with pytest.raises(ValueError, match="was made with trial counts "

@@ -74,7 +74,7 @@ def test_load_backbone_feeds_tuning(trained, model):
                             batch_size=32)
     rec, tunable = tuning.tune(jax.random.PRNGKey(0), bb, params,
                                tuning.data_from_task(task, cfg), cfg)
-    assert 0.0 <= rec["test_accuracy"] <= 1.0
+    assert 0.0 <= rec.test_accuracy <= 1.0
   assert tunable["prompt"].shape == (4, TINY.model.d_model)
   for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(params)):
     np.testing.assert_array_equal(a, np.asarray(b))
@@ -112,7 +112,7 @@ def test_transformer_backbone_frozen_unless_finetuning(trained, model):
   rec, tunable = tuning.tune(jax.random.PRNGKey(0), sbb, params,
                              tuning.data_from_task(task, cfg), cfg)
   assert flag["traced"] and set(tunable) == {"head", "backbone"}
-  assert 0.0 <= rec["test_accuracy"] <= 1.0
+  assert 0.0 <= rec.test_accuracy <= 1.0
   moved = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(
       jax.tree.leaves(tunable["backbone"]), jax.tree.leaves(params))]
   assert max(moved) > 1e-4  # the copy was trained ...

@@ -31,7 +31,8 @@ One module per role:
 
 * :mod:`.configs`: the config tree :class:`Setup`, presets (``tiny``,
   ``cpu``, ``paper``) and :func:`get_setup`, the one way in;
-* :mod:`.sweep`: stacks of trials, groups, random streams, :func:`run`;
+* :mod:`.sweep`: the plan (groups by model), stacks of trials, random
+  streams, :func:`run`;
 * :mod:`.records`: :class:`ResultLine`, the declared schema of a result
   line (written, keyed, read and plotted through it);
 * :mod:`.reporting`: table, plot, pretraining table;

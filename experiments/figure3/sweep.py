@@ -1,7 +1,9 @@
-"""The sweep: models (a stack of trials per size: HMM draws, one
-pretraining each, in one stacked run), groups (one tuning arm on one size,
-all its trials x tasks in one vmapped program), cells (one task of one
-trial of a group = one :class:`records.ResultLine`).
+"""The sweep, top to bottom: :func:`plan` lists the groups (one tuning arm
+on one model size) by model; :func:`run` takes each model in turn, draws
+its stack of trials (HMM draws), pretrains their backbones and draws their
+tasks (:func:`prepare`), then tunes each group's missing cells, all its
+trials x tasks in one vmapped program (:func:`tune_group`); a cell is one
+task of one trial of a group, one :class:`records.ResultLine`.
 
 Random streams, all from ``PRNGKey(setup.seed)``: :func:`model_key` roots a
 size's stack, trial ``k`` is ``models.random_model(fold_in(root, k))``
@@ -17,6 +19,7 @@ import hashlib
 import json
 import os
 import time
+from typing import Any, NamedTuple
 
 from absl import logging
 import jax
@@ -30,6 +33,7 @@ from hmmprompt import results as results_lib
 from hmmprompt import tasks as tasks_lib
 from hmmprompt import theory
 from hmmprompt import tuning
+from hmmprompt.backbones import Backbone
 from hmmprompt.backbones import exact
 
 BACKBONES = ("exact", "transformer")
@@ -75,10 +79,20 @@ class Group:
   def method_name(self) -> str:
     return f"{self.method}_{self.head}"
 
+  def key_fields(self, backbone: str, setup_fp: str, trial: int,
+                 task: int) -> dict:
+    """The key fields (``records.ResultLine.KEY_FIELDS``) of a cell."""
+    mid = self.model_id
+    return dict(backbone=backbone, panel=self.panel, hmm=mid.hmm,
+                num_states=mid.num_states, memory_size=mid.memory_size,
+                trial=trial, task=task, method=self.method_name,
+                features=self.features, setup=setup_fp)
 
-def groups(setup: configs.Setup, panel: str,
-           backbone: str = "exact") -> list[Group]:
-  """All groups, those of one model adjacent, models by increasing size."""
+
+def plan(setup: configs.Setup, panel: str = "both",
+         backbone: str = "exact") -> dict[ModelId, list[Group]]:
+  """The groups of ``panel`` by model, models vanilla then memory by size
+  (the order they run and are sharded in)."""
   out = []
   if panel in ("left", "both"):
     methods = ["head", "prompt"]
@@ -98,32 +112,17 @@ def groups(setup: configs.Setup, panel: str,
       for f in setup.features:
         out.append(Group("right", ModelId("vanilla", syntax * m, 0), "head",
                          "linear", f))
-  order = {mid: i for i, mid in enumerate(model_ids(out))}
-  return sorted(out, key=lambda g: order[g.model_id])  # stable
-
-
-def model_ids(group_list) -> list[ModelId]:
-  """Distinct models of ``group_list``: vanilla then memory, by size."""
-  ids = {g.model_id for g in group_list}
-  return sorted(ids, key=lambda m: (m.hmm != "vanilla", m.size))
-
-
-def uses(setup: configs.Setup, mid: ModelId) -> list[str]:
-  """The panels that tune on ``mid``'s HMMs."""
-  out = []
-  if mid.hmm == "vanilla" and mid.num_states in setup.left_sizes:
-    out.append("left")
-  syntax = configs.MEMORY_SYNTAX_STATES
-  if (mid.hmm == "memory" or mid.num_states in
-      {syntax * m for m in setup.memory_sizes}):
-    out.append("right")
-  return out
+  by_model = {}
+  for g in sorted(out, key=lambda g: (g.model_id.hmm != "vanilla",
+                                      g.model_id.size)):  # stable
+    by_model.setdefault(g.model_id, []).append(g)
+  return by_model
 
 
 def stack_size(setup: configs.Setup, mid: ModelId) -> int:
   """Trials drawn (and pretrained) for ``mid``: the most any panel reads,
   whichever panels this run does, so a stack never changes size."""
-  return max(setup.panel_trials(p) for p in uses(setup, mid))
+  return max(setup.panel_trials(g.panel) for g in plan(setup)[mid])
 
 
 def model_key(setup: configs.Setup, mid: ModelId):
@@ -153,100 +152,103 @@ def make_models(setup: configs.Setup, mid: ModelId) -> models.Model:
 
 def pretrain_dir(workdir: str, setup: configs.Setup, mid: ModelId) -> str:
   fp = hashlib.sha256(json.dumps(
-      {"pretrain": setup.pretrain.to_json(), "seed": setup.seed,
+      {"pretrain": setup.pretrain.identity(), "seed": setup.seed,
        "model_keys": configs.MODEL_KEYS_VERSION,
        "state_layout": _PRETRAIN_DIR_VERSION}, sort_keys=True).encode()
                       ).hexdigest()[:8]
   return os.path.join(workdir, "pretrain", f"{mid.tag}-{fp}")
 
 
-def pretrained_backbones(workdir: str, setup: configs.Setup, mid: ModelId,
-                         models_k: models.Model):
-  """Pretrains (or reuses) the transformers of ``mid``'s trials, stacked.
+def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
+              models_K: models.Model, backbone_name: str):
+  """``(backbone, params_K, pretrain_K)`` of ``mid``'s trials; a
+  transformer is pretrained first (or reused, or resumed).
 
-  Returns ``(backbone, params_K, qualities)``; ``qualities[k]`` holds the
-  ``pretrain_*`` fields of trial ``k``'s result lines.
+  ``params_K`` is stacked ``[K, ...]``; ``pretrain_K[k]`` holds the
+  ``pretrain_*`` fields of trial ``k``'s result lines (none for exact).
   """
+  if backbone_name == "exact":
+    bb, _ = exact.make(models.trial(models_K, 0))
+    return (bb, jax.vmap(models.as_hmm)(models_K),
+            [{}] * models.num_trials(models_K))
   pdir = pretrain_dir(workdir, setup, mid)
   logging.info("pretraining %d trials of %s in %s",
-               models.num_trials(models_k), mid.tag, pdir)
-  pretrain_lib.run_trials(pdir, setup.pretrain, models_k, log=logging.info)
-  bb, params, infos = pretrain_lib.load_trials(pdir)
-  qualities = []
-  for info in infos:
-    m = info["metrics"]
-    qualities.append({
-        "pretrain_ce_gap": m.get("ce_gap"), "pretrain_tv": m.get("tv"),
-        "pretrain_mlm_ce": m.get("mlm_ce"),
-        "pretrain_bayes_ce": m.get("bayes_ce"),
-        "pretrain_steps": info["step"], "pretrain_wall_s": m.get("wall_s")})
-  return bb, params, qualities
+               models.num_trials(models_K), mid.tag, pdir)
+  pretrain_lib.run_trials(pdir, setup.pretrain, models_K, log=logging.info)
+  bb, params_K, infos = pretrain_lib.load_trials(pdir)
+  return bb, params_K, [pretrain_fields(info) for info in infos]
 
 
-def backbones_for(workdir, setup, mid, models_k, backbone_name):
-  """``(backbone, params_K, qualities)`` of ``mid``'s trials."""
-  if backbone_name == "transformer":
-    return pretrained_backbones(workdir, setup, mid, models_k)
-  bb, _ = exact.make(models.trial(models_k, 0))
-  return (bb, jax.vmap(models.as_hmm)(models_k),
-          [{}] * models.num_trials(models_k))
+def pretrain_fields(info: dict) -> dict:
+  """The ``pretrain_*`` fields of a result line from its trial's ``info``
+  (:func:`pretrain.load_trials`)."""
+  m = info["metrics"]
+  return {"pretrain_ce_gap": m.get("ce_gap"), "pretrain_tv": m.get("tv"),
+          "pretrain_mlm_ce": m.get("mlm_ce"),
+          "pretrain_bayes_ce": m.get("bayes_ce"),
+          "pretrain_steps": info["step"], "pretrain_wall_s": m.get("wall_s")}
 
 
-class _Stack:
-  """One size's trials: models, fingerprints, backbones, tasks (made on
-  first use, all trials of a task index in one vmapped draw)."""
+class Trials(NamedTuple):
+  """One model's stack of K trials, ready to tune (:func:`prepare`)."""
 
-  def __init__(self, workdir, setup, mid, backbone_name):
-    self.setup, self.mid = setup, mid
-    self.models = make_models(setup, mid)
-    self.fingerprints = models.fingerprints(self.models)
-    self.backbone = backbones_for(workdir, setup, mid, self.models,
-                                  backbone_name)
-    self._tasks = {}  # task index -> [(Task, verdicts)] by trial
-
-  def task(self, trial: int, task: int):
-    if task not in self._tasks:
-      keys = [task_key(self.setup, self.mid, k, task)
-              for k in range(len(self.fingerprints))]
-      drawn = tasks_lib.make_tasks(np.stack(keys), self.models,
-                                   self.setup.task)
-      self._tasks[task] = [
-          (t, theory.verdicts(models.trial(self.models, k), t.mu))
-          for k, t in enumerate(drawn)]
-    return self._tasks[task][trial]
+  fingerprints: list[str]  # [K] models.fingerprint of each HMM
+  backbone: Backbone
+  params_K: Any  # the backbone params, stacked [K, ...]
+  pretrain: list[dict]  # [K] the pretrain_* fields of the trial's lines
+  tasks: list[list[tuple]]  # [K][S] (tasks.Task, theory.verdicts)
 
 
-def _tune_group(setup, g: Group, cells, stack: _Stack):
-  """Tunes one group's ``cells`` (``(trial, task)`` pairs) in one program
-  (the rectangle of their trials x tasks); returns their fields."""
-  trials = sorted({k for k, _ in cells})
+def prepare(workdir: str, setup: configs.Setup, mid: ModelId,
+            backbone_name: str) -> Trials:
+  """Draws ``mid``'s trials, pretrains their backbones (transformer) and
+  draws their tasks, each task index for all trials in one vmapped draw."""
+  models_K = make_models(setup, mid)
+  bb, params_K, pretrain = backbones(workdir, setup, mid, models_K,
+                                     backbone_name)
+  num = models.num_trials(models_K)
+  by_task = [tasks_lib.make_tasks(
+      np.stack([task_key(setup, mid, k, s) for k in range(num)]), models_K,
+      setup.task) for s in range(setup.tasks_per_hmm)]
+  tasks = [[(t[k], theory.verdicts(models.trial(models_K, k), t[k].mu))
+            for t in by_task] for k in range(num)]
+  return Trials(models.fingerprints(models_K), bb, params_K, pretrain, tasks)
+
+
+def tune_group(setup: configs.Setup, backbone_name: str, g: Group,
+               trials: Trials, cells) -> list[records.ResultLine]:
+  """Tunes ``g``'s ``cells`` (``(trial, task)`` pairs) in one program (the
+  rectangle of their trials x tasks); returns their lines."""
+  trial_ids = sorted({k for k, _ in cells})
   task_ids = sorted({s for _, s in cells})
-  bb, params_k, qualities = stack.backbone
   cfg = dataclasses.replace(setup.tune, method=g.method, head=g.head,
                             features=g.features)
-  datas = [[tuning.data_from_task(stack.task(k, s)[0], cfg)
-            for s in task_ids] for k in trials]
-  keys = [[tune_key(setup, k, s) for s in task_ids] for k in trials]
-  if trials != list(range(len(stack.fingerprints))):
-    idx = np.asarray(trials)
-    params_k = jax.tree.map(lambda x: x[idx], params_k)
-  recs, _ = tuning.tune_trials(keys, bb, params_k, datas, cfg)
-  out = []
-  for i, k in enumerate(trials):
+  params_K = trials.params_K
+  if trial_ids != list(range(len(trials.fingerprints))):
+    params_K = jax.tree.map(lambda x: x[np.asarray(trial_ids)], params_K)
+  res, _ = tuning.tune_trials(
+      [[tune_key(setup, k, s) for s in task_ids] for k in trial_ids],
+      trials.backbone, params_K,
+      [[tuning.data_from_task(trials.tasks[k][s][0], cfg) for s in task_ids]
+       for k in trial_ids], cfg)
+  setup_fp = setup.fingerprint(backbone_name)
+  lines = []
+  for i, k in enumerate(trial_ids):
     for j, s in enumerate(task_ids):
       if (k, s) not in cells:
         continue
-      rec, (task, verdicts) = recs[i][j], stack.task(k, s)
-      out.append(dict(
-          trial=k, task=s, hmm_fingerprint=stack.fingerprints[k],
-          size=g.model_id.size, test_accuracy=rec["test_accuracy"],
-          val_accuracy=rec["val_accuracy"],
-          train_accuracy=rec["train_accuracy"],
-          final_loss=rec["final_loss"], steps=rec["steps"],
-          seconds=rec["seconds"], task_redraws=task.redraws,
-          assumptions=verdicts, tune_config=rec["config"],
-          task_config=dataclasses.asdict(setup.task), **qualities[k]))
-  return out
+      task, verdicts = trials.tasks[k][s]
+      lines.append(records.ResultLine(
+          **g.key_fields(backbone_name, setup_fp, k, s),
+          hmm_fingerprint=trials.fingerprints[k], size=g.model_id.size,
+          test_accuracy=float(res.test_accuracy[i, j]),
+          val_accuracy=float(res.val_accuracy[i, j]),
+          train_accuracy=float(res.train_accuracy[i, j]),
+          final_loss=float(res.final_loss[i, j]), steps=res.steps,
+          seconds=res.seconds, task_redraws=task.redraws,
+          assumptions=verdicts, tune_config=dataclasses.asdict(cfg),
+          task_config=dataclasses.asdict(setup.task), **trials.pretrain[k]))
+  return lines
 
 
 def check_workdir(workdir: str, setup: configs.Setup) -> None:
@@ -270,10 +272,18 @@ def check_workdir(workdir: str, setup: configs.Setup) -> None:
     results_lib.atomic_write_text(path, json.dumps(want))
 
 
+def missing_cells(setup: configs.Setup, backbone_name: str, setup_fp: str,
+                  g: Group, done: set) -> set[tuple[int, int]]:
+  """``g``'s ``(trial, task)`` cells whose line key is not in ``done``."""
+  return {(k, s) for k in range(setup.panel_trials(g.panel))
+          for s in range(setup.tasks_per_hmm) if records.line_key(
+              g.key_fields(backbone_name, setup_fp, k, s)) not in done}
+
+
 def run(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
         num_tasks: int = 1, task_index: int = 0,
         pretrain_only: bool = False) -> None:
-  """Runs this host's share of the sweep (whole sizes: a stack of trials
+  """Runs this host's share of the sweep (whole models: a stack of trials
   per host); finished lines are skipped.
 
   Raises:
@@ -294,46 +304,37 @@ def run(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
   check_workdir(workdir, setup)
   path = records.results_path(workdir, num_tasks, task_index)
   done = {line.key() for line in records.read_results(workdir)}
-  fp = setup.fingerprint(backbone_name)
-  all_groups = groups(setup, panel, backbone_name)
-  mine = {mid for i, mid in enumerate(model_ids(all_groups))
-          if i % num_tasks == task_index}
-  todo = [g for g in all_groups if g.model_id in mine]
-  cells_of = lambda g: setup.panel_trials(g.panel) * setup.tasks_per_hmm
-  total_cells, finished_cells = sum(cells_of(g) for g in todo), 0
-  t_start = time.perf_counter()
-  stack = None  # groups of one size are adjacent: one stack in memory
-  for gi, g in enumerate(todo):
-    mid = g.model_id
-    base = dict(backbone=backbone_name, panel=g.panel, hmm=mid.hmm,
-                num_states=mid.num_states, memory_size=mid.memory_size,
-                method=g.method_name, features=g.features, setup=fp)
-    cells = {(k, s) for k in range(setup.panel_trials(g.panel))
-             for s in range(setup.tasks_per_hmm)
-             if records.line_key({**base, "trial": k, "task": s}) not in done}
-    if not cells and not pretrain_only:
-      finished_cells += cells_of(g)
-      continue
-    if stack is None or stack.mid != mid:
-      stack = None
-      stack = _Stack(workdir, setup, mid, backbone_name)
+  setup_fp = setup.fingerprint(backbone_name)
+  todo = {}  # {model: {group: its cells without a line}}, this host's models
+  for i, (mid, groups) in enumerate(plan(setup, panel, backbone_name).items()):
+    if i % num_tasks == task_index:
+      todo[mid] = {g: cells for g in groups if (cells := missing_cells(
+          setup, backbone_name, setup_fp, g, done))}
+  left = sum(len(c) for cells_of in todo.values() for c in cells_of.values())
+  tuned, t_start = 0, time.perf_counter()
+  for mid, cells_of in todo.items():
     if pretrain_only:
+      backbones(workdir, setup, mid, make_models(setup, mid), backbone_name)
       continue
-    lines = [records.ResultLine(**base, **fields)
-             for fields in _tune_group(setup, g, cells, stack)]
-    records.append(path, lines)
-    diverged = [(r.trial, r.task) for r in lines
-                if not np.isfinite(r.final_loss)]
-    if diverged:
-      logging.warning("%s %s: tuning loss non-finite for (trial, task) %s",
-                      mid.tag, g.method_name, diverged)
-    finished_cells += cells_of(g)
-    elapsed = time.perf_counter() - t_start
-    eta = elapsed / max(finished_cells, 1) * (total_cells - finished_cells)
-    accs = [line.test_accuracy for line in lines]
-    logging.info(
-        "[%d/%d groups] %s %s %s |H|=%d |M|=%d %s/%s: test acc %.3f +- %.3f "
-        "over %d trials x tasks (%.1fs); elapsed %.0fs, ETA %.0fs", gi + 1,
-        len(todo), backbone_name, g.panel, mid.hmm, mid.num_states,
-        mid.memory_size, g.method_name, g.features, np.mean(accs),
-        np.std(accs), len(lines), lines[0].seconds, elapsed, eta)
+    if not cells_of:
+      continue
+    trials = prepare(workdir, setup, mid, backbone_name)
+    for g, cells in cells_of.items():
+      lines = tune_group(setup, backbone_name, g, trials, cells)
+      records.append(path, lines)
+      diverged = [(r.trial, r.task) for r in lines
+                  if not np.isfinite(r.final_loss)]
+      if diverged:
+        logging.warning("%s %s: tuning loss non-finite for (trial, task) %s",
+                        mid.tag, g.method_name, diverged)
+      tuned += len(lines)
+      elapsed = time.perf_counter() - t_start
+      accs = [line.test_accuracy for line in lines]
+      logging.info(
+          "[%d/%d cells] %s %s %s |H|=%d |M|=%d %s/%s: test acc %.3f +- "
+          "%.3f over %d trials x tasks (%.1fs); elapsed %.0fs, ETA %.0fs",
+          tuned, left, backbone_name, g.panel, mid.hmm, mid.num_states,
+          mid.memory_size, g.method_name, g.features, np.mean(accs),
+          np.std(accs), len(lines), lines[0].seconds, elapsed,
+          elapsed / tuned * (left - tuned))
+    del trials  # before the next model's stack is made: one in memory

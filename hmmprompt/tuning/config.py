@@ -1,0 +1,213 @@
+"""What a tuning run is: :class:`TuneConfig`, the methods it names
+(:class:`Method` objects in :data:`METHODS`) and one seed's arrays
+(:class:`Data`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from hmmprompt import heads
+from hmmprompt import tasks as tasks_lib
+from hmmprompt import validation
+from hmmprompt.backbones import Backbone
+
+SPLITS = ("train", "val", "test")
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """What a tuning method trains and how a head sees an example.
+
+  Attributes:
+    name: its key in :data:`METHODS`.
+    init_extra: ``(key, backbone, bparams, cfg) -> dict``: the tunable
+      entries besides ``"head"`` (none, ``"prompt"``, ``"backbone"``, ...).
+    head_inputs: ``(backbone, bparams, tunable, cfg, tokens [T]) -> (G,
+      emb)``, what the head reads (see :func:`backbone_head_inputs`).
+    caches_features: ``head_inputs`` does not depend on ``tunable``, so it
+      is computed once per example before training (and the training loop
+      sees the cached ``(G, emb)`` as the example).
+    uses_prompt: inputs carry ``cfg.prompt_len`` soft prompt vectors in
+      front of the ``MASK`` (sets :attr:`TuneConfig.num_prompt`).
+    slow_keys: tunable entries trained at ``cfg.backbone_lr`` instead of
+      ``cfg.lr``.
+    needs_finetunable: only for backbones whose params are free parameters.
+  """
+
+  name: str
+  init_extra: Callable[..., dict]
+  head_inputs: Callable[..., tuple]
+  caches_features: bool = False
+  uses_prompt: bool = False
+  slow_keys: frozenset = frozenset()
+  needs_finetunable: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneConfig:
+  """Downstream tuning (defaults: the paper, Appendix D).
+
+  Attributes:
+    method: ``"head"`` (frozen backbone, train the head), ``"prompt"``
+      (train a soft prompt and the head) or ``"finetune"`` (train a copy of
+      the backbone and the head); any key of :data:`METHODS`.
+    head: ``"linear"`` (on the ``MASK`` position) or ``"attention"``; any
+      key of :data:`hmmprompt.heads.HEADS`.
+    features: see :mod:`hmmprompt.heads`.
+    prompt_len: soft prompt vectors (paper: 20).
+    prompt_init: raw prompt entries start Uniform[-prompt_init, prompt_init].
+    lr: peak learning rate of Adam (paper: 0.01).
+    backbone_lr: peak learning rate of the backbone's params when
+      fine-tuning (0.01 would wreck a pretrained transformer).
+    warmup_steps: linear warmup; ``None`` means ``warmup_frac`` of the steps.
+      Then linear decay to 0.
+    epochs: passes over the training set (paper: 5).
+    batch_size: examples per step (the paper does not say; 32 here).
+    max_len: truncate inputs to this many positions, prompt included
+      (``None``: no truncation; the authors' scripts used 80).
+    eval_chunk: examples per chunk when computing accuracies.
+  """
+
+  method: str = "head"
+  head: str = "linear"
+  features: str = "raw"
+  prompt_len: int = 20
+  prompt_init: float = 0.5
+  lr: float = 0.01
+  backbone_lr: float = 1e-3
+  warmup_steps: int | None = None
+  warmup_frac: float = 0.1
+  epochs: int = 5
+  batch_size: int = 32
+  max_len: int | None = None
+  eval_chunk: int = 250
+
+  def __post_init__(self):
+    for field, registry in (("method", METHODS), ("head", heads.HEADS),
+                            ("features", heads.TRANSFORMS)):
+      if getattr(self, field) not in registry:
+        raise ValueError(f"TuneConfig.{field} must be one of "
+                         f"{tuple(registry)}, got {getattr(self, field)!r}")
+    validation.require_positive(self, "prompt_len", "epochs", "batch_size",
+                                "eval_chunk")
+    for name in ("lr", "backbone_lr"):
+      if not getattr(self, name) > 0:
+        raise ValueError(f"TuneConfig.{name} must be > 0, got "
+                         f"{getattr(self, name)}")
+    if not 0 <= self.warmup_frac < 1:
+      raise ValueError("TuneConfig.warmup_frac must be in [0, 1)")
+    if (self.max_len is not None
+        and self.max_len < tasks_lib.input_len(self.num_prompt, 0)):
+      raise ValueError(f"TuneConfig.max_len = {self.max_len} leaves no room "
+                       f"for the MASK after {self.num_prompt} prompt vectors")
+
+  @property
+  def num_prompt(self) -> int:
+    return self.prompt_len if METHODS[self.method].uses_prompt else 0
+
+  @classmethod
+  def authors(cls, **overrides) -> "TuneConfig":
+    """The original fine-tuning scripts: batch 128, 100 epochs, 500 warmup
+    steps, inputs truncated to 80 positions (prompt included)."""
+    kw = dict(lr=0.01, warmup_steps=500, batch_size=128, epochs=100,
+              max_len=80)
+    kw.update(overrides)
+    return cls(**kw)
+
+
+class Data(NamedTuple):
+  """Arrays of one seed: ``tokens [N, T]`` and ``labels [N]`` per split
+  (``[*L, N, T]`` and ``[*L, N]`` stacked over lanes ``L``)."""
+
+  train_tokens: jax.Array
+  train_labels: jax.Array
+  val_tokens: jax.Array
+  val_labels: jax.Array
+  test_tokens: jax.Array
+  test_labels: jax.Array
+
+  def split(self, name: str) -> tuple[jax.Array, jax.Array]:
+    """``(tokens, labels)`` of split ``name`` (one of :data:`SPLITS`)."""
+    return getattr(self, name + "_tokens"), getattr(self, name + "_labels")
+
+
+def data_from_task(task: tasks_lib.Task, cfg: TuneConfig) -> Data:
+  """Split arrays, truncated to ``cfg.max_len`` positions with the prompt."""
+  # Task tokens are (MASK, x_1, ...); keeping ``keep`` of them makes the
+  # backbone input (prompt, MASK, x_1, ...) exactly ``max_len`` long.
+  keep = None if cfg.max_len is None else cfg.max_len - cfg.num_prompt
+  cut = lambda t: jnp.asarray(t)[:, :keep]
+  return Data(cut(task.train.tokens), task.train.labels,
+              cut(task.val.tokens), task.val.labels,
+              cut(task.test.tokens), task.test.labels)
+
+
+def num_steps(num_train: int, cfg: TuneConfig) -> int:
+  return cfg.epochs * max(num_train // cfg.batch_size, 1)
+
+
+# ----------------------------------------------------------------------------
+# Methods: what each trains (``init_extra``) and what its head reads.
+
+
+def backbone_head_inputs(backbone: Backbone, params, cfg: TuneConfig,
+                         tokens_T: jax.Array, prompt_raw_PxD=None):
+  """``(G, emb)`` that ``cfg.head`` reads from one backbone input.
+
+  The backbone sees ``(prompt, MASK, x_1, ...)``. Heads reading all
+  positions get ``(G [P+T, V], emb [P+T, D])``; the others get ``(G [V],
+  None)`` at the ``MASK``, which is all head tuning then needs to cache.
+  """
+  probs_TxV, emb_TxD = backbone.outputs(params, tokens_T, prompt_raw_PxD)
+  if heads.HEADS[cfg.head].reads_all_positions:
+    return probs_TxV, emb_TxD
+  return probs_TxV[tasks_lib.mask_index(cfg.num_prompt)], None
+
+
+def _nothing_extra(key, backbone, bparams, cfg):
+  del key, backbone, bparams, cfg
+  return {}
+
+
+def _frozen_inputs(backbone, bparams, tunable, cfg, tokens_T):
+  del tunable  # Nothing tunable before the head: cacheable.
+  return backbone_head_inputs(backbone, bparams, cfg, tokens_T)
+
+
+def _init_prompt(key, backbone, bparams, cfg):
+  del bparams
+  return {"prompt": jax.random.uniform(
+      key, (cfg.prompt_len, backbone.embed_dim), minval=-cfg.prompt_init,
+      maxval=cfg.prompt_init)}
+
+
+def _prompted_inputs(backbone, bparams, tunable, cfg, tokens_T):
+  return backbone_head_inputs(backbone, bparams, cfg, tokens_T,
+                              tunable["prompt"])
+
+
+def _copy_backbone(key, backbone, bparams, cfg):
+  del key, backbone, cfg
+  return {"backbone": bparams}
+
+
+def _finetuned_inputs(backbone, bparams, tunable, cfg, tokens_T):
+  del bparams
+  return backbone_head_inputs(backbone, tunable["backbone"], cfg, tokens_T)
+
+
+METHODS: dict[str, Method] = {
+    "head": Method("head", init_extra=_nothing_extra,
+                   head_inputs=_frozen_inputs, caches_features=True),
+    "prompt": Method("prompt", init_extra=_init_prompt,
+                     head_inputs=_prompted_inputs, uses_prompt=True),
+    # A pretrained backbone is wrecked by the head's learning rate.
+    "finetune": Method("finetune", init_extra=_copy_backbone,
+                       head_inputs=_finetuned_inputs,
+                       slow_keys=frozenset({"backbone"}),
+                       needs_finetunable=True),
+}

@@ -1,0 +1,290 @@
+"""Tuning: one seed end to end (:func:`run`, traceable and vmappable) and
+the host driver (:func:`tune`, one jitted program over any lane axes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from hmmprompt import heads
+from hmmprompt import tasks as tasks_lib
+from hmmprompt.backbones import Backbone
+from hmmprompt.tuning.config import METHODS
+from hmmprompt.tuning.config import SPLITS
+from hmmprompt.tuning.config import Data
+from hmmprompt.tuning.config import TuneConfig
+from hmmprompt.tuning.config import num_steps
+
+
+# ----------------------------------------------------------------------------
+# One seed, step by step (all traceable).
+
+
+def _init_tunable(key, backbone: Backbone, bparams, cfg: TuneConfig,
+                  num_tokens: int) -> dict:
+  """``{"head": ..., **extra}``; ``num_tokens`` counts the ``MASK``."""
+  k_head, k_extra = jax.random.split(key)
+  length = tasks_lib.input_len(cfg.num_prompt, num_tokens - 1)
+  head = heads.HEADS[cfg.head].init(k_head, backbone.vocab_size,
+                                    backbone.embed_dim, length)
+  return {"head": head, **METHODS[cfg.method].init_extra(k_extra, backbone,
+                                                         bparams, cfg)}
+
+
+def _prepare_examples(backbone: Backbone, bparams, tunable, data: Data,
+                      cfg: TuneConfig):
+  """``(inputs_fn, examples)``: ``examples[split]`` has one leading ``N``
+  axis and ``inputs_fn(tunable, example) -> (G, emb)``.
+
+  A caching method's examples are its head inputs, computed once; the
+  others' are the tokens ``[N, T]``.
+  """
+  method = METHODS[cfg.method]
+  inputs_fn = lambda tunable, tokens_T: method.head_inputs(
+      backbone, bparams, tunable, cfg, tokens_T)
+  tokens = {s: data.split(s)[0] for s in SPLITS}
+  if not method.caches_features:
+    return inputs_fn, tokens
+  examples = {s: jax.lax.map(lambda t: inputs_fn(tunable, t), toks_NxT,
+                             batch_size=cfg.eval_chunk)
+              for s, toks_NxT in tokens.items()}
+  return lambda tunable, example: example, examples
+
+
+def _feature_stats(inputs_fn, tunable, train_examples, cfg: TuneConfig):
+  """Statistics of the training set's ``G`` at initialisation, or ``None``
+  if ``cfg.features`` reads none."""
+  if not heads.TRANSFORMS[cfg.features].needs_stats:
+    return None
+  g_train = jax.lax.map(lambda ex: inputs_fn(tunable, ex)[0], train_examples,
+                        batch_size=cfg.eval_chunk)
+  return heads.feature_stats(g_train)
+
+
+def _logits_fn(inputs_fn, stats, cfg: TuneConfig):
+  """``(tunable, example) -> logits [C]``."""
+  head = heads.HEADS[cfg.head]
+
+  def logits(tunable, example):
+    g, emb = inputs_fn(tunable, example)
+    feats = heads.transform(g, cfg.features, stats)
+    return head.apply(tunable["head"], feats, emb)
+
+  return logits
+
+
+def _batch_indices(key, n: int, cfg: TuneConfig) -> jax.Array:
+  """``[S, B]`` training example indices: a fresh permutation per epoch
+  (``fold_in(key, epoch)``), its tail that fills no batch dropped."""
+  steps_per_epoch = max(n // cfg.batch_size, 1)
+  batch = min(cfg.batch_size, n)
+  perms = jax.vmap(lambda e: jax.random.permutation(
+      jax.random.fold_in(key, e), n)[:steps_per_epoch * batch])(
+          jnp.arange(cfg.epochs))
+  return perms.reshape(cfg.epochs * steps_per_epoch, batch)
+
+
+def _schedule(total: int, cfg: TuneConfig):
+  """Linear warmup to ``cfg.lr``, then linear decay to 0 at ``total``."""
+  warmup = cfg.warmup_steps
+  if warmup is None:
+    warmup = int(cfg.warmup_frac * total)
+  warmup = min(warmup, total - 1)
+  if warmup <= 0:
+    return optax.linear_schedule(cfg.lr, 0.0, total)
+  return optax.join_schedules(
+      [optax.linear_schedule(0.0, cfg.lr, warmup),
+       optax.linear_schedule(cfg.lr, 0.0, max(total - warmup, 1))], [warmup])
+
+
+def _optimizer(total: int, cfg: TuneConfig):
+  """Adam on a warmup / linear-decay schedule; the method's ``slow_keys`` on
+  its own schedule peaking at ``cfg.backbone_lr``."""
+  opt = optax.adam(_schedule(total, cfg))
+  slow_keys = METHODS[cfg.method].slow_keys
+  if not slow_keys:
+    return opt
+  slow = optax.adam(_schedule(total, dataclasses.replace(
+      cfg, lr=cfg.backbone_lr)))
+  return optax.multi_transform(
+      {"fast": opt, "slow": slow},
+      lambda t: {k: jax.tree.map(lambda _, k=k: "slow" if k in slow_keys
+                                 else "fast", v) for k, v in t.items()})
+
+
+def _train(logits_fn, opt, tunable, examples, labels_N, idx_SxB):
+  """Scans the steps. Returns ``(tunable, losses [S])``."""
+
+  def loss_fn(tunable, batch, labels_B):
+    logits_BxC = jax.vmap(lambda ex: logits_fn(tunable, ex))(batch)
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits_BxC, labels_B).mean()
+
+  def step(carry, idx_B):
+    tunable, opt_state = carry
+    batch = jax.tree.map(lambda a: a[idx_B], examples)
+    loss, grads = jax.value_and_grad(loss_fn)(tunable, batch, labels_N[idx_B])
+    updates, opt_state = opt.update(grads, opt_state, tunable)
+    return (optax.apply_updates(tunable, updates), opt_state), loss
+
+  (tunable, _), losses = jax.lax.scan(step, (tunable, opt.init(tunable)),
+                                      idx_SxB)
+  return tunable, losses
+
+
+def _accuracy(logits_fn, tunable, examples, labels_N, cfg: TuneConfig):
+  preds_N = jax.lax.map(lambda ex: jnp.argmax(logits_fn(tunable, ex)),
+                        examples, batch_size=cfg.eval_chunk)
+  return jnp.mean(preds_N == labels_N)
+
+
+def run(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
+  """One seed end to end: init, feature cache, training, accuracies.
+
+  Pure and traceable (no host work): jit it, or vmap it over any of
+  ``key``, ``bparams`` and ``data`` (:func:`tune` does both).
+
+  Args:
+    key: a PRNG key (head / prompt init and batch order).
+    bparams: the frozen backbone's params; never differentiated.
+    data: one seed's splits, ``tokens [N, T]`` and ``labels [N]`` each.
+    backbone: static, as is ``cfg``.
+    cfg: the recipe.
+
+  Returns:
+    ``(tunable, losses [S], {split: accuracy []})``, ``S`` =
+    :func:`num_steps`.
+  """
+  k_init, k_perm = jax.random.split(key)
+  n, num_tokens = data.train_tokens.shape
+  tunable = _init_tunable(k_init, backbone, bparams, cfg, num_tokens)
+  inputs_fn, examples = _prepare_examples(backbone, bparams, tunable, data,
+                                          cfg)
+  stats = _feature_stats(inputs_fn, tunable, examples["train"], cfg)
+  logits_fn = _logits_fn(inputs_fn, stats, cfg)
+  idx_SxB = _batch_indices(k_perm, n, cfg)
+  opt = _optimizer(idx_SxB.shape[0], cfg)
+  tunable, losses = _train(logits_fn, opt, tunable, examples["train"],
+                           data.train_labels, idx_SxB)
+  accs = {s: _accuracy(logits_fn, tunable, examples[s], data.split(s)[1],
+                       cfg) for s in SPLITS}
+  return tunable, losses, accs
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _run_lanes(key_L, bparams, data_L: Data, backbone: Backbone,
+               cfg: TuneConfig, param_axes: int):
+  """:func:`run` vmapped over the lanes ``L`` (the leading axes of
+  ``data_L``'s labels but the last); ``bparams`` has the first
+  ``param_axes`` of them, and is shared along the rest."""
+  fn = functools.partial(run, backbone=backbone, cfg=cfg)
+  for axis in reversed(range(data_L.train_labels.ndim - 1)):
+    fn = jax.vmap(fn, in_axes=(0, 0 if axis < param_axes else None, 0))
+  return fn(key_L, bparams, data_L)
+
+
+class Result(NamedTuple):
+  """What :func:`tune` measured, on the host: ``[*L]`` arrays over its lanes
+  (0-d for one seed) and the program's totals."""
+
+  train_accuracy: np.ndarray
+  val_accuracy: np.ndarray
+  test_accuracy: np.ndarray
+  final_loss: np.ndarray  # mean over the last 10 steps
+  steps: int  # optimizer steps of every lane
+  seconds: float  # the whole program's wall time, compilation included
+
+
+def _check_lanes(key_L, bparams, data_L: Data, param_axes: int) -> None:
+  """``ValueError`` where an argument's leading axes are not the lanes."""
+  lanes = data_L.train_labels.shape[:-1]
+  shapes = {s: tuple(a.shape for a in data_L.split(s)) for s in SPLITS}
+  if any(len(t) < 2 or t[:-1] != l or l[:-1] != lanes
+         for t, l in shapes.values()):
+    raise ValueError(f"tokens [*L, N, T] and labels [*L, N] disagree: "
+                     f"{shapes}")
+  typed = jax.dtypes.issubdtype(key_L.dtype, jax.dtypes.prng_key)
+  param_lanes = {x.shape[:param_axes] for x in jax.tree.leaves(bparams)}
+  if ((key_L.shape if typed else key_L.shape[:-1]) != lanes
+      or param_axes > len(lanes) or param_lanes - {lanes[:param_axes]}):
+    raise ValueError(f"lanes {lanes} (the data's), keys of shape "
+                     f"{key_L.shape}, backbone params leading with "
+                     f"{param_lanes} (param_axes={param_axes})")
+
+
+def tune(key_L, backbone: Backbone, bparams, data_L: Data, cfg: TuneConfig,
+         param_axes: int = 0) -> tuple[Result, Any]:
+  """Tunes every lane of ``data_L`` in one jitted program.
+
+  Lanes ``L`` are leading axes (none for one seed): ``data_L`` has
+  ``tokens [*L, N, T]`` and ``labels [*L, N]``, ``key_L`` a key per lane.
+  ``bparams`` carries the first ``param_axes`` lane axes (0: one backbone
+  for every lane; 1: one per trial, e.g. ``[K]`` of :func:`tune_trials`).
+  Each lane gets what :func:`run` gives it alone.
+
+  Returns:
+    ``(Result, tunable)``, the tunable params stacked ``[*L, ...]``.
+
+  Raises:
+    ValueError: shapes that disagree, or fine-tuning a backbone without
+      free parameters.
+  """
+  if METHODS[cfg.method].needs_finetunable and not backbone.finetunable:
+    raise ValueError(f"the {backbone.name!r} backbone cannot be fine-tuned "
+                     f"(its params are not free parameters); use head or "
+                     f"prompt tuning")
+  _check_lanes(key_L, bparams, data_L, param_axes)
+  t0 = time.perf_counter()
+  tunable, losses, accs = jax.block_until_ready(
+      _run_lanes(key_L, bparams, data_L, backbone, cfg, param_axes))
+  seconds = time.perf_counter() - t0
+  losses, accs = jax.device_get((losses, accs))
+  return Result(accs["train"], accs["val"], accs["test"],
+                np.mean(losses[..., -10:], axis=-1),
+                num_steps(data_L.train_tokens.shape[-2], cfg),
+                seconds), tunable
+
+
+def stack_data(datas: Sequence[Data]) -> Data:
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *datas)
+
+
+def tune_many(keys, backbone: Backbone, bparams, datas: Sequence[Data],
+              cfg: TuneConfig) -> tuple[Result, Any]:
+  """:func:`tune` on ``len(datas)`` seeds (lanes ``[S]``), one backbone."""
+  if len(keys) != len(datas):
+    raise ValueError(f"{len(keys)} keys for {len(datas)} datasets")
+  return tune(jnp.stack(list(keys)), backbone, bparams, stack_data(datas),
+              cfg)
+
+
+def tune_trials(keys, backbone: Backbone, bparams_K,
+                datas: Sequence[Sequence[Data]],
+                cfg: TuneConfig) -> tuple[Result, Any]:
+  """:func:`tune` on K trials x S tasks (lanes ``[K, S]``), every trial on
+  its own backbone params, shared by its tasks.
+
+  ``bparams_K``: the params of K backbones of one size stacked on a leading
+  trial axis (``jax.vmap(models.as_hmm)`` of :func:`models.random_models`
+  for the exact backbone, or :func:`pretrain.load_trials`' params);
+  ``datas[k][s]`` and ``keys[k][s]`` are trial ``k``'s task ``s``.
+  """
+  k = jax.tree.leaves(bparams_K)[0].shape[0]
+  if k != len(datas) or k != len(keys):
+    raise ValueError(f"backbone params for {k} trials, {len(datas)} trials "
+                     f"of datasets and {len(keys)} of keys")
+  per_trial = {len(d) for d in datas} | {len(kk) for kk in keys}
+  if len(per_trial) != 1 or 0 in per_trial:
+    raise ValueError(f"every trial needs the same number (>= 1) of tasks "
+                     f"and keys, got {[len(d) for d in datas]} datasets and "
+                     f"{[len(kk) for kk in keys]} keys")
+  return tune(jnp.stack([jnp.stack(list(kk)) for kk in keys]), backbone,
+              bparams_K, stack_data([stack_data(d) for d in datas]), cfg,
+              param_axes=1)
