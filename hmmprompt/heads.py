@@ -153,8 +153,8 @@ def init_attention(key, vocab_size: int, embed_dim: int, seq_len: int,
 def apply_attention(params: dict, feats_TxV: jax.Array,
                     emb_TxD: jax.Array) -> jax.Array:
   t = feats_TxV.shape[0]
-  keys_TxK = feats_TxV @ params["theta_k"].T + params["beta"][:t]
-  scores_T = keys_TxK @ params["q"]
+  keys_TxE = feats_TxV @ params["theta_k"].T + params["beta"][:t]
+  scores_T = keys_TxE @ params["q"]
   attn_T = jax.nn.softmax(jnp.exp(params["log_temp"]) * scores_T)
   values_TxC = ((feats_TxV @ params["theta_v"].T) * emb_TxD) @ params["b"]
   return attn_T @ values_TxC + params["bias"]

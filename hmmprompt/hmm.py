@@ -168,11 +168,11 @@ def random_simplex(key, shape, temp: float) -> jax.Array:
 def random_transition(key, num_states: int, temp: float = 0.01) -> jax.Array:
   """``[H, H]`` convex combination of ``H`` random permutation matrices."""
   k_w, k_p = jax.random.split(key)
-  weights_K = random_simplex(k_w, (num_states,), temp)
-  perms_KxH = jax.vmap(lambda k: jax.random.permutation(k, num_states))(
+  weights_R = random_simplex(k_w, (num_states,), temp)
+  perms_RxH = jax.vmap(lambda k: jax.random.permutation(k, num_states))(
       jax.random.split(k_p, num_states))
-  onehot_KxHxH = jax.nn.one_hot(perms_KxH, num_states)
-  return jnp.einsum("k,kij->ij", weights_K, onehot_KxHxH)
+  onehot_RxHxH = jax.nn.one_hot(perms_RxH, num_states)
+  return jnp.einsum("r,rij->ij", weights_R, onehot_RxHxH)
 
 
 def draw_random_hmm(key, num_states: int, vocab_size: int,
@@ -223,7 +223,7 @@ def _cdf(p: jax.Array) -> jax.Array:
 
 
 def _draw(cdf: jax.Array, u: jax.Array) -> jax.Array:
-  """Inverse-CDF draw: ``cdf [..., K]``, ``u [...]`` -> int32 ``[...]``."""
+  """Inverse-CDF draw: ``cdf [..., H or V]``, ``u [...]`` -> int32 ``[...]``."""
   k = jnp.sum(cdf <= u[..., None], axis=-1, dtype=jnp.int32)
   return jnp.minimum(k, cdf.shape[-1] - 1)
 

@@ -38,8 +38,8 @@ from hmmprompt import validation
 MAX_PRODUCT_STATES = 2048
 """Largest product-state space exact multi-cell inference will build.
 
-Forward-backward costs ``O(T K^2)`` time and the transition matrix ``K^2``
-floats; at ``K = 2048`` that is 16 MiB and ~4 GFLOP per 1000 tokens.
+Forward-backward costs ``O(T (MH)^2)`` time and the transition matrix ``(MH)^2``
+floats; at ``MH = 2048`` that is 16 MiB and ~4 GFLOP per 1000 tokens.
 """
 
 
@@ -199,8 +199,8 @@ def token_memory_posterior(mhmm: MemoryHMM, tokens_T) -> jax.Array:
 def token_memory_masked_posterior(mhmm: MemoryHMM, tokens_T) -> jax.Array:
   """Kernel of :func:`memory_masked_posterior`: ``[T, M]``, through the
   product HMM."""
-  masked_TxK = hmm_lib.token_smooth(to_hmm(mhmm), tokens_T).masked_posterior
-  return masked_TxK.reshape(tokens_T.shape[0], mhmm.memory_size,
+  masked_TxMH = hmm_lib.token_smooth(to_hmm(mhmm), tokens_T).masked_posterior
+  return masked_TxMH.reshape(tokens_T.shape[0], mhmm.memory_size,
                             mhmm.num_states).sum(-1)
 
 
@@ -377,9 +377,9 @@ def token_cell_posteriors(mm: MultiMemoryHMM, tokens_T) -> jax.Array:
   HMM."""
   # Memory is constant, so P[config | x] is any position's marginal; read it
   # off position 0's posterior.
-  post_K = hmm_lib.token_smooth(multi_to_hmm(mm), tokens_T).posterior[0]
+  post_MH = hmm_lib.token_smooth(multi_to_hmm(mm), tokens_T).posterior[0]
   n, m = mm.num_cells, mm.memory_size
-  post_C = post_K.reshape(-1, n * mm.num_syntax).sum(-1)
+  post_C = post_MH.reshape(-1, n * mm.num_syntax).sum(-1)
   configs_CxN = jnp.asarray(_memory_configs(n, m))
   onehot_CxNxM = jax.nn.one_hot(configs_CxN, m, dtype=post_C.dtype)
   return jnp.einsum("c,cnm->nm", post_C, onehot_CxNxM)

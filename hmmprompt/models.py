@@ -53,7 +53,7 @@ def as_hmm(model: Model) -> hmm_lib.HMM:
 
 
 def latent_size(model: Model) -> int:
-  """``K``: ``|H|`` for a vanilla HMM, ``|M|`` for a memory HMM."""
+  """``Z``: ``|H|`` for a vanilla HMM, ``|M|`` for a memory HMM."""
   if kind(model) == "memory":
     return model.memory_size
   return model.num_states

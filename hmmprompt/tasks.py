@@ -5,11 +5,11 @@ An example is ``seq_len`` sampled tokens with ``MASK`` prepended as position 0
 the exact posterior of the task's latent variable:
 
 * vanilla HMM: ``p = P[H_0 | x_{1:T}]``, the state at the ``MASK`` position
-  (``K = |H|``);
-* single-cell memory HMM: ``p = P[M | x_{1:T}]`` (``K = |M|``).
+  (``Z = |H|``);
+* single-cell memory HMM: ``p = P[M | x_{1:T}]`` (``Z = |M|``).
 
-``mu`` has shape ``(num_classes, K)`` with ``num_nonzero`` N(0, 1) entries at
-uniformly random positions among its ``num_classes * K`` entries (all of them
+``mu`` has shape ``(num_classes, Z)`` with ``num_nonzero`` N(0, 1) entries at
+uniformly random positions among its ``num_classes * Z`` entries (all of them
 if there are fewer).
 
 ``labeling="authors"`` reproduces the original code instead: the ``seq_len``
@@ -90,7 +90,7 @@ def input_len(num_prompt: int, seq_len: int) -> int:
 
 class Split(NamedTuple):
   """One split. ``tokens [N, T+1]`` int32 (``MASK`` at 0), ``labels [N]``,
-  ``latent [N, K]`` the posterior the labels were computed from."""
+  ``latent [N, Z]`` the posterior the labels were computed from."""
 
   tokens: jax.Array
   labels: jax.Array
@@ -98,7 +98,7 @@ class Split(NamedTuple):
 
 
 class Task(NamedTuple):
-  mu: jax.Array  # [C, K]
+  mu: jax.Array  # [C, Z]
   train: Split
   val: Split
   test: Split
@@ -106,7 +106,7 @@ class Task(NamedTuple):
 
 
 def num_latent(model: Model) -> int:
-  """``K``: ``|H|`` for a vanilla HMM, ``|M|`` for a memory HMM."""
+  """``Z``: ``|H|`` for a vanilla HMM, ``|M|`` for a memory HMM."""
   return models.latent_size(model)
 
 
@@ -133,9 +133,9 @@ def latent_posterior(model: Model, tokens_T: jax.Array,
   return models.latent_posterior(model, tokens_T)
 
 
-def labels_from_latent(mu: jax.Array, latent_NxK: jax.Array) -> jax.Array:
+def labels_from_latent(mu: jax.Array, latent_NxZ: jax.Array) -> jax.Array:
   """``argmax_c (mu @ p)_c`` per row (ties go to the lower class)."""
-  return jnp.argmax(latent_NxK @ mu.T, axis=-1).astype(jnp.int32)
+  return jnp.argmax(latent_NxZ @ mu.T, axis=-1).astype(jnp.int32)
 
 
 def sample_examples(key, model: Model, n: int, seq_len: int,

@@ -9,7 +9,7 @@ every rank test reports the condition number too. Conventions:
 * A probability counts as non-zero above :data:`SUPPORT_TOL`.
 * A set of columns is linearly independent when its smallest singular value
   is above :data:`RANK_TOL` times its largest.
-* ``mu`` is the task's ``[C, K]`` weight matrix; ``supp(mu)`` is the set of
+* ``mu`` is the task's ``[C, Z]`` weight matrix; ``supp(mu)`` is the set of
   latent values with a non-zero weight in any row.
 """
 
@@ -56,13 +56,13 @@ def _np(x) -> np.ndarray:
   return np.asarray(x, np.float64)
 
 
-def rank_and_condition(cols_VxK: np.ndarray) -> tuple[int, float]:
+def rank_and_condition(cols_VxZ: np.ndarray) -> tuple[int, float]:
   """Numerical rank (relative tolerance ``RANK_TOL``) and condition number."""
-  if cols_VxK.shape[1] == 0:
+  if cols_VxZ.shape[1] == 0:
     return 0, 1.0
-  s = np.linalg.svd(cols_VxK, compute_uv=False)
+  s = np.linalg.svd(cols_VxZ, compute_uv=False)
   rank = int(np.sum(s > RANK_TOL * s[0])) if s[0] > 0 else 0
-  full = min(cols_VxK.shape)
+  full = min(cols_VxZ.shape)
   cond = float(s[0] / s[full - 1]) if s[full - 1] > 0 else float("inf")
   return rank, cond
 

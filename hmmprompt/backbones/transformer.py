@@ -68,20 +68,20 @@ class Block(nn.Module):
     cfg = self.cfg
     dt = cfg.compute_dtype
     b, t, d = x_BxTxD.shape
-    h, dh = cfg.num_heads, cfg.d_model // cfg.num_heads
+    a, e = cfg.num_heads, cfg.d_model // cfg.num_heads
     y = nn.LayerNorm(dtype=dt, name="ln_attn")(x_BxTxD)
-    # Heads-major [3, B, H, T, K] so both attention products are batched
-    # matmuls over minor dims: XLA:CPU runs the [B, T, H, K] einsums of the
+    # Heads-major [3, B, A, T, E] so both attention products are batched
+    # matmuls over minor dims: XLA:CPU runs the [B, T, A, E] einsums of the
     # textbook layout several times slower (experiments/bench_mlm.py).
-    qkv_3xBxHxTxK = nn.Dense(3 * d, dtype=dt, name="qkv")(y).reshape(
-        b, t, 3, h, dh).transpose(2, 0, 3, 1, 4)
-    q, k, v = qkv_3xBxHxTxK[0], qkv_3xBxHxTxK[1], qkv_3xBxHxTxK[2]
-    logits_BxHxTxT = jnp.matmul(q, jnp.swapaxes(k, -1, -2)) / jnp.sqrt(
-        jnp.asarray(dh, dt))
-    attn = jax.nn.softmax(logits_BxHxTxT.astype(jnp.float32), -1).astype(dt)
-    out_BxHxTxK = jnp.matmul(attn, v)
+    qkv_3xBxAxTxE = nn.Dense(3 * d, dtype=dt, name="qkv")(y).reshape(
+        b, t, 3, a, e).transpose(2, 0, 3, 1, 4)
+    q, k, v = qkv_3xBxAxTxE[0], qkv_3xBxAxTxE[1], qkv_3xBxAxTxE[2]
+    logits_BxAxTxT = jnp.matmul(q, jnp.swapaxes(k, -1, -2)) / jnp.sqrt(
+        jnp.asarray(e, dt))
+    attn = jax.nn.softmax(logits_BxAxTxT.astype(jnp.float32), -1).astype(dt)
+    out_BxAxTxE = jnp.matmul(attn, v)
     x_BxTxD = x_BxTxD + nn.Dense(d, dtype=dt, name="attn_out")(
-        out_BxHxTxK.transpose(0, 2, 1, 3).reshape(b, t, d))
+        out_BxAxTxE.transpose(0, 2, 1, 3).reshape(b, t, d))
     y = nn.LayerNorm(dtype=dt, name="ln_mlp")(x_BxTxD)
     y = nn.Dense(cfg.d_ff, dtype=dt, name="mlp_in")(y)
     y = nn.Dense(d, dtype=dt, name="mlp_out")(nn.gelu(y))

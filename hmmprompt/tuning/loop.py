@@ -119,8 +119,8 @@ def _optimizer(total: int, cfg: TuneConfig):
                                  else "fast", v) for k, v in t.items()})
 
 
-def _train(logits_fn, opt, tunable, examples, labels_N, idx_SxB):
-  """Scans the steps. Returns ``(tunable, losses [S])``."""
+def _train(logits_fn, opt, tunable, examples, labels_N, idx_UxB):
+  """Scans the steps. Returns ``(tunable, losses [U])``."""
 
   def loss_fn(tunable, batch, labels_B):
     logits_BxC = jax.vmap(lambda ex: logits_fn(tunable, ex))(batch)
@@ -135,7 +135,7 @@ def _train(logits_fn, opt, tunable, examples, labels_N, idx_SxB):
     return (optax.apply_updates(tunable, updates), opt_state), loss
 
   (tunable, _), losses = jax.lax.scan(step, (tunable, opt.init(tunable)),
-                                      idx_SxB)
+                                      idx_UxB)
   return tunable, losses
 
 
@@ -159,7 +159,7 @@ def run(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
     cfg: the recipe.
 
   Returns:
-    ``(tunable, losses [S], {split: accuracy []})``, ``S`` =
+    ``(tunable, losses [U], {split: accuracy []})``, ``U`` =
     :func:`num_steps`.
   """
   k_init, k_perm = jax.random.split(key)
@@ -169,10 +169,10 @@ def run(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
                                           cfg)
   stats = _feature_stats(inputs_fn, tunable, examples["train"], cfg)
   logits_fn = _logits_fn(inputs_fn, stats, cfg)
-  idx_SxB = _batch_indices(k_perm, n, cfg)
-  opt = _optimizer(idx_SxB.shape[0], cfg)
+  idx_UxB = _batch_indices(k_perm, n, cfg)
+  opt = _optimizer(idx_UxB.shape[0], cfg)
   tunable, losses = _train(logits_fn, opt, tunable, examples["train"],
-                           data.train_labels, idx_SxB)
+                           data.train_labels, idx_UxB)
   accs = {s: _accuracy(logits_fn, tunable, examples[s], data.split(s)[1],
                        cfg) for s in SPLITS}
   return tunable, losses, accs
@@ -258,7 +258,7 @@ def stack_data(datas: Sequence[Data]) -> Data:
 
 def tune_many(keys, backbone: Backbone, bparams, datas: Sequence[Data],
               cfg: TuneConfig) -> tuple[Result, Any]:
-  """:func:`tune` on ``len(datas)`` seeds (lanes ``[S]``), one backbone."""
+  """:func:`tune` on ``len(datas)`` seeds (lanes ``[S]``: tasks or seeds), one backbone."""
   if len(keys) != len(datas):
     raise ValueError(f"{len(keys)} keys for {len(datas)} datasets")
   return tune(jnp.stack(list(keys)), backbone, bparams, stack_data(datas),
