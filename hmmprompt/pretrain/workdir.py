@@ -7,9 +7,8 @@ all K), ``metrics.jsonl`` (one line per trial and evaluation). One model is
 a stack of one.
 
 Layout 1 (before 2026-11-23) wrote ``config.json`` as the bare config, and
-a one-model run unstacked: its stacked runs resume as they are; a finished
-one-model run still loads for tuning (:func:`load_trials`,
-:func:`load_backbone`), but is not resumed (refused by name).
+a one-model run unstacked: its stacked runs resume and load as they are; a
+one-model run is refused by name (rerun it: it is a stack of one now).
 """
 
 from __future__ import annotations
@@ -31,6 +30,10 @@ from hmmprompt.pretrain import train
 from hmmprompt.pretrain.config import PretrainConfig
 
 LAYOUT = 2
+_LAYOUT1_SINGLE = (
+    "{workdir} holds a one-model run of layout 1 (an unstacked model and "
+    "checkpoint, written before 2026-11-23); this version reads layout "
+    f"{LAYOUT}, where every run is a stack: rerun it in a new workdir")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +79,7 @@ def prepare(workdir: str, cfg: PretrainConfig,
 
   Raises:
     ValueError: the workdir holds another run (what differs named), or a
-      layout-1 one-model run (which this version does not resume).
+      layout-1 one-model run.
   """
   paths = Paths.of(workdir)
   os.makedirs(workdir, exist_ok=True)
@@ -90,10 +93,7 @@ def prepare(workdir: str, cfg: PretrainConfig,
     old_models = models.load(paths.model)
     had, has = models.num_trials(old_models), models.num_trials(models_K)
     if had is None:
-      raise ValueError(f"{workdir} holds a one-model run of layout 1 (an "
-                       f"unstacked checkpoint); this version (layout "
-                       f"{LAYOUT}) resumes only stacks: load it with "
-                       f"load_backbone, or start a new workdir")
+      raise ValueError(_LAYOUT1_SINGLE.format(workdir=workdir))
     if had != has:
       raise ValueError(f"{workdir} holds a run of {had} stacked trials, "
                        f"this run has {has} stacked trials: use a new "
@@ -130,16 +130,6 @@ def restore(ckpts: ckpt_lib.Checkpoints, cfg: PretrainConfig, num: int,
   return ckpts.restore_latest(abstract, log=log)
 
 
-def _restore_layout1(ckpts: ckpt_lib.Checkpoints, cfg: PretrainConfig):
-  """A layout-1 one-model checkpoint, as a stack of one."""
-  one = jax.eval_shape(lambda: jax.tree.map(
-      lambda x: x[0], train.init_states(jax.random.PRNGKey(0)[None], cfg)))
-  step, state = ckpts.restore_latest(one)
-  if step is None:
-    return None, None
-  return step, jax.tree.map(lambda x: x[None], state)
-
-
 def load_trials(workdir: str) -> tuple[Backbone, Any, list[dict]]:
   """``(backbone, params_K, infos)`` of a pretraining run, for tuning.
 
@@ -151,6 +141,7 @@ def load_trials(workdir: str) -> tuple[Backbone, Any, list[dict]]:
   Raises:
     FileNotFoundError: ``workdir`` is not a pretraining workdir, or holds
       no readable checkpoint (named).
+    ValueError: a layout-1 one-model run (named).
   """
   paths = Paths.of(workdir)
   for what in ("config", "model"):
@@ -160,13 +151,11 @@ def load_trials(workdir: str) -> tuple[Backbone, Any, list[dict]]:
   _, cfg = _read_config(paths)
   models_K = models.load(paths.model)
   num = models.num_trials(models_K)
+  if num is None:
+    raise ValueError(_LAYOUT1_SINGLE.format(workdir=workdir))
   ckpts = ckpt_lib.Checkpoints(paths.ckpt, keep=cfg.keep)
   try:
-    if num is None:
-      models_K = models.stack([models_K])
-      step, state = _restore_layout1(ckpts, cfg)
-    else:
-      step, state = restore(ckpts, cfg, num)
+    step, state = restore(ckpts, cfg, num)
   finally:
     ckpts.close()
   if step is None:
