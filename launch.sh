@@ -8,6 +8,11 @@
 #   ./launch.sh test      set up .venv if needed, run the whole test suite
 #                         (./launch.sh test -m "not slow": the fast tier)
 #   ./launch.sh demo      a one-minute tour of the HMM core
+#   ./launch.sh mutants [module ...]   mutation testing (mutmut; installs
+#                         the `mutants` extra): e.g. `mutants tuning heads`,
+#                         then a score table per module (docs/mutation.md)
+#   ./launch.sh docs      build the documentation strictly into site/
+#                         (mkdocs.yml; the `docs` extra, pulled in by `test`)
 #   ./launch.sh bench     both benchmarks (installs the `bench` extra:
 #                         hmmlearn, dynamax, torch, transformers); for their
 #                         flags run python -m experiments.bench_hmm / bench_mlm
@@ -25,11 +30,12 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 
 mode="main"
 case "${1:-}" in
-  test|bench|demo) mode="$1"; shift ;;
+  test|bench|demo|mutants|docs) mode="$1"; shift ;;
 esac
 
 extras="test"
 [ "$mode" = bench ] && extras="test,bench"
+[ "$mode" = mutants ] && extras="test,mutants"
 [ -n "${HMMPROMPT_EXTRAS:-}" ] && extras="$extras,$HMMPROMPT_EXTRAS"
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -49,6 +55,15 @@ case "$mode" in
   bench) "$VENV/bin/python" -m experiments.bench_hmm
          exec "$VENV/bin/python" -m experiments.bench_mlm ;;
   demo)  exec "$VENV/bin/python" -m experiments.demo "$@" ;;
+  docs)  exec "$VENV/bin/python" -m mkdocs build --strict "$@" ;;
+  # Mutation testing, the fast tier as the oracle (docs/mutation.md):
+  # ./launch.sh mutants tuning heads tasks (default: all of hmmprompt/).
+  mutants)
+    globs=(); mods=""
+    for m in "$@"; do globs+=("hmmprompt.$m.*"); mods="$mods${mods:+,}$m"; done
+    "$VENV/bin/mutmut" run "${globs[@]}" || true
+    exec "$VENV/bin/python" -m experiments.mutation_scores \
+      ${mods:+--modules=$mods} ;;
   main)  exec "$VENV/bin/python" -m experiments.figure3 \
            --backbone=exact,transformer --preset=cpu --workdir=runs/figure3 \
            "$@" ;;

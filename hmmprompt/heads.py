@@ -36,6 +36,9 @@ import jax.numpy as jnp
 _LOG_EPS = 1e-6
 _STD_EPS = 1e-6
 
+NUM_CLASSES = 2
+"""Logits every registered head gives: the paper's tasks are binary."""
+
 
 # ----------------------------------------------------------------------------
 # Feature transforms.
@@ -118,7 +121,8 @@ class Head:
   reads_all_positions: bool
 
 
-def init_linear(key, num_features: int, num_classes: int = 2) -> dict:
+def init_linear(key, num_features: int,
+                num_classes: int = NUM_CLASSES) -> dict:
   # Zero init: the first step is symmetric and deterministic; a linear
   # model has no symmetry to break.
   del key
@@ -131,7 +135,8 @@ def apply_linear(params: dict, feats_F: jax.Array) -> jax.Array:
 
 
 def init_attention(key, vocab_size: int, embed_dim: int, seq_len: int,
-                   num_classes: int = 2, key_dim: int | None = None) -> dict:
+                   num_classes: int = NUM_CLASSES,
+                   key_dim: int | None = None) -> dict:
   """``key_dim`` defaults to ``embed_dim + 1`` (the paper's ``|H| + 1``)."""
   key_dim = key_dim or embed_dim + 1
   k_k, k_q, k_v, k_b = jax.random.split(key, 4)

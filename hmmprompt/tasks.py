@@ -41,6 +41,10 @@ from hmmprompt import validation
 Model = models.Model
 
 
+LABELINGS = ("paper", "authors")
+"""How a label reads the posterior (module doc)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
   """Sizes and options of a downstream task (defaults: Appendix D)."""
@@ -66,7 +70,7 @@ class TaskConfig:
                        f"{self.max_label_share}")
     if self.max_redraws < 0:
       raise ValueError("TaskConfig.max_redraws must be >= 0")
-    if self.labeling not in ("paper", "authors"):
+    if self.labeling not in LABELINGS:
       raise ValueError(f"TaskConfig.labeling must be 'paper' or 'authors', "
                        f"got {self.labeling!r}")
 
@@ -123,10 +127,12 @@ def task_weights(key, num_latent: int, num_classes: int = 2,
 
 def latent_posterior(model: Model, tokens_T: jax.Array,
                      labeling: str = "paper") -> jax.Array:
-  """``[K]``: the posterior a label is a linear function of (module doc).
+  """``[Z]``: the posterior a label is a linear function of (module doc).
 
   ``tokens_T`` includes the leading ``MASK``. Traceable; vmap it.
   """
+  if labeling not in LABELINGS:
+    raise ValueError(f"labeling must be one of {LABELINGS}, got {labeling!r}")
   if labeling == "authors" and models.kind(model) == "vanilla":
     first_real_H = hmm_lib.token_smooth(model, tokens_T[1:]).posterior[0]
     return model.transition @ first_real_H
@@ -146,6 +152,8 @@ def sample_examples(key, model: Model, n: int, seq_len: int,
   ``"authors"``: ``MASK`` prepended to ``seq_len`` sampled tokens.
   Traceable (sizes static).
   """
+  if labeling not in LABELINGS:
+    raise ValueError(f"labeling must be one of {LABELINGS}, got {labeling!r}")
   keys = jax.random.split(key, n)
   if labeling == "authors":
     length = seq_len

@@ -37,6 +37,7 @@ from hmmprompt.tuning.config import backbone_head_inputs
 from hmmprompt.tuning.config import data_from_task
 from hmmprompt.tuning.config import num_steps
 from hmmprompt.tuning.loop import Result
+from hmmprompt.tuning.loop import init_tunable
 from hmmprompt.tuning.loop import run
 from hmmprompt.tuning.loop import stack_data
 from hmmprompt.tuning.loop import tune

@@ -27,9 +27,12 @@ from hmmprompt.tuning.config import num_steps
 # One seed, step by step (all traceable).
 
 
-def _init_tunable(key, backbone: Backbone, bparams, cfg: TuneConfig,
-                  num_tokens: int) -> dict:
-  """``{"head": ..., **extra}``; ``num_tokens`` counts the ``MASK``."""
+def init_tunable(key, backbone: Backbone, bparams, cfg: TuneConfig,
+                 num_tokens: int) -> dict:
+  """The tunable params before training, ``{"head": ..., **extra}`` (the
+  method's extra entries, e.g. ``"prompt" [P, D]``); ``num_tokens``
+  counts the ``MASK``. :func:`run` starts from ``init_tunable(
+  jax.random.split(key)[0], ...)``."""
   k_head, k_extra = jax.random.split(key)
   length = tasks_lib.input_len(cfg.num_prompt, num_tokens - 1)
   head = heads.HEADS[cfg.head].init(k_head, backbone.vocab_size,
@@ -164,7 +167,7 @@ def run(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
   """
   k_init, k_perm = jax.random.split(key)
   n, num_tokens = data.train_tokens.shape
-  tunable = _init_tunable(k_init, backbone, bparams, cfg, num_tokens)
+  tunable = init_tunable(k_init, backbone, bparams, cfg, num_tokens)
   inputs_fn, examples = _prepare_examples(backbone, bparams, tunable, data,
                                           cfg)
   stats = _feature_stats(inputs_fn, tunable, examples["train"], cfg)
@@ -217,6 +220,15 @@ def _check_lanes(key_L, bparams, data_L: Data, param_axes: int) -> None:
     raise ValueError(f"lanes {lanes} (the data's), keys of shape "
                      f"{key_L.shape}, backbone params leading with "
                      f"{param_lanes} (param_axes={param_axes})")
+  for s in SPLITS:
+    labels = np.asarray(data_L.split(s)[1])
+    if labels.size and not (labels.min() >= 0
+                            and labels.max() < heads.NUM_CLASSES):
+      raise ValueError(
+          f"{s} labels must be in [0, {heads.NUM_CLASSES}) (the heads are "
+          f"binary, as the paper's tasks), got {labels.min()}..{labels.max()}"
+          f"; a TaskConfig with num_classes > {heads.NUM_CLASSES} cannot be "
+          f"tuned")
 
 
 def tune(key_L, backbone: Backbone, bparams, data_L: Data, cfg: TuneConfig,
