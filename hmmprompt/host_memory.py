@@ -5,7 +5,8 @@ large blocks with ``mmap`` and gives them back with ``munmap`` when freed.
 Every step of a jitted training loop then faults its working set in again,
 page by page, zero-filled by the kernel: on the 2-core machine the cpu
 pretraining step took 8.8 M minor page faults and 30 s of system time per
-600 steps, about 40% of its CPU time (README, "Where the system time went").
+600 steps, about 40% of its CPU time (docs/performance.md, "Where the system
+time went").
 
 :func:`retain_freed_memory` tells glibc to keep freed memory for reuse
 (no ``mmap`` for large blocks, no trimming of the heap top): the same run

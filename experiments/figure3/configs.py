@@ -159,8 +159,8 @@ def _paper() -> Setup:
   """Figure 3's protocol: every size of both panels, 20 trials per size on
   the left and 5 on the right (a new HMM, pretrained model and task each),
   Appendix D's task sizes and pretraining (for accelerators; the exact
-  backbone runs it on 2 CPU cores, README); heads on the raw probabilities
-  (the paper's ``G``)."""
+  backbone runs it on 2 CPU cores, docs/figure3.md); heads on the raw
+  probabilities (the paper's ``G``)."""
   return Setup(trials=20, right_trials=5, tasks_per_hmm=1,
                left_sizes=_ALL_LEFT, memory_sizes=_ALL_MEMORY,
                features=("raw",),

@@ -180,7 +180,7 @@ def _cpu(vocab_size: int) -> PretrainConfig:
   # nats (sampled targets: 12 of 13, |H| = 30 ends at 0.045) in 75 000
   # steps in all (sampled: 83 000); |H| = 12 needs 7000 (sampled 15 000).
   # MASK-only corruption is faster on |H| = 10-28 but slower on the memory
-  # |M| = 7 HMM and misses |H| = 30 (README: the 13-draw table).
+  # |M| = 7 HMM and misses |H| = 30 (docs/pretraining.md: the 13 draws).
   return PretrainConfig(
       model=transformer.MLMConfig(vocab_size=vocab_size, d_model=64,
                                   num_heads=4, d_ff=256, num_layers=2,
@@ -201,7 +201,7 @@ def _cpu_capped(vocab_size: int) -> PretrainConfig:
   # cycles of 1000 and 1000, 14 of the main job's 21 were there at step 500,
   # mid-decay; a cycle ending at 500 stops them. The hard ones (|H| = 28,
   # some of 12 and memory |M| = 7) need 3000-5000 steps, so some end above
-  # the target: the per-trial gaps are in the report (README).
+  # the target: the per-trial gaps are in the report (docs/figure3.md).
   cpu = _cpu(vocab_size)
   return cpu.with_overrides(
       batch_size=32, lr=5e-3, cycles=(500, 500, 1000),
