@@ -113,3 +113,32 @@ def test_summary_is_over_trials_and_splits_the_variance():
   one = [r for r in lines if r.trial == 0]  # one trial: over its tasks
   assert reporting.summarize(one)[key][4][2] == 2
   assert reporting.variance_components(one) == {}
+
+
+def test_pretraining_plot_has_a_panel_per_size_and_is_linked(tmp_path):
+  """DIR/pretraining.png plots every trial's gap against tokens (from each
+  run's config.json), linked under the pretraining table; no pretraining
+  runs, no plot."""
+  import json
+  import os
+  from hmmprompt import pretrain
+  assert reporting.pretraining_report(str(tmp_path)) == ""
+  assert not os.path.exists(tmp_path / reporting.PRETRAINING_PLOT)
+  cfg = pretrain.preset_config("tiny")
+  for name, gaps in (("vanilla-h12-abc", [0.03, 0.02]),
+                     ("vanilla-h4-abc", [0.03, 0.2])):  # trial 1 stalls
+    run = tmp_path / "pretrain" / name
+    os.makedirs(run)
+    (run / "config.json").write_text(json.dumps(
+        {"layout": 2, "pretrain": cfg.to_json()}))
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"trial": k, "step": step, "mlm_ce": 2.0 + g,
+                    "bayes_ce": 2.0, "ce_gap": g, "tv": 0.1,
+                    "wall_s": 1.0}) + "\n"
+        for k in range(2) for step, g in zip((20, 40), (1.0, gaps[k]))))
+  table = reporting.pretraining_report(str(tmp_path))
+  assert "vanilla-h4-abc | 1 | 40" in table
+  assert f"]({reporting.PRETRAINING_PLOT})" in table
+  assert "Ended above the target gap: vanilla-h4-abc trial 1." in table
+  with open(tmp_path / reporting.PRETRAINING_PLOT, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"

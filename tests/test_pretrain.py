@@ -435,3 +435,104 @@ def test_layout1_one_model_run_is_refused_by_name(tmp_path, model):
                lambda: pretrain.load_backbone(old)):
     with pytest.raises(ValueError, match="one-model run of layout 1"):
       call()
+
+
+def test_tensorboard_curves_per_trial_read_back_across_a_resume(tmp_path):
+  """Each trial's TensorBoard run holds its evaluations (the values of
+  metrics.jsonl), training loss and throughput, against steps and tokens.
+  Killed after a log line past its checkpoint, the rerun adds an event file
+  whose rewritten steps replace the old points (TensorBoard's rule, which
+  read_scalars follows), equal to them (resumes are bit-exact)."""
+  pytest.importorskip("tensorboardX")
+  from hmmprompt.pretrain import curves
+  cfg = dataclasses.replace(TINY, ckpt_every=20)  # log at 30, ckpt at 20
+  stacked = models.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6, 10)
+  workdir = str(tmp_path)
+
+  class Crash(Exception):
+    pass
+
+  def crash(step):
+    if step == 35:
+      raise Crash
+
+  with pytest.raises(Crash):
+    pretrain.run_trials(workdir, cfg, stacked, log=lambda s: None,
+                        after_step=crash)
+  before = [curves.read_scalars(curves.trial_logdir(workdir, k))
+            for k in range(2)]
+  assert [s for s, _ in before[1]["by_step/train_loss"]] == [10, 20, 30]
+  logs = []
+  pretrain.run_trials(workdir, cfg, stacked, log=logs.append)
+  assert f"TensorBoard curves: tensorboard --logdir {workdir}/tb" in logs
+  assert sorted(os.listdir(os.path.join(workdir, "tb"))) == ["trial_0",
+                                                             "trial_1"]
+  lines = [json.loads(l) for l in open(os.path.join(workdir,
+                                                    "metrics.jsonl"))]
+  tokens = cfg.batch_size * cfg.corpus.chunk_len
+  names = ("train_loss", "tokens_per_s") + curves.EVAL_KEYS
+  losses = []
+  for k in range(2):
+    logdir = curves.trial_logdir(workdir, k)
+    assert len(os.listdir(logdir)) == 2  # one event file per process
+    got = curves.read_scalars(logdir)
+    assert set(got) == {f"{a}/{n}" for a in curves.AXES for n in names}
+    for name in names:
+      by_step, by_tokens = got[f"by_step/{name}"], got[f"by_tokens/{name}"]
+      assert by_tokens == [(s * tokens, v) for s, v in by_step]
+    mine = [m for m in lines if m["trial"] == k]
+    for key in curves.EVAL_KEYS:
+      assert got[f"by_step/{key}"] == [(m["step"], np.float32(m[key]))
+                                       for m in mine]
+    assert [s for s, _ in got["by_step/train_loss"]] == [10, 20, 30, 40]
+    # The rewritten steps equal the killed run's points.
+    assert got["by_step/train_loss"][:3] == before[k]["by_step/train_loss"]
+    assert got["by_step/ce_gap"][:1] == before[k]["by_step/ce_gap"]
+    assert all(v > 0 for _, v in got["by_step/tokens_per_s"])
+    losses.append(dict(got["by_step/train_loss"]))
+  # The log line's loss is the mean over both trials.
+  logged = [l for l in logs if l.startswith("step 40/40 loss ")][0]
+  assert float(logged.split()[3]) == pytest.approx(
+      (losses[0][40] + losses[1][40]) / 2, abs=1e-4)
+
+
+def test_curves_match_losses_to_trials_and_skip_without_tensorboardx(
+    tmp_path, monkeypatch):
+  """A log window in which the stack lost a trial averages each trial over
+  its own steps; without tensorboardX nothing is written and the log line
+  says why."""
+  pytest.importorskip("tensorboardX")
+  from hmmprompt.pretrain import curves
+  c = curves.Curves(str(tmp_path), tokens_per_step=100)
+  c.add_losses(np.array([0, 1]), jnp.array([1.0, 2.0]))
+  c.add_losses(np.array([0, 1]), jnp.array([3.0, 4.0]))
+  c.add_losses(np.array([1]), jnp.array([9.0]))  # trial 0 stopped
+  c.train(3, tokens_per_s=50.0)
+  c.eval({"trial": 1, "step": 3, "mlm_ce": 2.5, "bayes_ce": 2.0,
+          "ce_gap": 0.5, "tv": 0.25, "wall_s": 1.0})
+  t0 = curves.read_scalars(curves.trial_logdir(str(tmp_path), 0))
+  t1 = curves.read_scalars(curves.trial_logdir(str(tmp_path), 1))
+  assert t0 == {"by_step/train_loss": [(3, 2.0)],
+                "by_tokens/train_loss": [(300, 2.0)],
+                "by_step/tokens_per_s": [(3, 50.0)],
+                "by_tokens/tokens_per_s": [(300, 50.0)]}
+  assert t1["by_step/train_loss"] == [(3, 5.0)]
+  assert t1["by_tokens/ce_gap"] == [(300, 0.5)]
+  assert t1["by_step/tv"] == [(3, 0.25)]
+  # A killed writer's torn last record ends its file.
+  path = os.path.join(curves.trial_logdir(str(tmp_path), 1),
+                      os.listdir(curves.trial_logdir(str(tmp_path), 1))[0])
+  with open(path, "ab") as f:
+    f.write(b"\x40" + b"\0" * 11)  # a header promising 64 bytes
+  assert curves.read_scalars(curves.trial_logdir(str(tmp_path), 1)) == t1
+
+  monkeypatch.setattr(curves, "event_pb2", None)
+  off = curves.Curves(str(tmp_path / "off"), tokens_per_step=100)
+  assert not off.enabled and "tensorboardX is not installed" in off.status
+  off.add_losses(np.array([0]), jnp.array([1.0]))
+  off.train(1, 1.0)
+  off.eval({"trial": 0, "step": 1, "mlm_ce": 1.0, "bayes_ce": 1.0,
+            "ce_gap": 0.0, "tv": 0.0})
+  assert not os.path.exists(tmp_path / "off")
+  with pytest.raises(ImportError, match="hmmprompt\\[tensorboard\\]"):
+    curves.read_scalars(str(tmp_path))

@@ -170,3 +170,97 @@ def test_bad_config_raises(kwargs, match):
 def test_bad_model_raises():
   with pytest.raises(TypeError, match="HMM or a MemoryHMM"):
     tasks.make_task(jax.random.PRNGKey(0), "hmm", SMALL)
+
+
+@pytest.mark.parametrize("field", ["num_train", "num_val", "num_test",
+                                   "seq_len", "num_nonzero"])
+def test_every_task_size_must_be_positive(field):
+  with pytest.raises(ValueError, match=f"TaskConfig.{field} must be >= 1"):
+    tasks.TaskConfig(**{field: 0})
+
+
+def test_task_config_bounds_are_inclusive():
+  """A label share of 0.5 or 1.0 and zero re-draws are valid; just past
+  them is not, named."""
+  for share in (0.5, 1.0):
+    assert tasks.TaskConfig(max_label_share=share).max_label_share == share
+  assert tasks.TaskConfig(max_redraws=0).max_redraws == 0
+  for share in (0.49, 1.01):
+    with pytest.raises(ValueError,
+                       match=r"max_label_share must be in \[0.5, 1\]"):
+      tasks.TaskConfig(max_label_share=share)
+  with pytest.raises(ValueError, match="TaskConfig.max_redraws must be >= 0"):
+    tasks.TaskConfig(max_redraws=-1)
+
+
+def test_authors_latent_is_the_transition_times_the_first_real_posterior(
+    vanilla, mem):
+  """The original code's label reads ``transmat @ P[H_1 | x_{1:T}]`` (a
+  vanilla HMM; paper README), computed here through the validating entry
+  point; it is not the paper's latent. A memory HMM reads the memory either
+  way. An unknown labeling is named."""
+  tokens_T = np.asarray([MASK, 1, 2, 3, 4], np.int32)
+  want = np.asarray(vanilla.transition) @ np.asarray(
+      hmm_lib.posterior(vanilla, tokens_T[1:]))[0]
+  got = tasks.latent_posterior(vanilla, tokens_T, "authors")
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  paper = tasks.latent_posterior(vanilla, tokens_T)
+  np.testing.assert_array_equal(
+      paper, tasks.latent_posterior(vanilla, tokens_T, "paper"))
+  assert np.max(np.abs(np.asarray(paper) - np.asarray(got))) > 1e-3
+  np.testing.assert_array_equal(tasks.latent_posterior(mem, tokens_T,
+                                                       "authors"),
+                                tasks.latent_posterior(mem, tokens_T))
+  for fn in (lambda: tasks.latent_posterior(vanilla, tokens_T, "Paper"),
+             lambda: tasks.sample_examples(jax.random.PRNGKey(0), vanilla,
+                                           2, 3, "Authors")):
+    with pytest.raises(ValueError, match="labeling must be one of"):
+      fn()
+
+
+def test_majority_share_counts_every_class():
+  assert tasks.majority_share(np.asarray([1])) == 1.0
+  assert tasks.majority_share(np.asarray([0, 1, 1])) == pytest.approx(2 / 3)
+  assert tasks.majority_share(np.asarray([], np.int64)) == 0.0
+
+
+def test_attempts_are_one_plus_max_redraws_and_the_bound_is_inclusive(
+    vanilla):
+  """A draw whose majority share equals ``max_label_share`` is taken; a
+  key whose first good draw is attempt 2 succeeds with ``max_redraws=2``
+  and fails with 1 (exactly ``1 + max_redraws`` attempts)."""
+  tiny = dataclasses.replace(SMALL, num_train=4, num_val=1, num_test=1)
+  first = tasks.make_task(jax.random.PRNGKey(0), vanilla,
+                          dataclasses.replace(tiny, max_label_share=1.0,
+                                              max_redraws=0))
+  share = tasks.majority_share(np.concatenate(
+      [first.train.labels, first.val.labels, first.test.labels]))
+  at_bound = tasks.make_task(jax.random.PRNGKey(0), vanilla,
+                             dataclasses.replace(tiny, max_label_share=share,
+                                                 max_redraws=0))
+  assert at_bound.redraws == 0
+  balanced = dataclasses.replace(tiny, max_label_share=0.5, max_redraws=20)
+  key = next(k for k in (jax.random.PRNGKey(s) for s in range(40))
+             if tasks.make_task(k, vanilla, balanced).redraws == 2)
+  assert tasks.make_task(key, vanilla, dataclasses.replace(
+      balanced, max_redraws=2)).redraws == 2
+  with pytest.raises(ValueError, match="every one of 2 drawn tasks"):
+    tasks.make_task(key, vanilla, dataclasses.replace(balanced,
+                                                      max_redraws=1))
+
+
+def test_make_tasks_arguments_are_named():
+  """Two trials (the smallest vmapped stack) equal their draws alone; a
+  single model and a wrong key count are named."""
+  stacked = models.random_models(jax.random.PRNGKey(4), 2, "vanilla", 5, 10)
+  keys = jax.random.split(jax.random.PRNGKey(9), 2)
+  got = tasks.make_tasks(keys, stacked, SMALL)
+  for k in range(2):
+    alone = tasks.make_task(keys[k], models.trial(stacked, k), SMALL)
+    np.testing.assert_array_equal(got[k].test.labels, alone.test.labels)
+    np.testing.assert_array_equal(got[k].mu, alone.mu)
+  with pytest.raises(ValueError, match=r"^make_tasks needs \[K\] stacked "
+                     r"models; use make_task for one$"):
+    tasks.make_tasks(keys, models.trial(stacked, 0), SMALL)
+  with pytest.raises(ValueError, match="^1 keys for 2 trials$"):
+    tasks.make_tasks(keys[:1], stacked, SMALL)

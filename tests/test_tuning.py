@@ -229,3 +229,142 @@ def test_vmapped_trials_equal_one_by_one(method):
                                      (keys_KxS, bparams_k, 3)):
     with pytest.raises(ValueError, match="lanes"):
       tuning.tune(bad_keys, bb, bad_params, data_KxS, cfg, param_axes=axes)
+
+
+def test_labels_outside_the_heads_classes_are_refused(setup):
+  """The heads give ``heads.NUM_CLASSES`` logits; a task with more classes
+  is refused by name at the boundary (it would train on out-of-range
+  labels silently)."""
+  model, bb, bp, _ = setup
+  task = tasks.make_task(jax.random.PRNGKey(0), model, dataclasses.replace(
+      SMALL, num_classes=3, num_nonzero=12))
+  assert int(np.max(task.train.labels)) == 2
+  with pytest.raises(ValueError, match=r"labels must be in \[0, 2\)"):
+    tuning.tune(jax.random.PRNGKey(0), bb, bp,
+                tuning.data_from_task(task, FAST), FAST)
+
+
+@pytest.mark.parametrize("field", ["prompt_len", "epochs", "batch_size",
+                                   "eval_chunk"])
+def test_every_count_must_be_positive(field):
+  with pytest.raises(ValueError, match=f"TuneConfig.{field} must be >= 1"):
+    tuning.TuneConfig(**{field: 0})
+
+
+def test_tune_config_bounds():
+  """``warmup_frac`` is in [0, 1) (0: no warmup); ``max_len`` may leave
+  exactly the prompt and the ``MASK``, not one position less."""
+  for frac in (0.0, 0.999):
+    assert tuning.TuneConfig(warmup_frac=frac).warmup_frac == frac
+  for frac in (1.0, -0.1):
+    with pytest.raises(ValueError,
+                       match=r"^TuneConfig.warmup_frac must be in \[0, 1\)$"):
+      tuning.TuneConfig(warmup_frac=frac)
+  room = tasks.input_len(4, 0)  # 4 prompt vectors and the MASK
+  assert tuning.TuneConfig(method="prompt", prompt_len=4,
+                           max_len=room).max_len == room
+  with pytest.raises(ValueError, match="leaves no room"):
+    tuning.TuneConfig(method="prompt", prompt_len=4, max_len=room - 1)
+
+
+def test_authors_preset_is_the_original_scripts():
+  """The authors' fine-tuning scripts (paper README, "Fine-tuning in the
+  original scripts"): lr 0.01, 500 warmup steps, batch 128, 100 epochs,
+  inputs cut to 80 positions; overrides win."""
+  cfg = tuning.TuneConfig.authors()
+  assert (cfg.lr, cfg.warmup_steps, cfg.batch_size, cfg.epochs,
+          cfg.max_len) == (0.01, 500, 128, 100, 80)
+  assert tuning.TuneConfig.authors(epochs=3).epochs == 3
+
+
+def test_num_steps_counts_whole_batches_and_at_least_one():
+  cfg = tuning.TuneConfig(batch_size=32, epochs=2)
+  assert tuning.num_steps(100, cfg) == 6 and isinstance(
+      tuning.num_steps(100, cfg), int)
+  assert tuning.num_steps(10, cfg) == 2  # a split smaller than a batch
+
+
+def test_prompt_starts_uniform_in_plus_minus_prompt_init(setup):
+  """The soft prompt starts Uniform[-0.5, 0.5] (the authors' init), so it
+  is symmetric about 0 and spans the interval."""
+  model, bb, bp, _ = setup
+  cfg = tuning.TuneConfig(method="prompt", prompt_len=200)
+  prompt = np.asarray(tuning.init_tunable(jax.random.PRNGKey(0), bb, bp, cfg,
+                                          9)["prompt"])
+  assert prompt.shape == (200, bb.embed_dim)
+  assert -0.5 <= prompt.min() < -0.45 and 0.45 < prompt.max() <= 0.5
+  assert abs(prompt.mean()) < 0.05
+
+
+def test_lr_schedule_warms_up_to_lr_and_decays_to_zero():
+  """Warmup over ``warmup_frac`` of the steps (or ``warmup_steps``, at most
+  ``total - 1``), the peak at ``lr``, linear decay to 0 at ``total``; no
+  warmup starts at the peak."""
+  cfg = tuning.TuneConfig(lr=0.02, warmup_frac=0.1)
+  sched = tuning.lr_schedule(100, cfg)
+  np.testing.assert_allclose([sched(0), sched(5), sched(10), sched(55),
+                              sched(100)], [0, 0.01, 0.02, 0.01, 0],
+                             atol=1e-9)
+  sched = tuning.lr_schedule(100, dataclasses.replace(cfg, warmup_steps=20))
+  np.testing.assert_allclose([sched(10), sched(20), sched(60), sched(100)],
+                             [0.01, 0.02, 0.01, 0], atol=1e-9)
+  sched = tuning.lr_schedule(10, dataclasses.replace(cfg, warmup_steps=50))
+  np.testing.assert_allclose([sched(9), sched(10)], [0.02, 0], atol=1e-9)
+  sched = tuning.lr_schedule(50, dataclasses.replace(cfg, warmup_frac=0.0))
+  np.testing.assert_allclose([sched(0), sched(25), sched(50)],
+                             [0.02, 0.01, 0], atol=1e-9)
+
+
+def test_finetuning_moves_the_backbone_at_its_own_rate():
+  """Adam's first step moves every coordinate by its learning rate: the
+  head by ``lr``, a fine-tuned backbone by ``backbone_lr`` (a pretrained
+  transformer is wrecked at the head's rate)."""
+  cfg = tuning.TuneConfig(method="finetune", lr=0.01, backbone_lr=1e-4,
+                          warmup_steps=0)
+  params = {"head": np.zeros(3), "backbone": {"w": np.zeros(2)}}
+  opt = tuning.make_optimizer(100, cfg)
+  grads = jax.tree.map(np.ones_like, params)
+  updates, _ = opt.update(grads, opt.init(params), params)
+  np.testing.assert_allclose(updates["head"], -0.01, rtol=1e-4)
+  np.testing.assert_allclose(updates["backbone"]["w"], -1e-4, rtol=1e-4)
+  head_only = tuning.make_optimizer(100, dataclasses.replace(cfg,
+                                                            method="head"))
+  updates, _ = head_only.update({"head": grads["head"]},
+                                head_only.init({"head": params["head"]}))
+  np.testing.assert_allclose(updates["head"], -0.01, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_train", [16, 64])
+def test_run_takes_num_steps_steps(setup, num_train):
+  """One loss per optimizer step, ``num_steps`` of them: whole batches
+  per epoch, and one step of the whole split when it is smaller than a
+  batch."""
+  model, bb, bp, task_list = setup
+  cfg = dataclasses.replace(FAST, epochs=2)
+  data = _tiny(tuning.data_from_task(task_list[0], cfg))
+  data = data._replace(train_tokens=data.train_tokens[:num_train],
+                       train_labels=data.train_labels[:num_train])
+  _, losses, accs = jax.jit(tuning.run, static_argnums=(3, 4))(
+      jax.random.PRNGKey(0), bp, data, bb, cfg)
+  assert losses.shape == (tuning.num_steps(num_train, cfg),)
+  assert tuning.num_steps(num_train, cfg) == (2 if num_train < 32 else 4)
+  assert set(accs) == set(tuning.SPLITS)
+
+
+def test_lane_drivers_name_what_disagrees(setup):
+  """``tune_many`` and ``tune_trials`` name a key count that is not the
+  dataset count, and a trial without tasks; one task per trial is fine."""
+  model, bb, bp, task_list = setup
+  cfg = dataclasses.replace(FAST, epochs=1)
+  data = _tiny(tuning.data_from_task(task_list[0], cfg))
+  with pytest.raises(ValueError, match="^2 keys for 1 datasets$"):
+    tuning.tune_many([jax.random.PRNGKey(0)] * 2, bb, bp, [data], cfg)
+  bparams_k = jax.tree.map(lambda x: np.stack([x, x]), bp)
+  keys = [[jax.random.PRNGKey(0)], [jax.random.PRNGKey(1)]]
+  with pytest.raises(ValueError, match="params for 2 trials, 2 trials of "
+                     "datasets and 1 of keys"):
+    tuning.tune_trials(keys[:1], bb, bparams_k, [[data], [data]], cfg)
+  with pytest.raises(ValueError, match="same number"):
+    tuning.tune_trials([[], []], bb, bparams_k, [[], []], cfg)
+  res, _ = tuning.tune_trials(keys, bb, bparams_k, [[data], [data]], cfg)
+  assert res.test_accuracy.shape == (2, 1)

@@ -19,6 +19,7 @@ from hmmprompt import checkpoints as ckpt_lib
 from hmmprompt import corpus as corpus_lib
 from hmmprompt import models
 from hmmprompt import sharding as sharding_lib
+from hmmprompt.pretrain import curves as curves_lib
 from hmmprompt.pretrain import evaluation as evaluate_lib
 from hmmprompt.pretrain import train
 from hmmprompt.pretrain import workdir as workdir_lib
@@ -54,7 +55,8 @@ class _Progress:
   def add(self, loss) -> None:
     self.pending.append(loss)
 
-  def flush(self, done: int, last_ckpt: int | None, ckpt_dir: str) -> None:
+  def flush(self, done: int, last_ckpt: int | None, ckpt_dir: str) -> float:
+    """Logs the steps since the last flush; returns their tokens/s."""
     losses = np.asarray(jnp.stack(self.pending))
     self.pending = []
     if not np.all(np.isfinite(losses)):
@@ -76,6 +78,7 @@ class _Progress:
              f"{rate / 1e3:.1f}k tokens/s ETA "
              f"{sec_per_step * (total - done):.0f}s")
     self.t_last, self.step_last = now, done
+    return rate
 
 
 def _reached(cfg: PretrainConfig, metrics: dict) -> bool:
@@ -183,6 +186,11 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
                                          models.trial(models_K, k), cfg)
           for k in running}
   progress = _Progress(cfg, start, log, trials=len(running))
+  # TensorBoard event files per trial (curves.py): written beside the
+  # metrics, never read by the loop, so no result depends on them.
+  curves = curves_lib.Curves(workdir, cfg.batch_size * cfg.corpus.chunk_len)
+  if curves.status:
+    log(curves.status)
   # Training wall time summed over resumed runs (what "time per size" is).
   wall_before = max((m.get("wall_s", 0.0) for m in metrics), default=0.0)
   t_run = time.perf_counter()
@@ -196,6 +204,7 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
            "wall_s": wall}
       metrics.append(m)
       last[k] = m
+      curves.eval(m)
       log(f"{tag(k)}step {step}: mlm_ce {m['mlm_ce']:.4f} bayes_ce "
           f"{m['bayes_ce']:.4f} gap {m['ce_gap']:.4f} tv {m['tv']:.4f}")
     workdir_lib.write_metrics(paths, metrics)
@@ -225,9 +234,11 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
       batch = get_batch(sub_batch[0], step, *sub_batch[1:])
       sub, losses = train_step(sub, *batch, sub_hmms)
       progress.add(jnp.mean(losses))
+      curves.add_losses(idx, losses)
       done = step + 1
       if done % cfg.log_every == 0 or done == total:
-        progress.flush(done, ckpts.latest_step(), paths.ckpt)
+        rate = progress.flush(done, ckpts.latest_step(), paths.ckpt)
+        curves.train(done, rate / len(idx))  # one trial's share
       is_eval = _is_eval(cfg, done)
       if is_eval or done % cfg.ckpt_every == 0:
         states = jax.tree.map(lambda full, part: full.at[idx].set(part),

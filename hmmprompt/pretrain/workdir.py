@@ -51,7 +51,9 @@ class Paths:
                metrics=os.path.join(workdir, "metrics.jsonl"))
 
 
-def _read_config(paths: Paths) -> tuple[int, PretrainConfig]:
+def read_config(paths: Paths) -> tuple[int, PretrainConfig]:
+  """``(layout, config)`` of the run in ``paths`` (its ``config.json``; a
+  layout-1 file holds the bare config)."""
   with open(paths.config) as f:
     blob = json.load(f)
   if "layout" not in blob:  # layout 1: the bare config
@@ -84,7 +86,7 @@ def prepare(workdir: str, cfg: PretrainConfig,
   paths = Paths.of(workdir)
   os.makedirs(workdir, exist_ok=True)
   if os.path.exists(paths.config):
-    _, old = _read_config(paths)
+    _, old = read_config(paths)
     diff = _differences(old.identity(), cfg.identity())
     if diff:
       raise ValueError(f"{workdir} holds a run with a different config "
@@ -148,7 +150,7 @@ def load_trials(workdir: str) -> tuple[Backbone, Any, list[dict]]:
     if not os.path.exists(getattr(paths, what)):
       raise FileNotFoundError(f"{getattr(paths, what)} not found: {workdir} "
                               f"is not a pretraining workdir")
-  _, cfg = _read_config(paths)
+  _, cfg = read_config(paths)
   models_K = models.load(paths.model)
   num = models.num_trials(models_K)
   if num is None:

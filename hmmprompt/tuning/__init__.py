@@ -38,6 +38,8 @@ from hmmprompt.tuning.config import data_from_task
 from hmmprompt.tuning.config import num_steps
 from hmmprompt.tuning.loop import Result
 from hmmprompt.tuning.loop import init_tunable
+from hmmprompt.tuning.loop import lr_schedule
+from hmmprompt.tuning.loop import make_optimizer
 from hmmprompt.tuning.loop import run
 from hmmprompt.tuning.loop import stack_data
 from hmmprompt.tuning.loop import tune

@@ -94,8 +94,10 @@ def _batch_indices(key, n: int, cfg: TuneConfig) -> jax.Array:
   return perms.reshape(cfg.epochs * steps_per_epoch, batch)
 
 
-def _schedule(total: int, cfg: TuneConfig):
-  """Linear warmup to ``cfg.lr``, then linear decay to 0 at ``total``."""
+def lr_schedule(total: int, cfg: TuneConfig):
+  """The learning rate at each of ``total`` steps: a linear warmup over
+  ``cfg.warmup_steps`` (or ``warmup_frac`` of ``total``; at most ``total -
+  1``) from 0 to ``cfg.lr``, then a linear decay to 0 at ``total``."""
   warmup = cfg.warmup_steps
   if warmup is None:
     warmup = int(cfg.warmup_frac * total)
@@ -107,14 +109,14 @@ def _schedule(total: int, cfg: TuneConfig):
        optax.linear_schedule(cfg.lr, 0.0, max(total - warmup, 1))], [warmup])
 
 
-def _optimizer(total: int, cfg: TuneConfig):
-  """Adam on a warmup / linear-decay schedule; the method's ``slow_keys`` on
-  its own schedule peaking at ``cfg.backbone_lr``."""
-  opt = optax.adam(_schedule(total, cfg))
+def make_optimizer(total: int, cfg: TuneConfig):
+  """Adam on :func:`lr_schedule`; the method's ``slow_keys`` (fine-tuning's
+  ``"backbone"``) on their own schedule peaking at ``cfg.backbone_lr``."""
+  opt = optax.adam(lr_schedule(total, cfg))
   slow_keys = METHODS[cfg.method].slow_keys
   if not slow_keys:
     return opt
-  slow = optax.adam(_schedule(total, dataclasses.replace(
+  slow = optax.adam(lr_schedule(total, dataclasses.replace(
       cfg, lr=cfg.backbone_lr)))
   return optax.multi_transform(
       {"fast": opt, "slow": slow},
@@ -173,7 +175,7 @@ def run(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
   stats = _feature_stats(inputs_fn, tunable, examples["train"], cfg)
   logits_fn = _logits_fn(inputs_fn, stats, cfg)
   idx_UxB = _batch_indices(k_perm, n, cfg)
-  opt = _optimizer(idx_UxB.shape[0], cfg)
+  opt = make_optimizer(idx_UxB.shape[0], cfg)
   tunable, losses = _train(logits_fn, opt, tunable, examples["train"],
                            data.train_labels, idx_UxB)
   accs = {s: _accuracy(logits_fn, tunable, examples[s], data.split(s)[1],
