@@ -31,7 +31,7 @@ _PANEL = flags.DEFINE_enum("panel", "both", ["left", "right", "both"],
                            "which panel(s)")
 _PRETRAIN_ONLY = flags.DEFINE_bool(
     "pretrain_only", False, "transformer: pretrain the sweep's models, "
-    "write DIR/pretraining.md and stop")
+    "write DIR/pretraining.md and DIR/pretraining.png and stop")
 _NUM_TASKS = flags.DEFINE_integer(
     "num_tasks", 1, "split the sweep over this many hosts (a SLURM array, "
     "TPU VMs); each HMM's cells go to one host")
@@ -79,7 +79,7 @@ def main(argv):
     sweep.run(setup, workdir, _PANEL.value, name, _NUM_TASKS.value,
               _TASK_INDEX.value, pretrain_only=_PRETRAIN_ONLY.value)
   if _PRETRAIN_ONLY.value:
-    table = reporting.pretraining_table(workdir)
+    table = reporting.pretraining_report(workdir)  # + pretraining.png
     results_lib.atomic_write_text(os.path.join(workdir, "pretraining.md"),
                                   table)
     print(table)

@@ -1,16 +1,25 @@
 """The report: mean and 95% interval per curve, the table beside the
-paper's numbers, the plot, and the table of pretrained models."""
+paper's numbers, the plot, and the table and gap curves of the pretrained
+models."""
 
 from __future__ import annotations
 
 import glob
 import io
+import math
 import os
+import re
 
 import numpy as np
 
 from experiments.figure3 import records
 from hmmprompt import results as results_lib
+from hmmprompt.pretrain import workdir as pretrain_workdir
+
+# The gap the cpu and cpu_capped recipes stop at (pretrain/config.py);
+# drawn where a run's own config sets no target.
+TARGET_GAP = 0.04
+PRETRAINING_PLOT = "pretraining.png"
 
 # Read off the authors' Figure 3 (approximate), test accuracy in %.
 PAPER_LEFT = {"prompt": {4: 100, 8: 97, 10: 93, 15: 87, 25: 75, 30: 75},
@@ -270,14 +279,112 @@ def pretraining_table(workdir: str) -> str:
   return "\n".join(out)
 
 
+# Trial colours without red, which marks the trials above the target.
+_TRIAL_COLORS = [f"C{i}" for i in range(10) if i != 3]
+
+
+def _run_order(name: str) -> tuple:
+  """Vanilla then memory runs (the sweep's order), sizes numerically:
+  vanilla-h8 before vanilla-h12."""
+  return (not name.startswith("vanilla"),
+          [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)])
+
+
+def write_pretraining_plot(workdir: str,
+                           path: str) -> list[tuple[str, int]] | None:
+  """Plots every pretrained trial's held-out Bayes gap (``mlm_ce -
+  bayes_ce``, log scale, floored at 1e-3) against its training tokens
+  (``step * batch_size * chunk_len`` from the run's ``config.json``): one
+  panel per pretraining run under ``DIR/pretrain/`` (a model size), one line
+  per trial, the target dashed. A trial that ended above the target is drawn
+  red with its number; the title counts those at the target. Returns those
+  trials, ``(run name, trial)``, or None without pretraining runs (then
+  nothing is written)."""
+  runs = []
+  for mpath in glob.glob(os.path.join(workdir, "pretrain", "*",
+                                      "metrics.jsonl")):
+    run_dir = os.path.dirname(mpath)
+    _, cfg = pretrain_workdir.read_config(pretrain_workdir.Paths.of(run_dir))
+    by_trial = {}
+    for m in results_lib.read_jsonl(mpath):
+      by_trial.setdefault(m.get("trial", 0), []).append(m)
+    if by_trial:
+      runs.append((os.path.basename(run_dir), cfg, by_trial))
+  if not runs:
+    return None
+  runs.sort(key=lambda r: _run_order(r[0]))
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  cols = min(len(runs), 4)
+  rows = math.ceil(len(runs) / cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows),
+                           sharey=True, squeeze=False)
+  stalled = []
+  for ax, (name, cfg, by_trial) in zip(axes.flat, runs):
+    target = cfg.target_gap or TARGET_GAP
+    tokens_per_step = cfg.batch_size * cfg.corpus.chunk_len
+    reached = 0
+    for k, ms in sorted(by_trial.items()):
+      x = [m["step"] * tokens_per_step for m in ms]
+      gap = np.maximum([m["ce_gap"] for m in ms], 1e-3)
+      ok = ms[-1]["ce_gap"] <= target
+      reached += ok
+      # Stalled trials in red and labelled: visible among converged ones.
+      color = _TRIAL_COLORS[k % len(_TRIAL_COLORS)] if ok else "red"
+      ax.plot(x, gap, "-", lw=1.0 if ok else 1.8, color=color,
+              alpha=0.8 if ok else 1.0, marker="o" if ok else "X",
+              markevery=[len(ms) - 1])
+      if not ok:
+        stalled.append((name, k))
+        ax.annotate(f"trial {k}", (x[-1], gap[-1]), fontsize=7,
+                    color="red", xytext=(3, 3), textcoords="offset points")
+    ax.axhline(target, color="black", ls="--", lw=1,
+               label=f"target {target:g}")
+    ax.set_yscale("log")
+    ax.set_title(f"{name}: {reached}/{len(by_trial)} at target", fontsize=9)
+    ax.set_xlabel("training tokens per trial")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="lower left")  # early gaps are high
+  for ax in axes[:, 0]:
+    ax.set_ylabel("held-out CE gap to Bayes (nats)")
+  for ax in list(axes.flat)[len(runs):]:
+    ax.set_visible(False)
+  fig.tight_layout()
+  buf = io.BytesIO()
+  fig.savefig(buf, format="png", dpi=110)
+  plt.close(fig)
+  results_lib.atomic_write_bytes(path, buf.getvalue())
+  return stalled
+
+
+def pretraining_report(workdir: str) -> str:
+  """Writes ``DIR/pretraining.png`` (:func:`write_pretraining_plot`) and
+  returns :func:`pretraining_table` with a link to it and the trials that
+  ended above their target named ("" without pretraining runs)."""
+  table = pretraining_table(workdir)
+  stalled = write_pretraining_plot(workdir,
+                                   os.path.join(workdir, PRETRAINING_PLOT))
+  if stalled is None:
+    return table
+  table += (f"\n![Held-out Bayes gap of every pretrained trial against "
+            f"training tokens, one panel per model]({PRETRAINING_PLOT})\n")
+  if stalled:
+    table += ("\nEnded above the target gap: "
+              + ", ".join(f"{name} trial {k}" for name, k in stalled) + ".\n")
+  return table
+
+
 def report(workdir: str) -> dict:
   """Writes ``figure3.md`` (the summary beside the paper, variance
-  components, the per-trial table, the pretraining table) and
-  ``figure3.png``; returns the summary."""
+  components, the per-trial table, the pretraining table linking
+  ``pretraining.png``), ``figure3.png`` and ``pretraining.png``; returns the
+  summary."""
   lines = records.read_results(workdir)
   summary = summarize(lines)
   extra = [diverged_table(lines), components_table(lines),
-           trial_table(lines), pretraining_table(workdir)]
+           trial_table(lines), pretraining_report(workdir)]
   write_table(summary, os.path.join(workdir, "figure3.md"),
               extra="\n".join(e for e in extra if e))
   write_plot(summary, os.path.join(workdir, "figure3.png"))

@@ -14,7 +14,9 @@ One role per module:
 * :mod:`~hmmprompt.pretrain.loop`: :func:`run_trials`, the one loop (K
   models of one config, one per HMM draw, in one jitted step; resumable
   from the newest readable checkpoint; each stops on its own at a target
-  gap), and :func:`run`, one model as a stack of one.
+  gap), and :func:`run`, one model as a stack of one;
+* :mod:`~hmmprompt.pretrain.curves`: TensorBoard event files, one run per
+  trial (optional: the ``tensorboard`` extra).
 """
 
 from hmmprompt.pretrain.config import PRESETS
