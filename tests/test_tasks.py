@@ -189,7 +189,8 @@ def test_task_config_bounds_are_inclusive():
     with pytest.raises(ValueError,
                        match=r"max_label_share must be in \[0.5, 1\]"):
       tasks.TaskConfig(max_label_share=share)
-  with pytest.raises(ValueError, match="TaskConfig.max_redraws must be >= 0"):
+  with pytest.raises(ValueError,
+                     match="^TaskConfig.max_redraws must be >= 0$"):
     tasks.TaskConfig(max_redraws=-1)
 
 
@@ -211,6 +212,10 @@ def test_authors_latent_is_the_transition_times_the_first_real_posterior(
   np.testing.assert_array_equal(tasks.latent_posterior(mem, tokens_T,
                                                        "authors"),
                                 tasks.latent_posterior(mem, tokens_T))
+  key = jax.random.PRNGKey(0)  # the default labeling is the paper's
+  np.testing.assert_array_equal(tasks.sample_examples(key, vanilla, 2, 3),
+                                tasks.sample_examples(key, vanilla, 2, 3,
+                                                      "paper"))
   for fn in (lambda: tasks.latent_posterior(vanilla, tokens_T, "Paper"),
              lambda: tasks.sample_examples(jax.random.PRNGKey(0), vanilla,
                                            2, 3, "Authors")):
