@@ -21,6 +21,18 @@ keep, eval_batch, trials_per_vmap) may change between runs.
 k)``) and pretrains K transformers in one stacked run
 (:func:`hmmprompt.pretrain.run_trials`; one model is a stack of one).
 
+Several processes (hosts), one model data-parallel over all their devices:
+``--distributed`` calls ``jax.distributed.initialize``, which finds the
+coordinator, process count and index itself under SLURM (``srun``), Open
+MPI and on TPU VMs; elsewhere pass them, e.g. two processes on one machine
+(CPU collectives: gloo):
+
+  python -m experiments.pretrain --preset=tiny --workdir=DIR --distributed \
+      --coordinator_address=127.0.0.1:12345 --num_processes=2 --process_id=I
+
+Every process runs the same command (I = 0, 1) on a shared DIR; process 0
+writes the files, orbax writes each checkpoint once (docs/multihost.md).
+
 Presets (hmmprompt/pretrain/config.py states their numbers):
   tiny        seconds; tests and smoke runs.
   cpu         a 2-core machine: 2 layers, width 64, 4 heads, context 80,
@@ -101,9 +113,40 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "output directory")
 _CRASH_AT = flags.DEFINE_integer(
     "crash_at_step", None, "testing: SIGKILL this process after this step "
     "(checks that a rerun resumes exactly)")
-_DISTRIBUTED = flags.DEFINE_bool("distributed", False,
-                                 "call jax.distributed.initialize() "
-                                 "(multi-host)")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "data-parallel over several processes (hosts): "
+    "call jax.distributed.initialize(), which finds the three settings "
+    "below on SLURM, Open MPI and TPU VMs")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "--distributed: HOST:PORT of process 0's "
+    "coordinator (default: auto-detected, or $JAX_COORDINATOR_ADDRESS); "
+    "127.0.0.1:PORT runs several processes on one machine")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "--distributed: how many processes (default: "
+    "auto-detected)")
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "--distributed: this process's index in [0, "
+    "num_processes) (default: auto-detected)")
+
+
+def _initialize_distributed() -> None:
+  """``jax.distributed.initialize`` with the flags that are set (the rest
+  auto-detected); before any JAX computation."""
+  given = {"coordinator_address": _COORDINATOR.value,
+           "num_processes": _NUM_PROCESSES.value,
+           "process_id": _PROCESS_ID.value}
+  given = {k: v for k, v in given.items() if v is not None}
+  if not _DISTRIBUTED.value:
+    if given:
+      raise app.UsageError(f"--{', --'.join(given)} need --distributed")
+    return
+  try:
+    jax.distributed.initialize(**given)
+  except ValueError as e:  # bad values, or nothing detected to fill in
+    hint = ("" if len(given) == 3 else " (no SLURM, Open MPI or TPU "
+            "environment was detected to fill in the rest: pass "
+            "--coordinator_address, --num_processes and --process_id)")
+    raise app.UsageError(f"--distributed: {e}{hint}") from e
 
 
 def main(argv):
@@ -112,8 +155,7 @@ def main(argv):
   host_memory.retain_freed_memory()  # XLA:CPU step temporaries
   if not _WORKDIR.value:
     raise app.UsageError("--workdir is required")
-  if _DISTRIBUTED.value:
-    jax.distributed.initialize()
+  _initialize_distributed()
   # Usage errors (flags, config, a workdir holding another run) are found
   # here, before any work; whatever fails later is a real error and keeps
   # its traceback.
@@ -124,7 +166,8 @@ def main(argv):
   except ValueError as e:
     raise app.UsageError(str(e)) from e
   cfg = job.pretrain
-  logging.info("devices: %s; %d params; %d steps", jax.devices(),
+  logging.info("process %d of %d; devices: %s; %d params; %d steps",
+               jax.process_index(), jax.process_count(), jax.devices(),
                transformer.num_params(transformer.init_params(
                    jax.random.PRNGKey(0), cfg.model)), cfg.total_steps)
   t0 = time.perf_counter()

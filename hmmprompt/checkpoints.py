@@ -11,6 +11,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from hmmprompt import sharding as sharding_lib
+
 
 class _QuietOrbax(logging.Filter):
   """Drops orbax's INFO chatter (several lines per save) from absl logs."""
@@ -53,9 +55,19 @@ class Checkpoints:
     self._mngr.wait_until_finished()
 
   def restore(self, abstract_state, step: int | None = None):
+    """The state of ``step`` (default: the latest). A leaf of
+    ``abstract_state`` without a sharding is restored replicated over all
+    devices (of all processes: the data mesh), whatever topology saved it
+    (orbax would otherwise insist on the saving one: a checkpoint of two
+    processes, or of one process on two devices, would not load on one
+    device)."""
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint under {self.directory}")
+    rep = sharding_lib.replicated(sharding_lib.data_mesh())
+    abstract_state = jax.tree.map(
+        lambda x: x if getattr(x, "sharding", None) is not None else
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), abstract_state)
     return self._mngr.restore(step,
                               args=ocp.args.StandardRestore(abstract_state))
 

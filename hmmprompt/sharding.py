@@ -1,4 +1,10 @@
-"""Data parallelism with jax.sharding: one mesh axis over all devices."""
+"""Data parallelism with jax.sharding: one mesh axis over all devices.
+
+``jax.devices()`` lists the devices of every process, so after
+``jax.distributed.initialize`` the mesh spans all hosts: each process
+computes its devices' share of the batch and the gradients are summed
+across processes (gloo on CPU; docs/multihost.md).
+"""
 
 from __future__ import annotations
 
