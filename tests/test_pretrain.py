@@ -25,6 +25,18 @@ from hmmprompt.pretrain import train as pretrain_train
 TINY = pretrain.preset_config("tiny")
 
 
+class _Crash(Exception):
+  """Stands for a killed process (the binary tests use real SIGKILLs)."""
+
+
+def _crash_after(at: int):
+  """An ``after_step`` that raises once step ``at`` is done."""
+  def crash(step):
+    if step == at:
+      raise _Crash
+  return crash
+
+
 @pytest.fixture(scope="module")
 def model():
   return hmm_lib.random_hmm(jax.random.PRNGKey(3), 6, 10)
@@ -288,14 +300,8 @@ def test_run_trials_equals_separate_runs_stops_each_and_resumes(tmp_path):
   stacked = models.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6, 10)
   workdir = str(tmp_path / "stacked")
 
-  class Crash(Exception):
-    pass
-
-  def crash(step):
-    if step == 25:
-      raise Crash
-
-  with pytest.raises(Crash):
+  crash = _crash_after(25)
+  with pytest.raises(_Crash):
     pretrain.run_trials(workdir, cfg, stacked, log=lambda s: None,
                         after_step=crash)
   logs = []
@@ -391,14 +397,8 @@ def test_damaged_newest_checkpoint_falls_back_and_ends_as_uninterrupted(
   workdir, final = trained
   crashed = str(tmp_path / "crashed")
 
-  class Crash(Exception):
-    pass
-
-  def crash(step):
-    if step == 30:
-      raise Crash
-
-  with pytest.raises(Crash):
+  crash = _crash_after(30)
+  with pytest.raises(_Crash):
     pretrain.run(crashed, TINY, model, log=lambda s: None, after_step=crash)
   ckpt_dir = os.path.join(crashed, "checkpoints")
   assert sorted(os.listdir(ckpt_dir)) == ["20", "30"]
@@ -449,14 +449,8 @@ def test_tensorboard_curves_per_trial_read_back_across_a_resume(tmp_path):
   stacked = models.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6, 10)
   workdir = str(tmp_path)
 
-  class Crash(Exception):
-    pass
-
-  def crash(step):
-    if step == 35:
-      raise Crash
-
-  with pytest.raises(Crash):
+  crash = _crash_after(35)
+  with pytest.raises(_Crash):
     pretrain.run_trials(workdir, cfg, stacked, log=lambda s: None,
                         after_step=crash)
   before = [curves.read_scalars(curves.trial_logdir(workdir, k))
