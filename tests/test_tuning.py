@@ -310,6 +310,8 @@ def test_lr_schedule_warms_up_to_lr_and_decays_to_zero():
                              [0.01, 0.02, 0.01, 0], atol=1e-9)
   sched = tuning.lr_schedule(10, dataclasses.replace(cfg, warmup_steps=50))
   np.testing.assert_allclose([sched(9), sched(10)], [0.02, 0], atol=1e-9)
+  sched = tuning.lr_schedule(10, dataclasses.replace(cfg, warmup_steps=1))
+  np.testing.assert_allclose([sched(0), sched(1)], [0, 0.02], atol=1e-9)
   sched = tuning.lr_schedule(50, dataclasses.replace(cfg, warmup_frac=0.0))
   np.testing.assert_allclose([sched(0), sched(25), sched(50)],
                              [0.02, 0.01, 0], atol=1e-9)
@@ -368,3 +370,6 @@ def test_lane_drivers_name_what_disagrees(setup):
     tuning.tune_trials([[], []], bb, bparams_k, [[], []], cfg)
   res, _ = tuning.tune_trials(keys, bb, bparams_k, [[data], [data]], cfg)
   assert res.test_accuracy.shape == (2, 1)
+  short = data._replace(val_labels=data.val_labels[:-1])  # one split off
+  with pytest.raises(ValueError, match="disagree"):
+    tuning.tune(jax.random.PRNGKey(0), bb, bp, short, cfg)
