@@ -44,6 +44,15 @@ Model = models.Model
 LABELINGS = ("paper", "authors")
 """How a label reads the posterior (module doc)."""
 
+MEMORY_BUDGET = 512 << 20
+"""Bytes :func:`make_tasks` lets the exact smoothing of a draw hold at once.
+
+One example's smoothing holds about 5 float32 arrays of ``[T, S]`` (``S``
+the states of the generating vanilla chain): all of the paper protocol's
+20 trials x 5000 examples at ``T = 129, S = 30`` in one vmapped call
+peaked at 8.1 GB; chunks of 500 examples a trial at 1.8 GB, 2.4x faster
+(docs/performance.md, "Bounded memory")."""
+
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
@@ -167,13 +176,17 @@ def sample_examples(key, model: Model, n: int, seq_len: int,
   return tokens_NxL.at[:, 0].set(hmm_lib.MASK)
 
 
-@functools.partial(jax.jit, static_argnums=(2,))
-def draw_task(key, model: Model, config: TaskConfig):
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def draw_task(key, model: Model, config: TaskConfig,
+              chunk: int | None = None):
   """One draw of ``(mu, (train, val, test))``, unchecked for degeneracy.
 
   :func:`make_tasks` calls it (vmapped over trials) with
   ``fold_in(key, attempt)`` until the labels are balanced enough. Jitted
-  (``config`` static).
+  (``config`` and ``chunk`` static). ``chunk``: the latent posteriors of
+  this many examples at a time (``lax.map``; ``None``: all at once), which
+  bounds the memory of the exact smoothing (``[N, T, |H|]`` messages) and
+  changes no value.
   """
   k_mu, k_tr, k_va, k_te = jax.random.split(key, 4)
   mu = task_weights(k_mu, num_latent(model), config.num_classes,
@@ -182,8 +195,9 @@ def draw_task(key, model: Model, config: TaskConfig):
   for k, n in ((k_tr, config.num_train), (k_va, config.num_val),
                (k_te, config.num_test)):
     tokens = sample_examples(k, model, n, config.seq_len, config.labeling)
-    latent = jax.vmap(lambda t: latent_posterior(model, t, config.labeling))(
-        tokens)
+    one = lambda t: latent_posterior(model, t, config.labeling)
+    latent = (jax.vmap(one)(tokens) if chunk is None or chunk >= n
+              else jax.lax.map(one, tokens, batch_size=chunk))
     splits.append(Split(tokens, labels_from_latent(mu, latent), latent))
   return mu, tuple(splits)
 
@@ -207,7 +221,7 @@ def make_task(key, model: Model, config: TaskConfig = TaskConfig()) -> Task:
 
 
 @functools.cache
-def _draw_tasks(config: TaskConfig, stacked: bool):
+def _draw_tasks(config: TaskConfig, stacked: bool, chunk: int | None):
   """``(keys [K], attempt, models [K]) -> draws [K]``, jitted once.
 
   ``K = 1`` (not ``stacked``) runs :func:`draw_task` itself and adds the
@@ -215,7 +229,7 @@ def _draw_tasks(config: TaskConfig, stacked: bool):
   latent), and a single task keeps the exact numbers of its unstacked draw.
   """
   def draw(key, attempt, model):
-    return draw_task(jax.random.fold_in(key, attempt), model, config)
+    return draw_task(jax.random.fold_in(key, attempt), model, config, chunk)
 
   if stacked:
     return jax.jit(jax.vmap(draw, in_axes=(0, None, 0)))
@@ -224,13 +238,30 @@ def _draw_tasks(config: TaskConfig, stacked: bool):
       lambda x: x[None], draw(keys_K[0], attempt, first(models_K))))
 
 
+def latent_chunk(models_K: Model, config: TaskConfig,
+                 memory_budget: int | None = MEMORY_BUDGET) -> int | None:
+  """Examples per trial whose latent posteriors :func:`make_tasks` computes
+  at once: as many as fit ``memory_budget`` bytes with all K trials in
+  flight (:data:`MEMORY_BUDGET`), at least 1; ``None`` (all) without a
+  budget."""
+  if memory_budget is None:
+    return None
+  hmm = models.as_hmm(models.trial(models_K, 0))
+  per_example = 5 * 4 * (config.seq_len + 1) * hmm.transition.shape[-1]
+  return max(1, memory_budget // (per_example * models.num_trials(models_K)))
+
+
 def make_tasks(keys_K, models_K: Model,
-               config: TaskConfig = TaskConfig()) -> list[Task]:
+               config: TaskConfig = TaskConfig(),
+               memory_budget: int | None = MEMORY_BUDGET) -> list[Task]:
   """One task per trial of stacked models (:func:`models.random_models`):
   trial ``k``'s is drawn from ``fold_in(keys_K[k], attempt)`` at the first
   attempt whose labels are balanced enough, every attempt drawn for all
   trials in one vmapped call (a trial whose draw was degenerate takes the
-  next attempt's; the rest ignore it).
+  next attempt's; the rest ignore it). The exact posteriors that label
+  the examples are computed in chunks sized by ``memory_budget`` bytes
+  (:func:`latent_chunk`): the chunking changes no label (the posteriors
+  round differently in the last bit, as any change of vmapped batch size).
 
   Raises:
     ValueError: not stacked models, a key count that is not the trial count,
@@ -243,7 +274,8 @@ def make_tasks(keys_K, models_K: Model,
   keys_K = jnp.asarray(keys_K)
   if keys_K.shape[0] != num:
     raise ValueError(f"{keys_K.shape[0]} keys for {num} trials")
-  draw = _draw_tasks(config, num > 1)
+  chunk = latent_chunk(models_K, config, memory_budget)
+  draw = _draw_tasks(config, num > 1, chunk)
   out, share = [None] * num, [None] * num
   for attempt in range(config.max_redraws + 1):
     if all(t is not None for t in out):

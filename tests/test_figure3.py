@@ -88,6 +88,17 @@ def test_trial_counts_are_checked_and_recorded_per_workdir(tmp_path):
               {"trials": 1.5}):
     with pytest.raises(ValueError, match="must be an int >= 1"):
       figure3.get_setup("tiny", **bad)
+  # How the sweep runs (lane groups, the task memory budget) is no part of
+  # what it computes: no fingerprint moves, so finished lines are kept.
+  runtime = figure3.get_setup("tiny", overrides={
+      "lanes_per_vmap": "3", "task_memory_mb": "0"})
+  assert runtime.lane_group() == 3 and runtime.task_memory_budget() is None
+  assert runtime.fingerprint("transformer") == tiny.fingerprint("transformer")
+  assert tiny.task_memory_budget() == 512 << 20
+  assert figure3.get_setup("tiny", lanes_per_vmap=0).lane_group() is None
+  for bad in ({"lanes_per_vmap": -1}, {"task_memory_mb": None}):
+    with pytest.raises(ValueError, match="must be an int >= 0"):
+      figure3.get_setup("tiny", **bad)
 
 
 def test_summary_is_over_trials_and_splits_the_variance():

@@ -139,6 +139,29 @@ def test_make_tasks_for_stacked_models_equal_make_task_per_trial():
         SMALL, max_label_share=0.5, max_redraws=1))
 
 
+def test_memory_budget_chunks_the_posteriors_and_changes_no_label():
+  """A budget of a few examples' smoothing (chunks of 3 of 32 or 128
+  examples, a remainder included) draws the tasks of no budget: tokens and
+  labels equal, posteriors to float rounding."""
+  stacked = models.random_models(jax.random.PRNGKey(4), 2, "vanilla", 5, 10)
+  keys = jax.random.split(jax.random.PRNGKey(9), 2)
+  per_example = 5 * 4 * (SMALL.seq_len + 1) * 5
+  budget = 3 * 2 * per_example
+  assert tasks.latent_chunk(stacked, SMALL, budget) == 3
+  assert tasks.latent_chunk(stacked, SMALL, 1) == 1
+  assert tasks.latent_chunk(stacked, SMALL, None) is None
+  whole = tasks.make_tasks(keys, stacked, SMALL, memory_budget=None)
+  chunked = tasks.make_tasks(keys, stacked, SMALL, memory_budget=budget)
+  for a, b in zip(whole, chunked):
+    for split in ("train", "val", "test"):
+      np.testing.assert_array_equal(getattr(a, split).tokens,
+                                    getattr(b, split).tokens)
+      np.testing.assert_array_equal(getattr(a, split).labels,
+                                    getattr(b, split).labels)
+      np.testing.assert_allclose(getattr(a, split).latent,
+                                 getattr(b, split).latent, atol=1e-6)
+
+
 @pytest.mark.parametrize("labeling", ["paper", "authors"])
 def test_make_task_is_make_tasks_of_one(vanilla, labeling):
   """One task is the stack of one: bit for bit, redraws included."""

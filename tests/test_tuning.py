@@ -78,6 +78,24 @@ def test_vmapped_seeds_equal_one_by_one(setup, method):
       np.testing.assert_allclose(a, b[i], rtol=2e-4, atol=2e-5)
 
 
+def test_lane_groups_with_a_remainder_equal_one_vmap(setup):
+  """3 seeds in groups of 2 (a group and a remainder, lax.map) give what
+  one vmap over the 3 gives, to float rounding."""
+  model, bb, bp, task_list = setup
+  cfg = dataclasses.replace(FAST, epochs=1)
+  datas = [tuning.data_from_task(task_list[i % 2], cfg) for i in range(3)]
+  keys = [jax.random.PRNGKey(30 + i) for i in range(3)]
+  whole, whole_t = tuning.tune_many(keys, bb, bp, datas, cfg)
+  grouped, grouped_t = tuning.tune_many(keys, bb, bp, datas, cfg,
+                                        lane_group=2)
+  np.testing.assert_array_equal(grouped.test_accuracy, whole.test_accuracy)
+  np.testing.assert_allclose(grouped.final_loss, whole.final_loss, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(grouped_t), jax.tree.leaves(whole_t)):
+    np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+  # Lanes differ (seeds and data), so a group mixing them up would fail.
+  assert len({float(x) for x in whole.final_loss}) == 3
+
+
 def test_head_and_prompt_tuning_learn(setup):
   model, bb, bp, task_list = setup
   for cfg in (dataclasses.replace(FAST, features="log"),
@@ -216,6 +234,13 @@ def test_vmapped_trials_equal_one_by_one(method):
                                                 abs=1e-6)
       for a, b in zip(jax.tree.leaves(tunable), jax.tree.leaves(stacked)):
         np.testing.assert_allclose(a, b[k, s], rtol=2e-4, atol=2e-5)
+  # One trial at a time (lax.map over the trials, the CPU default) is the
+  # same program per lane.
+  grouped, grouped_tunable = tuning.tune_trials(keys, bb, bparams_k, datas,
+                                                cfg, lane_group=1)
+  np.testing.assert_array_equal(grouped.test_accuracy, res.test_accuracy)
+  for a, b in zip(jax.tree.leaves(grouped_tunable), jax.tree.leaves(stacked)):
+    np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
   with pytest.raises(ValueError, match="params for 2 trials, 1 trials"):
     tuning.tune_trials(keys[:1], bb, bparams_k, datas[:1], cfg)
   with pytest.raises(ValueError, match="same number"):

@@ -14,6 +14,7 @@ import hashlib
 import json
 from typing import Any, Mapping
 
+import jax
 from hmmprompt import config_flags
 from hmmprompt import heads
 from hmmprompt import pretrain as pretrain_lib
@@ -52,6 +53,14 @@ class Setup:
     seed: root of every random stream (``sweep.model_key`` and friends).
     pretrain: the transformer's pretraining recipe (unused by ``exact``).
     finetune: add full fine-tuning of the transformer as a third arm.
+    lanes_per_vmap: runtime (changes speed and memory, no result beyond
+      float rounding): a group's trials x tasks are tuned this many trials
+      at a time (``lax.map`` over vmapped groups, one program); 0 all at
+      once; ``None`` (auto) 1 on CPU (fastest there: 32 vs 59 s for 20
+      prompt-tuning trials at ``|H|`` = 30, and a twentieth of the
+      memory), all on accelerators.
+    task_memory_mb: runtime: the bytes (MiB) drawing a size's tasks may
+      hold at once (:data:`tasks.MEMORY_BUDGET`); 0 unbounded.
   """
 
   trials: int
@@ -65,6 +74,10 @@ class Setup:
   seed: int = 0
   finetune: bool = False
   right_trials: int | None = None
+  lanes_per_vmap: int | None = dataclasses.field(
+      default=None, metadata=config_flags.RUNTIME)
+  task_memory_mb: int = dataclasses.field(
+      default=tasks_lib.MEMORY_BUDGET >> 20, metadata=config_flags.RUNTIME)
 
   def __post_init__(self):
     for name in ("trials", "tasks_per_hmm", "right_trials"):
@@ -78,6 +91,12 @@ class Setup:
       if not all(isinstance(s, int) and s >= 1 for s in sizes):
         raise ValueError(f"Setup.{name} must be positive integers, got "
                          f"{sizes}")
+    for name in ("lanes_per_vmap", "task_memory_mb"):
+      v = getattr(self, name)
+      if not (v is None and name == "lanes_per_vmap") and not (
+          isinstance(v, int) and v >= 0):
+        raise ValueError(f"Setup.{name} must be an int >= 0 (0: no bound), "
+                         f"got {v!r}")
     bad = [f for f in self.features if f not in heads.FEATURES]
     if bad or not self.features:
       raise ValueError(f"Setup.features must be from {heads.FEATURES}, got "
@@ -92,6 +111,17 @@ class Setup:
       blob["pretrain"] = self.pretrain.identity()
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()
                           ).hexdigest()[:12]
+
+  def lane_group(self) -> int | None:
+    """``tuning.tune``'s ``lane_group`` (``None``: all lanes at once)."""
+    if self.lanes_per_vmap is None:
+      return 1 if jax.default_backend() == "cpu" else None
+    return self.lanes_per_vmap or None
+
+  def task_memory_budget(self) -> int | None:
+    """``tasks.make_tasks``' ``memory_budget`` in bytes (``None``: no
+    bound)."""
+    return (self.task_memory_mb << 20) or None
 
   def panel_trials(self, panel: str) -> int:
     """HMM draws per size on ``panel`` (left | right)."""

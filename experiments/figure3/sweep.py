@@ -209,7 +209,8 @@ def prepare(workdir: str, setup: configs.Setup, mid: ModelId,
   num = models.num_trials(models_K)
   by_task = [tasks_lib.make_tasks(
       np.stack([task_key(setup, mid, k, s) for k in range(num)]), models_K,
-      setup.task) for s in range(setup.tasks_per_hmm)]
+      setup.task, setup.task_memory_budget())
+            for s in range(setup.tasks_per_hmm)]
   tasks = [[(t[k], theory.verdicts(models.trial(models_K, k), t[k].mu))
             for t in by_task] for k in range(num)]
   return Trials(models.fingerprints(models_K), bb, params_K, pretrain, tasks)
@@ -230,7 +231,7 @@ def tune_group(setup: configs.Setup, backbone_name: str, g: Group,
       [[tune_key(setup, k, s) for s in task_ids] for k in trial_ids],
       trials.backbone, params_K,
       [[tuning.data_from_task(trials.tasks[k][s][0], cfg) for s in task_ids]
-       for k in trial_ids], cfg)
+       for k in trial_ids], cfg, lane_group=setup.lane_group())
   setup_fp = setup.fingerprint(backbone_name)
   lines = []
   for i, k in enumerate(trial_ids):

@@ -1,0 +1,110 @@
+"""Peak memory and time of a Figure 3 sweep, bounded against unbounded.
+
+Runs the same sweep twice, each in its own process under ``/usr/bin/time
+-v``: first as it ran before memory was bounded (every trial of a group
+tuned in one vmap, ``--config.lanes_per_vmap=0``; a size's tasks drawn in
+one call, ``--config.task_memory_mb=0``), then with the defaults (auto lane
+groups, a 512 MiB task budget). Prints peak RSS, wall, user and sys of
+each and how far their result lines differ::
+
+  python -m experiments.bench_memory --preset=paper --workdir=/tmp/bench_mem
+
+(the exact paper protocol: ~27 min on 2 CPU cores). Workdirs are
+``DIR/unbounded`` and ``DIR/bounded``; a rerun reuses their results (only
+the time of a fresh directory means anything).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+from absl import app
+from absl import flags
+
+_PRESET = flags.DEFINE_string("preset", "paper", "figure3 preset")
+_BACKBONE = flags.DEFINE_string("backbone", "exact", "exact | transformer")
+_PANEL = flags.DEFINE_string("panel", "both", "left | right | both")
+_WORKDIR = flags.DEFINE_string("workdir", None, "where both sweeps write",
+                               required=True)
+
+ARMS = {"unbounded": ["--config.lanes_per_vmap=0",
+                      "--config.task_memory_mb=0"],
+        "bounded": []}
+_TIME_FIELDS = {"peak_rss_gb": r"Maximum resident set size \(kbytes\): (\d+)",
+                "wall": r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): "
+                        r"(\S+)",
+                "user_s": r"User time \(seconds\): ([\d.]+)",
+                "sys_s": r"System time \(seconds\): ([\d.]+)"}
+
+
+def _wall_seconds(text: str) -> float:
+  parts = [float(p) for p in text.split(":")]
+  return sum(p * 60 ** i for i, p in enumerate(reversed(parts)))
+
+
+def run_arm(name: str, workdir: str) -> dict:
+  """One sweep under ``/usr/bin/time -v``; its measured fields."""
+  cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "experiments.figure3",
+         f"--preset={_PRESET.value}", f"--backbone={_BACKBONE.value}",
+         f"--panel={_PANEL.value}", f"--workdir={workdir}", *ARMS[name]]
+  print("$", " ".join(cmd[2:]), flush=True)
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  if proc.returncode:
+    sys.stderr.write(proc.stderr[-4000:])
+    raise SystemExit(f"{name}: the sweep failed (exit {proc.returncode})")
+  out = {}
+  for field, pattern in _TIME_FIELDS.items():
+    m = re.search(pattern, proc.stderr)
+    if m is None:
+      raise SystemExit(f"{name}: no {field!r} in /usr/bin/time's output")
+    out[field] = m.group(1)
+  out["peak_rss_gb"] = int(out["peak_rss_gb"]) / 1e6
+  out["wall_s"] = _wall_seconds(out.pop("wall"))
+  out["user_s"], out["sys_s"] = float(out["user_s"]), float(out["sys_s"])
+  return out
+
+
+def _lines(workdir: str) -> dict:
+  from experiments.figure3 import records  # pylint: disable=g-import-not-at-top
+  return {r.key(): r for r in records.read_results(workdir)}
+
+
+def main(argv):
+  del argv
+  if not os.path.exists("/usr/bin/time"):
+    raise SystemExit("needs /usr/bin/time (GNU time) for peak RSS")
+  measured = {name: run_arm(name, os.path.join(_WORKDIR.value, name))
+              for name in ARMS}
+  a = _lines(os.path.join(_WORKDIR.value, "unbounded"))
+  b = _lines(os.path.join(_WORKDIR.value, "bounded"))
+  # The two arms share their setup fingerprint (runtime settings only).
+  common = sorted(set(a) & set(b))
+  if not common or len(common) != len(a) or len(a) != len(b):
+    raise SystemExit(f"the arms' result lines differ in keys: {len(a)} vs "
+                     f"{len(b)}, {len(common)} in common")
+  acc_diff = [abs(a[k].test_accuracy - b[k].test_accuracy) for k in common]
+  loss_diff = [abs(a[k].final_loss - b[k].final_loss) for k in common]
+  print(f"\n{_PRESET.value} / {_BACKBONE.value} / {_PANEL.value}: "
+        f"{len(common)} result lines")
+  print("| arm | peak RSS | wall | user | sys |\n|---|---|---|---|---|")
+  for name, m in measured.items():
+    print(f"| {name} | {m['peak_rss_gb']:.2f} GB | {m['wall_s']:.0f} s | "
+          f"{m['user_s']:.0f} s | {m['sys_s']:.0f} s |")
+  ub, bd = measured["unbounded"], measured["bounded"]
+  print(f"\nbounded / unbounded: peak RSS {bd['peak_rss_gb'] / ub['peak_rss_gb']:.2f}x, "
+        f"wall {bd['wall_s'] / ub['wall_s']:.2f}x")
+  print(f"test accuracy equal on {acc_diff.count(0.0)} of {len(common)} "
+        f"lines (largest difference {max(acc_diff):.4f}); final loss within "
+        f"{max(loss_diff):.2g}")
+  print(json.dumps({"arms": measured, "lines": len(common),
+                    "accuracy_equal": acc_diff.count(0.0),
+                    "max_accuracy_diff": max(acc_diff),
+                    "max_loss_diff": max(loss_diff)}))
+
+
+if __name__ == "__main__":
+  app.run(main)
