@@ -41,6 +41,7 @@ def test_model_shapes_and_split_forward():
     (dict(d_model=30, num_heads=4), "divisible by num_heads"),
     (dict(dtype="float16"), "float32 or bfloat16"),
     (dict(num_layers=0), "num_layers must be >= 1"),
+    (dict(pos_init="rope"), "pos_init must be one of"),
 ])
 def test_bad_model_config(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -72,3 +73,24 @@ def test_backbone_is_cached_per_config():
   assert a is b
   assert transformer.make_backbone(
       TINY.model.__class__(**{**TINY.model.__dict__, "d_model": 16})) is not a
+
+
+def test_sinusoid_positions_are_relative_from_the_start():
+  """``pos_init="sinusoid"``: the table's Gram matrix is Toeplitz (``t``
+  with ``t + k`` depends on ``k`` alone), at BERT's init RMS; ``normal``
+  has no such structure."""
+  cfg = transformer.MLMConfig(vocab_size=10, d_model=16, num_heads=2, d_ff=32,
+                              num_layers=1, max_len=12, pos_init="sinusoid")
+  pos = np.asarray(transformer.init_params(jax.random.PRNGKey(0),
+                                           cfg)["params"]["pos_embed"])
+  assert pos.shape == (12, 16)
+  np.testing.assert_allclose(np.sqrt(np.mean(pos ** 2)), 0.02, rtol=1e-5)
+  gram = pos @ pos.T
+  for k in range(12):
+    diag = np.diagonal(gram, k)
+    np.testing.assert_allclose(diag, diag[0], atol=1e-7)
+  normal = np.asarray(transformer.init_params(
+      jax.random.PRNGKey(0), transformer.MLMConfig(
+          vocab_size=10, d_model=16, num_heads=2, d_ff=32, num_layers=1,
+          max_len=12))["params"]["pos_embed"])
+  assert np.ptp(np.diagonal(normal @ normal.T, 1)) > 1e-4

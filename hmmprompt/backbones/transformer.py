@@ -25,6 +25,25 @@ from hmmprompt import validation
 from hmmprompt.backbones import Backbone
 
 
+POS_INITS = ("normal", "sinusoid")
+"""How the learned position embeddings start: ``"normal"`` (BERT's N(0,
+0.02^2)) or ``"sinusoid"`` (the Transformer's sin / cos table at the same
+RMS, so that position ``t``'s dot product with ``t + k`` depends on ``k``
+alone from the first step)."""
+
+
+def sinusoid_init(key, shape, dtype=jnp.float32):
+  """``[T, D]`` sin / cos position table (Vaswani et al.) scaled to RMS
+  0.02; ``key`` unused (deterministic)."""
+  del key
+  t, d = shape
+  freq_F = 1.0 / (10_000.0 ** (jnp.arange(0, d, 2) / d))
+  angle_TxF = jnp.arange(t)[:, None] * freq_F[None, :]
+  table = jnp.zeros(shape).at[:, 0::2].set(jnp.sin(angle_TxF))
+  table = table.at[:, 1::2].set(jnp.cos(angle_TxF[:, :d // 2]))
+  return (0.02 * jnp.sqrt(2.0) * table).astype(dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class MLMConfig:
   vocab_size: int = 10
@@ -34,6 +53,7 @@ class MLMConfig:
   num_layers: int = 6
   max_len: int = 512
   dtype: str = "float32"
+  pos_init: str = "normal"
 
   def __post_init__(self):
     validation.require_positive(self, "vocab_size", "d_model", "num_heads",
@@ -41,6 +61,9 @@ class MLMConfig:
     if self.d_model % self.num_heads:
       raise ValueError(f"MLMConfig.d_model = {self.d_model} must be divisible "
                        f"by num_heads = {self.num_heads}")
+    if self.pos_init not in POS_INITS:
+      raise ValueError(f"MLMConfig.pos_init must be one of {POS_INITS}, got "
+                       f"{self.pos_init!r}")
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"MLMConfig.dtype must be float32 or bfloat16, got "
                        f"{self.dtype!r}")
@@ -98,7 +121,9 @@ class MLM(nn.Module):
     init = nn.initializers.normal(0.02)
     self.tok_embed = nn.Embed(cfg.vocab_size + 1, cfg.d_model,
                               embedding_init=init, name="tok_embed")
-    self.pos_embed = self.param("pos_embed", init, (cfg.max_len, cfg.d_model))
+    self.pos_embed = self.param(
+        "pos_embed", sinusoid_init if cfg.pos_init == "sinusoid" else init,
+        (cfg.max_len, cfg.d_model))
     self.blocks = [Block(cfg, name=f"block_{i}")
                    for i in range(cfg.num_layers)]
     self.ln_final = nn.LayerNorm(dtype=cfg.compute_dtype, name="ln_final")

@@ -31,7 +31,8 @@ class PretrainConfig:
 
   ``cycles``: learning-rate cycles of these many steps (``steps`` is their
   sum), each a warmup then a linear decay to 0, the peak halving after the
-  first; with ``target_gap`` the gap is checked at the end of each cycle.
+  first (``cycle_lr``: the later cycles' peak as a fraction of ``lr``);
+  with ``target_gap`` the gap is checked at the end of each cycle.
   Decaying to 0 is worth ~30% of the gap at a given step count, so a run
   that may stop early should stop at the bottom of a cycle, not mid-decay.
 
@@ -62,6 +63,7 @@ class PretrainConfig:
   eval_every: int = 1000
   target_gap: float | None = None
   cycles: tuple[int, ...] | None = None
+  cycle_lr: float = 0.5
   seed: int = 0
   targets: str = "sampled"
   # Runtime settings (config_flags.RUNTIME): how a run goes, not what it
@@ -84,6 +86,9 @@ class PretrainConfig:
                                 "eval_batch", "steps")
     if not self.lr > 0:
       raise ValueError(f"PretrainConfig.lr must be > 0, got {self.lr}")
+    if not self.cycle_lr > 0:
+      raise ValueError(f"PretrainConfig.cycle_lr must be > 0, got "
+                       f"{self.cycle_lr}")
     if self.corpus.fresh and self.steps is None:
       raise ValueError("a fresh-sample corpus has no epochs: set steps")
     if self.cycles is not None:

@@ -41,7 +41,7 @@ def lr_schedule(cfg: PretrainConfig):
         [warmup])
 
   lengths = cfg.cycles or (cfg.total_steps,)
-  parts = [cycle(n, cfg.lr * (0.5 if i else 1.0))
+  parts = [cycle(n, cfg.lr * (cfg.cycle_lr if i else 1.0))
            for i, n in enumerate(lengths)]
   return optax.join_schedules(parts, list(cfg.cycle_ends[:-1]))
 
