@@ -283,9 +283,19 @@ def missing_cells(setup: configs.Setup, backbone_name: str, setup_fp: str,
 
 def run(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
         num_tasks: int = 1, task_index: int = 0,
-        pretrain_only: bool = False) -> None:
+        pretrain_only: bool = False,
+        deadline: float | None = None) -> list[str]:
   """Runs this host's share of the sweep (whole models: a stack of trials
   per host); finished lines are skipped.
+
+  ``deadline`` (a ``time.monotonic()`` value) bounds a run on a machine
+  lent for a fixed time (``experiments/accelerator.py``): no stack starts
+  after it, and a stack started is finished, since its pretraining
+  checkpoints live only in the workdir, which such a run does not keep (a
+  stack cut short would be pretrained again from scratch).
+
+  Returns:
+    The tags of the stacks skipped for the deadline (``[]``: none).
 
   Raises:
     ValueError: a bad backbone, panel or shard, a workdir made with other
@@ -313,11 +323,15 @@ def run(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
           setup, backbone_name, setup_fp, g, done))}
   left = sum(len(c) for cells_of in todo.values() for c in cells_of.values())
   tuned, t_start = 0, time.perf_counter()
+  skipped = []  # [(stack tag, its missing cells)] not started: deadline
   for mid, cells_of in todo.items():
+    if not (cells_of or pretrain_only):
+      continue
+    if deadline is not None and time.monotonic() >= deadline:
+      skipped.append((mid.tag, sum(len(c) for c in cells_of.values())))
+      continue
     if pretrain_only:
       backbones(workdir, setup, mid, make_models(setup, mid), backbone_name)
-      continue
-    if not cells_of:
       continue
     trials = prepare(workdir, setup, mid, backbone_name)
     for g, cells in cells_of.items():
@@ -339,3 +353,9 @@ def run(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
           np.std(accs), len(lines), lines[0].seconds, elapsed,
           elapsed / tuned * (left - tuned))
     del trials  # before the next model's stack is made: one in memory
+  if skipped:
+    logging.warning(
+        "deadline passed: skipped %d stacks (%d cells): %s", len(skipped),
+        sum(n for _, n in skipped),
+        ", ".join(f"{tag} ({n} cells)" for tag, n in skipped))
+  return [tag for tag, _ in skipped]

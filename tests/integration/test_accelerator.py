@@ -1,0 +1,198 @@
+"""experiments.accelerator: chunks in separate processes merge to the whole
+sweep, a rerun computes nothing, a spent budget still writes the archive,
+bad input is refused by name."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from experiments import accelerator
+from experiments import figure3
+from experiments.figure3 import records
+from experiments.figure3 import sweep
+from hmmprompt import results as results_lib
+from hmmprompt.pretrain import train as pretrain_train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+# |H| = 8 is a left size and the vanilla twin of |M| = 2: one stack that
+# both panels read, so a chunk naming either runs it whole.
+_OVERRIDES = {"trials": 2, "features": "raw", "left_sizes": "4,8",
+              "memory_sizes": "2", "task.num_train": 64, "task.num_val": 16,
+              "task.num_test": 32, "task.seq_len": 12, "tune.epochs": 1,
+              "tune.prompt_len": 2, "pretrain.steps": 20}
+SETUP = figure3.get_setup("tiny", _OVERRIDES)
+FLAGS = ["--preset=tiny", "--backbone=exact"] + [
+    f"--config.{k}={v}" for k, v in _OVERRIDES.items()]
+
+
+def _binary(*args):
+  return subprocess.run([sys.executable, "-m", "experiments.accelerator",
+                         *FLAGS, *args], capture_output=True, text=True,
+                        timeout=300, cwd=ROOT)
+
+
+def _members(out_dir):
+  with tarfile.open(os.path.join(out_dir, accelerator.ARCHIVE)) as tar:
+    return sorted(tar.getnames())
+
+
+def _run_json(out_dir):
+  with tarfile.open(os.path.join(out_dir, accelerator.ARCHIVE)) as tar:
+    return json.load(tar.extractfile("run.json"))
+
+
+def _values(workdir):
+  """Key -> every field but the timing ones."""
+  return {r.key(): {k: v for k, v in r.to_json().items()
+                    if k not in accelerator.TIMING_FIELDS}
+          for r in records.read_results(workdir)}
+
+
+def test_chunk_sizes_close_over_shared_stacks_and_refuse_bad_text():
+  assert accelerator.chunk_sizes(SETUP, "all") == ((4, 8), (2,))
+  assert accelerator.chunk_sizes(SETUP, "left:4") == ((4,), ())
+  # The vanilla |H| = 8 stack is the left size 8 and |M| = 2's twin.
+  assert accelerator.chunk_sizes(SETUP, "left:8") == ((8,), (2,))
+  assert accelerator.chunk_sizes(SETUP, "right:2") == ((8,), (2,))
+  assert accelerator.chunk_sizes(SETUP, "left") == ((4, 8), (2,))
+  # Sizes are no part of the fingerprint: a chunk's lines key as the
+  # whole sweep's.
+  part = accelerator.chunk_setup(SETUP, "left:4")
+  for backbone in sweep.BACKBONES:
+    assert part.fingerprint(backbone) == SETUP.fingerprint(backbone)
+  for chunk, match in [("middle:4", "expected left:SIZES"),
+                       ("left:4,x", "comma-separated integers"),
+                       ("left:", "comma-separated integers"),
+                       ("left:5", r"\[5\] not among the left panel's"),
+                       ("right:4", r"\[4\] not among the right panel's")]:
+    with pytest.raises(ValueError, match=f"--chunk='{chunk}'.*{match}"):
+      accelerator.chunk_sizes(SETUP, chunk)
+
+
+def test_chunks_in_two_processes_merge_to_the_whole_run(tmp_path,
+                                                       monkeypatch):
+  empty, merged, whole = (str(tmp_path / d) for d in ("empty", "merged",
+                                                      "whole"))
+  os.makedirs(empty)
+  outs = [str(tmp_path / f"out{i}") for i in range(2)]
+  for out, chunk in zip(outs, ["left:4", "right:2"]):
+    proc = _binary(f"--chunk={chunk}", f"--results={empty}", f"--out={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+  assert os.listdir(empty) == []  # a run never writes to --results
+  assert _members(outs[0]) == ["figure3.md", "figure3.png", "results.jsonl",
+                               "run.json", "sweep.json"]
+  runs = [_run_json(out) for out in outs]
+  # left:4 is one stack (4 cells); right:2 runs the shared |H| = 8 stack
+  # whole (left 4 cells, right 2) and the memory one (2).
+  assert [(r["cells_computed"], r["left_sizes"], r["memory_sizes"])
+          for r in runs] == [(4, [4], []), (8, [8], [2])]
+  assert runs[0]["device"] == ["cpu:0"] and runs[0]["skipped_stacks"] == []
+  for out in outs:
+    accelerator.merge(os.path.join(out, accelerator.ARCHIVE), merged)
+  assert len(results_lib.read_jsonl(os.path.join(merged, "runs.jsonl"))) == 2
+  assert "paper prompt" in open(os.path.join(merged, "figure3.md")).read()
+
+  info = accelerator.run_chunk(SETUP, "all", "exact", empty,
+                               str(tmp_path / "out_all"), preset="tiny")
+  assert info["cells_computed"] == 12
+  accelerator.merge(str(tmp_path / "out_all" / accelerator.ARCHIVE), whole)
+  assert _values(merged) == _values(whole) and len(_values(merged)) == 12
+
+  # Merging again adds nothing (keys are kept once); rerunning a finished
+  # chunk from the merged results computes nothing.
+  counts = accelerator.merge(os.path.join(outs[1], accelerator.ARCHIVE),
+                             merged)
+  assert counts == {"added": 0, "kept": 8, "conflicts": 0}
+  assert len(results_lib.read_jsonl(os.path.join(merged,
+                                                 "results.jsonl"))) == 12
+
+  def boom(*a, **k):
+    raise AssertionError("finished work was redone")
+
+  monkeypatch.setattr(sweep, "prepare", boom)
+  info = accelerator.run_chunk(SETUP, "right:2", "exact", merged,
+                               str(tmp_path / "out_again"))
+  assert info["cells_computed"] == 0 and info["skipped_stacks"] == []
+
+  # An archive of other trial counts, or of another setup, is refused.
+  bad = str(tmp_path / "bad")
+  os.makedirs(bad)
+  results_lib.atomic_write_text(os.path.join(bad, "sweep.json"),
+                                '{"trials": 5, "right_trials": 5}')
+  with pytest.raises(ValueError, match="trial counts"):
+    accelerator.merge(os.path.join(outs[0], accelerator.ARCHIVE), bad)
+  other = dataclasses.replace(SETUP, seed=1)
+  with pytest.raises(ValueError, match="holds exact lines of setup"):
+    accelerator.run_chunk(other, "left:4", "exact", merged, str(tmp_path))
+  os.remove(os.path.join(bad, "sweep.json"))
+  records.append(os.path.join(bad, "results.jsonl"), [dataclasses.replace(
+      records.read_results(merged)[0], setup="0123456789ab")])
+  with pytest.raises(ValueError, match="exact lines of setups"):
+    accelerator.merge(os.path.join(outs[0], accelerator.ARCHIVE), bad)
+
+
+def test_spent_budget_runs_no_stack_and_still_writes_the_archive(tmp_path):
+  os.makedirs(tmp_path / "results")
+  proc = _binary("--budget_s=0", f"--results={tmp_path / 'results'}",
+                 f"--out={tmp_path / 'out'}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "deadline passed: skipped 3 stacks (12 cells)" in proc.stderr
+  run = _run_json(str(tmp_path / "out"))
+  assert run["cells_computed"] == 0 and run["budget_s"] == 0
+  assert run["skipped_stacks"] == ["vanilla-h4", "vanilla-h8",
+                                   "memory-h4-m2"]
+  assert "run.json" in _members(str(tmp_path / "out"))
+
+
+def test_bad_chunk_is_refused_by_name(tmp_path):
+  proc = _binary("--chunk=left:5", f"--out={tmp_path}")
+  assert proc.returncode != 0 and "Traceback" not in proc.stderr
+  assert "--chunk='left:5': [5] not among the left panel's" in proc.stderr
+  assert os.listdir(tmp_path) == []
+
+
+def test_transformer_chunk_archives_pretraining_metrics(tmp_path,
+                                                       monkeypatch):
+  setup = dataclasses.replace(SETUP, left_sizes=(4,), memory_sizes=())
+  results, out = str(tmp_path / "results"), str(tmp_path / "out")
+  workdir = str(tmp_path / "workdir")
+  info = accelerator.run_chunk(setup, "left:4", "transformer", results, out,
+                               workdir=workdir)
+  assert info["cells_computed"] == 4
+  assert os.listdir(os.path.join(workdir, "pretrain"))  # kept, checkpoints
+  names = _members(out)
+  pretrain = [n for n in names if n.startswith("pretrain/")]
+  tag = pretrain[0].split("/")[1]
+  assert tag.startswith("vanilla-h4-") and pretrain == [
+      f"pretrain/{tag}/config.json", f"pretrain/{tag}/metrics.jsonl"]
+  assert "pretraining.png" in names  # no checkpoints, no hmm.npz
+  accelerator.merge(os.path.join(out, accelerator.ARCHIVE), results)
+  metrics = results_lib.read_jsonl(os.path.join(results, "pretrain", tag,
+                                                "metrics.jsonl"))
+  assert {m["trial"] for m in metrics} == {0, 1}
+  table = open(os.path.join(results, "figure3.md")).read()
+  assert "Bayes CE" in table and tag in table
+
+  # A rerun from the merged results neither pretrains nor tunes.
+  def boom(*a, **k):
+    raise AssertionError("finished work was redone")
+
+  monkeypatch.setattr(pretrain_train, "make_train_step", boom)
+  monkeypatch.setattr(sweep.tuning, "tune_trials", boom)
+  info = accelerator.run_chunk(setup, "left:4", "transformer", results,
+                               str(tmp_path / "again"))
+  assert info["cells_computed"] == 0
+  assert not any(n.startswith("pretrain/")
+                 for n in _members(str(tmp_path / "again")))
+  # Nor does one from nothing in the kept workdir (what a stack cut short by
+  # a time limit resumes from).
+  info = accelerator.run_chunk(setup, "left:4", "transformer",
+                               str(tmp_path / "none"), str(tmp_path / "kept"),
+                               workdir=workdir)
+  assert info["cells_computed"] == 0
