@@ -53,6 +53,10 @@ _STEPS = flags.DEFINE_integer("steps", 30, "timed steps per repeat")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "repeats (median)")
 _EXACT = flags.DEFINE_bool("exact", True, "also time our step with "
                            "exact-conditional targets")
+_OTHER_ATTENTION = flags.DEFINE_bool(
+    "other_attention", True, "also time our step with the other attention "
+    "path (--config.model.attention picks the first; auto: manual on CPU, "
+    "dot_product elsewhere)")
 _NUM_STATES = flags.DEFINE_integer("num_states", 30, "HMM states for the "
                                    "exact targets")
 _RETAIN = flags.DEFINE_bool(
@@ -73,7 +77,7 @@ def resolve_shape() -> dict:
   return dict(d_model=m.d_model, num_layers=m.num_layers,
               num_heads=m.num_heads, d_ff=m.d_ff,
               seq_len=cfg.corpus.chunk_len, batch_size=cfg.batch_size,
-              dtype=m.dtype)
+              dtype=m.dtype, attention=m.attention)
 
 
 def model_config(shape: dict, vocab: int) -> transformer.MLMConfig:
@@ -81,7 +85,8 @@ def model_config(shape: dict, vocab: int) -> transformer.MLMConfig:
                                num_heads=shape["num_heads"],
                                d_ff=shape["d_ff"],
                                num_layers=shape["num_layers"],
-                               max_len=shape["seq_len"], dtype=shape["dtype"])
+                               max_len=shape["seq_len"], dtype=shape["dtype"],
+                               attention=shape.get("attention", "auto"))
 
 
 def peak_tflops(dtype: str) -> float | None:
@@ -211,7 +216,13 @@ def main(argv):
           f"{tflops:.2f} TFLOP/s{mfu}{extra})")
 
   t_ours, n_ours = bench_ours(shape, vocab)
-  report("hmmprompt Flax MLM", t_ours, n_ours)
+  attention = model_config(shape, vocab).resolved_attention
+  report("hmmprompt Flax MLM", t_ours, n_ours, f", attention={attention}")
+  if _OTHER_ATTENTION.value:
+    other = "manual" if attention == "dot_product" else "dot_product"
+    t_other, _ = bench_ours({**shape, "attention": other}, vocab)
+    report(f"  attention={other}", t_other, n_ours,
+           f", {t_other / t_ours:.2f}x the time")
   if _EXACT.value:
     t_exact, _ = bench_ours(shape, vocab, "exact")
     report("  with exact targets", t_exact, n_ours,

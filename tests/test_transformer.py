@@ -1,5 +1,7 @@
 """hmmprompt.backbones.transformer: the Flax masked LM and its backbone."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,6 +44,7 @@ def test_model_shapes_and_split_forward():
     (dict(dtype="float16"), "float32 or bfloat16"),
     (dict(num_layers=0), "num_layers must be >= 1"),
     (dict(pos_init="rope"), "pos_init must be one of"),
+    (dict(attention="flash"), "MLMConfig.attention must be one of"),
 ])
 def test_bad_model_config(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -94,3 +97,138 @@ def test_sinusoid_positions_are_relative_from_the_start():
           vocab_size=10, d_model=16, num_heads=2, d_ff=32, num_layers=1,
           max_len=12))["params"]["pos_embed"])
   assert np.ptp(np.diagonal(normal @ normal.T, 1)) > 1e-4
+
+
+# --- attention="dot_product": jax.nn.dot_product_attention, vmaps folded.
+
+_ATT_CFG = transformer.MLMConfig(vocab_size=10, d_model=16, num_heads=2,
+                                 d_ff=32, num_layers=2, max_len=12)
+_B, _T, _N, _H = 3, 12, 2, 8
+
+
+def _folded_attention_shapes(jaxpr):
+  """Output shapes of every ``custom_vmap`` call in ``jaxpr`` (sub-jaxprs
+  included): the attention calls left after the fold rules ran."""
+  shapes = []
+
+  def walk(j):
+    for eqn in j.eqns:
+      if eqn.primitive.name == "custom_vmap_call":
+        shapes.extend(v.aval.shape for v in eqn.outvars)
+      for value in eqn.params.values():
+        for sub in (value if isinstance(value, (list, tuple)) else [value]):
+          sub = getattr(sub, "jaxpr", sub)
+          if hasattr(sub, "eqns"):
+            walk(sub)
+
+  walk(jaxpr.jaxpr)
+  return shapes
+
+
+def _apply(attention):
+  cfg = dataclasses.replace(_ATT_CFG, attention=attention)
+  return lambda params, toks: transformer.MLM(cfg).apply(params, toks)
+
+
+def _loss(attention):
+  # A scalar that weighs every logit differently, so all of the attention's
+  # backward matters.
+  return lambda params, toks: jnp.sum(jnp.sin(_apply(attention)(params,
+                                                                 toks)))
+
+
+def _assert_trees_close(a, b):
+  # fp32 rounding of two orders of summation: 1e-5 of each leaf's scale
+  # (the gradients reach ~200; the paths differ by ~3e-7 of that).
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_allclose(
+        x, y, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(y).max())))
+
+
+@pytest.mark.parametrize("stack", [(), (2,), (2, 2)],
+                         ids=["one", "vmap", "nested_vmap"])
+def test_dot_product_attention_matches_manual(stack):
+  """Same logits and gradients (fp32) for one model, a vmapped stack of two
+  and a 2 x 2 nested vmap (as pretraining's ``map_trials`` vmaps the step
+  over trials); and the vmapped calls fold the stack into the batch: each
+  attention call (2 layers: forward, and backward under grad) sees one
+  ``[K*B, T, N, H]`` batch, never JAX's own batching of the op."""
+  num = int(np.prod(stack, dtype=int))
+  keys = jax.random.split(jax.random.PRNGKey(0), num).reshape(*stack, 2)
+  init = lambda k: transformer.init_params(k, _ATT_CFG)
+  for _ in stack:
+    init = jax.vmap(init)
+  params = init(keys)
+  toks = jax.random.randint(jax.random.PRNGKey(1), (_B, _T), 0, 10)
+
+  def over_stack(f):
+    for _ in stack:
+      f = jax.vmap(f, in_axes=(0, None))
+    return f
+
+  logits = {a: jax.jit(over_stack(_apply(a)))(params, toks)
+            for a in ("manual", "dot_product")}
+  assert logits["manual"].shape == (*stack, _B, _T, 10)
+  _assert_trees_close(logits["dot_product"], logits["manual"])
+  grads = {a: jax.jit(over_stack(jax.value_and_grad(_loss(a))))(params, toks)
+           for a in ("manual", "dot_product")}
+  _assert_trees_close(grads["dot_product"], grads["manual"])
+
+  batch = num * _B
+  fwd = _folded_attention_shapes(jax.make_jaxpr(over_stack(
+      _apply("dot_product")))(params, toks))
+  assert fwd == [(batch, _T, _N, _H)] * _ATT_CFG.num_layers
+  bwd = _folded_attention_shapes(jax.make_jaxpr(over_stack(
+      jax.grad(_loss("dot_product"))))(params, toks))
+  # Per layer: the forward (out) and the backward (dq, dk, dv).
+  assert sorted(bwd) == [(batch, _T, _N, _H)] * (4 * _ATT_CFG.num_layers)
+  assert not _folded_attention_shapes(jax.make_jaxpr(over_stack(
+      _apply("manual")))(params, toks))
+
+
+def test_dot_product_attention_folds_partly_batched_operands():
+  """Unbatched operands are broadcast into the fold; ``grad`` of a vmap
+  (cotangents of the unbatched ``k`` summed over the stack) and a vmap of
+  ``grad`` both match the per-member loop."""
+  q, k, v = jax.random.normal(jax.random.PRNGKey(0), (3, 2, _B, _T, _N, _H))
+  k = k[0]
+  att = transformer.dot_product_attention
+  vmapped = jax.vmap(att, in_axes=(0, None, 0))
+  looped = lambda q, k, v: jnp.stack([att(q[i], k, v[i]) for i in range(2)])
+  np.testing.assert_allclose(vmapped(q, k, v), looped(q, k, v), rtol=1e-6,
+                             atol=1e-6)
+  np.testing.assert_allclose(
+      vmapped(q, k, v), jnp.stack([jax.nn.dot_product_attention(
+          q[i], k, v[i]) for i in range(2)]), rtol=1e-6, atol=1e-6)
+  loss = lambda f: (lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v))))
+  _assert_trees_close(jax.grad(loss(vmapped), argnums=(0, 1, 2))(q, k, v),
+                      jax.grad(loss(looped), argnums=(0, 1, 2))(q, k, v))
+  per_member = jax.vmap(jax.grad(loss(att), argnums=(0, 1, 2)),
+                        in_axes=(0, None, 0))(q, k, v)
+  _assert_trees_close(per_member, [jnp.stack(g) for g in zip(*[
+      jax.grad(loss(att), argnums=(0, 1, 2))(q[i], k, v[i])
+      for i in range(2)])])
+  assert _folded_attention_shapes(jax.make_jaxpr(vmapped)(q, k, v)) == [
+      (2 * _B, _T, _N, _H)]
+
+
+def test_auto_attention_is_manual_on_cpu():
+  """On CPU ``"auto"`` traces the hand-written path, op for op."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("CPU default")
+  params = transformer.init_params(jax.random.PRNGKey(0), _ATT_CFG)
+  toks = jnp.zeros((_B, _T), jnp.int32)
+  assert _ATT_CFG.attention == "auto"
+  assert _ATT_CFG.resolved_attention == "manual"
+  assert (str(jax.make_jaxpr(_apply("auto"))(params, toks))
+          == str(jax.make_jaxpr(_apply("manual"))(params, toks)))
+
+
+def test_attention_is_left_out_of_the_pretraining_identity():
+  """A runtime choice: directory names and fingerprints do not change."""
+  cfg = pretrain.configure("tiny")
+  ids = {a: cfg.with_overrides(model=dataclasses.replace(
+      cfg.model, attention=a)) for a in transformer.ATTENTIONS}
+  assert len({str(c.identity()) for c in ids.values()}) == 1
+  assert "attention" not in cfg.identity()["model"]
+  assert ids["dot_product"].to_json()["model"]["attention"] == "dot_product"
