@@ -236,3 +236,38 @@ def test_both_findings_on_the_exact_backbone():
       _SCIENCE_TUNE, head="attention"))
   gain = memory - head  # head: the vanilla twins, |H| = 4 * 5
   assert gain.mean() >= 8.0 and gain.min() >= -1.0, np.round(gain, 1)
+
+
+# ----------------------------------------------------------------------------
+# Theorem 4.6's arm: prompt tuning with the attention head on a memory HMM.
+
+
+def test_prompt_tuning_with_the_attention_head_on_a_memory_hmm():
+  """The right panel's extra arm (``Setup.prompt_attention``): on a memory
+  HMM's exact backbone (|M| = 2, |H| = 4), prompt tuning trains exactly a
+  soft prompt and an attention head (the backbone's params untouched, the
+  prompt moved) and learns the task far above chance."""
+  model = models.random_model(jax.random.PRNGKey(5), "memory", 4, 10, 2)
+  bb, bp = exact.make(model)
+  task = tasks.make_task(jax.random.PRNGKey(0), model, tasks.TaskConfig(
+      num_train=256, num_val=32, num_test=128, seq_len=12))
+  cfg = tuning.TuneConfig(method="prompt", head="attention", features="log",
+                          epochs=3, prompt_len=2, batch_size=32,
+                          eval_chunk=64)
+  data = tuning.data_from_task(task, cfg)
+  key = jax.random.PRNGKey(1)
+  init = tuning.init_tunable(jax.random.split(key)[0], bb, bp, cfg,
+                             data.train_tokens.shape[1])
+  frozen = jax.tree.map(lambda a: np.array(a, copy=True), bp)
+  res, tunable = tuning.tune(key, bb, bp, data, cfg)
+  assert set(tunable) == {"prompt", "head"}
+  assert tunable["prompt"].shape == (2, bb.embed_dim) == (2, 8)
+  assert set(tunable["head"]) == set(init["head"]) >= {"theta_k", "q",
+                                                       "theta_v", "b"}
+  assert np.max(np.abs(tunable["prompt"] - init["prompt"])) > 1e-3
+  for a, b in zip(jax.tree.leaves(frozen), jax.tree.leaves(bp)):
+    np.testing.assert_array_equal(a, np.asarray(b))
+  majority = max(float(data.test_labels.mean()),
+                 1 - float(data.test_labels.mean()))
+  assert majority < 0.6  # chance is about a half
+  assert float(res.test_accuracy) >= 0.9, res

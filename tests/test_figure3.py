@@ -153,3 +153,90 @@ def test_pretraining_plot_has_a_panel_per_size_and_is_linked(tmp_path):
   assert "Ended above the target gap: vanilla-h4-abc trial 1." in table
   with open(tmp_path / reporting.PRETRAINING_PLOT, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fingerprints_survive_the_head_optimum_fields():
+  """TuneConfig's optimizer and lbfgs_* fields came after lines had been
+  written: at their defaults they are not hashed, so every preset keeps
+  the fingerprint (and the finished lines) it had; away from them the
+  fingerprint moves. Values computed before those fields existed."""
+  tiny = figure3.get_setup("tiny")
+  assert (tiny.fingerprint("exact"), tiny.fingerprint("transformer"),
+          figure3.get_setup("cpu").fingerprint("exact"),
+          figure3.get_setup("paper").fingerprint("exact")) == (
+              "19d48286c874", "fdca962b830c", "a6f38f8be942", "80bfbca971f2")
+  flagged = figure3.get_setup("tiny", overrides={
+      "prompt_attention": "true", "head_optimum": "true"})
+  assert flagged.prompt_attention and flagged.head_optimum
+  assert flagged.fingerprint("exact") == "19d48286c874"
+  moved = figure3.get_setup("tiny", overrides={"tune.lbfgs_l2": "1e-3"})
+  assert moved.fingerprint("exact") != "19d48286c874"
+  with pytest.raises(ValueError, match="tune.optimizer is set per arm.*"
+                     "--config.head_optimum=true"):
+    figure3.get_setup("tiny", overrides={"tune.optimizer": "lbfgs"})
+
+
+def test_plan_adds_the_arms_beyond_the_paper():
+  """``prompt_attention``: prompt tuning with the attention head on each
+  memory HMM; ``head_optimum``: an L-BFGS twin after every head arm, named
+  ``<method>_<head>_lbfgs``. Off (the default), the plan is the paper's."""
+  from experiments.figure3 import sweep  # pylint: disable=g-import-not-at-top
+  names = lambda setup: {m.tag: [g.method_name for g in gs]
+                         for m, gs in sweep.plan(setup).items()}
+  tiny = figure3.get_setup("tiny", features=("raw",))
+  assert names(tiny) == {
+      "vanilla-h4": ["head_linear", "prompt_linear"],
+      "vanilla-h8": ["head_linear"],
+      "vanilla-h12": ["head_linear", "prompt_linear"],
+      "memory-h4-m2": ["head_attention"]}
+  both = figure3.get_setup("tiny", features=("raw",), prompt_attention=True,
+                           head_optimum=True)
+  assert names(both) == {
+      "vanilla-h4": ["head_linear", "head_linear_lbfgs", "prompt_linear"],
+      "vanilla-h8": ["head_linear", "head_linear_lbfgs"],
+      "vanilla-h12": ["head_linear", "head_linear_lbfgs", "prompt_linear"],
+      "memory-h4-m2": ["head_attention", "head_attention_lbfgs",
+                       "prompt_attention"]}
+  prompt_only = figure3.get_setup("tiny", features=("raw",),
+                                  prompt_attention=True)
+  memory, = [gs for m, gs in sweep.plan(prompt_only).items()
+             if m.hmm == "memory"]
+  assert [(g.panel, g.method, g.head, g.optimizer) for g in memory] == [
+      ("right", "head", "attention", "adam"),
+      ("right", "prompt", "attention", "adam")]
+  # Stacks keep their sizes: the new arms are on panels already planned.
+  assert all(sweep.stack_size(both, m) == sweep.stack_size(tiny, m)
+             for m in sweep.plan(tiny))
+
+
+def test_report_shows_the_arms_beyond_the_paper_only_when_present(tmp_path):
+  """The left table gets a "head optimum" column, the right an "attention
+  prompt" one, each with a note, when their lines exist; without them the
+  tables carry neither."""
+  base = dict(backbone="exact", num_states=4, memory_size=0, task=0,
+              features="raw", setup="abc", hmm_fingerprint="f",
+              val_accuracy=0.5, train_accuracy=0.5, final_loss=0.1,
+              steps=3, seconds=1.0, task_redraws=0, assumptions={},
+              tune_config={}, task_config={}, test_accuracy=0.75)
+  arms = [("left", "vanilla", 4, "head_linear"),
+          ("left", "vanilla", 4, "prompt_linear"),
+          ("right", "memory", 8, "head_attention"),
+          ("right", "vanilla", 8, "head_linear")]
+  extra = [("left", "vanilla", 4, "head_linear_lbfgs"),
+           ("right", "memory", 8, "prompt_attention")]
+  make = lambda arm_list: [
+      records.ResultLine(**base, panel=p, hmm=h, size=s, method=m, trial=k)
+      for p, h, s, m in arm_list for k in range(2)]
+  path = str(tmp_path / "figure3.md")
+  reporting.write_table(reporting.summarize(make(arms)), path)
+  plain = open(path).read()
+  assert "optimum" not in plain and "attention prompt" not in plain
+  assert "exact: memory + head attention (raw)" in plain
+  reporting.write_table(reporting.summarize(make(arms + extra)), path)
+  left, right = open(path).read().split("## Right", 1)
+  assert "| exact: vanilla + head optimum (raw) |" in left
+  assert "* head optimum: the linear head solved" in left
+  assert "| exact: memory + attention prompt (raw) |" in right
+  assert "* attention prompt: prompt tuning with the attention head" in right
+  assert "head optimum" not in right
+  assert reporting.trial_table(make(extra)).count("vanilla: head optimum") == 1

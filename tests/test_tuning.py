@@ -1,9 +1,11 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hmmprompt import backbones
 from hmmprompt import heads
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import memory as memory_lib
@@ -398,3 +400,156 @@ def test_lane_drivers_name_what_disagrees(setup):
   short = data._replace(val_labels=data.val_labels[:-1])  # one split off
   with pytest.raises(ValueError, match="disagree"):
     tuning.tune(jax.random.PRNGKey(0), bb, bp, short, cfg)
+
+
+# ----------------------------------------------------------------------------
+# The head's optimum (TuneConfig.optimizer = "lbfgs").
+
+_V = 8  # vocabulary of the faint backbone
+
+
+def _faint_embed(params, tokens_T):
+  del params
+  onehot_TxV = jax.nn.one_hot(tokens_T, _V)
+  return jnp.where((tokens_T == hmm_lib.MASK)[:, None], 1.0, onehot_TxV)
+
+
+def _faint_apply(params, emb_TxD):
+  """``G_t``: 95% uniform, 5% the next token, so ``G`` at the ``MASK``
+  separates every labelling of ``x_1`` (one-hot plus a constant), by a
+  margin too small for a few Adam steps at the paper's rate."""
+  del params
+  nxt_TxD = jnp.roll(emb_TxD, -1, axis=0) * 0.05 + 0.95 / _V
+  return nxt_TxD / nxt_TxD.sum(-1, keepdims=True)
+
+
+FAINT = backbones.Backbone(name="faint", embed=_faint_embed,
+                           apply=_faint_apply,
+                           prompt_embedding=lambda raw: raw, embed_dim=_V,
+                           vocab_size=_V)
+
+
+def _faint_data() -> tuning.Data:
+  """64 / 16 / 32 examples of ``MASK`` and 4 tokens; label 1 where ``x_1``
+  is in {1, 2, 5, 6} (every ``x_1`` value is in the training split)."""
+  def split(key, n):
+    x_NxL = jax.random.randint(key, (n, 4), 0, _V).at[:, 0].set(
+        jnp.arange(n) % _V)
+    tokens_NxT = jnp.concatenate([jnp.full((n, 1), hmm_lib.MASK), x_NxL], 1)
+    return tokens_NxT, jnp.isin(x_NxL[:, 0], jnp.array([1, 2, 5, 6])
+                                ).astype(jnp.int32)
+  keys = jax.random.split(jax.random.PRNGKey(3), 3)
+  return tuning.Data(*(a for k, n in zip(keys, (64, 16, 32))
+                       for a in split(k, n)))
+
+
+def test_the_head_optimum_separates_what_the_papers_recipe_does_not():
+  """Separable features with a faint signal: the paper's recipe (5 epochs
+  of Adam at lr 0.01, batch 32: 10 steps on 64 examples) stays far from
+  100% train accuracy; L-BFGS reaches it, stopping on its tolerance."""
+  data = _faint_data()
+  adam = tuning.TuneConfig(features="raw", eval_chunk=16)
+  res, _ = tuning.tune(jax.random.PRNGKey(0), FAINT, jnp.zeros(()), data,
+                       adam)
+  assert float(res.train_accuracy) < 0.8, res
+  assert res.steps == int(res.lane_steps) == tuning.num_steps(64, adam) == 10
+  lbfgs = dataclasses.replace(adam, optimizer="lbfgs")
+  res, tunable = tuning.tune(jax.random.PRNGKey(0), FAINT, jnp.zeros(()),
+                             data, lbfgs)
+  assert float(res.train_accuracy) == 1.0, res
+  assert float(res.test_accuracy) == 1.0, res
+  assert set(tunable) == {"head"}
+  # It stopped on the gradient norm, not the step limit.
+  assert 0 < res.steps == int(res.lane_steps) < lbfgs.lbfgs_max_steps
+
+
+def _newton_optimum(feats_NxV: np.ndarray, labels_N: np.ndarray,
+                    l2: float) -> tuple[float, np.ndarray]:
+  """The optimum of the L-BFGS objective by Newton's method in float64,
+  through another parametrisation: two-class softmax regression with
+  ``(w, bias)`` is binary logistic regression on ``z = f u + c`` (``u =
+  w_1 - w_0``, ``c = bias_1 - bias_0``), and ``l2 / 2 |w|^2`` at its
+  minimum over the ``w`` with a given ``u`` is ``l2 / 4 |u|^2``. Returns
+  ``(objective, z [N])`` at the optimum."""
+  x_NxF = np.concatenate([feats_NxV, np.ones((len(feats_NxV), 1))], 1)
+  y_N = labels_N.astype(np.float64)
+  reg_F = np.r_[np.full(feats_NxV.shape[1], l2 / 2), 0.0]
+  u_F = np.zeros(x_NxF.shape[1])
+  for _ in range(100):
+    p_N = 1 / (1 + np.exp(-(x_NxF @ u_F)))
+    grad_F = x_NxF.T @ (p_N - y_N) / len(y_N) + reg_F * u_F
+    hess_FxF = (x_NxF * (p_N * (1 - p_N))[:, None]).T @ x_NxF / len(y_N)
+    u_F -= np.linalg.solve(hess_FxF + np.diag(reg_F), grad_F)
+  assert np.linalg.norm(grad_F) < 1e-12
+  z_N = x_NxF @ u_F
+  value = np.mean(np.logaddexp(0, z_N) - y_N * z_N)
+  return value + l2 / 4 * np.sum(u_F[:-1] ** 2), z_N
+
+
+def test_the_head_optimum_is_the_float64_optimum(setup):
+  """On an HMM's raw ``G`` at the ``MASK`` (not separable: a finite
+  optimum the L2 barely moves), L-BFGS's final objective and its logits
+  are Newton's float64 optimum's, to float32 rounding."""
+  model, bb, bp, task_list = setup
+  cfg = dataclasses.replace(FAST, optimizer="lbfgs")
+  data = tuning.data_from_task(task_list[0], cfg)
+  res, tunable = tuning.tune(jax.random.PRNGKey(0), bb, bp, data, cfg)
+  assert res.steps < cfg.lbfgs_max_steps  # the tolerance was met
+  g_NxV = np.asarray(jax.vmap(lambda t: tuning.backbone_head_inputs(
+      bb, bp, cfg, t)[0])(data.train_tokens), np.float64)
+  labels_N = np.asarray(data.train_labels)
+  value, z_N = _newton_optimum(g_NxV, labels_N, cfg.lbfgs_l2)
+  assert float(res.final_loss) == pytest.approx(value, rel=1e-5, abs=1e-6)
+  w, bias = (np.asarray(tunable["head"][k], np.float64)
+             for k in ("w", "bias"))
+  logits_NxC = g_NxV @ w + bias
+  np.testing.assert_allclose(logits_NxC[:, 1] - logits_NxC[:, 0], z_N,
+                             atol=2e-3)
+  assert float(res.train_accuracy) == np.mean((z_N > 0) == labels_N)
+
+
+def test_head_optimum_lanes_equal_one_by_one(setup):
+  """Lanes that stop after different numbers of steps, vmapped (the loop
+  runs until the last stops) and in lane groups (lax.map), end where each
+  ends alone, after as many steps; ``steps`` is the most any lane took.
+  (The tolerance is above float32's floor, where the step a lane stops at
+  would depend on rounding.)"""
+  model, bb, bp, task_list = setup
+  cfg = dataclasses.replace(FAST, optimizer="lbfgs", lbfgs_tol=1e-4)
+  datas = [_tiny(tuning.data_from_task(t, cfg)) for t in task_list]
+  keys = [jax.random.PRNGKey(40 + i) for i in range(2)]
+  whole, whole_t = tuning.tune_many(keys, bb, bp, datas, cfg)
+  assert len(set(whole.lane_steps.tolist())) > 1, whole.lane_steps
+  assert whole.steps == max(whole.lane_steps)
+  grouped, grouped_t = tuning.tune_many(keys, bb, bp, datas, cfg,
+                                        lane_group=1)
+  for i, (key, data) in enumerate(zip(keys, datas)):
+    rec, tunable = tuning.tune(key, bb, bp, data, cfg)
+    for res, stacked in ((whole, whole_t), (grouped, grouped_t)):
+      assert rec.test_accuracy == res.test_accuracy[i]
+      assert rec.train_accuracy == res.train_accuracy[i]
+      assert float(rec.final_loss) == pytest.approx(res.final_loss[i],
+                                                    rel=1e-5)
+      assert int(rec.lane_steps) == int(res.lane_steps[i])
+      for a, b in zip(jax.tree.leaves(tunable), jax.tree.leaves(stacked)):
+        np.testing.assert_allclose(a, b[i], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(optimizer="sgd"),
+     r"^TuneConfig.optimizer must be one of \('adam', 'lbfgs'\), got 'sgd'$"),
+    (dict(optimizer="lbfgs", method="prompt"),
+     r"optimizer='lbfgs' .* method='prompt' does not cache"),
+    (dict(optimizer="lbfgs", method="finetune"),
+     r"method='finetune' does not cache.*\('head',\)"),
+    (dict(optimizer="lbfgs", lbfgs_tol=0.0), "lbfgs_tol must be > 0"),
+    (dict(optimizer="lbfgs", lbfgs_l2=-1e-3), "lbfgs_l2 must be >= 0"),
+    (dict(optimizer="lbfgs", lbfgs_max_steps=0),
+     "lbfgs_max_steps must be >= 1"),
+])
+def test_bad_optimizer_settings_are_refused(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    tuning.TuneConfig(**kwargs)
+  # The paper's recipe is the default; L-BFGS is given its step limit.
+  assert tuning.TuneConfig().optimizer == "adam"
+  assert tuning.num_steps(100, tuning.TuneConfig(optimizer="lbfgs")) == 500

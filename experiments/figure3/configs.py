@@ -26,6 +26,11 @@ MEMORY_SYNTAX_STATES = 4
 # Bumped when the HMM drawn for a given (size, trial, seed) changes, so that
 # old result lines are not mistaken for current ones (3: trials).
 MODEL_KEYS_VERSION = 3
+# TuneConfig fields added after result lines had been written (the head
+# optimum, L-BFGS): Setup.fingerprint hashes them only when not at their
+# defaults, so the earlier lines' fingerprints stand.
+TUNE_FIELDS_ADDED = ("optimizer", "lbfgs_tol", "lbfgs_max_steps",
+                     "lbfgs_l2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +53,19 @@ class Setup:
       ``MEMORY_SYNTAX_STATES``) and their vanilla twins of ``|M||H|``.
     features: head feature transforms, each run as its own arm.
     task: downstream data sizes (``tasks.TaskConfig``).
-    tune: tuning recipe; ``method``, ``head`` and ``features`` are set per
-      arm by the sweep.
+    tune: tuning recipe; ``method``, ``head``, ``features`` and
+      ``optimizer`` are set per arm by the sweep (``optimizer`` must stay
+      ``"adam"`` here: ``head_optimum`` adds the L-BFGS arms).
     seed: root of every random stream (``sweep.model_key`` and friends).
     pretrain: the transformer's pretraining recipe (unused by ``exact``).
     finetune: add full fine-tuning of the transformer as a third arm.
+    prompt_attention: Theorem 4.6's arm: on the right panel, prompt
+      tuning with the attention head on each memory HMM (``prompt_attention``
+      lines), beside its head tuning.
+    head_optimum: add, for every head-tuning arm, a twin whose head is
+      solved to its optimum (``TuneConfig.optimizer = "lbfgs"``, the
+      ``tune.lbfgs_*`` settings; lines ``<method>_<head>_lbfgs``): how much
+      of head tuning's gap is the paper's 5 epochs of Adam.
     lanes_per_vmap: runtime (changes speed and memory, no result beyond
       float rounding): a group's trials x tasks are tuned this many trials
       at a time (``lax.map`` over vmapped groups, one program); 0 all at
@@ -74,6 +87,8 @@ class Setup:
   seed: int = 0
   finetune: bool = False
   right_trials: int | None = None
+  prompt_attention: bool = False
+  head_optimum: bool = False
   lanes_per_vmap: int | None = dataclasses.field(
       default=None, metadata=config_flags.RUNTIME)
   task_memory_mb: int = dataclasses.field(
@@ -97,16 +112,33 @@ class Setup:
           isinstance(v, int) and v >= 0):
         raise ValueError(f"Setup.{name} must be an int >= 0 (0: no bound), "
                          f"got {v!r}")
+    if self.tune.optimizer != "adam":
+      raise ValueError(
+          f"Setup.tune.optimizer is set per arm by the sweep, got "
+          f"{self.tune.optimizer!r}: --config.head_optimum=true adds an "
+          f"L-BFGS twin of every head-tuning arm")
     bad = [f for f in self.features if f not in heads.FEATURES]
     if bad or not self.features:
       raise ValueError(f"Setup.features must be from {heads.FEATURES}, got "
                        f"{self.features}")
 
   def fingerprint(self, backbone: str = "exact") -> str:
-    """12 hex digits keying result lines to the setup that made them."""
-    blob = {"task": dataclasses.asdict(self.task),
-            "tune": dataclasses.asdict(self.tune), "seed": self.seed,
-            "model_keys": MODEL_KEYS_VERSION}
+    """12 hex digits keying result lines to the setup that made them.
+
+    The :data:`TUNE_FIELDS_ADDED` of ``tune`` are hashed only away from
+    their defaults: lines written before those fields existed keep their
+    fingerprint (their values did not change), and a non-default value
+    still moves it. Which arms run (``finetune``, ``prompt_attention``,
+    ``head_optimum``) is in each line's key (its method), not here.
+    """
+    tune = dataclasses.asdict(self.tune)
+    defaults = {f.name: f.default
+                for f in dataclasses.fields(tuning.TuneConfig)}
+    for name in TUNE_FIELDS_ADDED:
+      if tune[name] == defaults[name]:
+        del tune[name]
+    blob = {"task": dataclasses.asdict(self.task), "tune": tune,
+            "seed": self.seed, "model_keys": MODEL_KEYS_VERSION}
     if backbone == "transformer":
       blob["pretrain"] = self.pretrain.identity()
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()

@@ -74,10 +74,14 @@ class Group:
   method: str  # "head" | "prompt" | "finetune"
   head: str  # "linear" | "attention"
   features: str
+  optimizer: str = "adam"  # TuneConfig.optimizer: "adam" | "lbfgs"
 
   @property
   def method_name(self) -> str:
-    return f"{self.method}_{self.head}"
+    """``<method>_<head>``, ``_<optimizer>`` appended unless Adam (so the
+    paper's arms keep the keys their lines were written with)."""
+    name = f"{self.method}_{self.head}"
+    return name if self.optimizer == "adam" else f"{name}_{self.optimizer}"
 
   def key_fields(self, backbone: str, setup_fp: str, trial: int,
                  task: int) -> dict:
@@ -92,7 +96,14 @@ class Group:
 def plan(setup: configs.Setup, panel: str = "both",
          backbone: str = "exact") -> dict[ModelId, list[Group]]:
   """The groups of ``panel`` by model, models vanilla then memory by size
-  (the order they run and are sharded in)."""
+  (the order they run and are sharded in).
+
+  Left: head and prompt tuning (and fine-tuning) with the linear head.
+  Right: per ``|M|``, the memory HMM's attention head (and, with
+  ``setup.prompt_attention``, prompt tuning with it: Theorem 4.6) and the
+  vanilla twin's linear head. ``setup.head_optimum`` follows every head
+  tuning group with its L-BFGS twin.
+  """
   out = []
   if panel in ("left", "both"):
     methods = ["head", "prompt"]
@@ -109,9 +120,17 @@ def plan(setup: configs.Setup, panel: str = "both",
       for f in setup.features:
         out.append(Group("right", ModelId("memory", syntax, m), "head",
                          "attention", f))
+      if setup.prompt_attention:
+        for f in setup.features:
+          out.append(Group("right", ModelId("memory", syntax, m), "prompt",
+                           "attention", f))
       for f in setup.features:
         out.append(Group("right", ModelId("vanilla", syntax * m, 0), "head",
                          "linear", f))
+  if setup.head_optimum:
+    out = [twin for g in out for twin in (
+        (g, dataclasses.replace(g, optimizer="lbfgs")) if g.method == "head"
+        else (g,))]
   by_model = {}
   for g in sorted(out, key=lambda g: (g.model_id.hmm != "vanilla",
                                       g.model_id.size)):  # stable
@@ -223,7 +242,7 @@ def tune_group(setup: configs.Setup, backbone_name: str, g: Group,
   trial_ids = sorted({k for k, _ in cells})
   task_ids = sorted({s for _, s in cells})
   cfg = dataclasses.replace(setup.tune, method=g.method, head=g.head,
-                            features=g.features)
+                            features=g.features, optimizer=g.optimizer)
   params_K = trials.params_K
   if trial_ids != list(range(len(trials.fingerprints))):
     params_K = jax.tree.map(lambda x: x[np.asarray(trial_ids)], params_K)
@@ -245,7 +264,8 @@ def tune_group(setup: configs.Setup, backbone_name: str, g: Group,
           test_accuracy=float(res.test_accuracy[i, j]),
           val_accuracy=float(res.val_accuracy[i, j]),
           train_accuracy=float(res.train_accuracy[i, j]),
-          final_loss=float(res.final_loss[i, j]), steps=res.steps,
+          final_loss=float(res.final_loss[i, j]),
+          steps=int(res.lane_steps[i, j]),
           seconds=res.seconds, task_redraws=task.redraws,
           assumptions=verdicts, tune_config=dataclasses.asdict(cfg),
           task_config=dataclasses.asdict(setup.task), **trials.pretrain[k]))

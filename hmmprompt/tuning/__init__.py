@@ -13,6 +13,12 @@ prompt) and trains on those cached features. Prompt tuning runs the backbone
 on ``(prompt, MASK, x_1, ...)`` at every step; the linear head reads the
 output at the ``MASK`` position (:func:`hmmprompt.tasks.mask_index`).
 
+Training is the paper's recipe (mini-batch Adam) by default. With the
+backbone frozen, a head on cached features is a fixed model of fixed inputs
+(the linear head: logistic regression, convex), so head tuning can also be
+solved: ``TuneConfig(optimizer="lbfgs")`` runs full-batch L-BFGS on a
+slightly L2-regularised objective to its optimum (:data:`OPTIMIZERS`).
+
 One role per module:
 
 * :mod:`~hmmprompt.tuning.config`: :class:`TuneConfig`, the methods it
@@ -29,6 +35,7 @@ One role per module:
 """
 
 from hmmprompt.tuning.config import METHODS
+from hmmprompt.tuning.config import OPTIMIZERS
 from hmmprompt.tuning.config import SPLITS
 from hmmprompt.tuning.config import Data
 from hmmprompt.tuning.config import Method

@@ -16,6 +16,8 @@ from hmmprompt import validation
 from hmmprompt.backbones import Backbone
 
 SPLITS = ("train", "val", "test")
+OPTIMIZERS = ("adam", "lbfgs")
+"""Values of :attr:`TuneConfig.optimizer`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +72,35 @@ class TuneConfig:
     max_len: truncate inputs to this many positions, prompt included
       (``None``: no truncation; the authors' scripts used 80).
     eval_chunk: examples per chunk when computing accuracies.
+    optimizer: ``"adam"`` (the paper's recipe above: mini-batch Adam on the
+      learning-rate schedule, unregularised) or ``"lbfgs"``: the head's
+      optimum. With the backbone frozen, a head on cached features is a
+      fixed model of fixed inputs (for the linear head, logistic
+      regression: convex), so instead of 5 epochs of Adam it is solved:
+      full-batch L-BFGS (``optax.lbfgs``, zoom line search) on the whole
+      training set's cached features until the gradient norm is below
+      ``lbfgs_tol``, ``lbfgs_max_steps`` steps, or 20 steps without a new
+      lowest objective (then the lowest point is kept). Only for methods
+      whose features are cached (:attr:`Method.caches_features`: head
+      tuning); the attention head is not convex, so there it reaches a
+      stationary point from its initialisation, not necessarily the
+      optimum. ``lr``, ``warmup_*``, ``epochs`` and ``batch_size`` are
+      unused then.
+    lbfgs_tol: L-BFGS stops when the objective's gradient (all head
+      leaves, one L2 norm) is below this. In float32 the gradient's
+      rounding can keep it above a small tolerance at the optimum; the run
+      then stops when the objective stops falling (20 steps without a new
+      lowest value).
+    lbfgs_max_steps: at most this many L-BFGS steps (each one line search
+      of full-batch evaluations).
+    lbfgs_l2: L-BFGS minimises the mean cross-entropy plus ``lbfgs_l2 / 2``
+      times the squared norm of the head's weights (every head leaf but
+      ``bias``). Unregularised logistic regression on separable features
+      has no finite optimum (the weights grow forever and the gradient
+      only tends to 0), so the stopping rule would measure nothing; a small
+      L2 makes the optimum unique and finite. 0 is allowed (then on
+      separable data the weights grow until float32's rounding or
+      ``lbfgs_max_steps`` stops them). Adam stays unregularised.
   """
 
   method: str = "head"
@@ -85,15 +116,34 @@ class TuneConfig:
   batch_size: int = 32
   max_len: int | None = None
   eval_chunk: int = 250
+  optimizer: str = "adam"
+  lbfgs_tol: float = 1e-6
+  lbfgs_max_steps: int = 500
+  lbfgs_l2: float = 1e-4
 
   def __post_init__(self):
     for field, registry in (("method", METHODS), ("head", heads.HEADS),
-                            ("features", heads.TRANSFORMS)):
+                            ("features", heads.TRANSFORMS),
+                            ("optimizer", OPTIMIZERS)):
       if getattr(self, field) not in registry:
         raise ValueError(f"TuneConfig.{field} must be one of "
                          f"{tuple(registry)}, got {getattr(self, field)!r}")
+    if (self.optimizer == "lbfgs"
+        and not METHODS[self.method].caches_features):
+      cached = tuple(m for m, v in METHODS.items() if v.caches_features)
+      raise ValueError(
+          f"TuneConfig.optimizer='lbfgs' solves a head on cached features, "
+          f"but method={self.method!r} does not cache them (it trains "
+          f"through the backbone); use optimizer='adam' for it, or a method "
+          f"from {cached}")
     validation.require_positive(self, "prompt_len", "epochs", "batch_size",
-                                "eval_chunk")
+                                "eval_chunk", "lbfgs_max_steps")
+    if not self.lbfgs_tol > 0:
+      raise ValueError(f"TuneConfig.lbfgs_tol must be > 0, got "
+                       f"{self.lbfgs_tol}")
+    if not self.lbfgs_l2 >= 0:
+      raise ValueError(f"TuneConfig.lbfgs_l2 must be >= 0, got "
+                       f"{self.lbfgs_l2}")
     for name in ("lr", "backbone_lr"):
       if not getattr(self, name) > 0:
         raise ValueError(f"TuneConfig.{name} must be > 0, got "
@@ -147,6 +197,11 @@ def data_from_task(task: tasks_lib.Task, cfg: TuneConfig) -> Data:
 
 
 def num_steps(num_train: int, cfg: TuneConfig) -> int:
+  """The steps a run is given (the length of its losses): Adam takes all
+  ``epochs`` x whole batches; L-BFGS at most ``lbfgs_max_steps``, fewer
+  when its gradient norm meets ``lbfgs_tol``."""
+  if cfg.optimizer == "lbfgs":
+    return cfg.lbfgs_max_steps
   return cfg.epochs * max(num_train // cfg.batch_size, 1)
 
 

@@ -241,3 +241,56 @@ def test_sharded_sweep_merges_to_the_unsharded_one(tmp_path):
   acc = lambda d: sorted((r.key(), r.test_accuracy)
                          for r in figure3.read_results(d))
   assert acc(shards) == acc(whole)
+
+
+def test_sweep_with_the_arms_beyond_the_paper(tmp_path, monkeypatch):
+  """``prompt_attention`` adds prompt tuning with the attention head on each
+  memory HMM (Theorem 4.6); ``head_optimum`` an L-BFGS twin of every head
+  arm. Both are new lines beside the paper's, whose keys do not move (a
+  rerun without the flags recomputes nothing), and new report columns."""
+  workdir = str(tmp_path)
+  setup = dataclasses.replace(SETUP, prompt_attention=True,
+                              head_optimum=True)
+  assert setup.fingerprint("exact") == SETUP.fingerprint("exact")
+  figure3.run(setup, workdir, "both", "exact")
+  lines = records.read_results(workdir)
+  arms = {(r.panel, r.hmm, r.method) for r in lines}
+  assert arms == {("left", "vanilla", "head_linear"),
+                  ("left", "vanilla", "head_linear_lbfgs"),
+                  ("left", "vanilla", "prompt_linear"),
+                  ("right", "memory", "head_attention"),
+                  ("right", "memory", "head_attention_lbfgs"),
+                  ("right", "memory", "prompt_attention"),
+                  ("right", "vanilla", "head_linear"),
+                  ("right", "vanilla", "head_linear_lbfgs")}
+  assert len(lines) == len({r.key() for r in lines}) == 2 * len(arms)
+  adam_steps = tuning.num_steps(64, setup.tune)
+  for r in lines:
+    lbfgs = r.method.endswith("_lbfgs")
+    assert r.tune_config["optimizer"] == ("lbfgs" if lbfgs else "adam")
+    assert (r.tune_config["method"], r.tune_config["head"]) == tuple(
+        r.method.split("_")[:2])
+    if lbfgs:
+      assert 1 <= r.steps <= setup.tune.lbfgs_max_steps
+    else:
+      assert r.steps == adam_steps
+    assert 0.0 <= r.test_accuracy <= 1.0 and r.final_loss >= 0
+  # The paper's arms are keyed as before: without the flags, nothing runs.
+  monkeypatch.setattr(sweep.tuning, "tune_trials", lambda *a, **k: 1 / 0)
+  figure3.run(SETUP, workdir, "both", "exact")
+  monkeypatch.undo()
+
+  figure3.report(workdir)
+  table = open(os.path.join(workdir, "figure3.md")).read()
+  left, right = table.split("## Right", 1)
+  right = right.split("## ", 1)[0]
+  columns = lambda panel: next(row for row in panel.splitlines()
+                               if row.startswith("| size |")
+                               ).strip("| ").split(" | ")
+  assert "exact: vanilla + head optimum (raw)" in columns(left)
+  assert "* head optimum: the linear head solved" in left
+  assert {"exact: memory + attention prompt (raw)",
+          "exact: memory + attention head optimum (raw)",
+          "exact: memory + head attention (raw)",
+          "exact: vanilla + head optimum (raw)"} <= set(columns(right))
+  assert "* attention prompt: prompt tuning with the attention" in right
