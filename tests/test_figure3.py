@@ -195,8 +195,7 @@ def test_plan_adds_the_arms_beyond_the_paper():
       "vanilla-h4": ["head_linear", "head_linear_lbfgs", "prompt_linear"],
       "vanilla-h8": ["head_linear", "head_linear_lbfgs"],
       "vanilla-h12": ["head_linear", "head_linear_lbfgs", "prompt_linear"],
-      "memory-h4-m2": ["head_attention", "head_attention_lbfgs",
-                       "prompt_attention"]}
+      "memory-h4-m2": ["head_attention", "prompt_attention"]}
   prompt_only = figure3.get_setup("tiny", features=("raw",),
                                   prompt_attention=True)
   memory, = [gs for m, gs in sweep.plan(prompt_only).items()

@@ -62,7 +62,8 @@ class Setup:
     prompt_attention: Theorem 4.6's arm: on the right panel, prompt
       tuning with the attention head on each memory HMM (``prompt_attention``
       lines), beside its head tuning.
-    head_optimum: add, for every head-tuning arm, a twin whose head is
+    head_optimum: add, for every linear-head tuning arm (logistic
+      regression on the frozen features: convex), a twin whose head is
       solved to its optimum (``TuneConfig.optimizer = "lbfgs"``, the
       ``tune.lbfgs_*`` settings; lines ``<method>_<head>_lbfgs``): how much
       of head tuning's gap is the paper's 5 epochs of Adam.
