@@ -15,7 +15,7 @@ DIR/checkpoints/ and DIR/metrics.jsonl (trial, step, mlm_ce, bayes_ce, tv,
 ...). Rerunning the same command resumes from the newest readable
 checkpoint (an unreadable one, e.g. a partial copy, is reported and set
 aside in DIR/checkpoints.damaged/); runtime fields (log_every, ckpt_every,
-keep, eval_batch, trials_per_vmap) may change between runs.
+keep, eval_batch, trials_per_vmap, retain) may change between runs.
 
 ``--config.trials=K`` draws K HMMs (trial k from ``fold_in(PRNGKey(hmm_seed),
 k)``) and pretrains K transformers in one stacked run

@@ -1,5 +1,5 @@
-"""Thin wrapper over orbax-checkpoint: periodic saves, keep the last k,
-resume the latest. Only finite states are ever saved."""
+"""Thin wrapper over orbax-checkpoint: periodic saves, keep the last k (or
+all), resume the latest. Only finite states are ever saved."""
 
 from __future__ import annotations
 
@@ -25,11 +25,13 @@ logging.getLogger("absl").addFilter(_QuietOrbax())
 
 
 class Checkpoints:
-  """Checkpoints of a train-state pytree under ``directory``."""
+  """Checkpoints of a train-state pytree under ``directory``: the ``keep``
+  newest, or every one saved (``keep=None``: a directory of retained steps,
+  :attr:`PretrainConfig.retain`)."""
 
-  def __init__(self, directory: str, keep: int = 3):
-    if keep < 1:
-      raise ValueError(f"keep must be >= 1, got {keep}")
+  def __init__(self, directory: str, keep: int | None = 3):
+    if keep is not None and keep < 1:
+      raise ValueError(f"keep must be >= 1 (None: keep all), got {keep}")
     self.directory = os.path.abspath(directory)
     self._keep = keep
     self._mngr = self._open()
@@ -42,6 +44,10 @@ class Checkpoints:
 
   def latest_step(self) -> int | None:
     return self._mngr.latest_step()
+
+  def all_steps(self) -> list[int]:
+    """The saved steps, ascending."""
+    return sorted(self._mngr.all_steps())
 
   def save(self, step: int, state) -> None:
     bad = [jax.tree_util.keystr(p) for p, x in

@@ -530,3 +530,29 @@ def test_curves_match_losses_to_trials_and_skip_without_tensorboardx(
   assert not os.path.exists(tmp_path / "off")
   with pytest.raises(ImportError, match="hmmprompt\\[tensorboard\\]"):
     curves.read_scalars(str(tmp_path))
+
+
+@pytest.mark.parametrize("retain", [(5, 5), (10, 3), (-1, 4), (0, 41),
+                                    (0, 2.5), (True,), [0, 10]])
+def test_retain_schedule_is_validated_by_name(retain):
+  """``retain``: strictly increasing int steps within the run (0, the init,
+  included); anything else is refused naming the field and the values."""
+  with pytest.raises(ValueError,
+                     match=re.escape(f"PretrainConfig.retain must be a tuple "
+                                     f"of strictly increasing int steps in "
+                                     f"[0, total_steps = 40], got "
+                                     f"{retain!r}")):
+    dataclasses.replace(TINY, retain=retain)
+
+
+def test_retain_is_runtime_and_round_trips():
+  """A schedule is a runtime field (the run is the same run without it);
+  it survives config.json and the ``--config`` parser as a tuple."""
+  cfg = dataclasses.replace(TINY, retain=(0, 10, 40))
+  assert cfg.identity() == TINY.identity()
+  assert pretrain.PretrainConfig.from_json(
+      json.loads(json.dumps(cfg.to_json()))) == cfg
+  assert config_flags.apply(TINY, {"retain": "0,10,40"}) == cfg
+  old = TINY.to_json()
+  del old["retain"]  # a config.json written before the field
+  assert pretrain.PretrainConfig.from_json(old).retain == ()

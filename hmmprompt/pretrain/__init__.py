@@ -10,11 +10,15 @@ One role per module:
 * :mod:`~hmmprompt.pretrain.evaluation`: held-out CE against the exact Bayes
   conditionals;
 * :mod:`~hmmprompt.pretrain.workdir`: the run directory (its layout
-  version), :func:`load_trials` and :func:`load_backbone`;
+  version), :func:`load_trials`, :func:`load_backbone` and
+  :func:`load_retained` (the checkpoints of :attr:`PretrainConfig.retain`,
+  stacked ``[Q, K]``);
 * :mod:`~hmmprompt.pretrain.loop`: :func:`run_trials`, the one loop (K
   models of one config, one per HMM draw, in one jitted step; resumable
   from the newest readable checkpoint; each stops on its own at a target
-  gap), and :func:`run`, one model as a stack of one;
+  gap), :func:`run`, one model as a stack of one, and
+  :func:`evaluate_checkpoints` (retained checkpoints on the loop's
+  validation sets);
 * :mod:`~hmmprompt.pretrain.curves`: TensorBoard event files, one run per
   trial (optional: the ``tensorboard`` extra).
 """
@@ -28,6 +32,7 @@ from hmmprompt.pretrain.evaluation import ValidationSet
 from hmmprompt.pretrain.evaluation import evaluate
 from hmmprompt.pretrain.evaluation import validation_set
 from hmmprompt.pretrain.loop import Keys
+from hmmprompt.pretrain.loop import evaluate_checkpoints
 from hmmprompt.pretrain.loop import run
 from hmmprompt.pretrain.loop import run_trials
 from hmmprompt.pretrain.train import TrainState
@@ -37,4 +42,5 @@ from hmmprompt.pretrain.train import make_optimizer
 from hmmprompt.pretrain.train import make_train_step
 from hmmprompt.pretrain.train import mlm_loss
 from hmmprompt.pretrain.workdir import load_backbone
+from hmmprompt.pretrain.workdir import load_retained
 from hmmprompt.pretrain.workdir import load_trials

@@ -49,6 +49,14 @@ class PretrainConfig:
   transformer's batched matmuls ran at half the speed of one trial at a time
   (87 vs 39 ms per trial-step, 3 trials at the ``cpu_capped`` shape), so
   the CPU presets use 1; accelerators want the full vmap.
+
+  ``retain``: steps whose train states are saved under ``retained/`` of
+  the run's directory and never deleted (0: the initialisation), beside the
+  ``keep`` newest of the rotation, which never sees them; read back with
+  :func:`~hmmprompt.pretrain.workdir.load_retained`. A runtime field: the
+  run with a schedule is the run without one (same identity, same
+  results), so a finished run is reused whatever its schedule, and a step
+  already trained past is not retained by a later schedule.
   """
 
   model: transformer.MLMConfig = transformer.MLMConfig()
@@ -73,6 +81,7 @@ class PretrainConfig:
   keep: int = _runtime(3)
   eval_batch: int = _runtime(64)
   trials_per_vmap: int = _runtime(0)
+  retain: tuple[int, ...] = _runtime(())
 
   def __post_init__(self):
     if self.targets not in TARGETS:
@@ -103,6 +112,14 @@ class PretrainConfig:
       raise ValueError(f"PretrainConfig.trials_per_vmap must be an int >= 0 "
                        f"(0: all trials in one vmap), got "
                        f"{self.trials_per_vmap!r}")
+    retain = self.retain
+    if (not isinstance(retain, tuple)
+        or not all(isinstance(s, int) and not isinstance(s, bool)
+                   and 0 <= s <= self.total_steps for s in retain)
+        or any(a >= b for a, b in zip(retain, retain[1:]))):
+      raise ValueError(f"PretrainConfig.retain must be a tuple of strictly "
+                       f"increasing int steps in [0, total_steps = "
+                       f"{self.total_steps}], got {retain!r}")
     if self.target_gap is not None and not self.target_gap > 0:
       raise ValueError(f"PretrainConfig.target_gap must be > 0, got "
                        f"{self.target_gap}")
@@ -162,6 +179,8 @@ class PretrainConfig:
     d["corpus"] = corpus_lib.CorpusConfig(**d["corpus"])
     if d.get("cycles") is not None:
       d["cycles"] = tuple(d["cycles"])
+    if "retain" in d:  # absent from config.json files written before it
+      d["retain"] = tuple(d["retain"])
     return cls(**d)
 
 

@@ -127,6 +127,14 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
   follow from the evaluations up to it. ``after_step(step)`` is called
   after each step's bookkeeping (tests use it to crash at a chosen point).
 
+  The states of ``cfg.retain``'s steps (all K trials; a stopped trial's as
+  it stopped) are saved under ``retained/`` as they pass, step 0 the
+  initialisation, and kept whatever ``keep`` says
+  (:func:`~hmmprompt.pretrain.workdir.load_retained` reads them). A
+  resumed run retains its resume step if the crash cut that copy off; the
+  steps before it that were never retained (the schedule is a runtime
+  field: a run started without it) are logged, not recomputed.
+
   Raises:
     ValueError: ``models_K`` is not a stack, ``workdir`` holds another run
       (config, trial count, HMMs), or the batch does not split over the
@@ -154,6 +162,23 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
   else:
     log(f"resumed {'' if num == 1 else f'{num} trials '}from step {start}")
   states = jax.device_put(states, rep)
+  # Retained steps: their own directory, outside the rotation. The state
+  # in hand is step ``start``'s: the init, or a checkpoint whose retained
+  # copy a crash may have cut off (saved here; an existing one is kept).
+  retained = (ckpt_lib.Checkpoints(paths.retained, keep=None)
+              if cfg.retain else None)
+  have = set(retained.all_steps()) if retained else set()
+
+  def retain(step, states):
+    if step in cfg.retain and step not in have:
+      retained.save(step, states)
+      have.add(step)
+
+  lost = [s for s in cfg.retain if s < start and s not in have]
+  if lost:
+    log(f"retain: steps {lost} were trained past without being retained "
+        f"(resumed from step {start}); a new workdir retains them")
+  retain(start, states)
   total = cfg.total_steps
   metrics = workdir_lib.read_metrics(paths, upto=start)
   last = {m.get("trial", 0): m for m in metrics}
@@ -167,7 +192,7 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
     log(f"already reached the target gap at step "
         f"{max(m['step'] for m in last.values())}")
   if not running or (start >= total and not missing):
-    ckpts.close()
+    _close(ckpts, retained)
     return [last.get(k, {}) for k in range(num)]
 
   hmms = jax.device_put(jax.vmap(models.as_hmm)(models_K), rep)
@@ -240,10 +265,13 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
         rate = progress.flush(done, ckpts.latest_step(), paths.ckpt)
         curves.train(done, rate / len(idx))  # one trial's share
       is_eval = _is_eval(cfg, done)
-      if is_eval or done % cfg.ckpt_every == 0:
+      is_ckpt = is_eval or done % cfg.ckpt_every == 0
+      if is_ckpt or done in cfg.retain:
         states = jax.tree.map(lambda full, part: full.at[idx].set(part),
                               states, sub)
-        ckpts.save(done, states)
+        if is_ckpt:
+          ckpts.save(done, states)
+        retain(done, states)
         if is_eval:
           evaluate(done, sub, running)
       if after_step is not None:
@@ -253,5 +281,31 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
       if len(running) < before:
         break  # re-form the stack without the stopped trials
     start = done
-  ckpts.close()
+  _close(ckpts, retained)
   return [last.get(k, {}) for k in range(num)]
+
+
+def evaluate_checkpoints(cfg: PretrainConfig, models_K: models.Model,
+                         params_QxK) -> list[list[dict]]:
+  """``metrics[q][k]``: :func:`evaluation.evaluate` of trial ``k``'s params
+  at checkpoint ``q`` (``params_QxK``, e.g.
+  :func:`~hmmprompt.pretrain.workdir.load_retained`'s) on the validation
+  set the loop evaluates trial ``k`` on, so at an evaluation step it is
+  that step's ``metrics.jsonl`` line (without ``trial``, ``step`` and
+  ``wall_s``); the other retained steps are measured here alone."""
+  num = models.num_trials(models_K)
+  keys = Keys.of(cfg.seed, num)
+  num_q = jax.tree.leaves(params_QxK)[0].shape[0]
+  out = [[None] * num for _ in range(num_q)]
+  for k in range(num):
+    val = evaluate_lib.validation_set(keys.val[k], models.trial(models_K, k),
+                                      cfg)
+    for q in range(num_q):
+      out[q][k] = evaluate_lib.evaluate(_take(params_QxK, (q, k)), cfg, val)
+  return out
+
+
+def _close(*managers) -> None:
+  for m in managers:
+    if m is not None:
+      m.close()

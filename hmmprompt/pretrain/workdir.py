@@ -3,8 +3,9 @@
 Layout (version :data:`LAYOUT`): ``config.json`` (``{"layout", "pretrain":
 PretrainConfig}``), ``hmm.npz`` (the generating models stacked ``[K]``,
 :func:`models.save`), ``checkpoints/`` (orbax, the :class:`TrainState` of
-all K), ``metrics.jsonl`` (one line per trial and evaluation). One model is
-a stack of one.
+all K), ``metrics.jsonl`` (one line per trial and evaluation) and, with
+:attr:`PretrainConfig.retain`, ``retained/`` (orbax, the states of the
+retained steps, never rotated out). One model is a stack of one.
 
 Layout 1 (before 2026-11-23) wrote ``config.json`` as the bare config, and
 a one-model run unstacked: its stacked runs resume and load as they are; a
@@ -20,6 +21,8 @@ import os
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from hmmprompt import checkpoints as ckpt_lib
 from hmmprompt import models
@@ -42,13 +45,15 @@ class Paths:
   model: str
   ckpt: str
   metrics: str
+  retained: str
 
   @classmethod
   def of(cls, workdir: str) -> "Paths":
     return cls(config=os.path.join(workdir, "config.json"),
                model=os.path.join(workdir, "hmm.npz"),
                ckpt=os.path.join(workdir, "checkpoints"),
-               metrics=os.path.join(workdir, "metrics.jsonl"))
+               metrics=os.path.join(workdir, "metrics.jsonl"),
+               retained=os.path.join(workdir, "retained"))
 
 
 def read_config(paths: Paths) -> tuple[int, PretrainConfig]:
@@ -61,12 +66,14 @@ def read_config(paths: Paths) -> tuple[int, PretrainConfig]:
   return blob["layout"], PretrainConfig.from_json(blob["pretrain"])
 
 
-def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+  """``"a.b: old -> new"`` for every leaf where two nested dicts (config
+  identities) differ: what a refusal to reuse a directory names."""
   out = []
   for key in sorted(set(old) | set(new)):
     a, b = old.get(key), new.get(key)
     if isinstance(a, dict) and isinstance(b, dict):
-      out += _differences(a, b, f"{prefix}{key}.")
+      out += differences(a, b, f"{prefix}{key}.")
     elif a != b:
       out.append(f"{prefix}{key}: {a!r} -> {b!r}")
   return out
@@ -87,7 +94,7 @@ def prepare(workdir: str, cfg: PretrainConfig,
   os.makedirs(workdir, exist_ok=True)
   if os.path.exists(paths.config):
     _, old = read_config(paths)
-    diff = _differences(old.identity(), cfg.identity())
+    diff = differences(old.identity(), cfg.identity())
     if diff:
       raise ValueError(f"{workdir} holds a run with a different config "
                        f"({'; '.join(diff)}); use a new --workdir (or "
@@ -127,9 +134,30 @@ def restore(ckpts: ckpt_lib.Checkpoints, cfg: PretrainConfig, num: int,
   """``(step, states_K)`` of the newest readable checkpoint (an unreadable
   newer one is reported and set aside, :meth:`Checkpoints.restore_latest`),
   or ``(None, None)`` if there is none."""
-  abstract = jax.eval_shape(lambda: train.init_states(
+  return ckpts.restore_latest(_abstract_states(cfg, num), log=log)
+
+
+def _abstract_states(cfg: PretrainConfig, num: int):
+  """The shapes of ``num`` stacked train states (what a restore fills)."""
+  return jax.eval_shape(lambda: train.init_states(
       jax.random.split(jax.random.PRNGKey(0), num), cfg))
-  return ckpts.restore_latest(abstract, log=log)
+
+
+def _open_run(workdir: str) -> tuple[Paths, PretrainConfig, models.Model,
+                                     int]:
+  """``(paths, config, models_K, K)`` of a stacked run's directory;
+  ``FileNotFoundError`` / ``ValueError`` as :func:`load_trials`."""
+  paths = Paths.of(workdir)
+  for what in ("config", "model"):
+    if not os.path.exists(getattr(paths, what)):
+      raise FileNotFoundError(f"{getattr(paths, what)} not found: {workdir} "
+                              f"is not a pretraining workdir")
+  _, cfg = read_config(paths)
+  models_K = models.load(paths.model)
+  num = models.num_trials(models_K)
+  if num is None:
+    raise ValueError(_LAYOUT1_SINGLE.format(workdir=workdir))
+  return paths, cfg, models_K, num
 
 
 def load_trials(workdir: str) -> tuple[Backbone, Any, list[dict]]:
@@ -145,16 +173,7 @@ def load_trials(workdir: str) -> tuple[Backbone, Any, list[dict]]:
       no readable checkpoint (named).
     ValueError: a layout-1 one-model run (named).
   """
-  paths = Paths.of(workdir)
-  for what in ("config", "model"):
-    if not os.path.exists(getattr(paths, what)):
-      raise FileNotFoundError(f"{getattr(paths, what)} not found: {workdir} "
-                              f"is not a pretraining workdir")
-  _, cfg = read_config(paths)
-  models_K = models.load(paths.model)
-  num = models.num_trials(models_K)
-  if num is None:
-    raise ValueError(_LAYOUT1_SINGLE.format(workdir=workdir))
+  paths, cfg, models_K, num = _open_run(workdir)
   ckpts = ckpt_lib.Checkpoints(paths.ckpt, keep=cfg.keep)
   try:
     step, state = restore(ckpts, cfg, num)
@@ -184,3 +203,48 @@ def load_backbone(workdir: str) -> tuple[Backbone, Any, dict]:
     raise ValueError(f"{workdir} holds {len(infos)} stacked trials: load it "
                      f"with load_trials")
   return backbone, jax.tree.map(lambda x: x[0], params_K), infos[0]
+
+
+def load_retained(workdir: str) -> tuple[Backbone, Any, list[int],
+                                         list[dict]]:
+  """``(backbone, params_QxK, steps, infos)``: the retained checkpoints of a
+  run (:attr:`PretrainConfig.retain`), for tuning them all at once.
+
+  ``steps [Q]``: the retained steps found, ascending (what ``retained/``
+  holds, whatever schedule the call that wrote them had).
+  ``params_QxK``: every leaf with two leading axes, retained step ``q``
+  then trial ``k``; ``reshape(Q * K, ...)`` makes them one trial stack of
+  :func:`tuning.tune_trials` (lane ``q * K + k``). ``infos[k]`` holds trial
+  ``k``'s ``config``, its generating ``model`` (unstacked) and ``steps``,
+  its own step at each checkpoint (the retained step, or where the trial
+  stopped at its target gap before it).
+
+  Raises:
+    FileNotFoundError: ``workdir`` is not a pretraining workdir, or has no
+      retained checkpoint (named).
+    ValueError: a layout-1 one-model run (named).
+  """
+  paths, cfg, models_K, num = _open_run(workdir)
+  if not os.path.isdir(paths.retained):
+    raise FileNotFoundError(
+        f"no retained checkpoints in {workdir} ({paths.retained} missing): "
+        f"pretrain with PretrainConfig.retain set")
+  retained = ckpt_lib.Checkpoints(paths.retained, keep=None)
+  try:
+    steps = retained.all_steps()
+    if not steps:
+      raise FileNotFoundError(
+          f"no retained checkpoints in {paths.retained}: pretrain with "
+          f"PretrainConfig.retain set (a runtime field: the steps already "
+          f"trained past are not retained by a rerun)")
+    abstract = _abstract_states(cfg, num)
+    states_Q = [retained.restore(abstract, step) for step in steps]
+  finally:
+    retained.close()
+  params_QxK = jax.tree.map(lambda *xs: jnp.stack(xs),
+                            *[s.params for s in states_Q])
+  state_steps_QxK = np.stack([np.asarray(s.step) for s in states_Q])
+  infos = [{"config": cfg, "model": models.trial(models_K, k),
+            "steps": [int(x) for x in state_steps_QxK[:, k]]}
+           for k in range(num)]
+  return transformer.make_backbone(cfg.model), params_QxK, steps, infos
