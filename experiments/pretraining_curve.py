@@ -36,6 +36,7 @@ tests) and ``cpu`` (2 cores, docs/pretraining_curve.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -646,31 +647,38 @@ def report(workdir: str) -> str:
 # ----------------------------------------------------------------------------
 # The binary.
 
-_PRESET = flags.DEFINE_enum("preset", "cpu", list(PRESETS),
-                            "config preset; --config.<path> overrides it")
-_CONFIG = config_flags.define(PRESETS["cpu"]())
-_WORKDIR = flags.DEFINE_string("workdir", None, "output directory")
+def _define_flags():
+  """The binary's flags, defined only when it runs as ``__main__``: the
+  module is a library too (tests import it beside other binaries whose
+  ``--preset`` would clash in absl's global registry)."""
+  return (flags.DEFINE_enum("preset", "cpu", list(PRESETS),
+                            "config preset; --config.<path> overrides it"),
+          config_flags.define(PRESETS["cpu"]()),
+          flags.DEFINE_string("workdir", None, "output directory"))
 
 
-def main(argv):
+def main(argv, preset_flag, config_flag, workdir_flag):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   host_memory.retain_freed_memory()  # XLA:CPU step temporaries
-  if not _WORKDIR.value:
+  workdir = workdir_flag.value
+  if not workdir:
     raise app.UsageError("--workdir is required")
   try:
-    setup = get_setup(_PRESET.value, _CONFIG.value())
-    check_workdir(_WORKDIR.value, setup)
+    setup = get_setup(preset_flag.value, config_flag.value())
+    check_workdir(workdir, setup)
   except ValueError as e:
     raise app.UsageError(str(e)) from e
   t0 = time.perf_counter()
-  run(setup, _WORKDIR.value)
-  print(report(_WORKDIR.value))
+  run(setup, workdir)
+  print(report(workdir))
   print(f"done in {time.perf_counter() - t0:.0f}s\n"
-        f"results: {results_path(_WORKDIR.value)}\n"
-        f"table:   {os.path.join(_WORKDIR.value, 'curve.md')}\n"
-        f"plot:    {os.path.join(_WORKDIR.value, 'curve.png')}")
+        f"results: {results_path(workdir)}\n"
+        f"table:   {os.path.join(workdir, 'curve.md')}\n"
+        f"plot:    {os.path.join(workdir, 'curve.png')}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _preset, _config, _workdir = _define_flags()
+  app.run(functools.partial(main, preset_flag=_preset, config_flag=_config,
+                            workdir_flag=_workdir))
