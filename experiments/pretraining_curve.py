@@ -157,10 +157,8 @@ class CurveSetup:
                           ).hexdigest()[:12]
 
   def lane_group(self) -> int | None:
-    """:func:`tuning.tune_trials`' ``lane_group``."""
-    if self.lanes_per_vmap is None:
-      return 1 if jax.default_backend() == "cpu" else None
-    return self.lanes_per_vmap or None
+    """``tuning.tune``'s ``lane_group`` (``None``: all lanes at once)."""
+    return tuning.lane_group_for(self.lanes_per_vmap)
 
   def model_ids(self) -> list[fig_sweep.ModelId]:
     """The models, vanilla then memory, by size (the order they run)."""
@@ -326,8 +324,7 @@ def plan(setup: CurveSetup) -> dict[fig_sweep.ModelId, list[Group]]:
 def model_key(setup: CurveSetup, mid: fig_sweep.ModelId):
   """``mid``'s root key, as :func:`experiments.figure3.sweep.model_key`:
   trial ``k`` is ``fold_in(root, k)``, so the draws are the sweep's."""
-  offset = fig_sweep.MEMORY_MODEL_STREAM if mid.hmm == "memory" else 0
-  return jax.random.fold_in(jax.random.PRNGKey(setup.seed), mid.size + offset)
+  return fig_sweep.model_key(setup, mid)  # reads setup.seed only
 
 
 def make_models(setup: CurveSetup, mid: fig_sweep.ModelId) -> models.Model:
@@ -339,16 +336,14 @@ def make_models(setup: CurveSetup, mid: fig_sweep.ModelId) -> models.Model:
 
 def task_key(setup: CurveSetup, mid: fig_sweep.ModelId, trial: int):
   """The sweep's key of task 0 of ``trial``."""
-  return jax.random.fold_in(jax.random.fold_in(model_key(setup, mid), trial),
-                            fig_sweep.TASK_STREAM)
+  return fig_sweep.task_key(setup, mid, trial, 0)
 
 
 def tune_key(setup: CurveSetup, trial: int):
   """The sweep's tuning key of task 0 of ``trial``: every checkpoint of a
   trial (and its exact backbone) starts from the same head, prompt and
   batch order."""
-  return jax.random.fold_in(
-      jax.random.fold_in(jax.random.PRNGKey(setup.seed + 1), trial), 0)
+  return fig_sweep.tune_key(setup, trial, 0)
 
 
 def check_workdir(workdir: str, setup: CurveSetup) -> None:

@@ -14,7 +14,6 @@ import hashlib
 import json
 from typing import Any, Mapping
 
-import jax
 from hmmprompt import config_flags
 from hmmprompt import heads
 from hmmprompt import pretrain as pretrain_lib
@@ -147,9 +146,7 @@ class Setup:
 
   def lane_group(self) -> int | None:
     """``tuning.tune``'s ``lane_group`` (``None``: all lanes at once)."""
-    if self.lanes_per_vmap is None:
-      return 1 if jax.default_backend() == "cpu" else None
-    return self.lanes_per_vmap or None
+    return tuning.lane_group_for(self.lanes_per_vmap)
 
   def task_memory_budget(self) -> int | None:
     """``tasks.make_tasks``' ``memory_budget`` in bytes (``None``: no

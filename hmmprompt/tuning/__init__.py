@@ -50,6 +50,7 @@ from hmmprompt.tuning.loop import make_optimizer
 from hmmprompt.tuning.loop import run
 from hmmprompt.tuning.loop import stack_data
 from hmmprompt.tuning.loop import tune
+from hmmprompt.tuning.loop import lane_group_for
 from hmmprompt.tuning.loop import tune_many
 from hmmprompt.tuning.loop import tune_trials
 

@@ -309,6 +309,15 @@ def _run_lanes(key_L, bparams, data_L: Data, backbone: Backbone,
                      batch_size=lane_group)
 
 
+def lane_group_for(lanes_per_vmap: int | None) -> int | None:
+  """:func:`tune`'s ``lane_group`` from a "lanes per vmap" setting: ``None``
+  (auto) is 1 on CPU (one lane at a time ran fastest there and holds a
+  lane's memory only) and all lanes elsewhere; 0 is all lanes."""
+  if lanes_per_vmap is None:
+    return 1 if jax.default_backend() == "cpu" else None
+  return lanes_per_vmap or None
+
+
 class Result(NamedTuple):
   """What :func:`tune` measured, on the host: ``[*L]`` arrays over its lanes
   (0-d for one seed) and the program's totals."""
