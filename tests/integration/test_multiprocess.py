@@ -1,10 +1,10 @@
 """Data-parallel pretraining over several processes, on one machine.
 
 Two local CPU processes joined by ``jax.distributed`` (a coordinator on the
-loopback address, gloo collectives) pretrain the tiny preset as one model,
-data-parallel over their two devices: the result equals a one-process run
-on two devices and on one (float tolerance), each checkpoint is written
-once, a two-process run killed mid-way resumes exactly, and a one-device
+loopback address, gloo collectives) pretrain the tiny preset (exact
+targets) as one model, data-parallel over their two devices: the result
+equals a one-process run on two devices and on one (float tolerance), each
+checkpoint is written once, a two-process run killed mid-way resumes exactly, and a one-device
 process reads its checkpoints. The first run finds its coordinator,
 process count and index from the binary's flags, the rerun the way it
 would under ``srun`` (SLURM's variables, set by hand here: there is no
@@ -26,7 +26,9 @@ from hmmprompt import pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
-ARGS = ["--preset=tiny", "--config.num_states=6", "--config.hmm_seed=3"]
+# Exact targets: computed inside the step, each device on its batch share.
+ARGS = ["--preset=tiny", "--config.num_states=6", "--config.hmm_seed=3",
+        "--config.pretrain.targets=exact"]
 # SLURM's port for a job: SLURM_JOB_ID % 4096 + 61440 (jax's slurm_cluster).
 _SLURM_PORT0 = 65535 - 2**12 + 1
 

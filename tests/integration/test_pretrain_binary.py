@@ -1,5 +1,5 @@
-"""The pretraining binary end to end (subprocesses): crash-resume, flags,
-data parallelism."""
+"""The pretraining binary end to end (subprocesses): crash-resume, flags.
+Data parallelism over devices and processes: test_multiprocess.py."""
 
 import json
 import os
@@ -61,47 +61,3 @@ def test_bad_flags_fail_clearly(tmp_path):
   out = _run_binary(str(tmp_path), "--config.trials=0")
   assert out.returncode != 0 and "trials must be an int >= 1" in out.stderr
   assert "Traceback" not in out.stderr
-
-
-_DP_SCRIPT = """
-import json, jax
-from hmmprompt import corpus, hmm, pretrain, sharding
-# Exact targets: computed inside the step, per device on its batch share.
-cfg = pretrain.preset_config("tiny").with_overrides(targets="exact")
-model = hmm.random_hmm(jax.random.PRNGKey(3), 6, 10)
-one = lambda tree: jax.tree.map(lambda x: x[None], tree)  # a stack of one
-mesh = sharding.data_mesh()
-state = jax.device_put(pretrain.init_states(jax.random.PRNGKey(0)[None], cfg),
-                       sharding.replicated(mesh))
-step = pretrain.make_train_step(cfg, mesh)
-losses = []
-for s in range(3):
-  batch = jax.device_put(
-      one(corpus.batch_at(jax.random.PRNGKey(1), s, model, None, cfg.corpus,
-                          cfg.batch_size, 10)),
-      sharding.trial_batch_sharded(mesh))
-  state, loss = step(state, *batch, one(model))
-  losses.append(float(loss[0]))
-leaf = jax.tree.leaves(state.params)[0]
-print(json.dumps({"devices": jax.device_count(), "losses": losses,
-                  "shards": len(batch[0].sharding.device_set),
-                  "param_sum": float(abs(leaf).sum())}))
-"""
-
-
-def test_data_parallel_matches_single_device():
-  results = []
-  for n in (1, 4):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}",
-               JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", _DP_SCRIPT], env=env,
-                         capture_output=True, text=True, timeout=300,
-                         cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-2000:]
-    results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-  one, four = results
-  assert one["devices"] == 1 and four["devices"] == 4 and four["shards"] == 4
-  np.testing.assert_allclose(four["losses"], one["losses"], rtol=1e-5)
-  np.testing.assert_allclose(four["param_sum"], one["param_sum"], rtol=1e-5)
-
-
