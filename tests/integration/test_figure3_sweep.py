@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import binaries  # tests/integration/binaries.py
 from experiments import figure3
 from experiments.figure3 import records
 from experiments.figure3 import sweep
@@ -114,7 +115,7 @@ def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
   assert "paper prompt" in table and "exact: vanilla + prompt linear" in table
 
 
-@pytest.mark.parametrize("args,match", [
+_BAD_FLAGS = [
     (["--preset=tiny"], "--workdir is required"),
     (["--preset=tiny", "--workdir=W", "--config.left_sizes=4,x"],
      "--config.left_sizes='4,x' is not a valid tuple of int"),
@@ -131,26 +132,25 @@ def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
     (["--workdir=W", "--num_tasks=2", "--task_index=2"], "task_index"),
     (["--workdir=W", "--backbone=transformer",
       "--config.pretrain.model.width=8"], "config.pretrain.model.width"),
-])
-def test_bad_flags_fail_clearly(tmp_path, args, match):
-  args = [a.replace("=W", "=" + str(tmp_path)) for a in args]
-  proc = subprocess.run([sys.executable, "-m", "experiments.figure3", *args],
-                        capture_output=True, text=True, timeout=120,
-                        cwd=ROOT)
-  assert proc.returncode != 0
-  assert match in proc.stderr + proc.stdout
-  assert "Traceback" not in proc.stderr
+    # A workdir of a sweep with other trial counts.
+    (["--preset=tiny", "--workdir=OTHER"],
+     "was made with trial counts {'trials': 5, 'right_trials': 5}, this run "
+     "asks for {'trials': 2, 'right_trials': 2}"),
+]
 
 
-def test_rerun_with_other_trial_counts_fails_clearly(tmp_path):
-  results_lib.atomic_write_text(str(tmp_path / "sweep.json"),
+def test_bad_flags_fail_clearly(tmp_path):
+  other = tmp_path / "other"
+  other.mkdir()
+  results_lib.atomic_write_text(str(other / "sweep.json"),
                                 '{"trials": 5, "right_trials": 5}')
-  proc = subprocess.run([sys.executable, "-m", "experiments.figure3",
-                         "--preset=tiny", f"--workdir={tmp_path}"],
-                        capture_output=True, text=True, timeout=120, cwd=ROOT)
-  assert proc.returncode != 0 and "Traceback" not in proc.stderr
-  assert ("was made with trial counts {'trials': 5, 'right_trials': 5}, "
-          "this run asks for {'trials': 2, 'right_trials': 2}") in proc.stderr
+  argvs = [[a.replace("=W", f"={tmp_path}").replace("=OTHER", f"={other}")
+            for a in args] for args, _ in _BAD_FLAGS]
+  ends = binaries.usage_errors("experiments.figure3.__main__", argvs)
+  for (args, match), end in zip(_BAD_FLAGS, ends):
+    assert end["returncode"] != 0, args
+    assert match in end["stderr"] + end["stdout"], (args, end["stderr"])
+    assert "Traceback" not in end["stderr"], (args, end["stderr"])
 
 
 def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,

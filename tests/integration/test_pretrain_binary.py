@@ -1,63 +1,200 @@
-"""The pretraining binary end to end (subprocesses): crash-resume, flags.
-Data parallelism over devices and processes: test_multiprocess.py."""
+"""The pretraining binary end to end: data parallelism over processes on
+one machine, SIGKILL and resume, checkpoints written once, usage errors.
+
+Two local CPU processes joined by ``jax.distributed`` (a coordinator on the
+loopback address, gloo collectives) pretrain the tiny preset (exact
+targets) as one model, data-parallel over their two devices: the result
+equals a one-process run on two devices and on one (float tolerance), each
+checkpoint is written once, a two-process run killed mid-way resumes
+exactly, and a one-device process reads its checkpoints. The first run finds its coordinator,
+process count and index from the binary's flags, the rerun the way it
+would under ``srun`` (SLURM's variables, set by hand here: there is no
+SLURM on this machine). docs/multihost.md shows both launches.
+"""
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 
 import jax
 import numpy as np
 
+import binaries  # tests/integration/binaries.py
 from hmmprompt import pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
+# Exact targets: computed inside the step, each device on its batch share.
+ARGS = ["--preset=tiny", "--config.num_states=6", "--config.hmm_seed=3",
+        "--config.pretrain.targets=exact"]
+# SLURM's port for a job: SLURM_JOB_ID % 4096 + 61440 (jax's slurm_cluster).
+_SLURM_PORT0 = 65535 - 2**12 + 1
 
 
-def _run_binary(workdir, *extra):
-  return subprocess.run(
-      [sys.executable, "-m", "experiments.pretrain", "--preset=tiny",
-       f"--workdir={workdir}", "--config.num_states=6",
-       "--config.hmm_seed=3", *extra],
-      capture_output=True, text=True, timeout=300, cwd=ROOT)
+def _env(devices: int, **extra) -> dict:
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  return dict(os.environ, JAX_PLATFORMS="cpu", **extra, XLA_FLAGS=" ".join(
+      flags + [f"--xla_force_host_platform_device_count={devices}"]))
 
 
-def test_sigkill_then_rerun_equals_uninterrupted(tmp_path):
-  clean, crashed = str(tmp_path / "clean"), str(tmp_path / "crashed")
-  assert _run_binary(clean).returncode == 0
-  first = _run_binary(crashed, "--crash_at_step=25")
-  assert first.returncode == -signal.SIGKILL
-  second = _run_binary(crashed)
-  assert second.returncode == 0, second.stderr[-2000:]
-  assert "resumed from step 20" in second.stderr
-  a = pretrain.load_backbone(clean)[1]
-  b = pretrain.load_backbone(crashed)[1]
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  def metrics(workdir):  # all but the wall clock are bit-identical
-    lines = [json.loads(l) for l in open(os.path.join(workdir,
-                                                      "metrics.jsonl"))]
-    assert all(l.pop("wall_s") > 0 for l in lines)
-    return lines
+def _port_is_free(port: int) -> bool:
+  with socket.socket() as s:
+    try:
+      s.bind(("127.0.0.1", port))
+    except OSError:
+      return False
+  return True
 
-  assert metrics(clean) == metrics(crashed)
+
+def _launch(workdir, env, *extra):
+  return subprocess.Popen(
+      [sys.executable, "-m", "experiments.pretrain", f"--workdir={workdir}",
+       *ARGS, *extra], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True)
+
+
+def _wait(procs):
+  """``[(returncode, stderr)]``; kills the rest if one hangs."""
+  out = []
+  try:
+    for p in procs:
+      _, err = p.communicate(timeout=240)
+      out.append((p.returncode, err))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  return out
+
+
+def _two_processes_as_srun(workdir, *extra):
+  """What ``srun --ntasks=2`` on one node sets, and ``--distributed``."""
+  job = next(j for j in iter(lambda: random.randrange(2**12), None)
+             if _port_is_free(_SLURM_PORT0 + j))
+  return _wait([_launch(workdir, _env(
+      1, SLURM_JOB_ID=str(job), SLURM_STEP_NODELIST="localhost",
+      SLURM_NTASKS="2", SLURM_PROCID=str(i), SLURM_LOCALID=str(i)),
+                        "--distributed", *extra) for i in range(2)])
+
+
+def _metrics(workdir):
+  lines = [json.loads(l) for l in open(os.path.join(workdir,
+                                                    "metrics.jsonl"))]
+  assert all(l.pop("wall_s") > 0 for l in lines)
+  return lines
+
+
+def _params(workdir):
+  return jax.tree_util.tree_leaves_with_path(
+      pretrain.load_backbone(workdir)[1])
+
+
+def _close_but_key_bias(a, b):
+  """Leaves equal to float tolerance, but for the attention's key bias: it
+  adds one constant to all of a query's scores, so its gradient is 0 up to
+  rounding, and Adam's update of it (the sign of that noise, at the lr)
+  differs between any two summation orders; it changes no output."""
+  assert [p for p, _ in a] == [p for p, _ in b]
+  for (path, x), (_, y) in zip(a, b):
+    x, y = np.asarray(x), np.asarray(y)
+    if jax.tree_util.keystr(path).endswith("['qkv']['bias']"):
+      d = x.shape[-1] // 3
+      x, y = np.delete(x, np.s_[d:2 * d], -1), np.delete(y, np.s_[d:2 * d], -1)
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+def test_two_processes_equal_one_and_resume(tmp_path):
+  w = {name: str(tmp_path / name) for name in ("one", "two_devices",
+                                                "two_processes")}
+  # One process on 1 device, one on 2, and two processes of 1 device each
+  # (one model data-parallel over both) killed after step 35, between the
+  # checkpoints of steps 30 and 40; all side by side.
+  port = next(p for p in iter(lambda: random.randint(20000, 40000), None)
+              if _port_is_free(p))
+  out = _wait([_launch(w["one"], _env(1)),
+               _launch(w["two_devices"], _env(2))] + [
+                   _launch(w["two_processes"], _env(1), "--distributed",
+                           f"--coordinator_address=127.0.0.1:{port}",
+                           "--num_processes=2", f"--process_id={i}",
+                           "--crash_at_step=35") for i in range(2)])
+  assert [rc for rc, _ in out[:2]] == [0, 0], out[0][1][-3000:] + out[1][1][
+      -3000:]
+  killed = out[2:]
+  assert "process 1 of 2" in killed[1][1], killed[1][1][-3000:]
+  assert "step 20: mlm_ce" in killed[0][1], killed[0][1][-3000:]
+  # Process 0 kills itself; process 1 too, or it is ended by losing the
+  # coordinator (process 0) first.
+  assert killed[0][0] == -signal.SIGKILL and killed[1][0] != 0, killed[0][1][
+      -3000:]
+  # The same command, as srun would launch it: it resumes.
+  out = _two_processes_as_srun(w["two_processes"])
+  assert [rc for rc, _ in out] == [0, 0], out[0][1][-3000:] + out[1][1][-3000:]
+  assert all("resumed from step 30" in err for _, err in out)
+
+  # The killed and resumed run of 2 processes x 1 device ends where the
+  # uninterrupted run of 1 process x 2 devices does, bit for bit (the same
+  # program and sums, only the all-reduce crosses processes), and equals
+  # the run on 1 device to float tolerance (other summation order).
+  two = _params(w["two_processes"])
+  for (path, x), (_, y) in zip(two, _params(w["two_devices"])):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y),
+                                  err_msg=jax.tree_util.keystr(path))
+  _close_but_key_bias(two, _params(w["one"]))
+  m = _metrics(w["two_processes"])
+  assert [(l["trial"], l["step"]) for l in m] == [(0, 20), (0, 40)]
+  assert m == _metrics(w["two_devices"])
+  one = _metrics(w["one"])
+  assert [sorted(l) for l in one] == [sorted(l) for l in m]
+  for a, b in zip(m, one):
+    np.testing.assert_allclose([a[k] for k in sorted(a)],
+                               [b[k] for k in sorted(b)], rtol=1e-5)
+
+  # Each checkpoint written once: one directory per step kept (tiny keeps
+  # 2) and, in it, one copy of the replicated state: orbax splits its
+  # writing between the processes (ocdbt.process_0/, ocdbt.process_1/), so
+  # the bytes on disk are about those of the one-process run (a copy per
+  # process would double them).
+  def data_bytes(workdir, step):
+    root = os.path.join(workdir, "checkpoints", step)
+    return sum(os.path.getsize(os.path.join(d, f))
+               for d, _, fs in os.walk(root) for f in fs)
+
+  for name in ("two_processes", "two_devices"):
+    assert sorted(os.listdir(os.path.join(w[name], "checkpoints"))) == [
+        "30", "40"], name
+  for step in ("30", "40"):
+    ratio = (data_bytes(w["two_processes"], step)
+             / data_bytes(w["two_devices"], step))
+    assert 0.8 < ratio < 1.25, ratio
 
 
 def test_bad_flags_fail_clearly(tmp_path):
-  out = subprocess.run([sys.executable, "-m", "experiments.pretrain",
-                        "--preset=tiny"], capture_output=True, text=True,
-                       timeout=120, cwd=ROOT)
-  assert out.returncode != 0 and "--workdir is required" in out.stderr
-  out = _run_binary(str(tmp_path), "--config.pretrain.model.num_heads=3")
-  assert out.returncode != 0 and "divisible by num_heads" in out.stderr
-  assert "Traceback" not in out.stderr
-  out = _run_binary(str(tmp_path), "--config.pretrain.lr_typo=1")
-  assert out.returncode != 0 and "config.pretrain.lr_typo" in out.stderr
-  out = _run_binary(str(tmp_path), "--config.pretrain.steps=ten")
-  assert out.returncode != 0 and "config.pretrain.steps" in out.stderr
-  assert "Traceback" not in out.stderr
-  out = _run_binary(str(tmp_path), "--config.trials=0")
-  assert out.returncode != 0 and "trials must be an int >= 1" in out.stderr
-  assert "Traceback" not in out.stderr
+  w = f"--workdir={tmp_path}"
+  cases = [
+      (["--preset=tiny"], "--workdir is required"),
+      ([w, *ARGS, "--config.pretrain.model.num_heads=3"],
+       "divisible by num_heads"),
+      ([w, *ARGS, "--config.pretrain.lr_typo=1"], "config.pretrain.lr_typo"),
+      ([w, *ARGS, "--config.pretrain.steps=ten"], "config.pretrain.steps"),
+      ([w, *ARGS, "--config.trials=0"], "trials must be an int >= 1"),
+      ([w, *ARGS, "--num_processes=2"],
+       "--num_processes need --distributed"),
+      ([w, *ARGS, "--distributed"], "pass --coordinator_address, "
+       "--num_processes and --process_id"),
+      ([w, *ARGS, "--distributed", "--coordinator_address=127.0.0.1:1",
+        "--num_processes=2", "--process_id=2"], "process_id < num_processes"),
+  ]
+  env = {k: v for k, v in _env(1).items() if not k.startswith("SLURM_")}
+  ends = binaries.usage_errors("experiments.pretrain",
+                               [args for args, _ in cases], env=env)
+  for (args, match), end in zip(cases, ends):
+    assert end["returncode"] != 0, args
+    assert match in end["stderr"], (args, end["stderr"][-2000:])
+    assert "Traceback" not in end["stderr"], (args, end["stderr"][-2000:])
