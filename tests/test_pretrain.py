@@ -277,6 +277,7 @@ def test_stacked_step_equals_separate_steps_and_drops_stopped_trials():
       np.testing.assert_allclose(a, b[0], rtol=1e-4, atol=5e-5)
 
 
+@pytest.mark.default_compiler
 def test_run_trials_equals_separate_runs_stops_each_and_resumes(tmp_path):
   """K = 2 stacked trials (one program, one trial after another) equal the
   two separate runs bit for bit, trial 1 with seed + 1; each stops at the
