@@ -27,21 +27,18 @@ PAPER_LEFT = {"prompt": {4: 100, 8: 97, 10: 93, 15: 87, 25: 75, 30: 75},
 PAPER_RIGHT = {"memory": {8: 100, 12: 100, 20: 100, 28: 98},
                "vanilla": {8: 83, 12: 81, 20: 64, 28: 66}}
 
-# Arms beyond the paper's (Setup.prompt_attention, Setup.head_optimum):
+# Arms beyond the paper's (Setup.prompt_attention, Setup.head_optimum: an
+# L-BFGS twin of the linear-head arms only):
 # their column names, and a note under a table that shows them. The paper's
 # arms keep their names ("prompt linear"), so a report without these lines
 # reads as before.
 _ARM_LABELS = {"head_linear_lbfgs": "head optimum",
-               "head_attention_lbfgs": "attention head optimum",
                "prompt_attention": "attention prompt"}
 _ARM_NOTES = {
     "head_linear_lbfgs": "head optimum: the linear head solved to its "
                          "L2-regularised optimum on the frozen features "
                          "(full-batch L-BFGS, TuneConfig.optimizer = lbfgs) "
                          "instead of the paper's epochs of Adam.",
-    "head_attention_lbfgs": "attention head optimum: the attention head "
-                            "trained by full-batch L-BFGS to a stationary "
-                            "point (not convex: a local optimum).",
     "prompt_attention": "attention prompt: prompt tuning with the attention "
                         "head on the memory HMM (Theorem 4.6).",
 }

@@ -47,8 +47,9 @@ class PretrainConfig:
   another (``lax.map``); 0 vmaps all trials at once. The choice changes
   speed, not results (up to float rounding): on CPU the vmapped
   transformer's batched matmuls ran at half the speed of one trial at a time
-  (87 vs 39 ms per trial-step, 3 trials at the ``cpu_capped`` shape), so
-  the CPU presets use 1; accelerators want the full vmap.
+  (2.1-2.4x the time per trial-step, 3 trials at the ``cpu_capped`` shape;
+  docs/performance.md, "Stacked trials"), so the CPU presets use 1;
+  accelerators want the full vmap.
 
   ``retain``: steps whose train states are saved under ``retained/`` of
   the run's directory and never deleted (0: the initialisation), beside the
