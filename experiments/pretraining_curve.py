@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import io
 import json
 import os
 import time
@@ -60,6 +59,7 @@ from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import results as results_lib
 from hmmprompt import tasks as tasks_lib
 from hmmprompt import tuning
+from hmmprompt import validation
 from hmmprompt.backbones import exact
 from hmmprompt.pretrain import workdir as pretrain_workdir
 
@@ -110,11 +110,7 @@ class CurveSetup:
     if not (isinstance(self.trials, int) and self.trials >= 1):
       raise ValueError(f"CurveSetup.trials must be an int >= 1, got "
                        f"{self.trials!r}")
-    for name in ("vanilla_sizes", "memory_sizes"):
-      sizes = getattr(self, name)
-      if not all(isinstance(s, int) and s >= 1 for s in sizes):
-        raise ValueError(f"CurveSetup.{name} must be positive integers, "
-                         f"got {sizes}")
+    validation.require_positive_ints(self, "vanilla_sizes", "memory_sizes")
     if not self.vanilla_sizes + self.memory_sizes:
       raise ValueError("CurveSetup.vanilla_sizes and memory_sizes are both "
                        "empty: no model to run")
@@ -261,13 +257,7 @@ class CurveLine:
   @classmethod
   def from_json(cls, d: dict) -> "CurveLine":
     """``ValueError`` naming missing or unknown fields."""
-    unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
-    if unknown:
-      raise ValueError(f"curve line has unknown fields {unknown}")
-    try:
-      return cls(**d)
-    except TypeError as e:
-      raise ValueError(f"curve line is incomplete: {e}") from None
+    return results_lib.line_from_json(cls, d, "curve line")
 
 
 def results_path(workdir: str) -> str:
@@ -622,10 +612,7 @@ def write_plot(summary: dict, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
   fig.tight_layout()
-  buf = io.BytesIO()
-  fig.savefig(buf, format="png", dpi=110)
-  plt.close(fig)
-  results_lib.atomic_write_bytes(path, buf.getvalue())
+  results_lib.atomic_write_png(path, fig, dpi=110)
 
 
 def report(workdir: str) -> str:

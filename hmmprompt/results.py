@@ -7,10 +7,12 @@ JSONL results are one line per finished cell, so a rerun can skip them.
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import os
 import tempfile
-from typing import Iterable
+from typing import Any, Iterable
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
@@ -32,6 +34,30 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 
 def atomic_write_text(path: str, text: str) -> None:
   atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_png(path: str, fig, dpi: int = 110) -> None:
+  """Saves a matplotlib figure as a PNG at ``path`` atomically (no half
+  plot after a crash) and closes it. Takes the figure, so this module
+  never imports matplotlib."""
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  buf = io.BytesIO()
+  fig.savefig(buf, format="png", dpi=dpi)
+  plt.close(fig)
+  atomic_write_bytes(path, buf.getvalue())
+
+
+def line_from_json(cls, d: dict, what: str) -> Any:
+  """``cls(**d)`` for a dataclass of result lines; ``ValueError`` naming
+  ``what`` and the unknown or missing fields (a file of another version,
+  a hand edit)."""
+  unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+  if unknown:
+    raise ValueError(f"{what} has unknown fields {unknown}")
+  try:
+    return cls(**d)
+  except TypeError as e:
+    raise ValueError(f"{what} is incomplete: {e}") from None
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -36,6 +36,16 @@ def require_positive(config, *names: str) -> None:
                        f"{value}")
 
 
+def require_positive_ints(config, *names: str) -> None:
+  """Raises ``ValueError`` naming the first field that is not a tuple of
+  ints >= 1 (a size list)."""
+  for name in names:
+    sizes = getattr(config, name)
+    if not all(isinstance(s, int) and s >= 1 for s in sizes):
+      raise ValueError(f"{type(config).__name__}.{name} must be positive "
+                       f"integers, got {sizes}")
+
+
 def positive_int(name: str, value) -> int:
   """``value`` as an ``int``; ``ValueError`` naming it unless an int >= 1."""
   if not isinstance(value, (int, np.integer)) or value < 1:

@@ -19,6 +19,7 @@ from hmmprompt import heads
 from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import tasks as tasks_lib
 from hmmprompt import tuning
+from hmmprompt import validation
 
 VOCAB = 10
 MEMORY_SYNTAX_STATES = 4
@@ -101,11 +102,7 @@ class Setup:
           isinstance(v, int) and v >= 1):
         raise ValueError(f"Setup.{name} must be an int >= 1 (a trial count "
                          f"< 1 runs nothing), got {v!r}")
-    for name in ("left_sizes", "memory_sizes"):
-      sizes = getattr(self, name)
-      if not all(isinstance(s, int) and s >= 1 for s in sizes):
-        raise ValueError(f"Setup.{name} must be positive integers, got "
-                         f"{sizes}")
+    validation.require_positive_ints(self, "left_sizes", "memory_sizes")
     for name in ("lanes_per_vmap", "task_memory_mb"):
       v = getattr(self, name)
       if not (v is None and name == "lanes_per_vmap") and not (

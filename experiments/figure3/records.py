@@ -78,14 +78,7 @@ class ResultLine:
   @classmethod
   def from_json(cls, d: dict) -> "ResultLine":
     """Raises ``ValueError`` naming missing or unknown fields."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-      raise ValueError(f"result line has unknown fields {unknown}")
-    try:
-      return cls(**d)
-    except TypeError as e:
-      raise ValueError(f"result line is incomplete: {e}") from None
+    return results_lib.line_from_json(cls, d, "result line")
 
 
 def line_key(fields: dict) -> tuple:

@@ -5,7 +5,6 @@ models."""
 from __future__ import annotations
 
 import glob
-import io
 import math
 import os
 import re
@@ -272,10 +271,7 @@ def write_plot(summary: dict, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
   fig.tight_layout()
-  buf = io.BytesIO()
-  fig.savefig(buf, format="png", dpi=120)
-  plt.close(fig)
-  results_lib.atomic_write_bytes(path, buf.getvalue())
+  results_lib.atomic_write_png(path, fig, dpi=120)
 
 
 def pretraining_table(workdir: str) -> str:
@@ -381,10 +377,7 @@ def write_pretraining_plot(workdir: str,
   for ax in list(axes.flat)[len(runs):]:
     ax.set_visible(False)
   fig.tight_layout()
-  buf = io.BytesIO()
-  fig.savefig(buf, format="png", dpi=110)
-  plt.close(fig)
-  results_lib.atomic_write_bytes(path, buf.getvalue())
+  results_lib.atomic_write_png(path, fig, dpi=110)
   return stalled
 
 
