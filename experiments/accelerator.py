@@ -5,6 +5,8 @@ r"""Figure 3 on a lent accelerator, in chunks of whole size stacks.
       [--backbone=transformer] [--config.<path>=...]
   python -m experiments.accelerator --merge=A.tar.gz[,B.tar.gz] \
       [--results=docs/results/figure3-gpu]
+  python -m experiments.accelerator --preset=gpu --chunk=left:30 \
+      --step_memory [--config.pretrain.trials_per_vmap=4]
 
 A lent machine runs a command for minutes and keeps nothing, so the sweep
 goes in chunks, each ending in one archive that is merged into the
@@ -31,6 +33,13 @@ committed results directory here:
   ``pretrain/<run>/{metrics.jsonl,config.json}`` (no checkpoints), the
   report (``figure3.md``, ``figure3.png``, ``pretraining.png``) and
   ``run.json`` (preset, chunk, budget, device, wall time, cells computed).
+
+``--step_memory`` computes nothing either: for each of the chunk's stacks
+it compiles the pretraining step on shapes only and prints its state and
+temporaries (:func:`hmmprompt.pretrain.step_memory`) against the device's
+memory, to pick ``--config.pretrain.trials_per_vmap`` before a run rather
+than from an out-of-memory error (seconds per stack; on the CPU an upper
+bound).
 
 ``--merge`` computes nothing: it adds each archive's result lines to
 ``--results`` by key (a key already there keeps its line; different values
@@ -63,7 +72,10 @@ from experiments.figure3 import reporting
 from experiments.figure3 import sweep
 from hmmprompt import config_flags
 from hmmprompt import host_memory
+from hmmprompt import models
+from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import results as results_lib
+from hmmprompt import sharding as sharding_lib
 
 ARCHIVE = "figure3-gpu.tar.gz"
 RESULTS_DIR = os.path.join("docs", "results", "figure3-gpu")
@@ -98,6 +110,9 @@ _WORKDIR = flags.DEFINE_string(
     "too: delete it when done); a rerun with it resumes a stack cut short "
     "by a time limit; default: a temporary one, deleted after the archive "
     "is written")
+_STEP_MEMORY = flags.DEFINE_bool(
+    "step_memory", False, "print each stack's pretraining-step memory (XLA's "
+    "buffer assignment, compiled on shapes only) and stop")
 _MERGE = flags.DEFINE_list(
     "merge", None, "archives to merge into --results (computes nothing)")
 
@@ -297,6 +312,25 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
   return run_info
 
 
+def step_memory(setup: configs.Setup, chunk: str) -> list[dict]:
+  """Per stack of ``chunk``: its trial count and pretraining-step memory
+  (:func:`hmmprompt.pretrain.step_memory`, in bytes), and the device's
+  memory where it reports one (``device_bytes``, else ``None``)."""
+  part = chunk_setup(setup, chunk)
+  cfg = setup.pretrain
+  mesh = sharding_lib.data_mesh()
+  limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+  out = []
+  for mid in sweep.plan(part):
+    hmms = jax.eval_shape(jax.vmap(models.as_hmm),
+                          sweep.make_models(setup, mid))
+    out.append({"stack": mid.tag, "trials": sweep.stack_size(setup, mid),
+                "trials_per_vmap": cfg.trials_per_vmap,
+                **pretrain_lib.step_memory(cfg, hmms, mesh),
+                "device_bytes": limit})
+  return out
+
+
 def _read_archive(archive: str, into: str) -> list[str]:
   """Unpacks ``archive``'s regular files into ``into``; ``ValueError``
   naming a member that is no part of an archive (so no path escapes)."""
@@ -407,8 +441,8 @@ def main(argv):
               f"already in {_RESULTS.value} ({counts['conflicts']} with "
               f"other values, kept)")
       return
-    if not _OUT.value:
-      raise ValueError("--out is required (or --merge)")
+    if not _OUT.value and not _STEP_MEMORY.value:
+      raise ValueError("--out is required (or --merge, --step_memory)")
     if _BUDGET.value is not None and _BUDGET.value < 0:
       raise ValueError(f"--budget_s must be >= 0, got {_BUDGET.value}")
     setup = configs.get_setup(_PRESET.value, _CONFIG.value())
@@ -424,6 +458,17 @@ def main(argv):
     raise app.UsageError(str(e)) from e
   # Usage errors end above (run_chunk's own checks raise ValueError with
   # the same messages); whatever fails below keeps its traceback.
+  if _STEP_MEMORY.value:
+    for m in step_memory(setup, _CHUNK.value):
+      need = m["argument_bytes"] + m["temp_bytes"]
+      fits = ("" if m["device_bytes"] is None else
+              f" of {m['device_bytes'] / 2**30:.1f} GiB: "
+              f"{'fits' if need <= m['device_bytes'] else 'does NOT fit'}")
+      print(f"{m['stack']}: {m['trials']} trials, trials_per_vmap "
+            f"{m['trials_per_vmap']}: state {m['state_bytes'] / 2**30:.1f} "
+            f"GiB, temporaries {m['temp_bytes'] / 2**30:.1f} GiB, step "
+            f"{need / 2**30:.1f} GiB{fits}")
+    return
   info = run_chunk(setup, _CHUNK.value, _BACKBONE.value, _RESULTS.value,
                    _OUT.value, _BUDGET.value, _WORKDIR.value, _PRESET.value)
   print(f"{info['cells_computed']} cells in {info['wall_s']:.0f}s; skipped "

@@ -320,6 +320,27 @@ def test_run_trials_equals_separate_runs_stops_each_and_resumes(tmp_path):
     pretrain.run_trials(workdir, cfg, models.trial(stacked, 0))
 
 
+def test_step_memory_counts_the_state_and_scales_with_what_steps_at_once(
+    model):
+  """XLA's buffer sizes of the stacked step, compiled on shapes: the state
+  is the stack's, the temporaries grow with the batch and with trials
+  vmapped together instead of one after another."""
+  cfg = TINY.with_overrides(targets="exact")
+  mesh = sharding.data_mesh()
+  hmms = jax.tree.map(lambda x: jnp.stack([x, x]), model)  # K = 2
+  states = pretrain.init_states(jax.random.split(jax.random.PRNGKey(0), 2),
+                                cfg)
+  mem = lambda **kw: pretrain.step_memory(cfg.with_overrides(**kw), hmms,
+                                          mesh)
+  one_at_a_time = mem(trials_per_vmap=1)
+  assert one_at_a_time["state_bytes"] == sum(
+      x.nbytes for x in jax.tree.leaves(states))
+  assert one_at_a_time["argument_bytes"] >= one_at_a_time["state_bytes"]
+  assert mem(trials_per_vmap=0)["temp_bytes"] > one_at_a_time["temp_bytes"]
+  assert mem(trials_per_vmap=1, batch_size=32)["temp_bytes"] > (
+      one_at_a_time["temp_bytes"])
+
+
 RUNTIME_FIELDS = {"log_every": 7, "ckpt_every": 5, "keep": 5,
                   "eval_batch": 3, "trials_per_vmap": 0}
 

@@ -6,7 +6,8 @@ One role per module:
   presets (``tiny``, ``cpu``, ``cpu_capped``, ``paper``), :func:`configure`;
 * :mod:`~hmmprompt.pretrain.train`: :class:`TrainState`, AdamW with
   learning-rate cycles, the loss and the jitted data-parallel step of K
-  models (one model: K = 1);
+  models (one model: K = 1), :func:`step_memory` (its XLA buffer sizes,
+  compiled on shapes only);
 * :mod:`~hmmprompt.pretrain.evaluation`: held-out CE against the exact Bayes
   conditionals;
 * :mod:`~hmmprompt.pretrain.workdir`: the run directory (its layout
@@ -41,6 +42,7 @@ from hmmprompt.pretrain.train import lr_schedule
 from hmmprompt.pretrain.train import make_optimizer
 from hmmprompt.pretrain.train import make_train_step
 from hmmprompt.pretrain.train import mlm_loss
+from hmmprompt.pretrain.train import step_memory
 from hmmprompt.pretrain.workdir import load_backbone
 from hmmprompt.pretrain.workdir import load_retained
 from hmmprompt.pretrain.workdir import load_trials

@@ -160,4 +160,36 @@ def make_train_step(cfg: PretrainConfig, mesh):
     return jitted(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT,
                   hmms if cfg.targets == "exact" else None)
 
+  train_step.lower = jitted.lower  # step_memory compiles it on shapes
   return train_step
+
+
+def step_memory(cfg: PretrainConfig, hmms_K, mesh) -> dict:
+  """What XLA's buffer assignment gives :func:`make_train_step`'s program
+  for ``K`` stacked models on the default backend, compiled on shapes
+  only (nothing is allocated or run): ``{"state_bytes",
+  "argument_bytes", "output_bytes", "temp_bytes"}``, ``temp_bytes`` the
+  step's temporaries (activations kept for the backward pass, gradients).
+  ``hmms_K``: the generating models as vanilla HMMs (arrays or
+  ``jax.ShapeDtypeStruct``, ``[K, ...]``), for their shapes.
+
+  It says whether a stack fits a device before a run: on a GPU it is that
+  device's own figure; on the CPU it is an upper bound (XLA:CPU keeps
+  bfloat16 work in float32 and materialises attention logits that cuDNN's
+  fused kernel does not store).
+  """
+  num = jax.tree.leaves(hmms_K)[0].shape[0]
+  states = jax.eval_shape(lambda: init_states(
+      jax.random.split(jax.random.PRNGKey(0), num), cfg))
+  tokens = jax.ShapeDtypeStruct((num, cfg.batch_size, cfg.corpus.chunk_len),
+                                jnp.int32)
+  weights = jax.ShapeDtypeStruct(tokens.shape, jnp.float32)
+  hmms = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                      hmms_K) if cfg.targets == "exact" else None
+  analysis = make_train_step(cfg, mesh).lower(
+      states, tokens, tokens, weights, hmms).compile().memory_analysis()
+  return {"state_bytes": sum(x.size * x.dtype.itemsize
+                             for x in jax.tree.leaves(states)),
+          "argument_bytes": analysis.argument_size_in_bytes,
+          "output_bytes": analysis.output_size_in_bytes,
+          "temp_bytes": analysis.temp_size_in_bytes}
