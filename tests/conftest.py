@@ -76,10 +76,12 @@ _INTEGRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)),
 
 def pytest_collection_modifyitems(config, items):
   """Everything under tests/integration/ (subprocesses, the notebook,
-  end-to-end sweeps) is ``slow``: ``-m "not slow"`` is the fast tier."""
+  end-to-end sweeps) and every ``default_compiler`` test (a pytest
+  subprocess) is ``slow``: ``-m "not slow"`` is the fast tier."""
   del config
   for item in items:
-    if str(item.path).startswith(_INTEGRATION):
+    if (str(item.path).startswith(_INTEGRATION)
+        or item.get_closest_marker("default_compiler") is not None):
       item.add_marker(pytest.mark.slow)
 
 
