@@ -322,8 +322,9 @@ def step_memory(setup: configs.Setup, chunk: str) -> list[dict]:
   limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
   out = []
   for mid in sweep.plan(part):
-    hmms = jax.eval_shape(jax.vmap(models.as_hmm),
-                          sweep.make_models(setup, mid))
+    hmms = jax.eval_shape(  # shapes only: no model is drawn
+        lambda mid=mid: jax.vmap(models.as_hmm)(sweep.make_models(setup,
+                                                                  mid)))
     out.append({"stack": mid.tag, "trials": sweep.stack_size(setup, mid),
                 "trials_per_vmap": cfg.trials_per_vmap,
                 **pretrain_lib.step_memory(cfg, hmms, mesh),

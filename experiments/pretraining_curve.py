@@ -254,11 +254,6 @@ class CurveLine:
   def key(self) -> tuple:
     return tuple(getattr(self, f) for f in self.KEY_FIELDS)
 
-  @classmethod
-  def from_json(cls, d: dict) -> "CurveLine":
-    """``ValueError`` naming missing or unknown fields."""
-    return results_lib.line_from_json(cls, d, "curve line")
-
 
 def results_path(workdir: str) -> str:
   return os.path.join(workdir, "curve.jsonl")
@@ -266,14 +261,8 @@ def results_path(workdir: str) -> str:
 
 def read_lines(workdir: str) -> list[CurveLine]:
   """The lines of DIR/curve.jsonl; ``ValueError`` naming a bad one."""
-  path = results_path(workdir)
-  out = []
-  for i, d in enumerate(results_lib.read_jsonl(path), 1):
-    try:
-      out.append(CurveLine.from_json(d))
-    except ValueError as e:
-      raise ValueError(f"{path}:{i}: {e}") from None
-  return out
+  return results_lib.read_lines(results_path(workdir), CurveLine,
+                                "curve line")
 
 
 # ----------------------------------------------------------------------------

@@ -60,6 +60,18 @@ def line_from_json(cls, d: dict, what: str) -> Any:
     raise ValueError(f"{what} is incomplete: {e}") from None
 
 
+def read_lines(path: str, cls, what: str) -> list:
+  """The lines of a JSONL file as ``cls`` (:func:`line_from_json`; [] if
+  missing); ``ValueError`` naming the file and line of a bad one."""
+  out = []
+  for i, d in enumerate(read_jsonl(path), 1):
+    try:
+      out.append(line_from_json(cls, d, what))
+    except ValueError as e:
+      raise ValueError(f"{path}:{i}: {e}") from None
+  return out
+
+
 def read_jsonl(path: str) -> list[dict]:
   """All records of a JSONL file ([] if missing).
 

@@ -16,7 +16,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # 165 s -> 109 s on 2 cores), and XLA:CPU's older fusion emitters
 # (FAST_COMPILE), which compile ~3x faster than the MLIR ones jax 0.10's
 # XLA uses by default (a tuning program 0.9 -> 0.3 s, an eager op ~30%
-# less; the whole suite 5 min 52 s -> 3 min 34 s from a fresh clone).
+# less; the whole suite 5 min 52 s -> 3 min 38 s from a fresh clone).
 # Comparisons in the tests are between runs under the same flags
 # (subprocesses inherit them) or against references with tolerances, but
 # for the ``default_compiler`` tests: bit-for-bit claims of the library

@@ -96,14 +96,9 @@ def results_path(workdir: str, num_tasks: int = 1, task_index: int = 0):
 
 def read_results(workdir: str) -> list[ResultLine]:
   """Lines of every results file in ``workdir`` (hosts write their own)."""
-  out = []
-  for path in sorted(glob.glob(os.path.join(workdir, "results*.jsonl"))):
-    for i, d in enumerate(results_lib.read_jsonl(path), 1):
-      try:
-        out.append(ResultLine.from_json(d))
-      except ValueError as e:
-        raise ValueError(f"{path}:{i}: {e}") from None
-  return out
+  return [line for path in sorted(glob.glob(os.path.join(workdir,
+                                                       "results*.jsonl")))
+          for line in results_lib.read_lines(path, ResultLine, "result line")]
 
 
 def append(path: str, lines: Iterable[ResultLine]) -> None:
