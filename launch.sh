@@ -7,6 +7,10 @@
 #                         if rerun)
 #   ./launch.sh test      set up .venv if needed, run the whole test suite
 #                         (./launch.sh test -m "not slow": the fast tier)
+#   ./launch.sh isa [ISA ...]   the fast tier once per CPU instruction set
+#                         (XLA's --xla_cpu_max_isa; default SSE4_2 AVX2 and
+#                         this CPU's own): a numerical test must pass on
+#                         every CPU CI may run on (docs/performance.md)
 #   ./launch.sh demo      a one-minute tour of the HMM core
 #   ./launch.sh mutants [module ...]   mutation testing (mutmut; installs
 #                         the `mutants` extra): e.g. `mutants tuning heads`,
@@ -30,7 +34,7 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 
 mode="main"
 case "${1:-}" in
-  test|bench|demo|mutants|docs) mode="$1"; shift ;;
+  test|isa|bench|demo|mutants|docs) mode="$1"; shift ;;
 esac
 
 extras="test"
@@ -52,6 +56,17 @@ fi
 case "$mode" in
   # One xdist worker per core (pass -n 0 to run in one process).
   test)  exec "$VENV/bin/python" -m pytest tests -n auto "$@" ;;
+  # Each ISA compiles its own programs (XLA_FLAGS is in jax's cache key).
+  isa)   isas=("$@"); [ ${#isas[@]} -gt 0 ] || isas=(SSE4_2 AVX2 native)
+         status=0
+         for isa in "${isas[@]}"; do
+           flags="${XLA_FLAGS:-}"
+           [ "$isa" = native ] || flags="$flags --xla_cpu_max_isa=$isa"
+           echo "== the fast tier, ISA $isa" >&2
+           XLA_FLAGS="$flags" "$VENV/bin/python" -m pytest tests -n auto \
+             -m "not slow" || { status=1; echo "== FAILED under $isa" >&2; }
+         done
+         exit $status ;;
   bench) "$VENV/bin/python" -m experiments.bench_hmm
          exec "$VENV/bin/python" -m experiments.bench_mlm ;;
   demo)  exec "$VENV/bin/python" -m experiments.demo "$@" ;;
