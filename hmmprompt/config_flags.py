@@ -24,7 +24,8 @@ import dataclasses
 import functools
 import types
 import typing
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from absl import flags
 
@@ -137,7 +138,7 @@ def _apply_nested(cfg, overrides: Mapping[str, Any]):
   return dataclasses.replace(cfg, **direct)
 
 
-def define(default_cfg, flag_values=flags.FLAGS) -> "Overrides":
+def define(default_cfg, flag_values=flags.FLAGS) -> Overrides:
   """Registers ``--config.<path>`` string flags for every leaf of
   ``default_cfg`` (its values shown as the defaults in ``--help``)."""
   for path, hint in leaves(default_cfg).items():

@@ -28,7 +28,8 @@ entry; :mod:`hmmprompt.tuning` only uses the interfaces.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -21,7 +21,6 @@ import functools
 import hashlib
 import io
 import os
-from typing import Union
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +30,7 @@ from hmmprompt import hmm as hmm_lib
 from hmmprompt import memory as memory_lib
 from hmmprompt import results as results_lib
 
-Model = Union[hmm_lib.HMM, memory_lib.MemoryHMM]
+Model = hmm_lib.HMM | memory_lib.MemoryHMM
 KINDS = ("vanilla", "memory")
 
 

@@ -138,7 +138,7 @@ class PretrainConfig:
       return (self.total_steps,)
     return tuple(int(x) for x in np.cumsum(self.cycles))
 
-  def with_overrides(self, **overrides) -> "PretrainConfig":
+  def with_overrides(self, **overrides) -> PretrainConfig:
     """``dataclasses.replace`` that keeps ``steps`` and ``cycles`` in step.
 
     A ``steps`` override on a config with ``cycles`` keeps the cycles that
@@ -174,7 +174,7 @@ class PretrainConfig:
     return json.loads(json.dumps(config_flags.identity(self)))
 
   @classmethod
-  def from_json(cls, d: dict) -> "PretrainConfig":
+  def from_json(cls, d: dict) -> PretrainConfig:
     d = dict(d)
     d["model"] = transformer.MLMConfig(**d["model"])
     d["corpus"] = corpus_lib.CorpusConfig(**d["corpus"])

@@ -42,7 +42,7 @@ import os
 import socket
 import struct
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 

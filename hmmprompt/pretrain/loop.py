@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,7 @@ class Keys(NamedTuple):
   val: jax.Array  # held-out evaluation sequences
 
   @classmethod
-  def of(cls, seed: int, num: int = 1) -> "Keys":
+  def of(cls, seed: int, num: int = 1) -> Keys:
     return cls(*jnp.stack([jax.random.split(jax.random.PRNGKey(seed + k), 4)
                            for k in range(num)], axis=1))
 

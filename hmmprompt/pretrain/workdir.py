@@ -18,7 +18,8 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +49,7 @@ class Paths:
   retained: str
 
   @classmethod
-  def of(cls, workdir: str) -> "Paths":
+  def of(cls, workdir: str) -> Paths:
     return cls(config=os.path.join(workdir, "config.json"),
                model=os.path.join(workdir, "hmm.npz"),
                ckpt=os.path.join(workdir, "checkpoints"),

@@ -5,7 +5,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -160,7 +161,7 @@ class TuneConfig:
     return self.prompt_len if METHODS[self.method].uses_prompt else 0
 
   @classmethod
-  def authors(cls, **overrides) -> "TuneConfig":
+  def authors(cls, **overrides) -> TuneConfig:
     """The original fine-tuning scripts: batch 128, 100 epochs, 500 warmup
     steps, inputs truncated to 80 positions (prompt included)."""
     kw = dict(lr=0.01, warmup_steps=500, batch_size=128, epochs=100,
