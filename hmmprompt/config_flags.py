@@ -122,7 +122,8 @@ def apply(cfg, overrides: Mapping[str, Any]):
 
 
 def _apply_nested(cfg, overrides: Mapping[str, Any]):
-  direct, nested = {}, {}
+  direct: dict[str, Any] = {}
+  nested: dict[str, dict[str, Any]] = {}
   for path, value in overrides.items():
     head, _, rest = path.partition(".")
     if rest:

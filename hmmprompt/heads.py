@@ -57,7 +57,7 @@ class Features:
   """
 
   name: str
-  apply: Callable[[jax.Array, dict | None], jax.Array]
+  apply: Callable[[jax.Array, Any], jax.Array]  # stats: dict, or None
   needs_stats: bool = False
 
 
@@ -118,7 +118,7 @@ class Head:
 
   name: str
   init: Callable[[Any, int, int, int], Any]
-  apply: Callable[[Any, jax.Array, jax.Array | None], jax.Array]
+  apply: Callable[[Any, jax.Array, Any], jax.Array]  # emb: [T, D] or None
   reads_all_positions: bool
 
 

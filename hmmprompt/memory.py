@@ -70,8 +70,8 @@ def _validate_memory(memory_prior, initial, transition, emission) -> None:
                      f"({m}, {h}, V), got {emission.shape}")
 
 
-class MemoryHMM(
-    validation.validated_params(_MemoryFields, _validate_memory)):
+class MemoryHMM(validation.validated_params(  # type: ignore[misc]
+    _MemoryFields, _validate_memory)):
   """Single-cell memory HMM (a pytree).
 
   Attributes:
@@ -140,8 +140,9 @@ def random_memory_hmm(key, memory_size: int, num_states: int,
   if min(memory_size, num_states, vocab_size) < 1:
     raise ValueError(f"memory_size, num_states and vocab_size must be >= 1, "
                      f"got {memory_size}, {num_states}, {vocab_size}")
-  return (key, memory_size, num_states, vocab_size, transition_temp,
-          emission_temp, initial_temp, memory_temp)
+  return (  # type: ignore[return-value]
+      key, memory_size, num_states, vocab_size, transition_temp,
+      emission_temp, initial_temp, memory_temp)
 
 
 def vanilla_twin(key, memory_size: int, num_states: int, vocab_size: int,
@@ -210,13 +211,15 @@ def memory_posterior(mhmm: MemoryHMM, tokens) -> jax.Array:
 
   All zeros if the observed tokens are impossible.
   """
-  return mhmm, hmm_lib.check_sequence(tokens, mhmm)
+  return (mhmm,  # type: ignore[return-value]
+          hmm_lib.check_sequence(tokens, mhmm))
 
 
 @validation.entry_point(token_memory_masked_posterior)
 def memory_masked_posterior(mhmm: MemoryHMM, tokens) -> jax.Array:
   """``[T, M]``: ``P[M | x_{-t}]`` for every position ``t``."""
-  return mhmm, hmm_lib.check_sequence(tokens, mhmm)
+  return (mhmm,  # type: ignore[return-value]
+          hmm_lib.check_sequence(tokens, mhmm))
 
 
 def conditionals(mhmm: MemoryHMM, tokens) -> jax.Array:
@@ -255,8 +258,8 @@ def _validate_multi(memory_prior, initial, transition, emission) -> None:
                      f"{initial.shape} and {transition.shape}")
 
 
-class MultiMemoryHMM(
-    validation.validated_params(_MultiFields, _validate_multi)):
+class MultiMemoryHMM(validation.validated_params(  # type: ignore[misc]
+    _MultiFields, _validate_multi)):
   """Memory HMM with ``N`` cells (a pytree).
 
   Attributes:
@@ -325,8 +328,9 @@ def random_multi_memory_hmm(key, num_cells: int, memory_size: int,
   if min(num_cells, memory_size, num_syntax, vocab_size) < 1:
     raise ValueError("num_cells, memory_size, num_syntax and vocab_size must "
                      "be >= 1")
-  return (key, num_cells, memory_size, num_syntax, vocab_size,
-          transition_temp, emission_temp, initial_temp, memory_temp)
+  return (  # type: ignore[return-value]
+      key, num_cells, memory_size, num_syntax, vocab_size,
+      transition_temp, emission_temp, initial_temp, memory_temp)
 
 
 def _check_product_size(mm: MultiMemoryHMM) -> None:
@@ -392,4 +396,4 @@ def cell_posteriors(mm: MultiMemoryHMM, tokens) -> jax.Array:
   Mask one position with ``MASK`` for ``P[M_j | x_{-t}]``.
   """
   _check_product_size(mm)
-  return mm, hmm_lib.check_sequence(tokens, mm)
+  return mm, hmm_lib.check_sequence(tokens, mm)  # type: ignore[return-value]

@@ -21,6 +21,7 @@ import functools
 import hashlib
 import io
 import os
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -166,7 +167,8 @@ def _draw_stacked(key, num, model_kind, num_states, vocab_size, memory_size):
 
 def fingerprints(models: Model) -> list[str]:
   """:func:`fingerprint` of every trial of stacked models."""
-  return [fingerprint(trial(models, k)) for k in range(num_trials(models))]
+  num = cast(int, num_trials(models))  # stacked: an int
+  return [fingerprint(trial(models, k)) for k in range(num)]
 
 
 def fingerprint(model: Model) -> str:
@@ -182,8 +184,9 @@ def fingerprint(model: Model) -> str:
 def save(path: str, model: Model) -> None:
   """Writes ``model`` to ``path`` (``.npz``) atomically."""
   buf = io.BytesIO()
-  np.savez(buf, kind=np.array(kind(model)),
-           **{k: np.asarray(v) for k, v in model._asdict().items()})
+  arrays: dict[str, Any] = {k: np.asarray(v)
+                            for k, v in model._asdict().items()}
+  np.savez(buf, kind=np.array(kind(model)), **arrays)
   results_lib.atomic_write_bytes(path, buf.getvalue())
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -276,18 +276,20 @@ def make_tasks(keys_K, models_K: Model,
     raise ValueError(f"{keys_K.shape[0]} keys for {num} trials")
   chunk = latent_chunk(models_K, config, memory_budget)
   draw = _draw_tasks(config, num > 1, chunk)
-  out, share = [None] * num, [None] * num
+  out: list[Task | None] = [None] * num
+  share: list[float | None] = [None] * num
   for attempt in range(config.max_redraws + 1):
     if all(t is not None for t in out):
       break
     # On the host: indexing device arrays per trial compiles a gather each.
     mu_K, splits_K = jax.device_get(draw(keys_K, attempt, models_K))
     for k in (k for k in range(num) if out[k] is None):
-      mu, splits = jax.tree.map(lambda x: x[k], (mu_K, splits_K))
-      share[k] = majority_share(np.concatenate(
-          [np.asarray(s.labels) for s in splits]), config.num_classes)
-      if share[k] <= config.max_label_share:
-        out[k] = Task(mu, *splits, attempt)
+      mu, (train, val, test) = jax.tree.map(lambda x: x[k], (mu_K, splits_K))
+      share[k] = share_k = majority_share(np.concatenate(
+          [np.asarray(s.labels) for s in (train, val, test)]),
+          config.num_classes)
+      if share_k <= config.max_label_share:
+        out[k] = Task(mu, train, val, test, attempt)
   bad = [k for k in range(num) if out[k] is None]
   if bad:
     where = f"trial {bad[0]}: " if num > 1 else ""
@@ -296,4 +298,4 @@ def make_tasks(keys_K, models_K: Model,
         f"degenerate (the last had a majority-label share of "
         f"{share[bad[0]]:.3f} > max_label_share = {config.max_label_share}); "
         f"raise max_label_share or max_redraws")
-  return out
+  return cast(list[Task], out)  # none is None now

@@ -16,7 +16,7 @@ every rank test reports the condition number too. Conventions:
 from __future__ import annotations
 
 import itertools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -149,7 +149,7 @@ def assumption_3_5(hmm: hmm_lib.HMM, mu) -> Verdict:
   supp_mu = support(mu)
   preds = {s: np.nonzero(trans[:, s] > SUPPORT_TOL)[0].tolist()
            for s in supp_mu}
-  details = {"support_mu": supp_mu}
+  details: dict[str, Any] = {"support_mu": supp_mu}
   for s, p in preds.items():
     if not p:
       return Verdict("3.5", False, f"state {s} in supp(mu) has no "
@@ -251,7 +251,7 @@ def _search_recoverable(mhmm, memory_values, name) -> Verdict:
         best = (list(subset), cond)
     if best is not None:
       break  # the largest recoverable sets are the most useful
-  details = {"memory_values": list(memory_values)}
+  details: dict[str, Any] = {"memory_values": list(memory_values)}
   if best is None:
     return Verdict(name, False, "no set of syntax states H* has independent "
                    "emission columns with a span disjoint from the rest",

@@ -42,7 +42,8 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable
+from typing import Any
 
 import jax
 
@@ -110,8 +111,9 @@ class Curves:
     self.workdir = workdir
     self.tokens_per_step = tokens_per_step  # per trial: batch_size * chunk_len
     self.enabled = available() and jax.process_index() == 0
-    self._files = {}
-    self._losses = []  # (trials, losses_K) of each step since train()
+    self._files: dict[int, _EventFile] = {}
+    # (trials, losses_K) of each step since train()
+    self._losses: list[tuple[Iterable[int], Any]] = []
 
   @property
   def status(self) -> str | None:
@@ -124,7 +126,7 @@ class Curves:
     return (f"TensorBoard curves: tensorboard --logdir "
             f"{os.path.join(self.workdir, TB_DIR)}")
 
-  def add_losses(self, trials: Sequence[int], losses_K) -> None:
+  def add_losses(self, trials: Iterable[int], losses_K) -> None:
     """Keeps one step's training losses ``losses_K [K]`` (row ``j`` is
     trial ``trials[j]``) for the next :meth:`train`."""
     if self.enabled:
@@ -136,7 +138,8 @@ class Curves:
     kept, self._losses = self._losses, []
     if not self.enabled or not kept:
       return
-    sums, counts = {}, {}
+    sums: dict[int, float] = {}
+    counts: dict[int, int] = {}
     # One transfer for the window; the stack may have changed inside it (a
     # trial stopped), so rows are matched to trials step by step.
     host = jax.device_get([losses_K for _, losses_K in kept])
@@ -200,7 +203,7 @@ def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
   if not available():
     raise ImportError("reading event files needs tensorboardX: pip install "
                       "'hmmprompt[tensorboard]'")
-  out = {}
+  out: dict[str, list[tuple[int, float]]] = {}
   for path in sorted(glob.glob(os.path.join(logdir, "*tfevents*"))):
     for data in _records(path):
       event = event_pb2.Event.FromString(data)

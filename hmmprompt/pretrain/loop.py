@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -49,9 +49,10 @@ class _Progress:
   def __init__(self, cfg: PretrainConfig, start: int, log, trials: int = 1):
     self.cfg, self.log = cfg, log
     self.trials = trials  # models stepping together (tokens/s counts all)
-    self.pending = []
+    self.pending: list[jax.Array] = []
     self.t_last, self.step_last = time.perf_counter(), start
-    self.t_first = self.step_first = None
+    self.t_first: float | None = None
+    self.step_first: int | None = None
 
   def add(self, loss) -> None:
     self.pending.append(loss)
@@ -67,7 +68,8 @@ class _Progress:
           f"checkpoint (step {last_ckpt}) is in {ckpt_dir}; lower --lr or "
           f"raise --warmup_steps")
     now, total = time.perf_counter(), self.cfg.total_steps
-    if self.t_first is None:  # exclude compilation from the rate
+    # Exclude compilation from the rate (the two are set together).
+    if self.t_first is None or self.step_first is None:
       self.t_first, self.step_first = now, done
     tokens = self.cfg.batch_size * self.cfg.corpus.chunk_len * self.trials
     rate = tokens * (done - self.step_last) / max(now - self.t_last, 1e-9)
@@ -294,10 +296,10 @@ def evaluate_checkpoints(cfg: PretrainConfig, models_K: models.Model,
   set the loop evaluates trial ``k`` on, so at an evaluation step it is
   that step's ``metrics.jsonl`` line (without ``trial``, ``step`` and
   ``wall_s``); the other retained steps are measured here alone."""
-  num = models.num_trials(models_K)
+  num = cast(int, models.num_trials(models_K))  # stacked: an int
   keys = Keys.of(cfg.seed, num)
   num_q = jax.tree.leaves(params_QxK)[0].shape[0]
-  out = [[None] * num for _ in range(num_q)]
+  out: list[list[Any]] = [[None] * num for _ in range(num_q)]
   for k in range(num):
     val = evaluate_lib.validation_set(keys.val[k], models.trial(models_K, k),
                                       cfg)

@@ -160,7 +160,8 @@ def make_train_step(cfg: PretrainConfig, mesh):
     return jitted(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT,
                   hmms if cfg.targets == "exact" else None)
 
-  train_step.lower = jitted.lower  # step_memory compiles it on shapes
+  # step_memory compiles it on shapes
+  train_step.lower = jitted.lower  # type: ignore[attr-defined]
   return train_step
 
 

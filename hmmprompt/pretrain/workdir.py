@@ -19,7 +19,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -184,7 +184,7 @@ def load_trials(workdir: str) -> tuple[Backbone, Any, list[dict]]:
     raise FileNotFoundError(f"no checkpoints in {paths.ckpt}")
   metrics = read_metrics(paths)
   infos = []
-  for k in range(models.num_trials(models_K)):
+  for k in range(cast(int, models.num_trials(models_K))):
     mine = [m for m in metrics if m.get("trial", 0) == k]
     infos.append({"config": cfg, "model": models.trial(models_K, k),
                   "metrics": mine[-1] if mine else {},

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -164,8 +164,8 @@ class TuneConfig:
   def authors(cls, **overrides) -> TuneConfig:
     """The original fine-tuning scripts: batch 128, 100 epochs, 500 warmup
     steps, inputs truncated to 80 positions (prompt included)."""
-    kw = dict(lr=0.01, warmup_steps=500, batch_size=128, epochs=100,
-              max_len=80)
+    kw: dict[str, Any] = dict(lr=0.01, warmup_steps=500, batch_size=128,
+                              epochs=100, max_len=80)
     kw.update(overrides)
     return cls(**kw)
 
