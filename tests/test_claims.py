@@ -10,6 +10,7 @@ mutant that broke it left every earlier test green.
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,8 +119,7 @@ def test_tuning_moves_every_tunable_leaf_and_no_frozen_one(small_exact,
     assert a.shape == b.shape, path
     assert np.max(np.abs(np.asarray(a) - np.asarray(b))) > 1e-6, (
         f"{jax.tree_util.keystr(path)} was not trained")
-  for a, b in zip(jax.tree.leaves(frozen), jax.tree.leaves(bp)):
-    np.testing.assert_array_equal(a, np.asarray(b))
+  chex.assert_trees_all_equal(frozen, bp)
 
 
 # ----------------------------------------------------------------------------
@@ -265,8 +265,7 @@ def test_prompt_tuning_with_the_attention_head_on_a_memory_hmm():
   assert set(tunable["head"]) == set(init["head"]) >= {"theta_k", "q",
                                                        "theta_v", "b"}
   assert np.max(np.abs(tunable["prompt"] - init["prompt"])) > 1e-3
-  for a, b in zip(jax.tree.leaves(frozen), jax.tree.leaves(bp)):
-    np.testing.assert_array_equal(a, np.asarray(b))
+  chex.assert_trees_all_equal(frozen, bp)
   majority = max(float(data.test_labels.mean()),
                  1 - float(data.test_labels.mean()))
   assert majority < 0.6  # chance is about a half

@@ -1,5 +1,6 @@
 import dataclasses
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -169,8 +170,7 @@ def test_make_task_is_make_tasks_of_one(vanilla, labeling):
   key = jax.random.PRNGKey(9)
   alone = tasks.make_task(key, vanilla, cfg)
   (stacked,) = tasks.make_tasks(key[None], models.stack([vanilla]), cfg)
-  for a, b in zip(jax.tree.leaves(alone), jax.tree.leaves(stacked)):
-    np.testing.assert_array_equal(a, b)
+  chex.assert_trees_all_equal(alone, stacked)
   # One trial needs no trial index in the error; a stack is refused.
   with pytest.raises(ValueError, match="^every one of 2 drawn tasks"):
     tasks.make_task(key, vanilla, dataclasses.replace(

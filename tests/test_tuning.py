@@ -1,6 +1,7 @@
 import dataclasses
 from typing import NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,8 +58,7 @@ def test_backbone_is_frozen(setup):
   rec, tunable = tuning.tune(jax.random.PRNGKey(0), sbb, bp, data, cfg)
   assert set(tunable) == {"head", "prompt"}
   assert not flag["backbone_grad_traced"]
-  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(bp)):
-    np.testing.assert_array_equal(a, np.asarray(b))
+  chex.assert_trees_all_equal(before, bp)
   # The sentinel does fire when a gradient w.r.t. the backbone is taken, so
   # the check above can fail.
   jax.grad(lambda p: sbb.apply(p, sbb.embed(p, data.train_tokens[0])).sum())(
@@ -77,8 +77,8 @@ def test_vmapped_seeds_equal_one_by_one(setup, method):
   for i, (key, data) in enumerate(zip(keys, datas)):
     rec, tunable = tuning.tune(key, bb, bp, data, cfg)
     assert rec.test_accuracy == pytest.approx(res.test_accuracy[i], abs=1e-6)
-    for a, b in zip(jax.tree.leaves(tunable), jax.tree.leaves(stacked)):
-      np.testing.assert_allclose(a, b[i], rtol=2e-4, atol=2e-5)
+    chex.assert_trees_all_close(
+        tunable, jax.tree.map(lambda x: x[i], stacked), rtol=2e-4, atol=2e-5)
 
 
 def test_lane_groups_with_a_remainder_equal_one_vmap(setup):
@@ -93,8 +93,7 @@ def test_lane_groups_with_a_remainder_equal_one_vmap(setup):
                                         lane_group=2)
   np.testing.assert_array_equal(grouped.test_accuracy, whole.test_accuracy)
   np.testing.assert_allclose(grouped.final_loss, whole.final_loss, rtol=1e-5)
-  for a, b in zip(jax.tree.leaves(grouped_t), jax.tree.leaves(whole_t)):
-    np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+  chex.assert_trees_all_close(grouped_t, whole_t, rtol=2e-4, atol=2e-5)
   # Lanes differ (seeds and data), so a group mixing them up would fail.
   assert len({float(x) for x in whole.final_loss}) == 3
 
@@ -206,8 +205,7 @@ def test_new_method_through_registry(setup, monkeypatch):
     runs[method] = tuning.tune(jax.random.PRNGKey(10), bb, bp, data, cfg)
   (rec_h, tun_h), (rec_u, tun_u) = runs["head"], runs["uncached"]
   assert set(tun_u) == {"head"}
-  for a, b in zip(jax.tree.leaves(tun_h), jax.tree.leaves(tun_u)):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  chex.assert_trees_all_close(tun_h, tun_u, rtol=1e-4, atol=1e-5)
   assert rec_u.test_accuracy == pytest.approx(rec_h.test_accuracy,
                                               abs=1 / 128)
 
@@ -235,15 +233,16 @@ def test_vmapped_trials_equal_one_by_one(method):
       rec, tunable = tuning.tune(keys[k][s], bb, bp, datas[k][s], cfg)
       assert rec.test_accuracy == pytest.approx(res.test_accuracy[k, s],
                                                 abs=1e-6)
-      for a, b in zip(jax.tree.leaves(tunable), jax.tree.leaves(stacked)):
-        np.testing.assert_allclose(a, b[k, s], rtol=2e-4, atol=2e-5)
+      chex.assert_trees_all_close(
+          tunable, jax.tree.map(lambda x: x[k, s], stacked), rtol=2e-4,
+          atol=2e-5)
   # One trial at a time (lax.map over the trials, the CPU default) is the
   # same program per lane.
   grouped, grouped_tunable = tuning.tune_trials(keys, bb, bparams_k, datas,
                                                 cfg, lane_group=1)
   np.testing.assert_array_equal(grouped.test_accuracy, res.test_accuracy)
-  for a, b in zip(jax.tree.leaves(grouped_tunable), jax.tree.leaves(stacked)):
-    np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+  chex.assert_trees_all_close(grouped_tunable, stacked, rtol=2e-4,
+                              atol=2e-5)
   with pytest.raises(ValueError, match="params for 2 trials, 1 trials"):
     tuning.tune_trials(keys[:1], bb, bparams_k, datas[:1], cfg)
   with pytest.raises(ValueError, match="same number"):
@@ -573,8 +572,9 @@ def test_head_optimum_lanes_equal_one_by_one(setup):
       assert float(rec.final_loss) == pytest.approx(res.final_loss[i],
                                                     rel=1e-5)
       assert int(rec.lane_steps) == int(res.lane_steps[i])
-      for a, b in zip(jax.tree.leaves(tunable), jax.tree.leaves(stacked)):
-        np.testing.assert_allclose(a, b[i], rtol=1e-3, atol=1e-3)
+      chex.assert_trees_all_close(
+          tunable, jax.tree.map(lambda x: x[i], stacked), rtol=1e-3,
+          atol=1e-3)
 
 
 @pytest.mark.parametrize("kwargs,match", [
