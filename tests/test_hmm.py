@@ -2,6 +2,7 @@ import ast
 import inspect
 import itertools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,17 +32,21 @@ def test_token_inference_matches_brute_force(tiny_hmm, tokens):
   masked = ref.normalize_rows(tau)
   np.testing.assert_allclose(hmm_lib.masked_posterior(tiny_hmm, tokens),
                              masked, atol=2e-6)
-  # P[X_t = v | x_{-t}] by enumerating v too: an independent route to G.
-  cond = np.zeros((len(tokens), tiny_hmm.vocab_size))
+  np.testing.assert_allclose(hmm_lib.conditionals(tiny_hmm, tokens),
+                             _brute_conditionals(tiny_hmm, tokens), atol=2e-6)
+
+
+def _brute_conditionals(hmm, tokens):
+  """P[X_t = v | x_{-t}] by enumerating v too: an independent route to G."""
+  cond = np.zeros((len(tokens), hmm.vocab_size))
   for t in range(len(tokens)):
-    for v in range(tiny_hmm.vocab_size):
+    for v in range(hmm.vocab_size):
       x = list(tokens)
       x[t] = v
       cond[t, v] = ref.brute_force(
-          tiny_hmm.initial, tiny_hmm.transition, ref.evidence_from_tokens(tiny_hmm.emission, x))[0]
-  cond /= cond.sum(-1, keepdims=True)
-  np.testing.assert_allclose(hmm_lib.conditionals(tiny_hmm, tokens), cond,
-                             atol=2e-6)
+          hmm.initial, hmm.transition,
+          ref.evidence_from_tokens(hmm.emission, x))[0]
+  return cond / cond.sum(-1, keepdims=True)
 
 
 def test_conditionals_ignore_own_token(tiny_hmm):
@@ -195,6 +200,25 @@ def test_jit_vmap_match_single_calls(tiny_hmm):
                               3, 4)
   np.testing.assert_allclose(ll[1], hmm_lib.log_likelihood(single, batch[0]),
                              rtol=1e-6)
+
+
+class EntryPointsUnderJitTest(chex.TestCase):
+  """The public entry points give the brute-force answers both called
+  directly and under a caller's ``jit``, where their checks see tracers
+  (``chex.variants``: one test per variant)."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_hmm_entry_points_match_brute_force(self):
+    hmm = random_dense_hmm(0, 3, 4)
+    tokens = [2, MASK, 0, MASK, 3]
+    ev = ref.evidence_from_tokens(hmm.emission, tokens)
+    lik, post, tau = ref.brute_force(hmm.initial, hmm.transition, ev)
+    want = {"log_likelihood": np.log(lik), "posterior": post,
+            "masked_posterior": ref.normalize_rows(tau),
+            "conditionals": _brute_conditionals(hmm, tokens), "embed": ev}
+    got = {name: self.variant(getattr(hmm_lib, name))(
+        hmm, jnp.array(tokens, jnp.int32)) for name in want}
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=2e-6)
 
 
 def test_entry_points_run_their_kernels(tiny_hmm):

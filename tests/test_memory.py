@@ -1,5 +1,6 @@
 import itertools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,6 +89,24 @@ def test_memory_sampler_frequencies(tiny_memory):
         tiny_memory.emission)[m]
     np.testing.assert_allclose(freq, expected, atol=0.03)
   assert np.asarray(syntax).max() < 2
+
+
+class EntryPointsUnderJitTest(chex.TestCase):
+  """The memory posteriors under a caller's ``jit`` (their checks then see
+  tracers) equal the direct calls (``chex.variants``: one test per
+  variant)."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_memory_posteriors_match_direct_calls(self):
+    mhmm = memory_lib.random_memory_hmm(jax.random.PRNGKey(3), 3, 4, 5)
+    tokens = memory_lib.sample(jax.random.PRNGKey(4), mhmm, 6)[0]
+    tokens = tokens.at[jnp.array([1, 4])].set(MASK)
+    for fn in (memory_lib.memory_posterior,
+               memory_lib.memory_masked_posterior):
+      want = fn(mhmm, tokens)
+      assert np.all(np.asarray(want).sum(-1) > 0.99)  # possible: not zeros
+      chex.assert_trees_all_close(self.variant(fn)(mhmm, tokens), want,
+                                  rtol=1e-6, atol=1e-7)
 
 
 def test_random_memory_hmm_and_vanilla_twin():
