@@ -190,6 +190,22 @@ def test_new_head_trains_through_registry(setup, monkeypatch):
   assert np.isfinite(rec.final_loss) and 0 <= rec.test_accuracy <= 1
 
 
+def test_a_head_must_return_one_examples_logits(setup, monkeypatch):
+  """A head that forgets to pool (logits [T, C], not [C]) is refused when
+  the loop is traced: accuracy would argmax over the flattened array."""
+  model, bb, bp, task_list = setup
+  unpooled = dataclasses.replace(
+      MEAN_LINEAR, name="unpooled",
+      apply=lambda params, feats_TxV, emb_TxD: heads.apply_linear(
+          params, feats_TxV))
+  monkeypatch.setitem(heads.HEADS, "unpooled", unpooled)
+  cfg = dataclasses.replace(FAST, head="unpooled", epochs=1)
+  data = _tiny(tuning.data_from_task(task_list[0], cfg))
+  with pytest.raises(AssertionError,
+                     match=r"assert_shape failed.*shape \(9, 2\)"):
+    tuning.tune(jax.random.PRNGKey(0), bb, bp, data, cfg)
+
+
 def test_new_method_through_registry(setup, monkeypatch):
   # Head tuning without the feature cache: the same training, recomputing
   # the frozen backbone at every step. Caching is only a shortcut. (The

@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,7 +80,11 @@ def _logits_fn(inputs_fn, stats, cfg: TuneConfig):
   def logits(tunable, example):
     g, emb = inputs_fn(tunable, example)
     feats = heads.transform(g, cfg.features, stats)
-    return head.apply(tunable["head"], feats, emb)
+    logits_C = head.apply(tunable["head"], feats, emb)
+    # A head's contract (the loss and argmax below read one example's [C]:
+    # a [T, C] would argmax over the flattened array); checked at trace time.
+    chex.assert_shape(logits_C, (heads.NUM_CLASSES,))
+    return logits_C
 
   return logits
 
@@ -234,6 +239,7 @@ def _solve(objective, tunable, cfg: TuneConfig):
 def _accuracy(logits_fn, tunable, examples, labels_N, cfg: TuneConfig):
   preds_N = jax.lax.map(lambda ex: jnp.argmax(logits_fn(tunable, ex)),
                         examples, batch_size=cfg.eval_chunk)
+  chex.assert_equal_shape([preds_N, labels_N])  # [N] == [N, 1] broadcasts
   return jnp.mean(preds_N == labels_N)
 
 
