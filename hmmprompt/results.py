@@ -1,18 +1,24 @@
-"""Atomic result files: a crash never leaves a half-written file behind.
+"""Result files: atomic writes, typed lines, identities and workdir stamps.
 
 Every write goes to a temporary file in the same directory, is flushed and
-fsynced, then renamed over the target (``os.replace`` is atomic on POSIX).
-JSONL results are one line per finished cell, so a rerun can skip them.
+fsynced, then renamed over the target (``os.replace`` is atomic on POSIX):
+a crash never leaves a half-written file behind. Results are typed lines
+(:class:`Line` dataclasses), one JSONL line per finished cell, keyed for
+resume; a setup is known by its :func:`fingerprint`, and a workdir by the
+identity its :func:`stamp` records, so that one workdir never mixes two
+setups.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
+import hashlib
 import io
 import json
 import os
 import tempfile
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
@@ -34,6 +40,15 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 
 def atomic_write_text(path: str, text: str) -> None:
   atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def pyplot():
+  """``matplotlib.pyplot`` on the Agg backend (no display needed),
+  imported on first use: the library never needs matplotlib otherwise."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt
 
 
 def atomic_write_png(path: str, fig, dpi: int = 110) -> None:
@@ -60,18 +75,6 @@ def line_from_json(cls, d: dict, what: str) -> Any:
     raise ValueError(f"{what} is incomplete: {e}") from None
 
 
-def read_lines(path: str, cls, what: str) -> list:
-  """The lines of a JSONL file as ``cls`` (:func:`line_from_json`; [] if
-  missing); ``ValueError`` naming the file and line of a bad one."""
-  out = []
-  for i, d in enumerate(read_jsonl(path), 1):
-    try:
-      out.append(line_from_json(cls, d, what))
-    except ValueError as e:
-      raise ValueError(f"{path}:{i}: {e}") from None
-  return out
-
-
 def read_jsonl(path: str) -> list[dict]:
   """All records of a JSONL file ([] if missing).
 
@@ -96,3 +99,119 @@ def append_jsonl(path: str, records: Iterable[dict]) -> None:
   lines = [json.dumps(r, sort_keys=True) for r in read_jsonl(path)]
   lines += [json.dumps(r, sort_keys=True) for r in records]
   atomic_write_text(path, "".join(line + "\n" for line in lines))
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence]) -> list[str]:
+  """A markdown table's lines (header, rule, one line per row)."""
+  return (["| " + " | ".join(map(str, header)) + " |",
+           "|" + "---|" * len(header)]
+          + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+
+
+def fingerprint(blob: Any, digits: int = 12) -> str:
+  """``digits`` hex digits of the SHA-256 of ``blob`` as sorted-key JSON:
+  the one recipe behind setup fingerprints and run directory names."""
+  return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()
+                        ).hexdigest()[:digits]
+
+
+def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+  """``"a.b: old -> new"`` for every leaf where two nested dicts (config
+  identities) differ: what a refusal to reuse a directory names."""
+  out = []
+  for key in sorted(set(old) | set(new)):
+    a, b = old.get(key), new.get(key)
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += differences(a, b, f"{prefix}{key}.")
+    elif a != b:
+      out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+  return out
+
+
+def stamp(path: str, identity: dict, what: str = "setup",
+          write: bool = True) -> None:
+  """Records ``identity`` (JSON) at ``path`` on a workdir's first use; on
+  later uses checks that it is the same.
+
+  Raises:
+    ValueError: ``path`` records another identity; names every field that
+      differs, so a workdir never holds results of two setups.
+  """
+  want = json.loads(json.dumps(identity))
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      had = json.load(f)
+    diff = differences(had, want)
+    if diff:
+      raise ValueError(
+          f"{os.path.dirname(path) or '.'} holds results of another {what} "
+          f"({'; '.join(diff)}); use a new --workdir (or the same config) "
+          f"to resume")
+  elif write:
+    atomic_write_text(path, json.dumps(want, indent=1, sort_keys=True))
+
+
+class Line:
+  """A typed result line: a frozen dataclass whose ``KEY_FIELDS`` name the
+  fields a rerun looks up (:meth:`key`); written and read as one JSON
+  object per line through :func:`append_lines` and :func:`read_lines`."""
+
+  KEY_FIELDS: tuple[str, ...] = ()
+  WHAT = "result line"  # what errors call a line
+
+  def key(self) -> tuple:
+    return tuple(getattr(self, f) for f in self.KEY_FIELDS)
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, d: dict):
+    """Raises ``ValueError`` naming missing or unknown fields."""
+    return line_from_json(cls, d, cls.WHAT)
+
+
+def read_lines(pattern: str, cls) -> list:
+  """The lines of every JSONL file matching ``pattern`` (a path or a glob;
+  sorted; [] if none) as ``cls`` (:func:`line_from_json`); ``ValueError``
+  naming the file and line of a bad one."""
+  out = []
+  for path in sorted(glob.glob(pattern)):
+    for i, d in enumerate(read_jsonl(path), 1):
+      try:
+        out.append(cls.from_json(d))
+      except ValueError as e:
+        raise ValueError(f"{path}:{i}: {e}") from None
+  return out
+
+
+def append_lines(path: str, lines: Iterable[Line]) -> None:
+  """Appends typed lines to ``path`` (the file rewritten atomically)."""
+  append_jsonl(path, [line.to_json() for line in lines])
+
+
+def merge_lines(path: str, lines: Iterable[Line],
+                ignore: Sequence[str] = ()) -> tuple[list, int, list]:
+  """Adds to ``path`` the ``lines`` whose key it lacks; returns ``(added,
+  kept, conflicts)``: the lines added, how many keys were already there,
+  and those of them whose values differ (fields in ``ignore``, timings,
+  aside). The file's lines win."""
+  lines = list(lines)
+  if not lines:
+    return [], 0, []
+  had = {r.key(): r for r in read_lines(path, type(lines[0]))}
+  added, kept, conflicts = [], 0, []
+
+  def values(r):
+    return {k: v for k, v in r.to_json().items() if k not in ignore}
+
+  for r in lines:
+    if r.key() in had:
+      kept += 1
+      if values(had[r.key()]) != values(r):
+        conflicts.append(r.key())
+      continue
+    had[r.key()] = r
+    added.append(r)
+  append_lines(path, added)
+  return added, kept, conflicts

@@ -1,18 +1,57 @@
 """experiments.figure3: configs (get_setup), the result-line schema, the
 report's statistics. The sweeps themselves: tests/integration/."""
 
+import dataclasses
+import json
+import re
+
 import numpy as np
 import pytest
 
 from experiments import figure3
+from experiments import pretraining_curve
 from experiments.figure3 import records
 from experiments.figure3 import reporting
+from experiments.figure3 import sweep
+from hmmprompt import protocol
+from hmmprompt import results as results_lib
 
 
 def test_mean_ci():
   m, ci = figure3.mean_ci([1.0, 2.0, 3.0])
   assert m == 2.0
-  assert ci == pytest.approx(4.303 * 1.0 / np.sqrt(3))
+  assert ci == pytest.approx(4.303 * 1.0 / np.sqrt(3), rel=1e-4)
+  # Past the old hand-typed table (df 1-30, then 1.96): t(0.975, 40).
+  v = np.arange(41.0)
+  assert figure3.mean_ci(v)[1] == pytest.approx(
+      2.0211 * v.std(ddof=1) / np.sqrt(41), rel=1e-4)
+
+
+def test_identities_are_the_committed_ones():
+  """Result lines and pretraining directories are found again by these
+  digits: the refactors of issue 29 keep them byte for byte (values from
+  before it)."""
+  got = {p: (s.fingerprint("exact"), s.fingerprint("transformer"),
+             protocol.pretrain_dir("W", s, protocol.vanilla(4)),
+             protocol.pretrain_dir("W", s, protocol.memory(7)))
+         for p in ("tiny", "cpu", "paper", "gpu")
+         for s in [figure3.get_setup(p)]}
+  assert got == {
+      "tiny": ("19d48286c874", "fdca962b830c", "W/pretrain/vanilla-h4-b29a8b2f",
+               "W/pretrain/memory-h4-m7-b29a8b2f"),
+      "cpu": ("a6f38f8be942", "99eebf1f47d2", "W/pretrain/vanilla-h4-4ff1a5bc",
+              "W/pretrain/memory-h4-m7-4ff1a5bc"),
+      "paper": ("80bfbca971f2", "2a26c840f84c",
+                "W/pretrain/vanilla-h4-bb7e9b01",
+                "W/pretrain/memory-h4-m7-bb7e9b01"),
+      "gpu": ("80bfbca971f2", "735153be1f8a", "W/pretrain/vanilla-h4-91433979",
+              "W/pretrain/memory-h4-m7-91433979")}
+  assert [pretraining_curve.get_setup(p).fingerprint()
+          for p in ("tiny", "cpu")] == ["4f5ebe9484e0", "af5034630d2c"]
+  # The committed curve: its stamp is the cpu preset's identity.
+  root = __file__.rsplit("/tests/", 1)[0]
+  with open(f"{root}/docs/results/pretraining-curve/curve.json") as f:
+    assert json.load(f) == pretraining_curve.get_setup("cpu").identity()
 
 
 def test_get_setup_presets_overrides_and_errors():
@@ -45,9 +84,9 @@ def test_result_line_schema_round_trips_and_refuses_bad_lines(tmp_path):
                 task_redraws=0, assumptions={}, tune_config={},
                 task_config={})
   line = records.ResultLine(**fields)
-  records.append(str(tmp_path / "results.jsonl"), [line])
+  results_lib.append_lines(str(tmp_path / "results.jsonl"), [line])
   assert records.read_results(str(tmp_path)) == [line]
-  assert line.key() == records.line_key(fields)
+  assert line.key() == tuple(fields[f] for f in records.ResultLine.KEY_FIELDS)
   with pytest.raises(ValueError, match="unknown fields"):
     records.ResultLine.from_json({**fields, "bogus": 1})
   # The report names a cell whose tuning diverged, and only that one.
@@ -59,31 +98,69 @@ def test_result_line_schema_round_trips_and_refuses_bad_lines(tmp_path):
     records.ResultLine.from_json({"backbone": "exact"})
 
 
-def test_trial_counts_are_checked_and_recorded_per_workdir(tmp_path):
-  from experiments.figure3 import sweep  # pylint: disable=g-import-not-at-top
+def test_a_workdir_holds_one_setup(tmp_path):
   paper = figure3.get_setup("paper")
   assert (paper.trials, paper.right_trials, paper.tasks_per_hmm) == (20, 5, 1)
   # A vanilla HMM both panels use is one stack of the larger count.
-  assert sweep.stack_size(paper, sweep.ModelId("vanilla", 8, 0)) == 20
-  assert sweep.stack_size(paper, sweep.ModelId("vanilla", 20, 0)) == 5
-  assert sweep.stack_size(paper, sweep.ModelId("memory", 4, 7)) == 5
-  assert sweep.stack_size(paper, sweep.ModelId("vanilla", 30, 0)) == 20
+  assert sweep.stack_size(paper, protocol.vanilla(8)) == 20
+  assert sweep.stack_size(paper, protocol.vanilla(20)) == 5
+  assert sweep.stack_size(paper, protocol.memory(7)) == 5
+  assert sweep.stack_size(paper, protocol.vanilla(30)) == 20
   tiny = figure3.get_setup("tiny")
   # The plan: each model once, vanilla then memory by size, with its groups.
   by_model = sweep.plan(tiny)
   assert [m.tag for m in by_model] == [
       "vanilla-h4", "vanilla-h8", "vanilla-h12", "memory-h4-m2"]
   assert [(g.panel, g.method_name) for g in by_model[
-      sweep.ModelId("vanilla", 8, 0)]] == [("right", "head_linear")] * 2
+      protocol.vanilla(8)]] == [("right", "head_linear")] * 2
   assert all(g.model_id == m for m, gs in by_model.items() for g in gs)
   assert [m.tag for m in sweep.plan(tiny, "left")] == [
       "vanilla-h4", "vanilla-h12"]
   sweep.check_workdir(str(tmp_path), tiny)
-  sweep.check_workdir(str(tmp_path), tiny)  # the same counts: fine
-  with pytest.raises(ValueError, match="was made with trial counts "
-                     "{'trials': 2, 'right_trials': 2}, this run asks for "
-                     "{'trials': 3, 'right_trials': 3}"):
-    sweep.check_workdir(str(tmp_path), figure3.get_setup("tiny", trials=3))
+  sweep.check_workdir(str(tmp_path), tiny)  # the same setup: fine
+  # Sizes, panels and arms add lines without changing any: fine too.
+  sweep.check_workdir(str(tmp_path), figure3.get_setup(
+      "tiny", left_sizes=(4,), head_optimum=True, features=("raw",)))
+  # Another setup is refused, every field that differs named, whichever
+  # backbone it would run (issue 29: a report averaged two setups).
+  for overrides, named in [
+      ({"trials": "3"}, "right_trials: 2 -> 3; trials: 2 -> 3"),
+      ({"tune.epochs": "1", "tune.prompt_len": "1"},
+       "tune.epochs: 2 -> 1; tune.prompt_len: 4 -> 1"),
+      ({"pretrain.lr": "1e-3"}, "pretrain.lr: 0.003 -> 0.001")]:
+    with pytest.raises(ValueError, match=re.escape(
+        f"holds results of another setup ({named})")):
+      sweep.check_workdir(str(tmp_path),
+                          figure3.get_setup("tiny", overrides))
+  # A stamp of the earlier version (trial counts only) is upgraded when its
+  # counts are this run's, refused otherwise.
+  old = tmp_path / "old"
+  old.mkdir()
+  (old / "sweep.json").write_text('{"trials": 2, "right_trials": 2}')
+  sweep.check_workdir(str(old), tiny)
+  assert json.loads((old / "sweep.json").read_text()) == json.loads(
+      json.dumps(tiny.identity()))
+  (old / "sweep.json").write_text('{"trials": 3, "right_trials": 3}')
+  with pytest.raises(ValueError, match="right_trials: 3 -> 2"):
+    sweep.check_workdir(str(old), tiny)
+  # Lines of another fingerprint (a workdir mixed before the stamp held the
+  # setup) are refused by the check and by the report.
+  mixed = tmp_path / "mixed"
+  mixed.mkdir()
+  line = records.ResultLine(
+      backbone="exact", panel="left", hmm="vanilla", num_states=4,
+      memory_size=0, trial=0, task=0, method="head_linear", features="raw",
+      setup=tiny.fingerprint(), hmm_fingerprint="", size=4,
+      test_accuracy=0.5, val_accuracy=0.5, train_accuracy=0.5,
+      final_loss=0.1, steps=3, seconds=1.0, task_redraws=0, assumptions={},
+      tune_config={}, task_config={})
+  results_lib.append_lines(str(mixed / "results.jsonl"), [
+      line, dataclasses.replace(line, setup="0123456789ab")])
+  with pytest.raises(ValueError, match=r"holds result lines of setup "
+                     r"\['0123456789ab'\]"):
+    sweep.check_workdir(str(mixed), tiny)
+  with pytest.raises(ValueError, match="exact lines of setups"):
+    reporting.report(str(mixed))
   for bad in ({"trials": 0}, {"right_trials": 0}, {"tasks_per_hmm": 0},
               {"trials": 1.5}):
     with pytest.raises(ValueError, match="must be an int >= 1"):
@@ -117,7 +194,7 @@ def test_summary_is_over_trials_and_splits_the_variance():
   mean, ci, n = by_size[4]
   assert n == 2 and mean == pytest.approx(80.0)
   assert ci == pytest.approx(12.706 * np.std([70.0, 90.0], ddof=1)
-                             / np.sqrt(2))
+                             / np.sqrt(2), rel=1e-4)
   between, within = reporting.variance_components(lines)[key][4]
   assert between == pytest.approx(np.std([70.0, 90.0], ddof=1))
   assert within == pytest.approx(np.sqrt((10.0**2 * 2) / 2))
@@ -180,7 +257,6 @@ def test_plan_adds_the_arms_beyond_the_paper():
   """``prompt_attention``: prompt tuning with the attention head on each
   memory HMM; ``head_optimum``: an L-BFGS twin after every head arm, named
   ``<method>_<head>_lbfgs``. Off (the default), the plan is the paper's."""
-  from experiments.figure3 import sweep  # pylint: disable=g-import-not-at-top
   names = lambda setup: {m.tag: [g.method_name for g in gs]
                          for m, gs in sweep.plan(setup).items()}
   tiny = figure3.get_setup("tiny", features=("raw",))

@@ -352,10 +352,10 @@ def test_runtime_fields_resume_and_reuse_result_fields_are_refused(
   and fingerprint stay. A result-deciding field is refused by name."""
   workdir, final = trained
   from experiments.figure3 import configs as fig_configs
-  from experiments.figure3 import sweep
+  from hmmprompt import protocol
   setup = fig_configs.get_setup("tiny")
-  mid = sweep.ModelId("vanilla", 4, 0)
-  pdir, fp = (sweep.pretrain_dir("W", setup, mid),
+  mid = protocol.vanilla(4)
+  pdir, fp = (protocol.pretrain_dir("W", setup, mid),
               setup.fingerprint("transformer"))
 
   def boom(*a, **k):
@@ -368,7 +368,7 @@ def test_runtime_fields_resume_and_reuse_result_fields_are_refused(
     assert pretrain.run(workdir, cfg, model, log=lambda s: None) == final
     other = dataclasses.replace(
         setup, pretrain=dataclasses.replace(setup.pretrain, **{field: value}))
-    assert sweep.pretrain_dir("W", other, mid) == pdir
+    assert protocol.pretrain_dir("W", other, mid) == pdir
     assert other.fingerprint("transformer") == fp
   monkeypatch.undo()
   for field, value, named in [
@@ -380,7 +380,7 @@ def test_runtime_fields_resume_and_reuse_result_fields_are_refused(
       pretrain.run(workdir, cfg, model)
     other = dataclasses.replace(
         setup, pretrain=dataclasses.replace(setup.pretrain, **{field: value}))
-    assert sweep.pretrain_dir("W", other, mid) != pdir
+    assert protocol.pretrain_dir("W", other, mid) != pdir
     assert other.fingerprint("transformer") != fp
 
 

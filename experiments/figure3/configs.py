@@ -10,22 +10,16 @@ leaf is a ``--config.<path>`` flag.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from typing import Any, Mapping
 
+from hmmprompt import protocol
 from hmmprompt import config_flags
 from hmmprompt import heads
 from hmmprompt import pretrain as pretrain_lib
+from hmmprompt import results as results_lib
 from hmmprompt import tasks as tasks_lib
 from hmmprompt import tuning
-from hmmprompt import validation
 
-VOCAB = 10
-MEMORY_SYNTAX_STATES = 4
-# Bumped when the HMM drawn for a given (size, trial, seed) changes, so that
-# old result lines are not mistaken for current ones (3: trials).
-MODEL_KEYS_VERSION = 3
 # TuneConfig fields added after result lines had been written (the head
 # optimum, L-BFGS): Setup.fingerprint hashes them only when not at their
 # defaults, so the earlier lines' fingerprints stand.
@@ -33,9 +27,10 @@ TUNE_FIELDS_ADDED = ("optimizer", "lbfgs_tol", "lbfgs_max_steps",
                      "lbfgs_l2")
 
 
-@dataclasses.dataclass(frozen=True)
-class Setup:
-  """Everything that decides a result line's value besides its key.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Setup(protocol.TrialsConfig):
+  """Everything that decides a result line's value besides its key (the
+  shared fields: :class:`protocol.TrialsConfig`).
 
   A trial is one HMM draw of a size, its pretrained backbone and its tasks
   (the paper's protocol: a new HMM, corpus, model and task per trial).
@@ -49,66 +44,33 @@ class Setup:
     tasks_per_hmm: tasks (downstream draws) per trial; more than one
       separates task noise from HMM noise (the report shows both).
     left_sizes: ``|H|`` of the left panel's vanilla HMMs.
-    memory_sizes: ``|M|`` of the right panel's memory HMMs (``|H|`` =
-      ``MEMORY_SYNTAX_STATES``) and their vanilla twins of ``|M||H|``.
+    memory_sizes: ``|M|`` of the right panel's memory HMMs and their
+      vanilla twins of ``|M||H|``.
     features: head feature transforms, each run as its own arm.
-    task: downstream data sizes (``tasks.TaskConfig``).
-    tune: tuning recipe; ``method``, ``head``, ``features`` and
-      ``optimizer`` are set per arm by the sweep (``optimizer`` must stay
-      ``"adam"`` here: ``head_optimum`` adds the L-BFGS arms).
-    seed: root of every random stream (``sweep.model_key`` and friends).
-    pretrain: the transformer's pretraining recipe (unused by ``exact``).
+    tune: ``optimizer`` must stay ``"adam"`` here: ``head_optimum`` adds
+      the L-BFGS arms.
     finetune: add full fine-tuning of the transformer as a third arm.
     prompt_attention: Theorem 4.6's arm: on the right panel, prompt
-      tuning with the attention head on each memory HMM (``prompt_attention``
-      lines), beside its head tuning.
+      tuning with the attention head on each memory HMM, beside its head
+      tuning.
     head_optimum: add, for every linear-head tuning arm (logistic
       regression on the frozen features: convex), a twin whose head is
       solved to its optimum (``TuneConfig.optimizer = "lbfgs"``, the
       ``tune.lbfgs_*`` settings; lines ``<method>_<head>_lbfgs``): how much
       of head tuning's gap is the paper's 5 epochs of Adam.
-    lanes_per_vmap: runtime (changes speed and memory, no result beyond
-      float rounding): a group's trials x tasks are tuned this many trials
-      at a time (``lax.map`` over vmapped groups, one program); 0 all at
-      once; ``None`` (auto) 1 on CPU (fastest there: 32 vs 59 s for 20
-      prompt-tuning trials at ``|H|`` = 30, and a twentieth of the
-      memory), all on accelerators.
-    task_memory_mb: runtime: the bytes (MiB) drawing a size's tasks may
-      hold at once (:data:`tasks.MEMORY_BUDGET`); 0 unbounded.
   """
 
-  trials: int
   tasks_per_hmm: int
   left_sizes: tuple[int, ...]
-  memory_sizes: tuple[int, ...]
-  task: tasks_lib.TaskConfig
-  tune: tuning.TuneConfig
-  pretrain: pretrain_lib.PretrainConfig
   features: tuple[str, ...] = ("raw", "log")
-  seed: int = 0
   finetune: bool = False
   right_trials: int | None = None
   prompt_attention: bool = False
   head_optimum: bool = False
-  lanes_per_vmap: int | None = dataclasses.field(
-      default=None, metadata=config_flags.RUNTIME)
-  task_memory_mb: int = dataclasses.field(
-      default=tasks_lib.MEMORY_BUDGET >> 20, metadata=config_flags.RUNTIME)
 
   def __post_init__(self):
-    for name in ("trials", "tasks_per_hmm", "right_trials"):
-      v = getattr(self, name)
-      if not (v is None and name == "right_trials") and not (
-          isinstance(v, int) and v >= 1):
-        raise ValueError(f"Setup.{name} must be an int >= 1 (a trial count "
-                         f"< 1 runs nothing), got {v!r}")
-    validation.require_positive_ints(self, "left_sizes", "memory_sizes")
-    for name in ("lanes_per_vmap", "task_memory_mb"):
-      v = getattr(self, name)
-      if not (v is None and name == "lanes_per_vmap") and not (
-          isinstance(v, int) and v >= 0):
-        raise ValueError(f"Setup.{name} must be an int >= 0 (0: no bound), "
-                         f"got {v!r}")
+    self._check(("trials", "tasks_per_hmm", "right_trials"),
+                ("left_sizes", "memory_sizes"))
     if self.tune.optimizer != "adam":
       raise ValueError(
           f"Setup.tune.optimizer is set per arm by the sweep, got "
@@ -128,27 +90,25 @@ class Setup:
     still moves it. Which arms run (``finetune``, ``prompt_attention``,
     ``head_optimum``) is in each line's key (its method), not here.
     """
-    tune = dataclasses.asdict(self.tune)
-    defaults = {f.name: f.default
-                for f in dataclasses.fields(tuning.TuneConfig)}
+    blob = self.identity()
+    del blob["trials"], blob["right_trials"]
+    if backbone != "transformer":
+      del blob["pretrain"]
+    return results_lib.fingerprint(blob)
+
+  def identity(self) -> dict:
+    """What decides the values of a workdir's lines (the fingerprint's
+    inputs with the pretraining recipe) and the trial counts, which decide
+    its stacks' sizes: what ``DIR/sweep.json`` records. Sizes, panels and
+    arms are left out: they add lines to a workdir without changing any."""
+    tune = config_flags.identity(self.tune)
+    defaults = config_flags.identity(tuning.TuneConfig())
     for name in TUNE_FIELDS_ADDED:
       if tune[name] == defaults[name]:
         del tune[name]
-    blob = {"task": dataclasses.asdict(self.task), "tune": tune,
-            "seed": self.seed, "model_keys": MODEL_KEYS_VERSION}
-    if backbone == "transformer":
-      blob["pretrain"] = self.pretrain.identity()
-    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()
-                          ).hexdigest()[:12]
-
-  def lane_group(self) -> int | None:
-    """``tuning.tune``'s ``lane_group`` (``None``: all lanes at once)."""
-    return tuning.lane_group_for(self.lanes_per_vmap)
-
-  def task_memory_budget(self) -> int | None:
-    """``tasks.make_tasks``' ``memory_budget`` in bytes (``None``: no
-    bound)."""
-    return (self.task_memory_mb << 20) or None
+    return {"task": config_flags.identity(self.task), "tune": tune,
+            "seed": self.seed, "model_keys": protocol.MODEL_KEYS_VERSION,
+            "pretrain": self.pretrain.identity(), **self.trial_counts()}
 
   def panel_trials(self, panel: str) -> int:
     """HMM draws per size on ``panel`` (left | right)."""
@@ -157,23 +117,30 @@ class Setup:
     return self.trials
 
   def trial_counts(self) -> dict:
-    """What a workdir's trial stacks depend on (``sweep.json``)."""
+    """What a workdir's trial stacks depend on."""
     return {"trials": self.trials,
             "right_trials": self.panel_trials("right")}
 
-  @property
-  def input_len(self) -> int:
-    """Positions of a prompt-tuning input: prompt, MASK, tokens."""
-    return tasks_lib.input_len(self.tune.prompt_len, self.task.seq_len)
 
-  def check_context(self) -> None:
-    """``ValueError`` if a prompt-tuning input exceeds the transformer's
-    pretrained context."""
-    if self.input_len > self.pretrain.model.max_len:
-      raise ValueError(
-          f"prompt_len + 1 + seq_len = {self.input_len} positions exceed the "
-          f"pretrained context of {self.pretrain.model.max_len}; lower "
-          f"--config.task.seq_len or --config.tune.prompt_len")
+def check_run(setup: Setup, backbones, pretrain_only: bool = False,
+              num_tasks: int = 1, task_index: int = 0) -> None:
+  """``ValueError`` naming what is wrong with a run of ``setup`` on
+  ``backbones`` (names, in order) before any work is done."""
+  bad = [b for b in backbones if b not in protocol.BACKBONES]
+  if bad or not backbones:
+    raise ValueError(f"--backbone must be from {','.join(protocol.BACKBONES)}; "
+                     f"got {backbones}")
+  if pretrain_only and "transformer" not in backbones:
+    raise ValueError("--pretrain_only needs --backbone=transformer")
+  if num_tasks < 1 or not 0 <= task_index < num_tasks:
+    raise ValueError(f"need num_tasks >= 1 and 0 <= task_index < "
+                     f"num_tasks; got --num_tasks={num_tasks} "
+                     f"--task_index={task_index}")
+  if setup.finetune and "transformer" not in backbones:
+    raise ValueError("--config.finetune needs --backbone=transformer (the "
+                     "exact backbone has no free parameters to fine-tune)")
+  if "transformer" in backbones:
+    setup.check_context()
 
 
 def _tune(epochs: int, prompt_len: int, batch_size: int) -> tuning.TuneConfig:
@@ -227,14 +194,13 @@ def _paper() -> Setup:
 
 def _gpu() -> Setup:
   """Figure 3 on one accelerator (``experiments/accelerator.py``, in chunks
-  of whole size stacks): :func:`_paper`'s protocol (every size, 20 trials
-  left and 5 right, Appendix D's task sizes and transformer: width 768, 6
-  layers, 12 heads, context 512) with a pretraining recipe meant to come
-  near the Bayes CE in at most 2000 steps instead of Appendix D's 3 epochs
-  at lr 1e-5: exact-conditional targets on fresh samples every step,
-  MASK-only corruption, a size's trials one after another in one program,
-  learning-rate cycles, stopping at the end of the first cycle within 0.04
-  nats of the Bayes CE."""
+  of whole size stacks): :func:`_paper`'s protocol and transformer (width
+  768, 6 layers, 12 heads, context 512) with a pretraining recipe meant to
+  come near the Bayes CE in at most 2000 steps instead of Appendix D's 3
+  epochs at lr 1e-5: exact-conditional targets on fresh samples every
+  step, MASK-only corruption, a size's trials one after another in one
+  program, learning-rate cycles, stopping at the end of the first cycle
+  within 0.04 nats of the Bayes CE."""
   # lr and cycles are provisional until the accelerator recipe search; a
   # change moves the setup fingerprint, and experiments/accelerator.py then
   # refuses to mix the new lines with docs/results/figure3-gpu/'s.
@@ -252,10 +218,7 @@ def _gpu() -> Setup:
       # and a larger setting may fit (docs/figure3_gpu.md).
       trials_per_vmap=1, eval_every=250, ckpt_every=250, log_every=50,
       keep=1)  # runtime: 20 trials' params + Adam are ~10 GB a checkpoint
-  return Setup(trials=20, right_trials=5, tasks_per_hmm=1,
-               left_sizes=_ALL_LEFT, memory_sizes=_ALL_MEMORY,
-               features=("raw",), task=_APPENDIX_D_TASK,
-               tune=_tune(5, 20, 32), pretrain=pretrain)
+  return dataclasses.replace(_paper(), pretrain=pretrain)
 
 
 PRESETS = {"tiny": _tiny, "cpu": _cpu, "paper": _paper, "gpu": _gpu}

@@ -9,15 +9,13 @@ this one definition.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
-from typing import Iterable
 
 from hmmprompt import results as results_lib
 
 
 @dataclasses.dataclass(frozen=True)
-class ResultLine:
+class ResultLine(results_lib.Line):
   """One finished cell of the sweep.
 
   Key fields (what a rerun looks up): ``backbone`` (exact | transformer),
@@ -64,26 +62,10 @@ class ResultLine:
   KEY_FIELDS = ("backbone", "panel", "hmm", "num_states", "memory_size",
                 "trial", "task", "method", "features", "setup")
 
-  def key(self) -> tuple:
-    return tuple(getattr(self, f) for f in self.KEY_FIELDS)
-
   @property
   def summary_key(self) -> tuple:
     """One curve of the figure: (backbone, panel, hmm, method, features)."""
     return (self.backbone, self.panel, self.hmm, self.method, self.features)
-
-  def to_json(self) -> dict:
-    return dataclasses.asdict(self)
-
-  @classmethod
-  def from_json(cls, d: dict) -> "ResultLine":
-    """Raises ``ValueError`` naming missing or unknown fields."""
-    return results_lib.line_from_json(cls, d, "result line")
-
-
-def line_key(fields: dict) -> tuple:
-  """The key of a line given as a dict of (at least) the key fields."""
-  return tuple(fields[f] for f in ResultLine.KEY_FIELDS)
 
 
 def results_path(workdir: str, num_tasks: int = 1, task_index: int = 0):
@@ -96,11 +78,20 @@ def results_path(workdir: str, num_tasks: int = 1, task_index: int = 0):
 
 def read_results(workdir: str) -> list[ResultLine]:
   """Lines of every results file in ``workdir`` (hosts write their own)."""
-  return [line for path in sorted(glob.glob(os.path.join(workdir,
-                                                       "results*.jsonl")))
-          for line in results_lib.read_lines(path, ResultLine, "result line")]
+  return results_lib.read_lines(os.path.join(workdir, "results*.jsonl"),
+                                ResultLine)
 
 
-def append(path: str, lines: Iterable[ResultLine]) -> None:
-  """Appends ``lines`` to ``path`` (the whole file rewritten atomically)."""
-  results_lib.append_jsonl(path, [line.to_json() for line in lines])
+def check_one_setup(lines, where: str) -> None:
+  """``ValueError`` if ``lines`` of one backbone carry several setup
+  fingerprints (their report would mix two setups), named with
+  ``where``."""
+  by_backbone: dict[str, set] = {}
+  for r in lines:
+    by_backbone.setdefault(r.backbone, set()).add(r.setup)
+  for backbone, fps in sorted(by_backbone.items()):
+    if len(fps) > 1:
+      raise ValueError(
+          f"{where}: {backbone} lines of setups {sorted(fps)}; one results "
+          f"directory holds one setup per backbone (a changed config moves "
+          f"the fingerprint): use another --workdir for the new setup")

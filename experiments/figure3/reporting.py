@@ -8,8 +8,10 @@ import glob
 import math
 import os
 import re
+from typing import Any
 
 import numpy as np
+import scipy.stats
 
 from experiments.figure3 import records
 from hmmprompt import results as results_lib
@@ -42,18 +44,12 @@ _ARM_NOTES = {
                         "head on the memory HMM (Theorem 4.6).",
 }
 
-_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262,
-        2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093,
-        2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045,
-        2.042]
-
-
 def mean_ci(values) -> tuple[float, float]:
   """Mean and half-width of the 95% t-interval."""
   v = np.asarray(values, np.float64)
   if len(v) < 2:
     return float(v.mean()), float("nan")
-  t = _T95[len(v) - 2] if len(v) - 1 <= len(_T95) else 1.96
+  t = scipy.stats.t.ppf(0.975, len(v) - 1)
   return float(v.mean()), float(t * v.std(ddof=1) / np.sqrt(len(v)))
 
 
@@ -140,17 +136,13 @@ def trial_table(lines: list[records.ResultLine]) -> str:
               + ([f"{h} gap" for h in hmms] if backbone == "transformer"
                  else []) + [f"{h}: {_method_label(m)} ({f})"
                              for h, m, f in arms])
-      out += [f"### {backbone}, {panel} panel", "",
-              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-      for (size, trial), row in sorted(rows.items()):
-        cells = [str(size), str(trial)]
-        cells += [row["fp"].get(h, "") for h in hmms]
-        if backbone == "transformer":
-          cells += [f"{row['gap'][h]:.4f}" if h in row["gap"] else ""
-                    for h in hmms]
-        cells += [f"{np.mean(row[a]):.1f}" if a in row else "" for a in arms]
-        out.append("| " + " | ".join(cells) + " |")
-      out.append("")
+      out += [f"### {backbone}, {panel} panel", ""] + (
+          results_lib.markdown_table(head, [
+              [size, trial] + [row["fp"].get(h, "") for h in hmms]
+              + ([f"{row['gap'][h]:.4f}" if h in row["gap"] else ""
+                  for h in hmms] if backbone == "transformer" else [])
+              + [f"{np.mean(row[a]):.1f}" if a in row else "" for a in arms]
+              for (size, trial), row in sorted(rows.items())])) + [""]
   return "\n".join(out)
 
 
@@ -161,12 +153,13 @@ def diverged_table(lines: list[records.ResultLine]) -> str:
   if not bad:
     return ""
   out = [f"## Diverged tuning: {len(bad)} cell(s) ended with a non-finite "
-         "loss (their accuracies are in the tables)", "",
-         "| backbone | panel | size | trial | task | arm | HMM | test acc |",
-         "|---|---|---|---|---|---|---|---|"]
-  out += [f"| {r.backbone} | {r.panel} | {r.size} | {r.trial} | {r.task} | "
-          f"{r.hmm} {r.method} ({r.features}) | {r.hmm_fingerprint} | "
-          f"{100 * r.test_accuracy:.1f} |" for r in bad]
+         "loss (their accuracies are in the tables)", ""]
+  out += results_lib.markdown_table(
+      ("backbone", "panel", "size", "trial", "task", "arm", "HMM",
+       "test acc"),
+      [(r.backbone, r.panel, r.size, r.trial, r.task,
+        f"{r.hmm} {r.method} ({r.features})", r.hmm_fingerprint,
+        f"{100 * r.test_accuracy:.1f}") for r in bad])
   return "\n".join(out + [""])
 
 
@@ -175,11 +168,11 @@ def components_table(lines: list[records.ResultLine]) -> str:
   if not comps:
     return ""
   out = ["## Variance components (points): SD between trials (HMM draws) "
-         "/ SD within a trial (task draws)", "", "| curve | size | between "
-         "| within |", "|---|---|---|---|"]
-  for k, d in comps.items():
-    for size, (b, w) in d.items():
-      out.append(f"| {_label(k)} | {size} | {b:.1f} | {w:.1f} |")
+         "/ SD within a trial (task draws)", ""]
+  out += results_lib.markdown_table(
+      ("curve", "size", "between", "within"),
+      [(_label(k), size, f"{b:.1f}", f"{w:.1f}") for k, d in comps.items()
+       for size, (b, w) in d.items()])
   return "\n".join(out + [""])
 
 
@@ -192,6 +185,10 @@ def _method_label(method: str) -> str:
 def _label(k) -> str:
   backbone, _, hmm, method, features = k
   return f"{backbone}: {hmm} + {_method_label(method)} ({features})"
+
+
+def _cell(m: float, ci: float, n: int) -> str:
+  return f"{m:.1f} ± {ci:.1f} ({n})" if np.isfinite(ci) else f"{m:.1f} ({n})"
 
 
 def write_table(summary: dict, path: str, extra: str = "") -> None:
@@ -211,20 +208,10 @@ def write_table(summary: dict, path: str, extra: str = "") -> None:
     sizes = sorted({s for k in cols for s in summary[k]})
     paper = PAPER_LEFT if panel == "left" else PAPER_RIGHT
     head = ["size"] + [f"paper {p}" for p in paper] + [_label(k) for k in cols]
-    out += [f"## {title}", "", "| " + " | ".join(head) + " |",
-            "|" + "---|" * len(head)]
-    for s in sizes:
-      row = [str(s)]
-      row += [f"~{paper[p][s]}" if s in paper[p] else "" for p in paper]
-      for k in cols:
-        if s in summary[k]:
-          m, ci, n = summary[k][s]
-          row.append(f"{m:.1f} ± {ci:.1f} ({n})" if np.isfinite(ci)
-                     else f"{m:.1f} ({n})")
-        else:
-          row.append("")
-      out.append("| " + " | ".join(row) + " |")
-    out.append("")
+    out += [f"## {title}", ""] + results_lib.markdown_table(head, [
+        [s] + [f"~{paper[p][s]}" if s in paper[p] else "" for p in paper]
+        + [_cell(*summary[k][s]) if s in summary[k] else "" for k in cols]
+        for s in sizes]) + [""]
     notes = [_ARM_NOTES[m] for m in _ARM_NOTES if any(k[3] == m
                                                       for k in cols)]
     if notes:
@@ -235,11 +222,7 @@ def write_table(summary: dict, path: str, extra: str = "") -> None:
 
 
 def write_plot(summary: dict, path: str) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-
-  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+  fig, axes = results_lib.pyplot().subplots(1, 2, figsize=(12, 4.5))
   colors = {}  # one colour per (backbone, hmm, method); style per features
   for ax, panel, paper, xlabel in (
       (axes[0], "left", PAPER_LEFT, "hidden states |H|"),
@@ -274,29 +257,42 @@ def write_plot(summary: dict, path: str) -> None:
   results_lib.atomic_write_png(path, fig, dpi=120)
 
 
-def pretraining_table(workdir: str) -> str:
+def pretrain_runs(workdir: str) -> list[tuple[str, Any, dict]]:
+  """``(run name, its PretrainConfig, {trial: [metrics lines]})`` of every
+  pretraining run under ``DIR/pretrain/``, vanilla then memory runs (the
+  sweep's order), sizes numerically (vanilla-h8 before vanilla-h12)."""
+  runs = []
+  for mpath in glob.glob(os.path.join(workdir, "pretrain", "*",
+                                      "metrics.jsonl")):
+    run_dir = os.path.dirname(mpath)
+    _, cfg = pretrain_workdir.read_config(pretrain_workdir.Paths.of(run_dir))
+    by_trial: dict[int, list[dict]] = {}
+    for m in results_lib.read_jsonl(mpath):
+      by_trial.setdefault(m.get("trial", 0), []).append(m)
+    if by_trial:
+      runs.append((os.path.basename(run_dir), cfg, by_trial))
+  return sorted(runs, key=lambda r: (
+      not r[0].startswith("vanilla"),
+      [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", r[0])]))
+
+
+def pretraining_table(runs) -> str:
   """Markdown: the final held-out evaluation of every pretrained trial
   (``wall`` is its stack's: the trials of a size train together)."""
-  rows, total = [], 0.0
-  for path in sorted(glob.glob(os.path.join(workdir, "pretrain", "*",
-                                            "metrics.jsonl"))):
-    metrics = results_lib.read_jsonl(path)
-    last = {}
-    for m in metrics:
-      last[m.get("trial", 0)] = m
-    name = os.path.basename(os.path.dirname(path))
-    rows += [(name, k, m) for k, m in sorted(last.items())]
-    total += max((m.get("wall_s", 0.0) for m in metrics), default=0.0)
+  rows = [(name, k, ms[-1]) for name, _, by_trial in runs
+          for k, ms in sorted(by_trial.items())]
   if not rows:
     return ""
+  total = sum(max(m.get("wall_s", 0.0) for ms in by_trial.values()
+                  for m in ms) for _, _, by_trial in runs)
   out = ["## Pretraining (transformer): held-out masked-position CE vs the "
-         "exact Bayes CE", "",
-         "| model | trial | steps | stack wall (s) | mlm CE | Bayes CE | gap "
-         "| TV |", "|---|---|---|---|---|---|---|---|"]
-  for name, k, m in rows:
-    out.append(f"| {name} | {k} | {m['step']} | "
-               f"{m.get('wall_s', float('nan')):.0f} | {m['mlm_ce']:.4f} | "
-               f"{m['bayes_ce']:.4f} | {m['ce_gap']:.4f} | {m['tv']:.4f} |")
+         "exact Bayes CE", ""]
+  out += results_lib.markdown_table(
+      ("model", "trial", "steps", "stack wall (s)", "mlm CE", "Bayes CE",
+       "gap", "TV"),
+      [(name, k, m["step"], f"{m.get('wall_s', float('nan')):.0f}",
+        f"{m['mlm_ce']:.4f}", f"{m['bayes_ce']:.4f}", f"{m['ce_gap']:.4f}",
+        f"{m['tv']:.4f}") for name, k, m in rows])
   gaps = np.array([m["ce_gap"] for _, _, m in rows])
   out += ["", f"{len(rows)} trials; gap median {np.median(gaps):.4f}, max "
           f"{gaps.max():.4f}; total pretraining wall time {total:.0f} s.",
@@ -308,44 +304,18 @@ def pretraining_table(workdir: str) -> str:
 _TRIAL_COLORS = [f"C{i}" for i in range(10) if i != 3]
 
 
-def _run_order(name: str) -> tuple:
-  """Vanilla then memory runs (the sweep's order), sizes numerically:
-  vanilla-h8 before vanilla-h12."""
-  return (not name.startswith("vanilla"),
-          [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)])
-
-
-def write_pretraining_plot(workdir: str,
-                           path: str) -> list[tuple[str, int]] | None:
+def write_pretraining_plot(runs, path: str) -> list[tuple[str, int]]:
   """Plots every pretrained trial's held-out Bayes gap (``mlm_ce -
   bayes_ce``, log scale, floored at 1e-3) against its training tokens
-  (``step * batch_size * chunk_len`` from the run's ``config.json``): one
-  panel per pretraining run under ``DIR/pretrain/`` (a model size), one line
-  per trial, the target dashed. A trial that ended above the target is drawn
-  red with its number; the title counts those at the target. Returns those
-  trials, ``(run name, trial)``, or None without pretraining runs (then
-  nothing is written)."""
-  runs = []
-  for mpath in glob.glob(os.path.join(workdir, "pretrain", "*",
-                                      "metrics.jsonl")):
-    run_dir = os.path.dirname(mpath)
-    _, cfg = pretrain_workdir.read_config(pretrain_workdir.Paths.of(run_dir))
-    by_trial = {}
-    for m in results_lib.read_jsonl(mpath):
-      by_trial.setdefault(m.get("trial", 0), []).append(m)
-    if by_trial:
-      runs.append((os.path.basename(run_dir), cfg, by_trial))
-  if not runs:
-    return None
-  runs.sort(key=lambda r: _run_order(r[0]))
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-
+  (``step * batch_size * chunk_len`` from the run's config): one panel per
+  pretraining run (a model size), one line per trial, the target dashed.
+  A trial that ended above the target is drawn red with its number; the
+  title counts those at the target. Returns those trials, ``(run name,
+  trial)``."""
   cols = min(len(runs), 4)
   rows = math.ceil(len(runs) / cols)
-  fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows),
-                           sharey=True, squeeze=False)
+  fig, axes = results_lib.pyplot().subplots(
+      rows, cols, figsize=(4 * cols, 3.2 * rows), sharey=True, squeeze=False)
   stalled = []
   for ax, (name, cfg, by_trial) in zip(axes.flat, runs):
     target = cfg.target_gap or TARGET_GAP
@@ -385,16 +355,26 @@ def pretraining_report(workdir: str) -> str:
   """Writes ``DIR/pretraining.png`` (:func:`write_pretraining_plot`) and
   returns :func:`pretraining_table` with a link to it and the trials that
   ended above their target named ("" without pretraining runs)."""
-  table = pretraining_table(workdir)
-  stalled = write_pretraining_plot(workdir,
-                                   os.path.join(workdir, PRETRAINING_PLOT))
-  if stalled is None:
+  runs = pretrain_runs(workdir)
+  table = pretraining_table(runs)
+  if not runs:
     return table
+  stalled = write_pretraining_plot(runs,
+                                   os.path.join(workdir, PRETRAINING_PLOT))
   table += (f"\n![Held-out Bayes gap of every pretrained trial against "
             f"training tokens, one panel per model]({PRETRAINING_PLOT})\n")
   if stalled:
     table += ("\nEnded above the target gap: "
               + ", ".join(f"{name} trial {k}" for name, k in stalled) + ".\n")
+  return table
+
+
+def write_pretraining_report(workdir: str) -> str:
+  """Writes ``DIR/pretraining.md`` and ``DIR/pretraining.png``; returns
+  the markdown."""
+  table = pretraining_report(workdir)
+  results_lib.atomic_write_text(os.path.join(workdir, "pretraining.md"),
+                                table)
   return table
 
 
@@ -404,6 +384,7 @@ def report(workdir: str) -> dict:
   ``pretraining.png``), ``figure3.png`` and ``pretraining.png``; returns the
   summary."""
   lines = records.read_results(workdir)
+  records.check_one_setup(lines, workdir)
   summary = summarize(lines)
   extra = [diverged_table(lines), components_table(lines),
            trial_table(lines), pretraining_report(workdir)]

@@ -5,16 +5,18 @@ bad input is refused by name."""
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
 
 import pytest
 
-from experiments import accelerator
+from experiments.figure3 import chunks as accelerator
 from experiments import figure3
 from experiments.figure3 import records
 from experiments.figure3 import sweep
+from hmmprompt import protocol
 from hmmprompt import results as results_lib
 from hmmprompt.pretrain import train as pretrain_train
 
@@ -127,13 +129,14 @@ def test_chunks_in_two_processes_merge_to_the_whole_run(tmp_path,
   os.makedirs(bad)
   results_lib.atomic_write_text(os.path.join(bad, "sweep.json"),
                                 '{"trials": 5, "right_trials": 5}')
-  with pytest.raises(ValueError, match="trial counts"):
+  with pytest.raises(ValueError, match=re.escape(
+      "holds results of another setup (right_trials: 5 -> 2; trials: 5 -> 2")):
     accelerator.merge(os.path.join(outs[0], accelerator.ARCHIVE), bad)
   other = dataclasses.replace(SETUP, seed=1)
-  with pytest.raises(ValueError, match="holds exact lines of setup"):
+  with pytest.raises(ValueError, match="holds result lines of setup"):
     accelerator.run_chunk(other, "left:4", "exact", merged, str(tmp_path))
   os.remove(os.path.join(bad, "sweep.json"))
-  records.append(os.path.join(bad, "results.jsonl"), [dataclasses.replace(
+  results_lib.append_lines(os.path.join(bad, "results.jsonl"), [dataclasses.replace(
       records.read_results(merged)[0], setup="0123456789ab")])
   with pytest.raises(ValueError, match="exact lines of setups"):
     accelerator.merge(os.path.join(outs[0], accelerator.ARCHIVE), bad)
@@ -144,7 +147,7 @@ def test_spent_budget_runs_no_stack_and_still_writes_the_archive(tmp_path):
   proc = _binary("--budget_s=0", f"--results={tmp_path / 'results'}",
                  f"--out={tmp_path / 'out'}")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "deadline passed: skipped 3 stacks (12 cells)" in proc.stderr
+  assert "deadline passed: skipped 3 stacks (6 groups)" in proc.stderr
   run = _run_json(str(tmp_path / "out"))
   assert run["cells_computed"] == 0 and run["budget_s"] == 0
   assert run["skipped_stacks"] == ["vanilla-h4", "vanilla-h8",
@@ -186,7 +189,7 @@ def test_transformer_chunk_archives_pretraining_metrics(tmp_path,
     raise AssertionError("finished work was redone")
 
   monkeypatch.setattr(pretrain_train, "make_train_step", boom)
-  monkeypatch.setattr(sweep.tuning, "tune_trials", boom)
+  monkeypatch.setattr(protocol.tuning, "tune_trials", boom)
   info = accelerator.run_chunk(setup, "left:4", "transformer", results,
                                str(tmp_path / "again"))
   assert info["cells_computed"] == 0

@@ -12,6 +12,7 @@ import binaries  # tests/integration/binaries.py
 from experiments import figure3
 from experiments.figure3 import records
 from experiments.figure3 import sweep
+from hmmprompt import protocol
 from hmmprompt import results as results_lib
 from hmmprompt import tuning
 from hmmprompt.pretrain import train as pretrain_train
@@ -34,23 +35,24 @@ _KILLED_SWEEP = """
 import os, signal, sys
 from experiments import figure3
 from experiments.figure3 import sweep
+from hmmprompt import protocol
 setup = figure3.get_setup("tiny", **{args!r})
 kill = lambda: os.kill(os.getpid(), signal.SIGKILL)
 calls = []
 if sys.argv[2] == "pretrain":
-  real = sweep.pretrain_lib.run_trials
+  real = protocol.pretrain_lib.run_trials
   def run_trials(*a, **k):
     k["after_step"] = lambda step: step == 15 and kill()
     return real(*a, **k)
-  sweep.pretrain_lib.run_trials = run_trials
+  protocol.pretrain_lib.run_trials = run_trials
 elif sys.argv[2] == "tune":
-  real = sweep.tuning.tune_trials
+  real = protocol.tuning.tune_trials
   def tune_trials(*a, **k):
     calls.append(1)
     if len(calls) == 2:
       kill()
     return real(*a, **k)
-  sweep.tuning.tune_trials = tune_trials
+  protocol.tuning.tune_trials = tune_trials
 figure3.run(setup, sys.argv[1], "left", "transformer")
 """
 
@@ -81,7 +83,7 @@ def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
   def boom(*a, **k):
     raise AssertionError("finished cells were recomputed")
 
-  monkeypatch.setattr(sweep.tuning, "tune_trials", boom)
+  monkeypatch.setattr(protocol.tuning, "tune_trials", boom)
   figure3.run(SETUP, workdir, "both", "exact")
   assert len(results_lib.read_jsonl(path)) == 8
 
@@ -97,7 +99,7 @@ def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
     calls.append(a[4].method)
     return real(*a, **k)
 
-  monkeypatch.setattr(sweep.tuning, "tune_trials", counting)
+  monkeypatch.setattr(protocol.tuning, "tune_trials", counting)
   figure3.run(SETUP, workdir, "both", "exact")
   assert calls == ["prompt"]
   redone = records.read_results(workdir)
@@ -132,10 +134,14 @@ _BAD_FLAGS = [
     (["--workdir=W", "--num_tasks=2", "--task_index=2"], "task_index"),
     (["--workdir=W", "--backbone=transformer",
       "--config.pretrain.model.width=8"], "config.pretrain.model.width"),
-    # A workdir of a sweep with other trial counts.
-    (["--preset=tiny", "--workdir=OTHER"],
-     "was made with trial counts {'trials': 5, 'right_trials': 5}, this run "
-     "asks for {'trials': 2, 'right_trials': 2}"),
+    # A workdir of a sweep with other trial counts (an earlier version's
+    # stamp), and one of another tuning recipe (issue 29: the report
+    # averaged both setups).
+    (["--preset=tiny", "--workdir=OTHER"], "holds results of another setup "
+     "(right_trials: 5 -> 2; trials: 5 -> 2)"),
+    (["--preset=tiny", "--workdir=TINY", "--config.tune.epochs=1",
+      "--config.tune.prompt_len=1"], "holds results of another setup "
+     "(tune.epochs: 2 -> 1; tune.prompt_len: 4 -> 1)"),
 ]
 
 
@@ -144,8 +150,12 @@ def test_bad_flags_fail_clearly(tmp_path):
   other.mkdir()
   results_lib.atomic_write_text(str(other / "sweep.json"),
                                 '{"trials": 5, "right_trials": 5}')
+  tiny = tmp_path / "tiny"
+  tiny.mkdir()
+  sweep.check_workdir(str(tiny), figure3.get_setup("tiny"))
   argvs = [[a.replace("=W", f"={tmp_path}").replace("=OTHER", f"={other}")
-            for a in args] for args, _ in _BAD_FLAGS]
+            .replace("=TINY", f"={tiny}") for a in args]
+           for args, _ in _BAD_FLAGS]
   ends = binaries.usage_errors("experiments.figure3.__main__", argvs)
   for (args, match), end in zip(_BAD_FLAGS, ends):
     assert end["returncode"] != 0, args
@@ -180,7 +190,7 @@ def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
   def boom(*a, **k):
     raise AssertionError("finished work was redone")
 
-  monkeypatch.setattr(sweep.tuning, "tune_trials", boom)
+  monkeypatch.setattr(protocol.tuning, "tune_trials", boom)
   monkeypatch.setattr(pretrain_train, "make_train_step", boom)
   figure3.run(setup, workdir, "both", "transformer")
   assert len(figure3.read_results(workdir)) == 10
@@ -275,7 +285,7 @@ def test_sweep_with_the_arms_beyond_the_paper(tmp_path, monkeypatch):
       assert r.steps == adam_steps
     assert 0.0 <= r.test_accuracy <= 1.0 and r.final_loss >= 0
   # The paper's arms are keyed as before: without the flags, nothing runs.
-  monkeypatch.setattr(sweep.tuning, "tune_trials", lambda *a, **k: 1 / 0)
+  monkeypatch.setattr(protocol.tuning, "tune_trials", lambda *a, **k: 1 / 0)
   figure3.run(SETUP, workdir, "both", "exact")
   monkeypatch.undo()
 

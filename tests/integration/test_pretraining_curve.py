@@ -1,6 +1,6 @@
 """Accuracy against pretraining quality: retained checkpoints, tuning them
 stacked, and the curve binary's lines, resume and refusals
-(experiments/pretraining_curve.py)."""
+(experiments/pretraining_curve/)."""
 
 import dataclasses
 import os
@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from experiments import pretraining_curve as curve
+from experiments.pretraining_curve import report as curve_report
+from hmmprompt import protocol
 from hmmprompt import models
 from hmmprompt import pretrain
 from hmmprompt import tasks
@@ -168,7 +170,7 @@ def test_curve_writes_every_line_and_a_rerun_computes_nothing(
         r.step == 40):
       assert r.ce_gap == pytest.approx(at40[r.trial]["ce_gap"], abs=1e-12)
       assert r.tv == pytest.approx(at40[r.trial]["tv"], abs=1e-12)
-  curve.report(workdir)
+  curve_report.report(workdir)
   with open(os.path.join(workdir, "curve.png"), "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   table = open(os.path.join(workdir, "curve.md")).read()
@@ -179,8 +181,8 @@ def test_curve_writes_every_line_and_a_rerun_computes_nothing(
   def boom(*a, **k):
     raise AssertionError("a finished group was recomputed")
 
-  monkeypatch.setattr(curve.tuning, "tune_trials", boom)
-  monkeypatch.setattr(curve.pretrain_lib, "run_trials", boom)
+  monkeypatch.setattr(protocol.tuning, "tune_trials", boom)
+  monkeypatch.setattr(protocol.pretrain_lib, "run_trials", boom)
   curve.run(SETUP, workdir)
   assert open(curve.results_path(workdir)).read() == before
 
@@ -202,7 +204,7 @@ def test_interrupted_curve_resumes_without_loss_or_duplicates(
       raise _Crash
     return real(*a, **k)
 
-  monkeypatch.setattr(curve.tuning, "tune_trials", dies_second)
+  monkeypatch.setattr(protocol.tuning, "tune_trials", dies_second)
   with pytest.raises(_Crash):
     curve.run(setup, workdir)
   first = curve.read_lines(workdir)
@@ -212,7 +214,7 @@ def test_interrupted_curve_resumes_without_loss_or_duplicates(
     raise AssertionError("pretraining ran again")
 
   calls.clear()
-  monkeypatch.setattr(curve.tuning, "tune_trials",
+  monkeypatch.setattr(protocol.tuning, "tune_trials",
                       lambda *a, **k: calls.append(a[4].method) or real(
                           *a, **k))
   monkeypatch.setattr(pretrain_train, "make_train_step", no_training)

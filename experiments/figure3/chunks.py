@@ -1,0 +1,277 @@
+"""Figure 3 in chunks of whole size stacks, for a machine lent for minutes
+that keeps nothing: each chunk starts from a committed results directory,
+computes only what is missing and ends in one archive that
+:func:`merge` adds back (``experiments/accelerator.py`` is the binary;
+its docstring has the command lines)."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import io
+import json
+import os
+import re
+import shutil
+import tarfile
+import tempfile
+import time
+
+from absl import logging
+import jax
+
+from hmmprompt import protocol
+from experiments.figure3 import configs
+from experiments.figure3 import records
+from experiments.figure3 import reporting
+from experiments.figure3 import sweep
+from hmmprompt import models
+from hmmprompt import pretrain as pretrain_lib
+from hmmprompt import results as results_lib
+from hmmprompt import sharding as sharding_lib
+
+ARCHIVE = "figure3-gpu.tar.gz"
+RESULTS_DIR = os.path.join("docs", "results", "figure3-gpu")
+# Result-line fields that time the run and may differ between two runs of
+# one cell.
+TIMING_FIELDS = ("seconds", "pretrain_wall_s")
+_REPORT_FILES = ("figure3.md", "figure3.png", reporting.PRETRAINING_PLOT)
+_PRETRAIN_FILES = ("metrics.jsonl", "config.json")
+# What an archive may hold; anything else is refused (no path escapes).
+_MEMBER = re.compile(r"(results\.jsonl|sweep\.json|run\.json|"
+                     + "|".join(re.escape(f) for f in _REPORT_FILES)
+                     + r"|pretrain/\w[\w.-]*/(metrics\.jsonl|config\.json))")
+
+
+def chunk_sizes(setup: configs.Setup,
+                chunk: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """``(left_sizes, memory_sizes)`` of ``setup`` that ``chunk`` selects,
+  closed over the vanilla stacks both panels share.
+
+  Raises:
+    ValueError: ``chunk`` is not ``all``, ``left[:SIZES]`` or
+      ``right[:SIZES]``, or names a size ``setup`` lacks (all named).
+  """
+  if chunk == "all":
+    return setup.left_sizes, setup.memory_sizes
+  panel, sep, text = chunk.partition(":")
+  if panel not in ("left", "right"):
+    raise ValueError(f"--chunk={chunk!r}: expected left:SIZES, right:SIZES, "
+                     f"left, right or all (e.g. left:4,8)")
+  known = setup.left_sizes if panel == "left" else setup.memory_sizes
+  chosen = known
+  if sep:
+    try:
+      chosen = tuple(int(s) for s in text.split(","))
+    except ValueError:
+      raise ValueError(f"--chunk={chunk!r}: sizes must be comma-separated "
+                       f"integers, e.g. {panel}:{known[0] if known else 4}"
+                       ) from None
+    bad = [s for s in chosen if s not in known]
+    if bad:
+      raise ValueError(
+          f"--chunk={chunk!r}: {bad} not among the {panel} panel's sizes "
+          f"{known} ({'|H|' if panel == 'left' else '|M|'}) of this preset")
+  left = set(chosen) if panel == "left" else set()
+  memory = set(chosen) if panel == "right" else set()
+  # A vanilla stack of syntax * |M| states is the right panel's twin of
+  # |M| and, if a left size too, the left panel's: both or neither.
+  syntax = protocol.MEMORY_SYNTAX_STATES
+  memory |= {m for m in setup.memory_sizes if syntax * m in left}
+  left |= {h for h in setup.left_sizes if h in {syntax * m for m in memory}}
+  return (tuple(h for h in setup.left_sizes if h in left),
+          tuple(m for m in setup.memory_sizes if m in memory))
+
+
+def chunk_setup(setup: configs.Setup, chunk: str) -> configs.Setup:
+  """``setup`` restricted to ``chunk``'s stacks (the sizes are no part of
+  :meth:`configs.Setup.fingerprint`, so its lines key as the whole
+  sweep's); ``ValueError`` as :func:`chunk_sizes`."""
+  left, memory = chunk_sizes(setup, chunk)
+  if chunk != "all":
+    logging.info("chunk %s: left sizes %s, memory sizes %s", chunk, left,
+                 memory)
+  return dataclasses.replace(setup, left_sizes=left, memory_sizes=memory)
+
+
+def start_workdir(results_dir: str, workdir: str,
+                  setup: configs.Setup) -> int:
+  """Checks that ``results_dir`` and ``workdir`` hold only ``setup``'s
+  results, stamps ``workdir`` and adds the result lines it lacks (by key);
+  returns the lines it then holds.
+
+  ``workdir`` is new, or a kept one of an earlier run of this setup (one
+  stopped by a machine's time limit mid-stack): its lines and pretraining
+  checkpoints are reused, so that stack resumes.
+
+  Raises:
+    ValueError: either directory holds another setup's results (named).
+  """
+  sweep.check_workdir(results_dir, setup, write=False)
+  os.makedirs(workdir, exist_ok=True)
+  sweep.check_workdir(workdir, setup)
+  path = records.results_path(workdir)
+  results_lib.merge_lines(path, records.read_results(results_dir))
+  return len(records.read_results(workdir))
+
+
+def write_archive(workdir: str, path: str, run_info: dict) -> list[str]:
+  """Renders the report in ``workdir`` and writes ``path`` (atomically):
+  the results, ``sweep.json``, the pretraining metrics and configs, the
+  report and ``run_info`` as ``run.json``. Returns the member names."""
+  reporting.report(workdir)
+  members = [n for n in ("results.jsonl", sweep.STAMP, *_REPORT_FILES)
+             if os.path.exists(os.path.join(workdir, n))]
+  for run_dir in sorted(glob.glob(os.path.join(workdir, "pretrain", "*"))):
+    members += [os.path.relpath(os.path.join(run_dir, n), workdir)
+                for n in _PRETRAIN_FILES
+                if os.path.exists(os.path.join(run_dir, n))]
+  buf = io.BytesIO()
+  with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+    for name in members:
+      tar.add(os.path.join(workdir, name), arcname=name, recursive=False)
+    blob = json.dumps(run_info, indent=1, sort_keys=True).encode()
+    info = tarfile.TarInfo("run.json")
+    info.size, info.mtime = len(blob), int(time.time())
+    tar.addfile(info, io.BytesIO(blob))
+  results_lib.atomic_write_bytes(path, buf.getvalue())
+  return members + ["run.json"]
+
+
+def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
+              results_dir: str, out_dir: str, budget_s: float | None = None,
+              workdir: str | None = None, preset: str = "") -> dict:
+  """Computes ``chunk``'s missing cells from ``results_dir`` and writes
+  ``out_dir/figure3-gpu.tar.gz`` (also after the budget or an error);
+  returns the archive's ``run.json``.
+
+  ``workdir`` (kept): compute there, resuming what an earlier run there
+  left (:func:`start_workdir`); ``None``: a temporary directory, deleted.
+
+  Raises:
+    ValueError: a bad chunk, or ``results_dir`` or ``workdir`` holding
+      another setup's results (named).
+  """
+  t0 = time.monotonic()
+  deadline = None if budget_s is None else t0 + budget_s
+  chunk_cfg = chunk_setup(setup, chunk)
+  configs.check_run(setup, [backbone])
+  sweep.check_workdir(results_dir, setup, write=False)
+  keep = workdir is not None
+  workdir = workdir or tempfile.mkdtemp(prefix="figure3-gpu-")
+  try:
+    at_start = start_workdir(results_dir, workdir, setup)
+    run_info = {"preset": preset, "chunk": chunk, "backbone": backbone,
+                "budget_s": budget_s, "setup": setup.fingerprint(backbone),
+                "left_sizes": list(chunk_cfg.left_sizes),
+                "memory_sizes": list(chunk_cfg.memory_sizes),
+                "device": [str(d) for d in jax.devices()],
+                "device_kind": jax.devices()[0].device_kind,
+                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+      run_info["skipped_stacks"] = sweep.run(chunk_cfg, workdir, "both",
+                                             backbone, deadline=deadline)
+    except Exception as e:
+      run_info["error"] = f"{type(e).__name__}: {e}"
+      raise
+    finally:
+      run_info["cells_computed"] = (len(records.read_results(workdir))
+                                    - at_start)
+      run_info["wall_s"] = round(time.monotonic() - t0, 1)
+      path = os.path.join(out_dir, ARCHIVE)
+      write_archive(workdir, path, run_info)
+      logging.info("%d cells computed in %.0f s; archive %s",
+                   run_info["cells_computed"], run_info["wall_s"], path)
+  finally:
+    if not keep:
+      shutil.rmtree(workdir, ignore_errors=True)
+  return run_info
+
+
+def step_memory(setup: configs.Setup, chunk: str) -> list[dict]:
+  """Per stack of ``chunk``: its trial count and pretraining-step memory
+  (:func:`hmmprompt.pretrain.step_memory`, in bytes), and the device's
+  memory where it reports one (``device_bytes``, else ``None``)."""
+  part = chunk_setup(setup, chunk)
+  cfg = setup.pretrain
+  mesh = sharding_lib.data_mesh()
+  limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+  out = []
+  for mid in sweep.plan(part):
+    hmms = jax.eval_shape(  # shapes only: no model is drawn
+        lambda mid=mid: jax.vmap(models.as_hmm)(sweep.make_models(setup,
+                                                                  mid)))
+    out.append({"stack": mid.tag, "trials": sweep.stack_size(setup, mid),
+                "trials_per_vmap": cfg.trials_per_vmap,
+                **pretrain_lib.step_memory(cfg, hmms, mesh),
+                "device_bytes": limit})
+  return out
+
+
+def _read_archive(archive: str, into: str) -> list[str]:
+  """Unpacks ``archive``'s regular files into ``into``; ``ValueError``
+  naming a member that is no part of an archive (so no path escapes)."""
+  names = []
+  with tarfile.open(archive, "r:gz") as tar:
+    for member in tar.getmembers():
+      if not (member.isfile() and _MEMBER.fullmatch(member.name)):
+        raise ValueError(f"{archive}: unexpected member {member.name!r}")
+      dest = os.path.join(into, member.name)
+      os.makedirs(os.path.dirname(dest), exist_ok=True)
+      with tar.extractfile(member) as src, open(dest, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+      names.append(member.name)
+  return names
+
+
+def merge(archive: str, results_dir: str) -> dict:
+  """Adds ``archive``'s result lines and pretraining metrics to
+  ``results_dir`` and renders its report again; returns counts (``added``,
+  ``kept``: keys already there, ``conflicts``: of those, the ones whose
+  values differ).
+
+  Raises:
+    ValueError: ``archive`` holds unexpected members, or results of
+      another setup than ``results_dir`` (named).
+  """
+  with tempfile.TemporaryDirectory() as tmp:
+    names = _read_archive(archive, tmp)
+    try:
+      new = records.read_results(tmp)
+    except ValueError as e:
+      raise ValueError(f"{archive}: {e}") from None
+    if sweep.STAMP in names:
+      with open(os.path.join(tmp, sweep.STAMP)) as f:
+        sweep.stamp(results_dir, json.load(f))
+    records.check_one_setup(records.read_results(results_dir) + new,
+                            f"merging {archive} into {results_dir}")
+    added, kept, conflicts = results_lib.merge_lines(
+        records.results_path(results_dir), new, ignore=TIMING_FIELDS)
+    if conflicts:
+      logging.warning("%s: %d lines differ from the lines already in %s "
+                      "under the same key (kept those), e.g. %s", archive,
+                      len(conflicts), results_dir, conflicts[0])
+    for name in names:
+      if name.startswith("pretrain/"):
+        _copy_new(os.path.join(tmp, name), os.path.join(results_dir, name))
+    if "run.json" in names:
+      with open(os.path.join(tmp, "run.json")) as f:
+        results_lib.append_jsonl(os.path.join(results_dir, "runs.jsonl"),
+                                 [{**json.load(f), "archive":
+                                   os.path.basename(archive)}])
+  reporting.report(results_dir)
+  return {"added": len(added), "kept": kept, "conflicts": len(conflicts)}
+
+
+def _copy_new(src: str, dest: str) -> None:
+  """Copies ``src`` to ``dest`` unless ``dest`` exists (then a differing
+  ``src`` is logged and ``dest`` kept)."""
+  with open(src, "rb") as f:
+    blob = f.read()
+  if not os.path.exists(dest):
+    results_lib.atomic_write_bytes(dest, blob)
+    return
+  with open(dest, "rb") as f:
+    if f.read() != blob:
+      logging.warning("%s differs from the archive's copy; kept %s", dest,
+                      dest)

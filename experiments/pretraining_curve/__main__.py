@@ -1,0 +1,35 @@
+"""The pretraining-curve binary (see the package docstring)."""
+
+from __future__ import annotations
+
+import os
+
+from absl import app
+from absl import flags
+
+from experiments import cli
+from experiments import pretraining_curve as curve
+from experiments.pretraining_curve import report
+from hmmprompt import config_flags
+
+_PRESET = flags.DEFINE_enum("preset", "cpu", list(curve.PRESETS),
+                            "config preset; --config.<path> overrides it")
+_CONFIG = config_flags.define(curve.PRESETS["cpu"]())
+_WORKDIR = flags.DEFINE_string("workdir", None, "output directory")
+
+
+def main(argv):
+  t0 = cli.start(argv, workdir=_WORKDIR.value)
+  workdir = _WORKDIR.value
+  with cli.usage_errors():
+    setup = curve.get_setup(_PRESET.value, _CONFIG.value())
+    curve.check_workdir(workdir, setup)
+  curve.run(setup, workdir)
+  print(report.report(workdir))
+  cli.done(t0, results=curve.results_path(workdir),
+           table=os.path.join(workdir, "curve.md"),
+           plot=os.path.join(workdir, "curve.png"))
+
+
+if __name__ == "__main__":
+  app.run(main)

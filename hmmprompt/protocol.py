@@ -1,0 +1,345 @@
+"""The paper's experimental protocol as a library: trials of HMM draws per
+size, their random streams, stacks, tuning lanes and the resume loop that
+Figure 3's sweep, the pretraining curve and a user's own experiment share.
+
+* :class:`TrialsConfig`: the fields every such experiment's config shares
+  (trials, task sizes, tuning and pretraining recipes, seed, runtime
+  bounds) and their checks; each binary's config derives from it.
+* :class:`ModelId`, :class:`Group` and the random streams
+  (:func:`model_key`, :func:`task_key`, :func:`tune_key`): which HMM draws a
+  run makes and which tuning arms it runs on them. Trial ``k`` of a size is
+  ``models.random_model(fold_in(model_key, k))`` in every experiment, so
+  the same seed gives the same draws everywhere.
+* :func:`draw_stack`: a size's trials stacked ``[K]``, their fingerprints
+  and their tasks; :func:`pretrain_dir` and :func:`pretrain`: their
+  transformers (pretrained, reused or resumed).
+* :func:`tune_lanes`: one :func:`tuning.tune_trials` program over lanes,
+  its results as the fields of typed lines (the one place that unpacks a
+  tuning result).
+* :func:`run_stacks`: the resume loop: one stack in memory at a time, each
+  group's lines appended atomically as it finishes, progress logged, an
+  optional deadline between stacks.
+
+Workdir identities and typed line files are :mod:`hmmprompt.results`'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Callable, NamedTuple, Sequence
+
+from absl import logging
+import jax
+import numpy as np
+
+from hmmprompt import config_flags
+from hmmprompt import models
+from hmmprompt import pretrain as pretrain_lib
+from hmmprompt import results as results_lib
+from hmmprompt import tasks as tasks_lib
+from hmmprompt import theory
+from hmmprompt import tuning
+from hmmprompt import validation
+
+BACKBONES = ("exact", "transformer")
+VOCAB = 10
+MEMORY_SYNTAX_STATES = 4
+# Bumped when the HMM drawn for a given (size, trial, seed) changes, so that
+# old result lines are not mistaken for current ones (3: trials).
+MODEL_KEYS_VERSION = 3
+# Memory HMMs draw from their own stream: fold_in(root, size + this).
+MEMORY_MODEL_STREAM = 1500
+# Task s of a model: fold_in(model key, TASK_STREAM + s).
+TASK_STREAM = 10_000
+# A bump here moves every pretraining dir, so no checkpoint of another
+# train-state layout is restored (2: TrainState dataclass, was a dict;
+# 3: a stack of trials).
+PRETRAIN_DIR_VERSION = 3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrialsConfig:
+  """The fields every experiment's config shares.
+
+  Attributes:
+    trials: HMM draws per size (each with its own backbone and tasks).
+    memory_sizes: ``|M|`` of the memory HMMs (``MEMORY_SYNTAX_STATES``
+      syntax states each).
+    task: downstream data sizes (``tasks.TaskConfig``).
+    tune: the tuning recipe; ``method``, ``head`` (and the sweep's
+      ``features`` and ``optimizer``) are set per arm.
+    pretrain: the transformer's pretraining recipe (unused by ``exact``).
+    seed: root of every random stream (:func:`model_key` and friends).
+    lanes_per_vmap: runtime (speed and memory only): lanes tuned at a time
+      (``lax.map`` over vmapped groups, one program); 0 all at once;
+      ``None`` (auto) 1 on CPU (fastest there: 32 vs 59 s for 20
+      prompt-tuning trials at ``|H|`` = 30), all on accelerators.
+    task_memory_mb: runtime: the MiB drawing a size's tasks may hold at
+      once (:data:`tasks.MEMORY_BUDGET`); 0 unbounded.
+  """
+
+  trials: int
+  memory_sizes: tuple[int, ...]
+  task: tasks_lib.TaskConfig
+  tune: tuning.TuneConfig
+  pretrain: pretrain_lib.PretrainConfig
+  seed: int = 0
+  lanes_per_vmap: int | None = dataclasses.field(
+      default=None, metadata=config_flags.RUNTIME)
+  task_memory_mb: int = dataclasses.field(
+      default=tasks_lib.MEMORY_BUDGET >> 20, metadata=config_flags.RUNTIME)
+
+  def _check(self, counts: Sequence[str], sizes: Sequence[str]) -> None:
+    """The shared checks: ``counts`` ints >= 1 (``None`` allowed where the
+    field defaults to it), ``sizes`` positive ints, the runtime bounds."""
+    name_of = type(self).__name__
+    for name in counts:
+      v = getattr(self, name)
+      if v is None and _default(self, name) is None:
+        continue
+      if not (isinstance(v, int) and v >= 1):
+        raise ValueError(f"{name_of}.{name} must be an int >= 1 (a trial "
+                         f"count < 1 runs nothing), got {v!r}")
+    validation.require_positive_ints(self, *sizes)
+    for name in ("lanes_per_vmap", "task_memory_mb"):
+      v = getattr(self, name)
+      if not (v is None and name == "lanes_per_vmap") and not (
+          isinstance(v, int) and v >= 0):
+        raise ValueError(f"{name_of}.{name} must be an int >= 0 (0: no "
+                         f"bound), got {v!r}")
+
+  def lane_group(self) -> int | None:
+    """``tuning.tune``'s ``lane_group`` (``None``: all lanes at once)."""
+    return tuning.lane_group_for(self.lanes_per_vmap)
+
+  def task_memory_budget(self) -> int | None:
+    """``tasks.make_tasks``' ``memory_budget`` in bytes (``None``: none)."""
+    return (self.task_memory_mb << 20) or None
+
+  @property
+  def input_len(self) -> int:
+    """Positions of a prompt-tuning input: prompt, MASK, tokens."""
+    return tasks_lib.input_len(self.tune.prompt_len, self.task.seq_len)
+
+  def check_context(self) -> None:
+    """``ValueError`` if a prompt-tuning input exceeds the transformer's
+    pretrained context."""
+    if self.input_len > self.pretrain.model.max_len:
+      raise ValueError(
+          f"prompt_len + 1 + seq_len = {self.input_len} positions exceed the "
+          f"pretrained context of {self.pretrain.model.max_len}; lower "
+          f"--config.task.seq_len or --config.tune.prompt_len")
+
+
+def _default(cfg, name: str):
+  return next(f.default for f in dataclasses.fields(cfg) if f.name == name)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelId:
+  hmm: str  # "vanilla" | "memory"
+  num_states: int  # |H| (vanilla) or syntax states (memory)
+  memory_size: int  # 0 for vanilla
+
+  @property
+  def size(self) -> int:
+    """x-axis: |H| (left) or |M||H| (right)."""
+    return self.num_states * max(self.memory_size, 1)
+
+  @property
+  def tag(self) -> str:
+    if self.hmm == "memory":
+      return f"memory-h{self.num_states}-m{self.memory_size}"
+    return f"vanilla-h{self.num_states}"
+
+
+def vanilla(num_states: int) -> ModelId:
+  return ModelId("vanilla", num_states, 0)
+
+
+def memory(memory_size: int) -> ModelId:
+  return ModelId("memory", MEMORY_SYNTAX_STATES, memory_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """One model size and one tuning arm: one program, one append."""
+
+  panel: str  # the sweep's "left" | "right"; "" elsewhere
+  model_id: ModelId
+  method: str  # "head" | "prompt" | "finetune"
+  head: str  # "linear" | "attention"
+  features: str = "raw"
+  optimizer: str = "adam"  # TuneConfig.optimizer: "adam" | "lbfgs"
+
+  @property
+  def method_name(self) -> str:
+    """``<method>_<head>``, ``_<optimizer>`` appended unless Adam (so the
+    paper's arms keep the keys their lines were written with)."""
+    name = f"{self.method}_{self.head}"
+    return name if self.optimizer == "adam" else f"{name}_{self.optimizer}"
+
+  def __str__(self) -> str:
+    return " ".join(x for x in (self.panel, self.method_name,
+                                f"({self.features})") if x)
+
+  def tune_config(self, tune: tuning.TuneConfig) -> tuning.TuneConfig:
+    return dataclasses.replace(tune, method=self.method, head=self.head,
+                               features=self.features,
+                               optimizer=self.optimizer)
+
+
+def model_key(setup: Protocol, mid: ModelId):
+  """The root of ``mid``'s stack; trial ``k`` draws from ``fold_in(root,
+  k)``."""
+  offset = MEMORY_MODEL_STREAM if mid.hmm == "memory" else 0
+  return jax.random.fold_in(jax.random.PRNGKey(setup.seed), mid.size + offset)
+
+
+def task_key(setup: Protocol, mid: ModelId, trial: int, task: int):
+  return jax.random.fold_in(jax.random.fold_in(model_key(setup, mid), trial),
+                            TASK_STREAM + task)
+
+
+def tune_key(setup: Protocol, trial: int, task: int):
+  """Head / prompt initialisation and batch order of one cell."""
+  return jax.random.fold_in(
+      jax.random.fold_in(jax.random.PRNGKey(setup.seed + 1), trial), task)
+
+
+def make_models(setup: Protocol, mid: ModelId, num: int) -> models.Model:
+  """``mid``'s first ``num`` trials, stacked ``[num]``."""
+  return models.random_models(model_key(setup, mid), num, mid.hmm,
+                              mid.num_states, VOCAB, mid.memory_size)
+
+
+class Stack(NamedTuple):
+  """A size's trials, drawn (:func:`draw_stack`)."""
+
+  models_K: models.Model  # stacked [K]
+  fingerprints: list[str]  # [K] models.fingerprint of each HMM
+  tasks: list[list[tasks_lib.Task]]  # [K][S]
+  verdicts: list[list[dict]] | None  # [K][S] theory.verdicts, if asked
+
+
+def draw_stack(setup: Protocol, mid: ModelId, num: int, num_tasks: int = 1,
+               verdicts: bool = False) -> Stack:
+  """Draws ``mid``'s ``num`` trials and ``num_tasks`` tasks on each (each
+  task index for all trials in one vmapped draw), with the paper's
+  assumption verdicts per task if asked."""
+  models_K = make_models(setup, mid, num)
+  by_task = [tasks_lib.make_tasks(
+      np.stack([task_key(setup, mid, k, s) for k in range(num)]), models_K,
+      setup.task, setup.task_memory_budget()) for s in range(num_tasks)]
+  tasks = [[t[k] for t in by_task] for k in range(num)]
+  checks = None
+  if verdicts:
+    checks = [[theory.verdicts(models.trial(models_K, k), t.mu)
+               for t in row] for k, row in enumerate(tasks)]
+  return Stack(models_K, models.fingerprints(models_K), tasks, checks)
+
+
+def pretrain_dir(workdir: str, setup: Protocol, mid: ModelId) -> str:
+  """``DIR/pretrain/<model tag>-<8 hex digits>`` of ``mid``'s stacked
+  pretraining run: the digits key the recipe, the seed and the versions of
+  the HMM draws and of the train state's layout."""
+  fp = results_lib.fingerprint(
+      {"pretrain": setup.pretrain.identity(), "seed": setup.seed,
+       "model_keys": MODEL_KEYS_VERSION,
+       "state_layout": PRETRAIN_DIR_VERSION}, digits=8)
+  return os.path.join(workdir, "pretrain", f"{mid.tag}-{fp}")
+
+
+def pretrain(pdir: str, cfg: pretrain_lib.PretrainConfig,
+             models_K: models.Model) -> None:
+  """Pretrains ``models_K``'s transformers in ``pdir`` (or reuses them, or
+  resumes an interrupted run)."""
+  logging.info("pretraining %d trials in %s", models.num_trials(models_K),
+               pdir)
+  pretrain_lib.run_trials(pdir, cfg, models_K, log=logging.info)
+
+
+def pretrain_fields(info: dict) -> dict:
+  """The ``pretrain_*`` fields of a result line from its trial's ``info``
+  (:func:`pretrain.load_trials`)."""
+  m = info["metrics"]
+  return {"pretrain_ce_gap": m.get("ce_gap"), "pretrain_tv": m.get("tv"),
+          "pretrain_mlm_ce": m.get("mlm_ce"),
+          "pretrain_bayes_ce": m.get("bayes_ce"),
+          "pretrain_steps": info["step"], "pretrain_wall_s": m.get("wall_s")}
+
+
+def tune_lanes(setup: Protocol, cfg: tuning.TuneConfig, backbone,
+               params_L: Any, lanes: Sequence[tuple[int, Sequence[int]]],
+               stack: Stack) -> list[list[dict]]:
+  """Tunes every lane in one :func:`tuning.tune_trials` program: lane
+  ``i = (k, tasks)`` is the backbone ``params_L[i]`` tuned on trial ``k``'s
+  ``tasks``, each task with its cell's :func:`tune_key`.
+
+  Returns:
+    ``[L][S_i]`` dicts of the typed lines' result fields
+    (``test_accuracy``, ``val_accuracy``, ``train_accuracy``,
+    ``final_loss``, ``steps``, ``seconds``: the program's).
+  """
+  data = {}
+  for k, ss in lanes:
+    for s in ss:
+      if (k, s) not in data:
+        data[k, s] = tuning.data_from_task(stack.tasks[k][s], cfg)
+  res, _ = tuning.tune_trials(
+      [[tune_key(setup, k, s) for s in ss] for k, ss in lanes], backbone,
+      params_L, [[data[k, s] for s in ss] for k, ss in lanes], cfg,
+      lane_group=setup.lane_group())
+  return [[dict(test_accuracy=float(res.test_accuracy[i, j]),
+                val_accuracy=float(res.val_accuracy[i, j]),
+                train_accuracy=float(res.train_accuracy[i, j]),
+                final_loss=float(res.final_loss[i, j]),
+                steps=int(res.lane_steps[i, j]), seconds=res.seconds)
+           for j in range(len(ss))] for i, (_, ss) in enumerate(lanes)]
+
+
+def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
+               deadline: float | None = None) -> list[str]:
+  """The resume loop: for each stack of ``todo`` (``{ModelId: [group]}``,
+  the groups still missing lines, in order), ``prepare(mid, groups)``
+  makes it, then each group's ``tune(group, stack)`` lines are appended to
+  ``path`` (atomically) as the group finishes; one stack in memory at a
+  time, progress logged.
+
+  ``deadline`` (a ``time.monotonic()`` value) bounds a run on a machine
+  lent for a fixed time: no stack starts after it, and a stack started is
+  finished (its checkpoints live in a workdir such a run does not keep).
+
+  Returns:
+    The tags of the stacks skipped for the deadline (``[]``: none).
+  """
+  total = sum(len(gs) for gs in todo.values())
+  done, t0, skipped = 0, time.perf_counter(), []
+  for mid, groups in todo.items():
+    if not groups:
+      continue
+    if deadline is not None and time.monotonic() >= deadline:
+      skipped.append((mid.tag, len(groups)))
+      continue
+    stack = prepare(mid, groups)
+    for g in groups:
+      lines = tune(g, stack)
+      results_lib.append_lines(path, lines)
+      done += 1
+      elapsed = time.perf_counter() - t0
+      accs = [r.test_accuracy for r in lines]
+      bad = sum(not np.isfinite(r.final_loss) for r in lines)
+      logging.info(
+          "[%d/%d groups] %s %s: test acc %.3f +- %.3f over %d lines "
+          "(%.1fs)%s; elapsed %.0fs, ETA %.0fs", done, total, mid.tag,
+          g, np.mean(accs), np.std(accs), len(lines), lines[0].seconds,
+          f"; {bad} with a non-finite tuning loss" if bad else "", elapsed,
+          elapsed / done * (total - done))
+    del stack  # before the next stack is made: one in memory
+  if skipped:
+    logging.warning("deadline passed: skipped %d stacks (%d groups): %s",
+                    len(skipped), sum(n for _, n in skipped),
+                    ", ".join(f"{t} ({n} groups)" for t, n in skipped))
+  return [tag for tag, _ in skipped]
