@@ -1,53 +1,21 @@
-r"""Figure 3 on a lent accelerator, in chunks of whole size stacks.
+r"""Figure 3 on a lent accelerator, in chunks of whole size stacks
+(docs/figure3_gpu.md; the library is :mod:`experiments.figure3.chunks`).
 
   python -m experiments.accelerator --preset=gpu --chunk=left:4,8 \
       --budget_s=540 --out=$OUT [--results=docs/results/figure3-gpu] \
-      [--backbone=transformer] [--config.<path>=...]
+      [--backbone=transformer] [--workdir=DIR] [--config.<path>=...]
   python -m experiments.accelerator --merge=A.tar.gz[,B.tar.gz] \
       [--results=docs/results/figure3-gpu]
   python -m experiments.accelerator --preset=gpu --chunk=left:30 \
       --step_memory [--config.pretrain.trials_per_vmap=4]
 
-A lent machine runs a command for minutes and keeps nothing, so the sweep
-goes in chunks, each ending in one archive that is merged into the
-committed results directory here:
-
-* ``--chunk`` picks whole size stacks: ``left:4,8`` (|H| of the left
-  panel), ``right:2,3`` (|M| of the right panel), ``left`` / ``right`` (a
-  whole panel) or ``all``. A vanilla HMM both panels read (|H| = 8 is a
-  left size and the twin of |M| = 2) is one stack of the most trials any
-  panel reads; a chunk naming either panel's size runs both, so that no
-  stack is drawn at another size or pretrained twice (logged).
-* The work directory starts from ``--results``' ``results.jsonl`` and
-  ``sweep.json``, so only missing cells are computed; results of another
-  setup (other trial counts, a changed task, tuning or pretraining number,
-  float32 vs bf16) are refused, what differs named: they would mix two
-  setups in one report.
-* ``--budget_s`` starts no stack after that many seconds (a stack started
-  is finished), leaving time to write the archive. The work directory and
-  its checkpoints are deleted at the end unless ``--workdir`` names one: a
-  rerun with the same ``--workdir`` (on a machine kept warm) resumes a
-  stack that a command's time limit cut short.
-* ``OUT/figure3-gpu.tar.gz`` (written atomically, also after the budget or
-  an error): ``results.jsonl``, ``sweep.json``, each pretraining run's
-  ``pretrain/<run>/{metrics.jsonl,config.json}`` (no checkpoints), the
-  report (``figure3.md``, ``figure3.png``, ``pretraining.png``) and
-  ``run.json`` (preset, chunk, budget, device, wall time, cells computed).
-
-``--step_memory`` computes nothing either: for each of the chunk's stacks
-it compiles the pretraining step on shapes only and prints its state and
-temporaries (:func:`hmmprompt.pretrain.step_memory`) against the device's
-memory, to pick ``--config.pretrain.trials_per_vmap`` before a run rather
-than from an out-of-memory error (seconds per stack; on the CPU an upper
-bound).
-
-``--merge`` computes nothing: it adds each archive's result lines to
-``--results`` by key (a key already there keeps its line; different values
-under one key are counted and logged), checks ``sweep.json`` and the
-setup fingerprints agree, copies the pretraining metrics, appends
-``run.json`` to ``runs.jsonl`` and renders the report again.
-
-The library is :mod:`experiments.figure3.chunks`.
+A run starts from ``--results``' lines (another setup's are refused, what
+differs named), computes the chunk's missing cells, starts no stack after
+``--budget_s`` and writes ``OUT/figure3-gpu.tar.gz`` (results, stamp,
+pretraining metrics, report, ``run.json``), also after the budget or an
+error. ``--merge`` adds archives to ``--results`` by key and renders the
+report again. ``--step_memory`` prints each stack's pretraining-step
+memory (XLA's buffer assignment, shapes only) against the device's.
 """
 
 from __future__ import annotations

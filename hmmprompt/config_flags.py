@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from absl import flags
@@ -119,6 +119,21 @@ def apply(cfg, overrides: Mapping[str, Any]):
   parsed = {p: parse(v, known[p], p) if isinstance(v, str)
             and known[p] is not str else v for p, v in overrides.items()}
   return _apply_nested(cfg, parsed)
+
+
+def from_preset(presets: Mapping[str, Callable[[], Any]], preset: str,
+                overrides: Mapping[str, Any] | None = None, **fields):
+  """``presets[preset]()`` with ``fields`` (top-level, ``trials=2``) and
+  ``overrides`` (paths to values or strings, ``{"pretrain.lr": 3e-3}``, as
+  ``--config.<path>`` flags give them) applied and validated.
+
+  Raises:
+    ValueError: an unknown preset or key, or a bad value (named).
+  """
+  if preset not in presets:
+    raise ValueError(f"unknown preset {preset!r}; known: "
+                     f"{', '.join(presets)}")
+  return apply(presets[preset](), {**fields, **dict(overrides or {})})
 
 
 def _apply_nested(cfg, overrides: Mapping[str, Any]):

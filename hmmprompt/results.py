@@ -17,7 +17,11 @@ import hashlib
 import io
 import json
 import os
+import re
+import shutil
+import tarfile
 import tempfile
+import time
 from typing import Any, Iterable, Sequence
 
 
@@ -215,3 +219,36 @@ def merge_lines(path: str, lines: Iterable[Line],
     added.append(r)
   append_lines(path, added)
   return added, kept, conflicts
+
+
+def write_archive(path: str, root: str, members: Sequence[str],
+                  extra: dict[str, bytes] | None = None) -> None:
+  """Writes a gzipped tar of ``root``'s ``members`` (relative paths) and
+  ``extra`` (name -> contents) to ``path``, atomically."""
+  buf = io.BytesIO()
+  with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+    for name in members:
+      tar.add(os.path.join(root, name), arcname=name, recursive=False)
+    for name, blob in (extra or {}).items():
+      info = tarfile.TarInfo(name)
+      info.size, info.mtime = len(blob), int(time.time())
+      tar.addfile(info, io.BytesIO(blob))
+  atomic_write_bytes(path, buf.getvalue())
+
+
+def read_archive(path: str, into: str, allowed: re.Pattern) -> list[str]:
+  """Unpacks the regular files of the archive ``path`` into ``into``;
+  returns their names. ``ValueError`` naming a member whose name
+  ``allowed`` does not fully match, or that is no regular file, before
+  anything is written: no path escapes ``into``."""
+  with tarfile.open(path, "r:gz") as tar:
+    members = tar.getmembers()
+    for member in members:
+      if not (member.isfile() and allowed.fullmatch(member.name)):
+        raise ValueError(f"{path}: unexpected member {member.name!r}")
+    for member in members:
+      dest = os.path.join(into, member.name)
+      os.makedirs(os.path.dirname(dest), exist_ok=True)
+      with tar.extractfile(member) as src, open(dest, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+  return [m.name for m in members]

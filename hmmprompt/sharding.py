@@ -39,3 +39,25 @@ def check_batch(batch_size: int, mesh: Mesh) -> None:
   if batch_size % n:
     raise ValueError(f"batch size {batch_size} is not divisible by the "
                      f"{n} devices of the data-parallel mesh")
+
+
+def initialize_distributed(coordinator_address: str | None = None,
+                           num_processes: int | None = None,
+                           process_id: int | None = None) -> None:
+  """``jax.distributed.initialize`` with the settings given, the rest
+  auto-detected (SLURM, Open MPI, TPU VMs); before any JAX computation.
+
+  Raises:
+    ValueError: bad values, or too few given where nothing is detected to
+      fill in the rest (the message says which to pass).
+  """
+  given = {"coordinator_address": coordinator_address,
+           "num_processes": num_processes, "process_id": process_id}
+  given = {k: v for k, v in given.items() if v is not None}
+  try:
+    jax.distributed.initialize(**given)
+  except ValueError as e:
+    hint = ("" if len(given) == 3 else " (no SLURM, Open MPI or TPU "
+            "environment was detected to fill in the rest: pass "
+            "--coordinator_address, --num_processes and --process_id)")
+    raise ValueError(f"--distributed: {e}{hint}") from e

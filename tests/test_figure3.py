@@ -15,6 +15,7 @@ from experiments.figure3 import reporting
 from experiments.figure3 import sweep
 from hmmprompt import protocol
 from hmmprompt import results as results_lib
+from hmmprompt.pretrain import report as pretrain_report
 
 
 def test_mean_ci():
@@ -210,8 +211,8 @@ def test_pretraining_plot_has_a_panel_per_size_and_is_linked(tmp_path):
   import json
   import os
   from hmmprompt import pretrain
-  assert reporting.pretraining_report(str(tmp_path)) == ""
-  assert not os.path.exists(tmp_path / reporting.PRETRAINING_PLOT)
+  assert pretrain_report.report(str(tmp_path)) == ""
+  assert not os.path.exists(tmp_path / pretrain_report.PLOT)
   cfg = pretrain.preset_config("tiny")
   for name, gaps in (("vanilla-h12-abc", [0.03, 0.02]),
                      ("vanilla-h4-abc", [0.03, 0.2])):  # trial 1 stalls
@@ -224,11 +225,11 @@ def test_pretraining_plot_has_a_panel_per_size_and_is_linked(tmp_path):
                     "bayes_ce": 2.0, "ce_gap": g, "tv": 0.1,
                     "wall_s": 1.0}) + "\n"
         for k in range(2) for step, g in zip((20, 40), (1.0, gaps[k]))))
-  table = reporting.pretraining_report(str(tmp_path))
+  table = pretrain_report.report(str(tmp_path))
   assert "vanilla-h4-abc | 1 | 40" in table
-  assert f"]({reporting.PRETRAINING_PLOT})" in table
+  assert f"]({pretrain_report.PLOT})" in table
   assert "Ended above the target gap: vanilla-h4-abc trial 1." in table
-  with open(tmp_path / reporting.PRETRAINING_PLOT, "rb") as f:
+  with open(tmp_path / pretrain_report.PLOT, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 

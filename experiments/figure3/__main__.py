@@ -15,6 +15,7 @@ from experiments.figure3 import records
 from experiments.figure3 import reporting
 from experiments.figure3 import sweep
 from hmmprompt import config_flags
+from hmmprompt.pretrain import report as pretrain_report
 
 _PRESET = flags.DEFINE_enum("preset", "cpu", list(configs.PRESETS),
                             "config preset; --config.<path> overrides it")
@@ -53,7 +54,7 @@ def main(argv):
       sweep.run(setup, workdir, _PANEL.value, name, _NUM_TASKS.value,
                 _TASK_INDEX.value, pretrain_only=_PRETRAIN_ONLY.value)
   if _PRETRAIN_ONLY.value:
-    print(reporting.write_pretraining_report(workdir))
+    print(pretrain_report.write_report(workdir))
     return
   reporting.report(workdir)
   cli.done(t0, results=records.results_path(workdir, _NUM_TASKS.value,

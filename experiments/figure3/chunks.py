@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import io
 import json
 import os
 import re
 import shutil
-import tarfile
 import tempfile
 import time
 
@@ -29,13 +27,14 @@ from hmmprompt import models
 from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import results as results_lib
 from hmmprompt import sharding as sharding_lib
+from hmmprompt.pretrain import report as pretrain_report
 
 ARCHIVE = "figure3-gpu.tar.gz"
 RESULTS_DIR = os.path.join("docs", "results", "figure3-gpu")
 # Result-line fields that time the run and may differ between two runs of
 # one cell.
 TIMING_FIELDS = ("seconds", "pretrain_wall_s")
-_REPORT_FILES = ("figure3.md", "figure3.png", reporting.PRETRAINING_PLOT)
+_REPORT_FILES = ("figure3.md", "figure3.png", pretrain_report.PLOT)
 _PRETRAIN_FILES = ("metrics.jsonl", "config.json")
 # What an archive may hold; anything else is refused (no path escapes).
 _MEMBER = re.compile(r"(results\.jsonl|sweep\.json|run\.json|"
@@ -126,15 +125,8 @@ def write_archive(workdir: str, path: str, run_info: dict) -> list[str]:
     members += [os.path.relpath(os.path.join(run_dir, n), workdir)
                 for n in _PRETRAIN_FILES
                 if os.path.exists(os.path.join(run_dir, n))]
-  buf = io.BytesIO()
-  with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-    for name in members:
-      tar.add(os.path.join(workdir, name), arcname=name, recursive=False)
-    blob = json.dumps(run_info, indent=1, sort_keys=True).encode()
-    info = tarfile.TarInfo("run.json")
-    info.size, info.mtime = len(blob), int(time.time())
-    tar.addfile(info, io.BytesIO(blob))
-  results_lib.atomic_write_bytes(path, buf.getvalue())
+  results_lib.write_archive(path, workdir, members, {"run.json": json.dumps(
+      run_info, indent=1, sort_keys=True).encode()})
   return members + ["run.json"]
 
 
@@ -208,22 +200,6 @@ def step_memory(setup: configs.Setup, chunk: str) -> list[dict]:
   return out
 
 
-def _read_archive(archive: str, into: str) -> list[str]:
-  """Unpacks ``archive``'s regular files into ``into``; ``ValueError``
-  naming a member that is no part of an archive (so no path escapes)."""
-  names = []
-  with tarfile.open(archive, "r:gz") as tar:
-    for member in tar.getmembers():
-      if not (member.isfile() and _MEMBER.fullmatch(member.name)):
-        raise ValueError(f"{archive}: unexpected member {member.name!r}")
-      dest = os.path.join(into, member.name)
-      os.makedirs(os.path.dirname(dest), exist_ok=True)
-      with tar.extractfile(member) as src, open(dest, "wb") as dst:
-        shutil.copyfileobj(src, dst)
-      names.append(member.name)
-  return names
-
-
 def merge(archive: str, results_dir: str) -> dict:
   """Adds ``archive``'s result lines and pretraining metrics to
   ``results_dir`` and renders its report again; returns counts (``added``,
@@ -235,7 +211,7 @@ def merge(archive: str, results_dir: str) -> dict:
       another setup than ``results_dir`` (named).
   """
   with tempfile.TemporaryDirectory() as tmp:
-    names = _read_archive(archive, tmp)
+    names = results_lib.read_archive(archive, tmp, _MEMBER)
     try:
       new = records.read_results(tmp)
     except ValueError as e:

@@ -225,16 +225,7 @@ PRESETS = {"tiny": _tiny, "cpu": _cpu, "paper": _paper, "gpu": _gpu}
 
 
 def get_setup(preset: str = "cpu",
-              overrides: Mapping[str, Any] | None = None, **fields) -> Setup:
-  """The named preset with overrides, validated.
-
-  ``fields`` are top-level fields (``trials=2``); ``overrides`` maps config
-  paths to values or strings (``{"pretrain.lr": 3e-3, "task.seq_len":
-  "12"}``), as ``--config.<path>`` flags do. Raises ``ValueError`` naming
-  an unknown preset or key, or a bad value.
-  """
-  if preset not in PRESETS:
-    raise ValueError(f"unknown preset {preset!r}; known: "
-                     f"{', '.join(PRESETS)}")
-  return config_flags.apply(PRESETS[preset](),
-                            {**fields, **dict(overrides or {})})
+              overrides: Mapping[str, Any] | None = None,
+              **fields) -> Setup:
+  """The named preset with overrides (:func:`config_flags.from_preset`)."""
+  return config_flags.from_preset(PRESETS, preset, overrides, **fields)

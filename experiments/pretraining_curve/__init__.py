@@ -1,36 +1,26 @@
 r"""Accuracy against pretraining quality: head and prompt tuning on the
-checkpoints of one pretraining run, from the random init to the end.
+checkpoints of one pretraining run, from the random init to the end
+(docs/pretraining_curve.md).
 
   python -m experiments.pretraining_curve --preset=tiny|cpu --workdir=DIR \
       [--config.pretrain.steps=1000 --config.pretrain.retain=0,10,100,1000] \
       [--config.trials=2 --config.vanilla_sizes=8 --config.memory_sizes= ...]
 
-Figure 3 tunes each transformer once, at the end of its pretraining; how
-much of the gap to the exact backbone is the transformer's distance from
-the Bayes optimum is what this measures. Per model (vanilla ``|H|`` and
-memory ``|M|`` with :data:`configs.MEMORY_SYNTAX_STATES` syntax states,
-``trials`` HMM draws each, the same draws as Figure 3's sweep for the same
-seed), one stacked pretraining run (no early stop) retains its checkpoints
-at ``pretrain.retain`` (:attr:`PretrainConfig.retain`, step 0 the init);
-each retained checkpoint's held-out CE gap and TV at ``MASK`` are measured
-on the loop's validation sets (:func:`pretrain.evaluate_checkpoints`); head
-and prompt tuning (vanilla: the linear head; memory: the attention head)
-run on every checkpoint x trial in one :func:`tuning.tune_trials` program
-per (model, method), lanes ``[Q * K]`` (retained step ``q``, trial ``k``
-at lane ``q * K + k``), each with its trial's task and tuning key, so the
-checkpoints of a trial differ in nothing but their params; the exact
-backbone (perfect pretraining) is tuned on the same tasks as the limit.
+Per model (vanilla ``|H|`` with a linear head, memory ``|M|`` with an
+attention head; ``trials`` HMM draws each, Figure 3's draws for the same
+seed), one stacked pretraining run without early stop retains its
+checkpoints at ``pretrain.retain`` (step 0 the init), each evaluated
+(held-out CE gap and TV at ``MASK``); head and prompt tuning run on every
+checkpoint x trial in one program per (model, method), lane ``q * K + k``
+for retained step ``q`` and trial ``k``, each with its trial's task and
+tuning key, so the checkpoints of a trial differ in nothing but their
+params; the exact backbone on the same tasks is the limit.
 
-Writes DIR/curve.json (the setup's identity: a workdir of another setup is
-refused, the difference named), DIR/pretrain/<model>/ (the stacked runs),
-DIR/curve.jsonl (one :class:`CurveLine` per (model, trial, checkpoint,
-method), plus the exact backbone's per (model, trial, method), appended
-atomically one group at a time: a group is (model, method, backbone), and
-a rerun skips the finished ones, so an interrupted run resumes with nothing
-lost or duplicated), DIR/curve.md (the table, the gap at which each method
-comes within 2 points of the exact backbone, rank correlations) and
-DIR/curve.png (test accuracy against CE gap). Presets: ``tiny`` (seconds,
-tests) and ``cpu`` (2 cores, docs/pretraining_curve.md).
+Writes DIR/curve.json (the setup's identity: another setup is refused,
+what differs named), DIR/pretrain/<model>/, DIR/curve.jsonl (one
+:class:`CurveLine` per model, trial, checkpoint and method, appended one
+group at a time: a rerun resumes with nothing lost or duplicated), and
+the report (:mod:`.report`): DIR/curve.md and DIR/curve.png.
 """
 
 from __future__ import annotations
@@ -149,14 +139,8 @@ PRESETS = {"tiny": _tiny, "cpu": _cpu}
 def get_setup(preset: str = "cpu",
               overrides: Mapping[str, Any] | None = None,
               **fields) -> CurveSetup:
-  """The named preset with ``{"a.b": value}`` overrides (strings parsed)
-  and top-level ``fields``; ``ValueError`` naming an unknown preset, key
-  or a bad value."""
-  if preset not in PRESETS:
-    raise ValueError(f"unknown preset {preset!r}; known: "
-                     f"{', '.join(PRESETS)}")
-  return config_flags.apply(PRESETS[preset](),
-                            {**fields, **dict(overrides or {})})
+  """The named preset with overrides (:func:`config_flags.from_preset`)."""
+  return config_flags.from_preset(PRESETS, preset, overrides, **fields)
 
 
 # ----------------------------------------------------------------------------

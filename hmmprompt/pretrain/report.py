@@ -1,0 +1,142 @@
+"""The report of the pretraining runs under a directory (one run per
+model size, its trials stacked): every trial's final held-out CE gap to
+the Bayes CE in a table, and its gap against training tokens in a plot,
+the trials that ended above their target named."""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+from hmmprompt import results as results_lib
+from hmmprompt.pretrain import workdir as pretrain_workdir
+
+# The gap the cpu and cpu_capped recipes stop at (pretrain/config.py);
+# drawn where a run's own config sets no target.
+TARGET_GAP = 0.04
+PLOT = "pretraining.png"
+
+
+def runs(workdir: str) -> list[tuple[str, Any, dict]]:
+  """``(run name, its PretrainConfig, {trial: [metrics lines]})`` of every
+  pretraining run under ``DIR/pretrain/``, vanilla then memory runs (the
+  sweep's order), sizes numerically (vanilla-h8 before vanilla-h12)."""
+  runs = []
+  for mpath in glob.glob(os.path.join(workdir, "pretrain", "*",
+                                      "metrics.jsonl")):
+    run_dir = os.path.dirname(mpath)
+    _, cfg = pretrain_workdir.read_config(pretrain_workdir.Paths.of(run_dir))
+    by_trial: dict[int, list[dict]] = {}
+    for m in results_lib.read_jsonl(mpath):
+      by_trial.setdefault(m.get("trial", 0), []).append(m)
+    if by_trial:
+      runs.append((os.path.basename(run_dir), cfg, by_trial))
+  return sorted(runs, key=lambda r: (
+      not r[0].startswith("vanilla"),
+      [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", r[0])]))
+
+
+def table(runs) -> str:
+  """Markdown: the final held-out evaluation of every pretrained trial
+  (``wall`` is its stack's: the trials of a size train together)."""
+  rows = [(name, k, ms[-1]) for name, _, by_trial in runs
+          for k, ms in sorted(by_trial.items())]
+  if not rows:
+    return ""
+  total = sum(max(m.get("wall_s", 0.0) for ms in by_trial.values()
+                  for m in ms) for _, _, by_trial in runs)
+  out = ["## Pretraining (transformer): held-out masked-position CE vs the "
+         "exact Bayes CE", ""]
+  out += results_lib.markdown_table(
+      ("model", "trial", "steps", "stack wall (s)", "mlm CE", "Bayes CE",
+       "gap", "TV"),
+      [(name, k, m["step"], f"{m.get('wall_s', float('nan')):.0f}",
+        f"{m['mlm_ce']:.4f}", f"{m['bayes_ce']:.4f}", f"{m['ce_gap']:.4f}",
+        f"{m['tv']:.4f}") for name, k, m in rows])
+  gaps = np.array([m["ce_gap"] for _, _, m in rows])
+  out += ["", f"{len(rows)} trials; gap median {np.median(gaps):.4f}, max "
+          f"{gaps.max():.4f}; total pretraining wall time {total:.0f} s.",
+          ""]
+  return "\n".join(out)
+
+
+# Trial colours without red, which marks the trials above the target.
+_TRIAL_COLORS = [f"C{i}" for i in range(10) if i != 3]
+
+
+def write_plot(runs, path: str) -> list[tuple[str, int]]:
+  """Plots every pretrained trial's held-out Bayes gap (``mlm_ce -
+  bayes_ce``, log scale, floored at 1e-3) against its training tokens
+  (``step * batch_size * chunk_len`` from the run's config): one panel per
+  pretraining run (a model size), one line per trial, the target dashed.
+  A trial that ended above the target is drawn red with its number; the
+  title counts those at the target. Returns those trials, ``(run name,
+  trial)``."""
+  cols = min(len(runs), 4)
+  rows = math.ceil(len(runs) / cols)
+  fig, axes = results_lib.pyplot().subplots(
+      rows, cols, figsize=(4 * cols, 3.2 * rows), sharey=True, squeeze=False)
+  stalled = []
+  for ax, (name, cfg, by_trial) in zip(axes.flat, runs):
+    target = cfg.target_gap or TARGET_GAP
+    tokens_per_step = cfg.batch_size * cfg.corpus.chunk_len
+    reached = 0
+    for k, ms in sorted(by_trial.items()):
+      x = [m["step"] * tokens_per_step for m in ms]
+      gap = np.maximum([m["ce_gap"] for m in ms], 1e-3)
+      ok = ms[-1]["ce_gap"] <= target
+      reached += ok
+      # Stalled trials in red and labelled: visible among converged ones.
+      color = _TRIAL_COLORS[k % len(_TRIAL_COLORS)] if ok else "red"
+      ax.plot(x, gap, "-", lw=1.0 if ok else 1.8, color=color,
+              alpha=0.8 if ok else 1.0, marker="o" if ok else "X",
+              markevery=[len(ms) - 1])
+      if not ok:
+        stalled.append((name, k))
+        ax.annotate(f"trial {k}", (x[-1], gap[-1]), fontsize=7,
+                    color="red", xytext=(3, 3), textcoords="offset points")
+    ax.axhline(target, color="black", ls="--", lw=1,
+               label=f"target {target:g}")
+    ax.set_yscale("log")
+    ax.set_title(f"{name}: {reached}/{len(by_trial)} at target", fontsize=9)
+    ax.set_xlabel("training tokens per trial")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="lower left")  # early gaps are high
+  for ax in axes[:, 0]:
+    ax.set_ylabel("held-out CE gap to Bayes (nats)")
+  for ax in list(axes.flat)[len(runs):]:
+    ax.set_visible(False)
+  fig.tight_layout()
+  results_lib.atomic_write_png(path, fig, dpi=110)
+  return stalled
+
+
+def report(workdir: str) -> str:
+  """Writes ``DIR/pretraining.png`` (:func:`write_plot`) and returns
+  :func:`table` with a link to it and the trials that ended above their
+  target named ("" without pretraining runs under ``DIR/pretrain/``)."""
+  found = runs(workdir)
+  text = table(found)
+  if not found:
+    return text
+  stalled = write_plot(found, os.path.join(workdir, PLOT))
+  text += (f"\n![Held-out Bayes gap of every pretrained trial against "
+           f"training tokens, one panel per model]({PLOT})\n")
+  if stalled:
+    text += ("\nEnded above the target gap: "
+             + ", ".join(f"{name} trial {k}" for name, k in stalled) + ".\n")
+  return text
+
+
+def write_report(workdir: str) -> str:
+  """Writes ``DIR/pretraining.md`` and ``DIR/pretraining.png``; returns
+  the markdown."""
+  text = report(workdir)
+  results_lib.atomic_write_text(os.path.join(workdir, "pretraining.md"),
+                                text)
+  return text
