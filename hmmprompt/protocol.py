@@ -28,7 +28,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
 
 from absl import logging
 import jax
@@ -191,25 +192,25 @@ class Group:
                                optimizer=self.optimizer)
 
 
-def model_key(setup: Protocol, mid: ModelId):
+def model_key(setup: TrialsConfig, mid: ModelId):
   """The root of ``mid``'s stack; trial ``k`` draws from ``fold_in(root,
   k)``."""
   offset = MEMORY_MODEL_STREAM if mid.hmm == "memory" else 0
   return jax.random.fold_in(jax.random.PRNGKey(setup.seed), mid.size + offset)
 
 
-def task_key(setup: Protocol, mid: ModelId, trial: int, task: int):
+def task_key(setup: TrialsConfig, mid: ModelId, trial: int, task: int):
   return jax.random.fold_in(jax.random.fold_in(model_key(setup, mid), trial),
                             TASK_STREAM + task)
 
 
-def tune_key(setup: Protocol, trial: int, task: int):
+def tune_key(setup: TrialsConfig, trial: int, task: int):
   """Head / prompt initialisation and batch order of one cell."""
   return jax.random.fold_in(
       jax.random.fold_in(jax.random.PRNGKey(setup.seed + 1), trial), task)
 
 
-def make_models(setup: Protocol, mid: ModelId, num: int) -> models.Model:
+def make_models(setup: TrialsConfig, mid: ModelId, num: int) -> models.Model:
   """``mid``'s first ``num`` trials, stacked ``[num]``."""
   return models.random_models(model_key(setup, mid), num, mid.hmm,
                               mid.num_states, VOCAB, mid.memory_size)
@@ -224,7 +225,7 @@ class Stack(NamedTuple):
   verdicts: list[list[dict]] | None  # [K][S] theory.verdicts, if asked
 
 
-def draw_stack(setup: Protocol, mid: ModelId, num: int, num_tasks: int = 1,
+def draw_stack(setup: TrialsConfig, mid: ModelId, num: int, num_tasks: int = 1,
                verdicts: bool = False) -> Stack:
   """Draws ``mid``'s ``num`` trials and ``num_tasks`` tasks on each (each
   task index for all trials in one vmapped draw), with the paper's
@@ -241,7 +242,7 @@ def draw_stack(setup: Protocol, mid: ModelId, num: int, num_tasks: int = 1,
   return Stack(models_K, models.fingerprints(models_K), tasks, checks)
 
 
-def pretrain_dir(workdir: str, setup: Protocol, mid: ModelId) -> str:
+def pretrain_dir(workdir: str, setup: TrialsConfig, mid: ModelId) -> str:
   """``DIR/pretrain/<model tag>-<8 hex digits>`` of ``mid``'s stacked
   pretraining run: the digits key the recipe, the seed and the versions of
   the HMM draws and of the train state's layout."""
@@ -271,7 +272,7 @@ def pretrain_fields(info: dict) -> dict:
           "pretrain_steps": info["step"], "pretrain_wall_s": m.get("wall_s")}
 
 
-def tune_lanes(setup: Protocol, cfg: tuning.TuneConfig, backbone,
+def tune_lanes(setup: TrialsConfig, cfg: tuning.TuneConfig, backbone,
                params_L: Any, lanes: Sequence[tuple[int, Sequence[int]]],
                stack: Stack) -> list[list[dict]]:
   """Tunes every lane in one :func:`tuning.tune_trials` program: lane
@@ -292,6 +293,7 @@ def tune_lanes(setup: Protocol, cfg: tuning.TuneConfig, backbone,
       [[tune_key(setup, k, s) for s in ss] for k, ss in lanes], backbone,
       params_L, [[data[k, s] for s in ss] for k, ss in lanes], cfg,
       lane_group=setup.lane_group())
+  assert res.lane_steps is not None  # tune_trials reports every lane's
   return [[dict(test_accuracy=float(res.test_accuracy[i, j]),
                 val_accuracy=float(res.val_accuracy[i, j]),
                 train_accuracy=float(res.train_accuracy[i, j]),

@@ -22,7 +22,8 @@ import shutil
 import tarfile
 import tempfile
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any
+from collections.abc import Iterable, Sequence
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
@@ -167,7 +168,7 @@ class Line:
     return tuple(getattr(self, f) for f in self.KEY_FIELDS)
 
   def to_json(self) -> dict:
-    return dataclasses.asdict(self)
+    return dataclasses.asdict(self)  # type: ignore[call-overload]  # subclasses are dataclasses
 
   @classmethod
   def from_json(cls, d: dict):
@@ -249,6 +250,8 @@ def read_archive(path: str, into: str, allowed: re.Pattern) -> list[str]:
     for member in members:
       dest = os.path.join(into, member.name)
       os.makedirs(os.path.dirname(dest), exist_ok=True)
-      with tar.extractfile(member) as src, open(dest, "wb") as dst:
+      src = tar.extractfile(member)
+      assert src is not None  # a regular file, checked above
+      with src, open(dest, "wb") as dst:
         shutil.copyfileobj(src, dst)
   return [m.name for m in members]

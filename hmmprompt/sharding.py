@@ -51,13 +51,13 @@ def initialize_distributed(coordinator_address: str | None = None,
     ValueError: bad values, or too few given where nothing is detected to
       fill in the rest (the message says which to pass).
   """
-  given = {"coordinator_address": coordinator_address,
-           "num_processes": num_processes, "process_id": process_id}
-  given = {k: v for k, v in given.items() if v is not None}
+  given = (coordinator_address, num_processes, process_id)
   try:
-    jax.distributed.initialize(**given)
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes,
+                               process_id=process_id)
   except ValueError as e:
-    hint = ("" if len(given) == 3 else " (no SLURM, Open MPI or TPU "
+    hint = ("" if None not in given else " (no SLURM, Open MPI or TPU "
             "environment was detected to fill in the rest: pass "
             "--coordinator_address, --num_processes and --process_id)")
     raise ValueError(f"--distributed: {e}{hint}") from e

@@ -10,7 +10,8 @@ leaf is a ``--config.<path>`` flag.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from hmmprompt import protocol
 from hmmprompt import config_flags

@@ -18,7 +18,6 @@ import json
 import os
 from typing import Any, NamedTuple
 
-from absl import logging
 import jax
 import numpy as np
 

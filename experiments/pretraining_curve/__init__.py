@@ -28,7 +28,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Mapping
 
 import jax
 import numpy as np
