@@ -1,0 +1,104 @@
+"""hmmprompt.results: typed line files, merges, identities, workdir stamps
+and archives, the mechanisms every experiment's resume rests on."""
+
+import dataclasses
+import io
+import json
+import os
+import re
+import tarfile
+
+import pytest
+
+from hmmprompt import results
+
+
+@dataclasses.dataclass(frozen=True)
+class _Line(results.Line):
+  name: str
+  trial: int
+  value: float
+  seconds: float = 0.0
+
+  KEY_FIELDS = ("name", "trial")
+  WHAT = "test line"
+
+
+def test_lines_append_read_and_merge_by_key(tmp_path):
+  path = str(tmp_path / "lines.jsonl")
+  a, b = _Line("x", 0, 1.0), _Line("x", 1, 2.0)
+  results.append_lines(path, [a])
+  results.append_lines(path, [b])
+  assert results.read_lines(path, _Line) == [a, b]
+  # A key already there keeps its line; other values under it are counted
+  # as conflicts unless only an ignored (timing) field differs.
+  added, kept, conflicts = results.merge_lines(path, [
+      _Line("x", 0, 1.0, seconds=9.0), _Line("x", 1, 3.0), _Line("y", 0, 4.0)],
+      ignore=("seconds",))
+  assert added == [_Line("y", 0, 4.0)] and kept == 2
+  assert conflicts == [("x", 1)]
+  assert results.read_lines(path, _Line) == [a, b, _Line("y", 0, 4.0)]
+  with open(path, "a") as f:
+    f.write(json.dumps({"name": "z", "trial": 0, "value": 1, "bogus": 1})
+            + "\n")
+  with pytest.raises(ValueError, match=r"lines.jsonl:4: test line has "
+                     r"unknown fields \['bogus'\]"):
+    results.read_lines(path, _Line)
+
+
+def test_fingerprint_is_of_the_content_not_the_order():
+  assert (results.fingerprint({"a": 1, "b": [1, 2]})
+          == results.fingerprint({"b": [1, 2], "a": 1}))
+  assert results.fingerprint({"a": 1}) != results.fingerprint({"a": 2})
+  assert len(results.fingerprint({}, digits=8)) == 8
+
+
+def test_stamp_records_then_refuses_another_identity_naming_fields(tmp_path):
+  path = str(tmp_path / "stamp.json")
+  results.stamp(path, {"a": 1, "b": {"c": 2}}, write=False)
+  assert not os.path.exists(path)  # a check only
+  results.stamp(path, {"a": 1, "b": {"c": 2}})
+  results.stamp(path, {"b": {"c": 2}, "a": 1})  # the same: fine
+  with pytest.raises(ValueError, match=re.escape(
+      "holds results of another setup (a: 1 -> 3; b.c: 2 -> None; "
+      "b.d: None -> 4)")):
+    results.stamp(path, {"a": 3, "b": {"d": 4}})
+  with open(path) as f:
+    assert json.load(f) == {"a": 1, "b": {"c": 2}}  # untouched
+
+
+def _tar(path, members):
+  with tarfile.open(path, "w:gz") as tar:
+    for name, kind in members:
+      info = tarfile.TarInfo(name)
+      if kind == "link":
+        info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tar.addfile(info)
+      else:
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"ok"))
+
+
+def test_archives_round_trip_and_refuse_foreign_members(tmp_path):
+  root = tmp_path / "root"
+  (root / "sub").mkdir(parents=True)
+  (root / "a.txt").write_text("A")
+  (root / "sub" / "b.txt").write_text("B")
+  archive = str(tmp_path / "x.tar.gz")
+  results.write_archive(archive, str(root), ["a.txt", "sub/b.txt"],
+                        {"run.json": b"{}"})
+  allowed = re.compile(r"a\.txt|sub/b\.txt|run\.json")
+  out = tmp_path / "out"
+  assert results.read_archive(archive, str(out), allowed) == [
+      "a.txt", "sub/b.txt", "run.json"]
+  assert (out / "sub" / "b.txt").read_text() == "B"
+  assert (out / "run.json").read_text() == "{}"
+  # A path outside the allowed names (an escape) or a link is refused by
+  # name, and nothing of that archive is written.
+  for bad in [("../escape.txt", "file"), ("a.txt", "link")]:
+    _tar(archive, [("run.json", "file"), bad])
+    dest = tmp_path / f"dest-{bad[1]}"
+    with pytest.raises(ValueError, match=re.escape(
+        f"unexpected member {bad[0]!r}")):
+      results.read_archive(archive, str(dest), allowed)
+    assert not dest.exists()
