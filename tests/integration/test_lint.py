@@ -3,7 +3,7 @@
 Both are configured in pyproject.toml (``[tool.ruff]``, ``[tool.mypy]``) and
 pinned in the ``test`` extra; by hand, from the repository root::
 
-  .venv/bin/ruff check hmmprompt tests        # --fix for the UP rules
+  .venv/bin/ruff check hmmprompt tests experiments   # --fix: UP rules
   .venv/bin/mypy                              # hmmprompt/ (pyproject)
 
 Their caches live under .pytest_cache/ (ruff's and mypy's), so a rerun
@@ -17,11 +17,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
 
-# What ruff checks here.
-RUFF_PATHS = ("hmmprompt", "tests")
-# TODO(issue 29): add "experiments" to RUFF_PATHS once its restructuring
-# lands; until then `ruff check experiments` lists what to fix there.
-RUFF_PATHS_TODO = ("experiments",)
+# What ruff checks here: every Python file of the project.
+RUFF_PATHS = ("hmmprompt", "tests", "experiments")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
