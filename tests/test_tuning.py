@@ -339,23 +339,23 @@ def test_prompt_starts_uniform_in_plus_minus_prompt_init(setup):
   assert abs(prompt.mean()) < 0.05
 
 
-def test_lr_schedule_warms_up_to_lr_and_decays_to_zero():
+def test_tuning_lr_warms_up_to_lr_and_decays_to_zero():
   """Warmup over ``warmup_frac`` of the steps (or ``warmup_steps``, at most
   ``total - 1``), the peak at ``lr``, linear decay to 0 at ``total``; no
   warmup starts at the peak."""
   cfg = tuning.TuneConfig(lr=0.02, warmup_frac=0.1)
-  sched = tuning.lr_schedule(100, cfg)
+  sched = tuning.tuning_lr(100, cfg)
   np.testing.assert_allclose([sched(0), sched(5), sched(10), sched(55),
                               sched(100)], [0, 0.01, 0.02, 0.01, 0],
                              atol=1e-9)
-  sched = tuning.lr_schedule(100, dataclasses.replace(cfg, warmup_steps=20))
+  sched = tuning.tuning_lr(100, dataclasses.replace(cfg, warmup_steps=20))
   np.testing.assert_allclose([sched(10), sched(20), sched(60), sched(100)],
                              [0.01, 0.02, 0.01, 0], atol=1e-9)
-  sched = tuning.lr_schedule(10, dataclasses.replace(cfg, warmup_steps=50))
+  sched = tuning.tuning_lr(10, dataclasses.replace(cfg, warmup_steps=50))
   np.testing.assert_allclose([sched(9), sched(10)], [0.02, 0], atol=1e-9)
-  sched = tuning.lr_schedule(10, dataclasses.replace(cfg, warmup_steps=1))
+  sched = tuning.tuning_lr(10, dataclasses.replace(cfg, warmup_steps=1))
   np.testing.assert_allclose([sched(0), sched(1)], [0, 0.02], atol=1e-9)
-  sched = tuning.lr_schedule(50, dataclasses.replace(cfg, warmup_frac=0.0))
+  sched = tuning.tuning_lr(50, dataclasses.replace(cfg, warmup_frac=0.0))
   np.testing.assert_allclose([sched(0), sched(25), sched(50)],
                              [0.02, 0.01, 0], atol=1e-9)
 
@@ -367,12 +367,12 @@ def test_finetuning_moves_the_backbone_at_its_own_rate():
   cfg = tuning.TuneConfig(method="finetune", lr=0.01, backbone_lr=1e-4,
                           warmup_steps=0)
   params = {"head": np.zeros(3), "backbone": {"w": np.zeros(2)}}
-  opt = tuning.make_optimizer(100, cfg)
+  opt = tuning.tuning_optimizer(100, cfg)
   grads = jax.tree.map(np.ones_like, params)
   updates, _ = opt.update(grads, opt.init(params), params)
   np.testing.assert_allclose(updates["head"], -0.01, rtol=1e-4)
   np.testing.assert_allclose(updates["backbone"]["w"], -1e-4, rtol=1e-4)
-  head_only = tuning.make_optimizer(100, dataclasses.replace(cfg,
+  head_only = tuning.tuning_optimizer(100, dataclasses.replace(cfg,
                                                             method="head"))
   updates, _ = head_only.update({"head": grads["head"]},
                                 head_only.init({"head": params["head"]}))

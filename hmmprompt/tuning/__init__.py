@@ -45,12 +45,12 @@ from hmmprompt.tuning.config import data_from_task
 from hmmprompt.tuning.config import num_steps
 from hmmprompt.tuning.loop import Result
 from hmmprompt.tuning.loop import init_tunable
-from hmmprompt.tuning.loop import lr_schedule
-from hmmprompt.tuning.loop import make_optimizer
 from hmmprompt.tuning.loop import run
 from hmmprompt.tuning.loop import stack_data
 from hmmprompt.tuning.loop import tune
 from hmmprompt.tuning.loop import lane_group_for
 from hmmprompt.tuning.loop import tune_many
 from hmmprompt.tuning.loop import tune_trials
+from hmmprompt.tuning.optim import tuning_lr
+from hmmprompt.tuning.optim import tuning_optimizer
 

@@ -3,7 +3,6 @@ the host driver (:func:`tune`, one jitted program over any lane axes)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from collections.abc import Sequence
@@ -13,11 +12,11 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from hmmprompt import heads
 from hmmprompt import tasks as tasks_lib
 from hmmprompt.backbones import Backbone
+from hmmprompt.tuning import optim
 from hmmprompt.tuning.config import METHODS
 from hmmprompt.tuning.config import SPLITS
 from hmmprompt.tuning.config import Data
@@ -100,142 +99,6 @@ def _batch_indices(key, n: int, cfg: TuneConfig) -> jax.Array:
   return perms.reshape(cfg.epochs * steps_per_epoch, batch)
 
 
-def lr_schedule(total: int, cfg: TuneConfig):
-  """The learning rate at each of ``total`` steps: a linear warmup over
-  ``cfg.warmup_steps`` (or ``warmup_frac`` of ``total``; at most ``total -
-  1``) from 0 to ``cfg.lr``, then a linear decay to 0 at ``total``."""
-  warmup = cfg.warmup_steps
-  if warmup is None:
-    warmup = int(cfg.warmup_frac * total)
-  warmup = min(warmup, total - 1)
-  if warmup <= 0:
-    return optax.linear_schedule(cfg.lr, 0.0, total)
-  return optax.join_schedules(
-      [optax.linear_schedule(0.0, cfg.lr, warmup),
-       optax.linear_schedule(cfg.lr, 0.0, max(total - warmup, 1))], [warmup])
-
-
-def make_optimizer(total: int, cfg: TuneConfig):
-  """Adam on :func:`lr_schedule`; the method's ``slow_keys`` (fine-tuning's
-  ``"backbone"``) on their own schedule peaking at ``cfg.backbone_lr``."""
-  opt = optax.adam(lr_schedule(total, cfg))
-  slow_keys = METHODS[cfg.method].slow_keys
-  if not slow_keys:
-    return opt
-  slow = optax.adam(lr_schedule(total, dataclasses.replace(
-      cfg, lr=cfg.backbone_lr)))
-  return optax.multi_transform(
-      {"fast": opt, "slow": slow},
-      lambda t: {k: jax.tree.map(lambda _, k=k: "slow" if k in slow_keys
-                                 else "fast", v) for k, v in t.items()})
-
-
-def _train(logits_fn, opt, tunable, examples, labels_N, idx_UxB):
-  """Scans the steps. Returns ``(tunable, losses [U])``."""
-
-  def loss_fn(tunable, batch, labels_B):
-    logits_BxC = jax.vmap(lambda ex: logits_fn(tunable, ex))(batch)
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits_BxC, labels_B).mean()
-
-  def step(carry, idx_B):
-    tunable, opt_state = carry
-    batch = jax.tree.map(lambda a: a[idx_B], examples)
-    loss, grads = jax.value_and_grad(loss_fn)(tunable, batch, labels_N[idx_B])
-    updates, opt_state = opt.update(grads, opt_state, tunable)
-    return (optax.apply_updates(tunable, updates), opt_state), loss
-
-  (tunable, _), losses = jax.lax.scan(step, (tunable, opt.init(tunable)),
-                                      idx_UxB)
-  return tunable, losses
-
-
-def _l2_leaves(head_params) -> list:
-  """The head leaves :attr:`TuneConfig.lbfgs_l2` penalises: all but those
-  named ``bias`` (an offset, which a penalty would only pull off the
-  class balance)."""
-  return [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(
-      head_params) if getattr(path[-1], "key", None) != "bias"]
-
-
-def _objective_fn(logits_fn, examples, labels_N, cfg: TuneConfig):
-  """``tunable -> []``: what L-BFGS minimises, the mean cross-entropy over
-  the whole training split plus ``lbfgs_l2 / 2`` times the squared norm of
-  the head's weights (:func:`_l2_leaves`)."""
-
-  def objective(tunable):
-    logits_NxC = jax.vmap(lambda ex: logits_fn(tunable, ex))(examples)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits_NxC,
-                                                         labels_N).mean()
-    sq = sum(jnp.sum(jnp.square(w)) for w in _l2_leaves(tunable["head"]))
-    return ce + 0.5 * cfg.lbfgs_l2 * sq
-
-  return objective
-
-
-# L-BFGS stops after this many steps without a new lowest objective (and
-# returns the lowest point): float32's floor, where the gradient's rounding
-# keeps its norm above lbfgs_tol. One step is not enough: after a failed line
-# search L-BFGS recovers (on log features, stopping at the first step without
-# a decrease ended 11% above the optimum).
-_LBFGS_PATIENCE = 20
-
-
-def _solve(objective, tunable, cfg: TuneConfig):
-  """Full-batch L-BFGS (``optax.lbfgs``, its zoom line search) from
-  ``tunable``, in one ``lax.while_loop``, until the gradient norm is below
-  ``cfg.lbfgs_tol``, after ``cfg.lbfgs_max_steps`` steps, or after
-  :data:`_LBFGS_PATIENCE` steps without a new lowest objective; returns
-  the lowest point seen. The last rule is float32's: near the optimum the
-  gradient's rounding can keep its norm above the tolerance for ever
-  (measured: a floor of 2.5e-6 on 64 near-separable examples, 5e-5 on log
-  features) while the steps only trade rounding noise.
-
-  Under vmap the loop runs until every lane has stopped; a stopped lane's
-  carry is held (the batching rule selects it), so each lane ends where it
-  would alone, to rounding. The value and gradient the line search
-  computed at the accepted point are carried to the next step, as
-  ``optax.value_and_grad_from_state`` would fetch them from the state, but
-  without its ``lax.cond``, which under vmap evaluates both branches (a
-  full-batch gradient more per step).
-
-  Returns:
-    ``(tunable, losses [U], steps [])``: ``U`` = ``cfg.lbfgs_max_steps``,
-    ``losses[u]`` the lowest objective after step ``u`` (the final one
-    repeated after the last step), ``steps`` the steps taken (0 when the
-    start already meets the tolerance).
-  """
-  opt = optax.lbfgs()
-  total = cfg.lbfgs_max_steps
-  value, grad = jax.value_and_grad(objective)(tunable)
-
-  def going(carry):
-    _, _, grad, step, _, since_best, _ = carry
-    return ((step < total) & (since_best < _LBFGS_PATIENCE)
-            & (optax.tree.norm(grad) >= cfg.lbfgs_tol))
-
-  def step_fn(carry):
-    (params, value), state, grad, step, best, since_best, losses_U = carry
-    updates, state = opt.update(grad, state, params, value=value, grad=grad,
-                                value_fn=objective)
-    params = optax.apply_updates(params, updates)
-    value = optax.tree.get(state, "value")
-    better = value < best[1]  # False for NaN
-    best = jax.tree.map(lambda b, n: jnp.where(better, n, b), best,
-                        (params, value))
-    since_best = jnp.where(better, 0, since_best + 1)
-    return ((params, value), state, optax.tree.get(state, "grad"), step + 1,
-            best, since_best, losses_U.at[step].set(best[1]))
-
-  zero = jnp.zeros((), jnp.int32)
-  carry = ((tunable, value), opt.init(tunable), grad, zero, (tunable, value),
-           zero, jnp.zeros((total,), value.dtype))
-  _, _, _, steps, (tunable, value), _, losses_U = jax.lax.while_loop(
-      going, step_fn, carry)
-  losses_U = jnp.where(jnp.arange(total) < steps, losses_U, value)
-  return tunable, losses_U, steps
-
-
 def _accuracy(logits_fn, tunable, examples, labels_N, cfg: TuneConfig):
   preds_N = jax.lax.map(lambda ex: jnp.argmax(logits_fn(tunable, ex)),
                         examples, batch_size=cfg.eval_chunk)
@@ -260,7 +123,8 @@ def run(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
     ``(tunable, losses [U], {split: accuracy []})``, ``U`` =
     :func:`num_steps`: Adam's mini-batch losses, or (``cfg.optimizer`` =
     ``"lbfgs"``) the lowest full-batch objective after each step, the
-    final value repeated after the last step taken (:func:`_solve`).
+    final value repeated after the last step taken
+    (:func:`optim.solve_lbfgs`).
   """
   tunable, losses, accs, _ = _run(key, bparams, data, backbone, cfg)
   return tunable, losses, accs
@@ -276,13 +140,13 @@ def _run(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
   stats = _feature_stats(inputs_fn, tunable, examples["train"], cfg)
   logits_fn = _logits_fn(inputs_fn, stats, cfg)
   if cfg.optimizer == "lbfgs":  # TuneConfig: only on cached features
-    tunable, losses, steps = _solve(
-        _objective_fn(logits_fn, examples["train"], data.train_labels, cfg),
+    tunable, losses, steps = optim.solve_lbfgs(
+        optim.lbfgs_objective(logits_fn, examples["train"], data.train_labels, cfg),
         tunable, cfg)
   else:
     idx_UxB = _batch_indices(k_perm, n, cfg)
-    opt = make_optimizer(idx_UxB.shape[0], cfg)
-    tunable, losses = _train(logits_fn, opt, tunable, examples["train"],
+    opt = optim.tuning_optimizer(idx_UxB.shape[0], cfg)
+    tunable, losses = optim.train_adam(logits_fn, opt, tunable, examples["train"],
                              data.train_labels, idx_UxB)
     steps = jnp.asarray(idx_UxB.shape[0], jnp.int32)
   accs = {s: _accuracy(logits_fn, tunable, examples[s], data.split(s)[1],
