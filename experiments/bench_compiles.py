@@ -22,7 +22,7 @@ import time
 from absl import app
 from absl import flags
 
-from hmmprompt import host_memory
+from hmmprompt import glibc
 
 _PRESET = flags.DEFINE_string("preset", "cpu", "figure3 preset")
 _STEPS = flags.DEFINE_integer("pretrain_steps", 100,
@@ -58,7 +58,7 @@ def _child(mode: str, workdir: str) -> None:
 
 def main(argv):
   del argv
-  host_memory.retain_freed_memory()  # XLA:CPU step temporaries
+  glibc.retain_freed_memory()  # XLA:CPU step temporaries
   if _CHILD.value:
     _child(_CHILD.value, _WORKDIR.value)
     return

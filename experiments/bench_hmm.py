@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hmmprompt import host_memory
+from hmmprompt import glibc
 from hmmprompt import hmm as hmm_lib
 
 _STATES = flags.DEFINE_integer("num_states", 30, "hidden states |H|")
@@ -148,7 +148,7 @@ def bench_posterior(model):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  host_memory.retain_freed_memory()  # XLA:CPU step temporaries
+  glibc.retain_freed_memory()  # XLA:CPU step temporaries
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}, "
         f"{jax.device_count()} device(s)")
   model = hmm_lib.random_hmm(jax.random.PRNGKey(0), _STATES.value,

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hmmprompt import config_flags
-from hmmprompt import host_memory
+from hmmprompt import glibc
 from hmmprompt import corpus as corpus_lib
 from hmmprompt import hmm
 from hmmprompt import pretrain
@@ -60,7 +60,7 @@ _OTHER_ATTENTION = flags.DEFINE_bool(
 _NUM_STATES = flags.DEFINE_integer("num_states", 30, "HMM states for the "
                                    "exact targets")
 _RETAIN = flags.DEFINE_bool(
-    "retain_freed_memory", True, "host_memory.retain_freed_memory() first "
+    "retain_freed_memory", True, "glibc.retain_freed_memory() first "
     "(as the binaries do); false times glibc's defaults")
 _THREADS = flags.DEFINE_integer("torch_threads", 0,
                                 "torch intra-op threads (0: its default)")
@@ -195,7 +195,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if _RETAIN.value:
-    host_memory.retain_freed_memory()  # XLA:CPU step temporaries
+    glibc.retain_freed_memory()  # XLA:CPU step temporaries
   shape = resolve_shape()
   vocab = 10
   tokens = shape["batch_size"] * shape["seq_len"]

@@ -20,8 +20,8 @@ from absl import flags
 import jax
 
 from hmmprompt import corpus
-from hmmprompt import host_memory
-from hmmprompt import models
+from hmmprompt import glibc
+from hmmprompt import generative
 from hmmprompt import pretrain
 from hmmprompt import sharding
 
@@ -45,12 +45,12 @@ def _time(step_fn, batch_fn, state, hmm, steps):
 
 def main(argv):
   del argv
-  host_memory.retain_freed_memory()
+  glibc.retain_freed_memory()
   cfg = pretrain.configure(_PRESET.value)
   k, mesh = _TRIALS.value, sharding.data_mesh()
-  stacked = models.random_models(jax.random.PRNGKey(0), k, "vanilla",
+  stacked = generative.random_models(jax.random.PRNGKey(0), k, "vanilla",
                                  _STATES.value, cfg.model.vocab_size)
-  hmms = jax.vmap(models.as_hmm)(stacked)
+  hmms = jax.vmap(generative.as_hmm)(stacked)
   keys = jax.random.split(jax.random.PRNGKey(1), k)
   batch = jax.jit(jax.vmap(
       lambda key, s, m: corpus.batch_at(key, s, m, None, cfg.corpus,

@@ -10,7 +10,7 @@ import time
 
 from absl import app
 
-from hmmprompt import host_memory
+from hmmprompt import glibc
 
 
 def start(argv, **required) -> float:
@@ -22,7 +22,7 @@ def start(argv, **required) -> float:
   for name, value in required.items():
     if not value:
       raise app.UsageError(f"--{name} is required")
-  host_memory.retain_freed_memory()
+  glibc.retain_freed_memory()
   return time.perf_counter()
 
 

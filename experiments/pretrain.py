@@ -36,7 +36,7 @@ import jax
 
 from experiments import cli
 from hmmprompt import config_flags
-from hmmprompt import models
+from hmmprompt import generative
 from hmmprompt import pretrain
 from hmmprompt import sharding
 from hmmprompt.pretrain import workdir as workdir_lib
@@ -56,21 +56,21 @@ class Job:
   trials: int = 1
 
   def __post_init__(self):
-    if self.model_kind not in models.KINDS:
-      raise ValueError(f"model_kind must be one of {models.KINDS}, got "
+    if self.model_kind not in generative.KINDS:
+      raise ValueError(f"model_kind must be one of {generative.KINDS}, got "
                        f"{self.model_kind!r}")
     if not isinstance(self.trials, int) or self.trials < 1:
       raise ValueError(f"trials must be an int >= 1, got {self.trials!r}")
 
-  def make_model(self) -> models.Model:
+  def make_model(self) -> generative.Model:
     """``[trials]`` stacked draws (one: ``random_model(PRNGKey(hmm_seed))``,
     stacked)."""
     key = jax.random.PRNGKey(self.hmm_seed)
     args = (self.model_kind, self.num_states, self.pretrain.model.vocab_size,
             self.memory_size)
     if self.trials > 1:
-      return models.random_models(key, self.trials, *args)
-    return models.stack([models.random_model(key, *args)])
+      return generative.random_models(key, self.trials, *args)
+    return generative.stack([generative.random_model(key, *args)])
 
 
 def get_config(preset: str = "cpu", **overrides) -> Job:

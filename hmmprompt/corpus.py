@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from hmmprompt import hmm as hmm_lib
-from hmmprompt import models
+from hmmprompt import generative
 from hmmprompt import validation
 
 
@@ -73,7 +73,7 @@ class CorpusConfig:
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def sample_sequences(key, model, num: int, length: int) -> jax.Array:
   """``[num, length]`` int32 sequences, each from the initial distribution."""
-  return jax.vmap(lambda k: models.sample_tokens(k, model, length))(
+  return jax.vmap(lambda k: generative.sample_tokens(k, model, length))(
       jax.random.split(key, num))
 
 
@@ -146,7 +146,7 @@ def exact_targets(hmm: hmm_lib.HMM, inputs_T, selected_T) -> jax.Array:
   ``inputs_T`` is the corrupted sequence, ``selected_T`` marks the selected
   positions (the loss weights). The same formula covers both corruptions
   (with ``"mask"`` no selected position shows a symbol). ``hmm`` is the
-  generating model's vanilla form (:func:`models.as_hmm`). Rows are all zero
+  generating model's vanilla form (:func:`generative.as_hmm`). Rows are all zero
   where ``x~`` is impossible. Traceable; vmap it over a batch.
   """
   lik_TxV = corruption_likelihood(inputs_T, selected_T, hmm.vocab_size)

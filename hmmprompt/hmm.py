@@ -1,41 +1,30 @@
 """Hidden Markov models: parameters, sampling and exact inference.
 
-Conventions (paper Section 3; Appendix B, D):
-
-* ``HMM.initial[h]      = P(H_0 = h)``, the state of the *first emitting
-  position* (index 0 of a token array).
-* ``HMM.transition[i,j] = P(H_{t+1} = j | H_t = i)`` (the paper's ``A``
-  transposed: rows are "from").
-* ``HMM.emission[h,x]   = P(X_t = x | H_t = h)`` (the paper's ``W``
-  transposed).
-* ``MASK`` (= -1) marks an unobserved position; its emission is marginalised
-  out, i.e. its evidence vector is all ones.
+Conventions (paper Section 3; Appendix B, D): ``HMM.initial[h] = P(H_0 =
+h)``, the state of the first emitting position (index 0 of a token array);
+``HMM.transition[i,j] = P(H_{t+1} = j | H_t = i)`` (the paper's ``A``
+transposed: rows are "from"); ``HMM.emission[h,x] = P(X_t = x | H_t = h)``
+(the paper's ``W`` transposed). ``MASK`` (= -1) marks an unobserved
+position: its emission is marginalised out (evidence all ones).
 
 All inference runs on *evidence vectors* ``e_t[h]`` (non-negative, shape
 ``[T, H]``). For tokens these are the paper's proper embeddings
 ``e(x)[h] = P(X = x | H = h)`` (:func:`embed`); for a soft prompt they can be any
 vector in ``[0, 1]^H`` (Appendix B's message passing on embedding vectors).
 
-Two layers, both public:
+Two public layers (docs/hmm.md): pure, unchecked, traceable **kernels**
+with documented shapes (:func:`forward_backward`, :func:`token_smooth`,
+:func:`draw_sequence`, ...; the package's traced code calls only these,
+as dynamax's ``hmm_smoother``), and jitted **entry points** over them
+(:func:`sample`, :func:`posterior`, ...; :func:`validation.entry_point`),
+one sequence each (``vmap`` them), which raise ``ValueError`` on bad
+concrete input; under a caller's ``jit`` only dtypes and shapes are
+checked (call :func:`check_tokens` on a batch first if unsure).
 
-* **Kernels** (:func:`forward_backward`, :func:`token_smooth`,
-  :func:`evidence_conditionals`, :func:`draw_sequence`, ...): pure, unchecked,
-  traceable functions of explicit arrays with documented shapes, for use
-  inside jitted code (as dynamax's ``hmm_smoother``); the package's own
-  traced code calls only these.
-* **Entry points** (:func:`sample`, :func:`posterior`, :func:`conditionals`,
-  ...): each a check over one kernel, jitted (:func:`validation.entry_point`).
-  They take one sequence; ``jax.vmap`` them over a batch. Called with
-  concrete arguments they validate values and raise ``ValueError``; under a
-  caller's ``jit``/``vmap`` only dtypes and shapes are checked (out-of-range
-  tokens then have zero likelihood), so call :func:`check_tokens` on a batch
-  first if unsure.
-
-Messages are rescaled at every step (Rabiner's scaling), so float32 is stable
-on sequences of 10^4 tokens from the near-deterministic HMMs of Appendix D. A
-sequence of probability zero yields log-likelihood ``-inf`` and all-zero
-posteriors/conditionals at the positions whose context is impossible
-(Appendix B's convention), never NaN.
+Messages are rescaled at every step (Rabiner's scaling): float32 is stable
+on 10^4 tokens of Appendix D's HMMs. An impossible sequence gives
+log-likelihood ``-inf`` and all-zero posteriors/conditionals where its
+context is impossible (Appendix B's convention), never NaN.
 """
 
 from __future__ import annotations
@@ -98,7 +87,6 @@ class HMM(validation.validated_params(  # type: ignore[misc]
     return self.emission.shape[-1]
 
 
-# ----------------------------------------------------------------------------
 # Input checks at the API boundary.
 
 
@@ -141,8 +129,8 @@ def check_evidence(evidence, hmm: HMM) -> jax.Array:
   and returns them as an array."""
   if not isinstance(evidence, jax.core.Tracer):
     evidence = jnp.asarray(evidence)
-  if evidence.ndim != 2 or evidence.shape[1] != hmm.num_states or \
-      evidence.shape[0] == 0:
+  if evidence.ndim != 2 or evidence.shape[1:] != (hmm.num_states,) or (
+      evidence.shape[0] == 0):
     raise ValueError(f"evidence must have shape [T, H] with H = "
                      f"{hmm.num_states} and T >= 1, got {evidence.shape}")
   if not jnp.issubdtype(evidence.dtype, jnp.floating):
@@ -156,7 +144,6 @@ def check_evidence(evidence, hmm: HMM) -> jax.Array:
   return evidence
 
 
-# ----------------------------------------------------------------------------
 # Random parameters (Appendix D, with the authors' parametrisation).
 
 
@@ -209,7 +196,6 @@ def random_hmm(key, num_states: int, vocab_size: int, *,
       initial_temp)
 
 
-# ----------------------------------------------------------------------------
 # Sampling.
 
 
@@ -248,7 +234,6 @@ def draw_sequence(key, hmm: HMM, length: int):
   return tokens_T, states_T
 
 
-# ----------------------------------------------------------------------------
 # Inference.
 
 
@@ -358,7 +343,6 @@ def token_conditionals(hmm: HMM, tokens_T: jax.Array) -> jax.Array:
   return evidence_conditionals(hmm, token_evidence(hmm, tokens_T))
 
 
-# ----------------------------------------------------------------------------
 # Entry points: each checks its input and runs its kernel, jitted.
 
 

@@ -8,7 +8,7 @@ Figure 3's sweep, the pretraining curve and a user's own experiment share.
 * :class:`ModelId`, :class:`Group` and the random streams
   (:func:`model_key`, :func:`task_key`, :func:`tune_key`): which HMM draws a
   run makes and which tuning arms it runs on them. Trial ``k`` of a size is
-  ``models.random_model(fold_in(model_key, k))`` in every experiment, so
+  ``generative.random_model(fold_in(model_key, k))`` in every experiment, so
   the same seed gives the same draws everywhere.
 * :func:`draw_stack`: a size's trials stacked ``[K]``, their fingerprints
   and their tasks; :func:`pretrain_dir` and :func:`pretrain`: their
@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from hmmprompt import config_flags
-from hmmprompt import models
+from hmmprompt import generative
 from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import results as results_lib
 from hmmprompt import tasks as tasks_lib
@@ -210,17 +210,17 @@ def tune_key(setup: TrialsConfig, trial: int, task: int):
       jax.random.fold_in(jax.random.PRNGKey(setup.seed + 1), trial), task)
 
 
-def make_models(setup: TrialsConfig, mid: ModelId, num: int) -> models.Model:
+def make_models(setup: TrialsConfig, mid: ModelId, num: int) -> generative.Model:
   """``mid``'s first ``num`` trials, stacked ``[num]``."""
-  return models.random_models(model_key(setup, mid), num, mid.hmm,
+  return generative.random_models(model_key(setup, mid), num, mid.hmm,
                               mid.num_states, VOCAB, mid.memory_size)
 
 
 class Stack(NamedTuple):
   """A size's trials, drawn (:func:`draw_stack`)."""
 
-  models_K: models.Model  # stacked [K]
-  fingerprints: list[str]  # [K] models.fingerprint of each HMM
+  models_K: generative.Model  # stacked [K]
+  fingerprints: list[str]  # [K] generative.fingerprint of each HMM
   tasks: list[list[tasks_lib.Task]]  # [K][S]
   verdicts: list[list[dict]] | None  # [K][S] theory.verdicts, if asked
 
@@ -237,9 +237,9 @@ def draw_stack(setup: TrialsConfig, mid: ModelId, num: int, num_tasks: int = 1,
   tasks = [[t[k] for t in by_task] for k in range(num)]
   checks = None
   if verdicts:
-    checks = [[theory.verdicts(models.trial(models_K, k), t.mu)
+    checks = [[theory.verdicts(generative.trial(models_K, k), t.mu)
                for t in row] for k, row in enumerate(tasks)]
-  return Stack(models_K, models.fingerprints(models_K), tasks, checks)
+  return Stack(models_K, generative.fingerprints(models_K), tasks, checks)
 
 
 def pretrain_dir(workdir: str, setup: TrialsConfig, mid: ModelId) -> str:
@@ -254,10 +254,10 @@ def pretrain_dir(workdir: str, setup: TrialsConfig, mid: ModelId) -> str:
 
 
 def pretrain(pdir: str, cfg: pretrain_lib.PretrainConfig,
-             models_K: models.Model) -> None:
+             models_K: generative.Model) -> None:
   """Pretrains ``models_K``'s transformers in ``pdir`` (or reuses them, or
   resumes an interrupted run)."""
-  logging.info("pretraining %d trials in %s", models.num_trials(models_K),
+  logging.info("pretraining %d trials in %s", generative.num_trials(models_K),
                pdir)
   pretrain_lib.run_trials(pdir, cfg, models_K, log=logging.info)
 

@@ -35,10 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from hmmprompt import hmm as hmm_lib
-from hmmprompt import models
+from hmmprompt import generative
 from hmmprompt import validation
 
-Model = models.Model
+Model = generative.Model
 
 
 LABELINGS = ("paper", "authors")
@@ -120,7 +120,7 @@ class Task(NamedTuple):
 
 def num_latent(model: Model) -> int:
   """``Z``: ``|H|`` for a vanilla HMM, ``|M|`` for a memory HMM."""
-  return models.latent_size(model)
+  return generative.latent_size(model)
 
 
 def task_weights(key, num_latent: int, num_classes: int = 2,
@@ -134,18 +134,18 @@ def task_weights(key, num_latent: int, num_classes: int = 2,
   return flat.reshape(num_classes, num_latent)
 
 
-def latent_posterior(model: Model, tokens_T: jax.Array,
-                     labeling: str = "paper") -> jax.Array:
+def label_posterior(model: Model, tokens_T: jax.Array,
+                    labeling: str = "paper") -> jax.Array:
   """``[Z]``: the posterior a label is a linear function of (module doc).
 
   ``tokens_T`` includes the leading ``MASK``. Traceable; vmap it.
   """
   if labeling not in LABELINGS:
     raise ValueError(f"labeling must be one of {LABELINGS}, got {labeling!r}")
-  if labeling == "authors" and models.kind(model) == "vanilla":
+  if labeling == "authors" and generative.kind(model) == "vanilla":
     first_real_H = hmm_lib.token_smooth(model, tokens_T[1:]).posterior[0]
     return model.transition @ first_real_H
-  return models.latent_posterior(model, tokens_T)
+  return generative.latent_posterior(model, tokens_T)
 
 
 def labels_from_latent(mu: jax.Array, latent_NxZ: jax.Array) -> jax.Array:
@@ -168,7 +168,7 @@ def sample_examples(key, model: Model, n: int, seq_len: int,
     length = seq_len
   else:
     length = seq_len + 1
-  tokens_NxL = jax.vmap(lambda k: models.sample_tokens(k, model, length))(
+  tokens_NxL = jax.vmap(lambda k: generative.sample_tokens(k, model, length))(
       keys)
   mask_N1 = jnp.full((n, 1), hmm_lib.MASK, jnp.int32)
   if labeling == "authors":
@@ -195,7 +195,7 @@ def draw_task(key, model: Model, config: TaskConfig,
   for k, n in ((k_tr, config.num_train), (k_va, config.num_val),
                (k_te, config.num_test)):
     tokens = sample_examples(k, model, n, config.seq_len, config.labeling)
-    one = lambda t: latent_posterior(model, t, config.labeling)
+    one = lambda t: label_posterior(model, t, config.labeling)
     latent = (jax.vmap(one)(tokens) if chunk is None or chunk >= n
               else jax.lax.map(one, tokens, batch_size=chunk))
     splits.append(Split(tokens, labels_from_latent(mu, latent), latent))
@@ -216,8 +216,8 @@ def make_task(key, model: Model, config: TaskConfig = TaskConfig()) -> Task:
     ValueError: if every one of ``1 + config.max_redraws`` draws is
       degenerate (e.g. ``mu`` has no non-zero weight on a reachable state).
   """
-  # models.stack names a non-model (TypeError) or a stack (ValueError).
-  return make_tasks(jnp.asarray(key)[None], models.stack([model]), config)[0]
+  # generative.stack names a non-model (TypeError) or a stack (ValueError).
+  return make_tasks(jnp.asarray(key)[None], generative.stack([model]), config)[0]
 
 
 @functools.cache
@@ -246,15 +246,15 @@ def latent_chunk(models_K: Model, config: TaskConfig,
   budget."""
   if memory_budget is None:
     return None
-  hmm = models.as_hmm(models.trial(models_K, 0))
+  hmm = generative.as_hmm(generative.trial(models_K, 0))
   per_example = 5 * 4 * (config.seq_len + 1) * hmm.transition.shape[-1]
-  return max(1, memory_budget // (per_example * models.num_trials(models_K)))
+  return max(1, memory_budget // (per_example * generative.num_trials(models_K)))
 
 
 def make_tasks(keys_K, models_K: Model,
                config: TaskConfig = TaskConfig(),
                memory_budget: int | None = MEMORY_BUDGET) -> list[Task]:
-  """One task per trial of stacked models (:func:`models.random_models`):
+  """One task per trial of stacked models (:func:`generative.random_models`):
   trial ``k``'s is drawn from ``fold_in(keys_K[k], attempt)`` at the first
   attempt whose labels are balanced enough, every attempt drawn for all
   trials in one vmapped call (a trial whose draw was degenerate takes the
@@ -267,7 +267,7 @@ def make_tasks(keys_K, models_K: Model,
     ValueError: not stacked models, a key count that is not the trial count,
       or a trial whose every draw was degenerate (named).
   """
-  num = models.num_trials(models_K)
+  num = generative.num_trials(models_K)
   if num is None:
     raise ValueError("make_tasks needs [K] stacked models; use make_task "
                      "for one")

@@ -22,7 +22,7 @@ import numpy as np
 
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import memory as memory_lib
-from hmmprompt import models
+from hmmprompt import generative
 
 SUPPORT_TOL = 1e-8
 RANK_TOL = 1e-6
@@ -300,8 +300,8 @@ def memory_verdicts(mhmm: memory_lib.MemoryHMM, mu) -> dict:
           "4.5": assumption_4_5(mhmm, mu).as_dict()}
 
 
-def verdicts(model: models.Model, mu) -> dict:
+def verdicts(model: generative.Model, mu) -> dict:
   """The assumptions of the model's section, as JSON-ready dicts."""
-  if models.kind(model) == "memory":
+  if generative.kind(model) == "memory":
     return memory_verdicts(model, mu)
   return vanilla_verdicts(model, mu)

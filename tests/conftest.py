@@ -37,11 +37,11 @@ import numpy as np
 import pytest
 
 from hmmprompt import hmm as hmm_lib
-from hmmprompt import host_memory
+from hmmprompt import glibc
 
 # As the binaries do: XLA:CPU's per-step temporaries are then reused, not
-# faulted in afresh (tests/test_host_memory.py).
-host_memory.retain_freed_memory()
+# faulted in afresh (tests/test_glibc.py).
+glibc.retain_freed_memory()
 
 
 def random_dense_hmm(seed, num_states, vocab_size, zero_frac=0.0):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from hmmprompt import hmm as hmm_lib
-from hmmprompt import models
+from hmmprompt import generative
 from hmmprompt import tasks
 from hmmprompt import tuning
 from hmmprompt.backbones import Backbone
@@ -200,15 +200,15 @@ _DRAWS = 8
 def _accuracies(kind, num_states, memory_size, cfg):
   """Test accuracy (%) of ``cfg`` on ``_DRAWS`` HMM draws, one task each,
   in one vmapped program."""
-  draws = models.random_models(
+  draws = generative.random_models(
       jax.random.PRNGKey(100 + num_states + memory_size), _DRAWS, kind,
       num_states, 10, memory_size)
-  bb, _ = exact.make(models.trial(draws, 0))
+  bb, _ = exact.make(generative.trial(draws, 0))
   task_k = tasks.make_tasks(jax.random.split(jax.random.PRNGKey(7), _DRAWS),
                             draws, _SCIENCE_TASK)
   res, _ = tuning.tune_trials(
       [[jax.random.PRNGKey(k)] for k in range(_DRAWS)], bb,
-      jax.vmap(models.as_hmm)(draws),
+      jax.vmap(generative.as_hmm)(draws),
       [[tuning.data_from_task(t, cfg)] for t in task_k], cfg)
   return 100 * res.test_accuracy[:, 0]
 
@@ -247,7 +247,7 @@ def test_prompt_tuning_with_the_attention_head_on_a_memory_hmm():
   HMM's exact backbone (|M| = 2, |H| = 4), prompt tuning trains exactly a
   soft prompt and an attention head (the backbone's params untouched, the
   prompt moved) and learns the task far above chance."""
-  model = models.random_model(jax.random.PRNGKey(5), "memory", 4, 10, 2)
+  model = generative.random_model(jax.random.PRNGKey(5), "memory", 4, 10, 2)
   bb, bp = exact.make(model)
   task = tasks.make_task(jax.random.PRNGKey(0), model, tasks.TaskConfig(
       num_train=256, num_val=32, num_test=128, seq_len=12))

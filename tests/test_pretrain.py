@@ -15,7 +15,7 @@ from hmmprompt import checkpoints as ckpt_lib
 from hmmprompt import config_flags
 from hmmprompt import corpus
 from hmmprompt import hmm as hmm_lib
-from hmmprompt import models
+from hmmprompt import generative
 from hmmprompt import pretrain
 from hmmprompt import sharding
 from hmmprompt import tasks
@@ -242,14 +242,14 @@ def test_stacked_step_equals_separate_steps_and_drops_stopped_trials():
   test_run_trials_equals_separate_runs...)"""
   cfg = TINY.with_overrides(targets="exact", trials_per_vmap=0)
   mesh = sharding.data_mesh()
-  stacked_hmms = models.random_models(jax.random.PRNGKey(11), 2, "vanilla",
+  stacked_hmms = generative.random_models(jax.random.PRNGKey(11), 2, "vanilla",
                                       5, 10)
   hmms = [jax.tree.map(lambda x, k=k: x[k:k + 1], stacked_hmms)
           for k in range(2)]  # stacks of one
   keys = jax.random.split(jax.random.PRNGKey(20), 2)
   states = [pretrain.init_states(keys[k:k + 1], cfg) for k in range(2)]
   batches = [[jax.tree.map(lambda x: x[None], corpus.batch_at(
-      jax.random.PRNGKey(30 + k), s, models.trial(stacked_hmms, k), None,
+      jax.random.PRNGKey(30 + k), s, generative.trial(stacked_hmms, k), None,
       cfg.corpus, cfg.batch_size, 10)) for s in range(3)] for k in range(2)]
   step = pretrain.make_train_step(cfg, mesh)
   cat = lambda trees: jax.tree.map(lambda *x: jnp.concatenate(x), *trees)
@@ -284,7 +284,7 @@ def test_run_trials_equals_separate_runs_stops_each_and_resumes(tmp_path):
   target on its own; an interrupted run resumes to the same result."""
   cfg = dataclasses.replace(TINY, target_gap=0.5)
   assert cfg.trials_per_vmap == 1
-  stacked = models.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6, 10)
+  stacked = generative.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6, 10)
   workdir = str(tmp_path / "stacked")
 
   crash = _crash_after(25)
@@ -301,7 +301,7 @@ def test_run_trials_equals_separate_runs_stops_each_and_resumes(tmp_path):
   for k in range(2):
     alone = str(tmp_path / f"alone{k}")
     m = pretrain.run(alone, dataclasses.replace(cfg, seed=cfg.seed + k),
-                     models.trial(stacked, k), log=lambda s: None)
+                     generative.trial(stacked, k), log=lambda s: None)
     drop = lambda d: {a: b for a, b in d.items()
                       if a not in ("wall_s", "trial")}
     assert drop(m) == drop(final[k])
@@ -312,12 +312,12 @@ def test_run_trials_equals_separate_runs_stops_each_and_resumes(tmp_path):
 
   with pytest.raises(ValueError, match="holds a run of 2 stacked trials, "
                      "this run has 3 stacked trials"):
-    pretrain.run_trials(workdir, cfg, models.random_models(
+    pretrain.run_trials(workdir, cfg, generative.random_models(
         jax.random.PRNGKey(5), 3, "vanilla", 6, 10))
   with pytest.raises(ValueError, match="load it with load_trials"):
     pretrain.load_backbone(workdir)
   with pytest.raises(ValueError, match="needs \\[K\\] stacked models"):
-    pretrain.run_trials(workdir, cfg, models.trial(stacked, 0))
+    pretrain.run_trials(workdir, cfg, generative.trial(stacked, 0))
 
 
 def test_step_memory_counts_the_state_and_scales_with_what_steps_at_once(
@@ -438,7 +438,7 @@ def test_layout1_one_model_run_is_refused_by_name(tmp_path, model):
   os.makedirs(old)
   with open(os.path.join(old, "config.json"), "w") as f:
     json.dump(TINY.to_json(), f)
-  models.save(os.path.join(old, "hmm.npz"), model)
+  generative.save(os.path.join(old, "hmm.npz"), model)
   for call in (lambda: pretrain.run(old, TINY, model),
                lambda: pretrain.load_backbone(old)):
     with pytest.raises(ValueError, match="one-model run of layout 1"):
@@ -454,7 +454,7 @@ def test_tensorboard_curves_per_trial_read_back_across_a_resume(tmp_path):
   pytest.importorskip("tensorboardX")
   from hmmprompt.pretrain import curves
   cfg = dataclasses.replace(TINY, ckpt_every=20)  # log at 30, ckpt at 20
-  stacked = models.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6, 10)
+  stacked = generative.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6, 10)
   workdir = str(tmp_path)
 
   crash = _crash_after(35)

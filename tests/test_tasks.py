@@ -7,7 +7,7 @@ import pytest
 
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import memory as memory_lib
-from hmmprompt import models
+from hmmprompt import generative
 from hmmprompt import tasks
 from hmmprompt.hmm import MASK
 import reference as ref
@@ -119,12 +119,12 @@ def test_degenerate_draws_are_redrawn(vanilla):
 def test_make_tasks_for_stacked_models_equal_make_task_per_trial():
   """Trials: one vmapped draw per attempt gives every trial the task that
   make_task gives it alone, redraws included."""
-  stacked = models.random_models(jax.random.PRNGKey(4), 3, "vanilla", 5, 10)
+  stacked = generative.random_models(jax.random.PRNGKey(4), 3, "vanilla", 5, 10)
   keys = jax.random.split(jax.random.PRNGKey(9), 3)
   # Strict enough that some trial's first draw is degenerate.
   cfg = dataclasses.replace(SMALL, max_label_share=0.75)
   got = tasks.make_tasks(keys, stacked, cfg)
-  alone = [tasks.make_task(keys[k], models.trial(stacked, k), cfg)
+  alone = [tasks.make_task(keys[k], generative.trial(stacked, k), cfg)
            for k in range(3)]
   assert [t.redraws for t in got] == [t.redraws for t in alone]
   assert max(t.redraws for t in got) >= 1
@@ -144,7 +144,7 @@ def test_memory_budget_chunks_the_posteriors_and_changes_no_label():
   """A budget of a few examples' smoothing (chunks of 3 of 32 or 128
   examples, a remainder included) draws the tasks of no budget: tokens and
   labels equal, posteriors to float rounding."""
-  stacked = models.random_models(jax.random.PRNGKey(4), 2, "vanilla", 5, 10)
+  stacked = generative.random_models(jax.random.PRNGKey(4), 2, "vanilla", 5, 10)
   keys = jax.random.split(jax.random.PRNGKey(9), 2)
   per_example = 5 * 4 * (SMALL.seq_len + 1) * 5
   budget = 3 * 2 * per_example
@@ -169,14 +169,14 @@ def test_make_task_is_make_tasks_of_one(vanilla, labeling):
   cfg = dataclasses.replace(SMALL, labeling=labeling, max_label_share=0.75)
   key = jax.random.PRNGKey(9)
   alone = tasks.make_task(key, vanilla, cfg)
-  (stacked,) = tasks.make_tasks(key[None], models.stack([vanilla]), cfg)
+  (stacked,) = tasks.make_tasks(key[None], generative.stack([vanilla]), cfg)
   chex.assert_trees_all_equal(alone, stacked)
   # One trial needs no trial index in the error; a stack is refused.
   with pytest.raises(ValueError, match="^every one of 2 drawn tasks"):
     tasks.make_task(key, vanilla, dataclasses.replace(
         SMALL, max_label_share=0.5, max_redraws=1))
   with pytest.raises(ValueError, match="takes single models, not stacks"):
-    tasks.make_task(key, models.stack([vanilla, vanilla]), cfg)
+    tasks.make_task(key, generative.stack([vanilla, vanilla]), cfg)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -226,20 +226,20 @@ def test_authors_latent_is_the_transition_times_the_first_real_posterior(
   tokens_T = np.asarray([MASK, 1, 2, 3, 4], np.int32)
   want = np.asarray(vanilla.transition) @ np.asarray(
       hmm_lib.posterior(vanilla, tokens_T[1:]))[0]
-  got = tasks.latent_posterior(vanilla, tokens_T, "authors")
+  got = tasks.label_posterior(vanilla, tokens_T, "authors")
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
-  paper = tasks.latent_posterior(vanilla, tokens_T)
+  paper = tasks.label_posterior(vanilla, tokens_T)
   np.testing.assert_array_equal(
-      paper, tasks.latent_posterior(vanilla, tokens_T, "paper"))
+      paper, tasks.label_posterior(vanilla, tokens_T, "paper"))
   assert np.max(np.abs(np.asarray(paper) - np.asarray(got))) > 1e-3
-  np.testing.assert_array_equal(tasks.latent_posterior(mem, tokens_T,
+  np.testing.assert_array_equal(tasks.label_posterior(mem, tokens_T,
                                                        "authors"),
-                                tasks.latent_posterior(mem, tokens_T))
+                                tasks.label_posterior(mem, tokens_T))
   key = jax.random.PRNGKey(0)  # the default labeling is the paper's
   np.testing.assert_array_equal(tasks.sample_examples(key, vanilla, 2, 3),
                                 tasks.sample_examples(key, vanilla, 2, 3,
                                                       "paper"))
-  for fn in (lambda: tasks.latent_posterior(vanilla, tokens_T, "Paper"),
+  for fn in (lambda: tasks.label_posterior(vanilla, tokens_T, "Paper"),
              lambda: tasks.sample_examples(jax.random.PRNGKey(0), vanilla,
                                            2, 3, "Authors")):
     with pytest.raises(ValueError, match="labeling must be one of"):
@@ -280,15 +280,15 @@ def test_attempts_are_one_plus_max_redraws_and_the_bound_is_inclusive(
 def test_make_tasks_arguments_are_named():
   """Two trials (the smallest vmapped stack) equal their draws alone; a
   single model and a wrong key count are named."""
-  stacked = models.random_models(jax.random.PRNGKey(4), 2, "vanilla", 5, 10)
+  stacked = generative.random_models(jax.random.PRNGKey(4), 2, "vanilla", 5, 10)
   keys = jax.random.split(jax.random.PRNGKey(9), 2)
   got = tasks.make_tasks(keys, stacked, SMALL)
   for k in range(2):
-    alone = tasks.make_task(keys[k], models.trial(stacked, k), SMALL)
+    alone = tasks.make_task(keys[k], generative.trial(stacked, k), SMALL)
     np.testing.assert_array_equal(got[k].test.labels, alone.test.labels)
     np.testing.assert_array_equal(got[k].mu, alone.mu)
   with pytest.raises(ValueError, match=r"^make_tasks needs \[K\] stacked "
                      r"models; use make_task for one$"):
-    tasks.make_tasks(keys, models.trial(stacked, 0), SMALL)
+    tasks.make_tasks(keys, generative.trial(stacked, 0), SMALL)
   with pytest.raises(ValueError, match="^1 keys for 2 trials$"):
     tasks.make_tasks(keys[:1], stacked, SMALL)

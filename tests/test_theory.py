@@ -102,7 +102,7 @@ def test_theorem_3_6_prompt_recovers_labels_where_heads_cannot():
     theory.theorem_3_3_head(model, MU)
   tokens = tasks.sample_examples(jax.random.PRNGKey(3), model, 400, 24,
                                   "paper")
-  latent = jax.vmap(lambda t: tasks.latent_posterior(model, t))(tokens)
+  latent = jax.vmap(lambda t: tasks.label_posterior(model, t))(tokens)
   labels = np.asarray(tasks.labels_from_latent(jnp.asarray(MU), latent))
   assert 0.1 < labels.mean() < 0.9
   u, head = theory.theorem_3_6_prompt_head(model, MU)

@@ -11,7 +11,7 @@ from hmmprompt import backbones
 from hmmprompt import heads
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import memory as memory_lib
-from hmmprompt import models
+from hmmprompt import generative
 from hmmprompt import tasks
 from hmmprompt import tuning
 from hmmprompt.backbones import exact
@@ -230,17 +230,17 @@ def test_new_method_through_registry(setup, monkeypatch):
 def test_vmapped_trials_equal_one_by_one(method):
   """Trials x tasks: 2 HMMs (exact backbone params), 2 tasks on each, tuned
   in one vmapped program, give what each gets alone."""
-  stacked_models = models.random_models(jax.random.PRNGKey(8), 2, "vanilla",
+  stacked_models = generative.random_models(jax.random.PRNGKey(8), 2, "vanilla",
                                         4, 10)
   cfg = dataclasses.replace(FAST, method=method, epochs=1)
-  singles = [models.trial(stacked_models, k) for k in range(2)]
+  singles = [generative.trial(stacked_models, k) for k in range(2)]
   datas = [[tuning.data_from_task(tasks.make_task(
       jax.random.PRNGKey(10 * k + s), m, SMALL), cfg) for s in range(2)]
            for k, m in enumerate(singles)]
   keys = [[jax.random.PRNGKey(20 + 2 * k + s) for s in range(2)]
           for k in range(2)]
   bb, _ = exact.make(singles[0])
-  bparams_k = jax.vmap(models.as_hmm)(stacked_models)
+  bparams_k = jax.vmap(generative.as_hmm)(stacked_models)
   res, stacked = tuning.tune_trials(keys, bb, bparams_k, datas, cfg)
   assert res.test_accuracy.shape == (2, 2)
   for k, model in enumerate(singles):

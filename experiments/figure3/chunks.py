@@ -23,7 +23,7 @@ from experiments.figure3 import configs
 from experiments.figure3 import records
 from experiments.figure3 import reporting
 from experiments.figure3 import sweep
-from hmmprompt import models
+from hmmprompt import generative
 from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import results as results_lib
 from hmmprompt import sharding as sharding_lib
@@ -191,7 +191,7 @@ def step_memory(setup: configs.Setup, chunk: str) -> list[dict]:
   out = []
   for mid in sweep.plan(part):
     hmms = jax.eval_shape(  # shapes only: no model is drawn
-        lambda mid=mid: jax.vmap(models.as_hmm)(sweep.make_models(setup,
+        lambda mid=mid: jax.vmap(generative.as_hmm)(sweep.make_models(setup,
                                                                   mid)))
     out.append({"stack": mid.tag, "trials": sweep.stack_size(setup, mid),
                 "trials_per_vmap": cfg.trials_per_vmap,

@@ -26,7 +26,7 @@ from hmmprompt.protocol import Group
 from hmmprompt.protocol import ModelId
 from experiments.figure3 import configs
 from experiments.figure3 import records
-from hmmprompt import models
+from hmmprompt import generative
 from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import results as results_lib
 from hmmprompt.backbones import Backbone
@@ -85,13 +85,13 @@ def stack_size(setup: configs.Setup, mid: ModelId) -> int:
   return max(setup.panel_trials(g.panel) for g in plan(setup)[mid])
 
 
-def make_models(setup: configs.Setup, mid: ModelId) -> models.Model:
+def make_models(setup: configs.Setup, mid: ModelId) -> generative.Model:
   """``mid``'s trials, stacked ``[K]``."""
   return protocol.make_models(setup, mid, stack_size(setup, mid))
 
 
 def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
-              models_K: models.Model, backbone_name: str):
+              models_K: generative.Model, backbone_name: str):
   """``(backbone, params_K, pretrain_K)`` of ``mid``'s trials; a
   transformer is pretrained first (or reused, or resumed).
 
@@ -99,9 +99,9 @@ def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
   ``pretrain_*`` fields of trial ``k``'s result lines (none for exact).
   """
   if backbone_name == "exact":
-    bb, _ = exact.make(models.trial(models_K, 0))
-    return (bb, jax.vmap(models.as_hmm)(models_K),
-            [{}] * models.num_trials(models_K))
+    bb, _ = exact.make(generative.trial(models_K, 0))
+    return (bb, jax.vmap(generative.as_hmm)(models_K),
+            [{}] * generative.num_trials(models_K))
   pdir = protocol.pretrain_dir(workdir, setup, mid)
   protocol.pretrain(pdir, setup.pretrain, models_K)
   bb, params_K, infos = pretrain_lib.load_trials(pdir)

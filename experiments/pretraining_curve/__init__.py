@@ -36,7 +36,7 @@ import numpy as np
 
 from hmmprompt import protocol
 from hmmprompt import config_flags
-from hmmprompt import models
+from hmmprompt import generative
 from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import results as results_lib
 from hmmprompt import tasks as tasks_lib
@@ -242,7 +242,7 @@ class Checkpoints(NamedTuple):
 
 
 def checkpoints(workdir: str, setup: CurveSetup, mid: protocol.ModelId,
-                models_K: models.Model) -> Checkpoints:
+                models_K: generative.Model) -> Checkpoints:
   """Pretrains ``mid``'s stack under ``DIR/pretrain/<tag>`` (or reuses or
   resumes it) and returns its retained checkpoints, evaluated."""
   pdir = os.path.join(workdir, "pretrain", mid.tag)
@@ -273,8 +273,8 @@ def tune_group(setup: CurveSetup, g: Group, stack: protocol.Stack,
                           ckpts.params_QxK)
   else:
     steps = (None,)
-    backbone, _ = exact.make(models.trial(stack.models_K, 0))
-    params = jax.vmap(models.as_hmm)(stack.models_K)
+    backbone, _ = exact.make(generative.trial(stack.models_K, 0))
+    params = jax.vmap(generative.as_hmm)(stack.models_K)
   lanes = [(q, k) for q in range(len(steps)) for k in range(num)]
   fields = protocol.tune_lanes(setup, g.tune_config(setup.tune), backbone,
                              params, [(k, [0]) for _, k in lanes], stack)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 
 from hmmprompt import hmm as hmm_lib
-from hmmprompt import models
+from hmmprompt import generative
 from hmmprompt.backbones import Backbone
 
 # Module-level functions (not closures), so that every exact backbone of
@@ -23,13 +23,13 @@ from hmmprompt.backbones import Backbone
 BACKBONE_NAME = "exact"
 
 
-def make(model: models.Model) -> tuple[Backbone, hmm_lib.HMM]:
+def make(model: generative.Model) -> tuple[Backbone, hmm_lib.HMM]:
   """``(backbone, params)`` for an ``HMM`` or a single-cell ``MemoryHMM``.
 
   ``embed`` is :func:`hmm.token_evidence`, ``apply`` is
   :func:`hmm.evidence_conditionals`; ``params`` is the (product-state) HMM.
   """
-  hmm = models.as_hmm(model)
+  hmm = generative.as_hmm(model)
   backbone = Backbone(name=BACKBONE_NAME, embed=hmm_lib.token_evidence,
                       apply=hmm_lib.evidence_conditionals,
                       prompt_embedding=jax.nn.sigmoid,

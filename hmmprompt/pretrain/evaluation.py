@@ -17,7 +17,7 @@ import numpy as np
 
 from hmmprompt import corpus as corpus_lib
 from hmmprompt import hmm as hmm_lib
-from hmmprompt import models
+from hmmprompt import generative
 from hmmprompt.backbones import transformer
 from hmmprompt.pretrain.config import PretrainConfig
 
@@ -32,7 +32,7 @@ class ValidationSet(NamedTuple):
   exact: jax.Array
 
 
-def validation_set(key, model: models.Model,
+def validation_set(key, model: generative.Model,
                    cfg: PretrainConfig) -> ValidationSet:
   """Held-out sequences of the context length, ``MASK``-only masking."""
   seqs = corpus_lib.sample_sequences(key, model, cfg.corpus.val_seqs,
@@ -41,7 +41,7 @@ def validation_set(key, model: models.Model,
       jax.random.fold_in(key, 1), seqs, cfg.corpus.mask_rate,
       cfg.model.vocab_size, bert=False)
   exact = jax.jit(jax.vmap(hmm_lib.token_conditionals, in_axes=(None, 0)))(
-      models.as_hmm(model), inputs)
+      generative.as_hmm(model), inputs)
   return ValidationSet(inputs, seqs, weights, exact)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from hmmprompt import checkpoints as ckpt_lib
 from hmmprompt import corpus as corpus_lib
-from hmmprompt import models
+from hmmprompt import generative
 from hmmprompt import sharding as sharding_lib
 from hmmprompt.pretrain import curves as curves_lib
 from hmmprompt.pretrain import evaluation as evaluate_lib
@@ -103,21 +103,21 @@ def _take(tree, idx):
   return jax.tree.map(lambda x: x[idx], tree)
 
 
-def run(workdir: str, cfg: PretrainConfig, model: models.Model,
+def run(workdir: str, cfg: PretrainConfig, model: generative.Model,
         log: Callable[[str], Any] = print,
         after_step: Callable[[int], Any] | None = None) -> dict:
   """Pretrains one model (a stack of one, :func:`run_trials`); returns its
   final metrics line."""
-  return run_trials(workdir, cfg, models.stack([model]), log=log,
+  return run_trials(workdir, cfg, generative.stack([model]), log=log,
                     after_step=after_step)[0]
 
 
-def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
+def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
                log: Callable[[str], Any] = print,
                after_step: Callable[[int], Any] | None = None) -> list[dict]:
   """Pretrains (or resumes) K transformers of one config in ``workdir``, one
-  per trial of ``models_K`` (:func:`models.random_models`,
-  :func:`models.stack`), in one jitted step; returns each trial's final
+  per trial of ``models_K`` (:func:`generative.random_models`,
+  :func:`generative.stack`), in one jitted step; returns each trial's final
   metrics (lines of ``metrics.jsonl``, which carry ``trial``).
 
   Trial ``k`` has its own init, batches and validation set, from
@@ -145,10 +145,10 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
     FileNotFoundError: checkpoints exist but none is readable.
     FloatingPointError: a non-finite loss; the last checkpoint is kept.
   """
-  num = models.num_trials(models_K)
+  num = generative.num_trials(models_K)
   if num is None:
     raise ValueError("run_trials needs [K] stacked models "
-                     "(models.random_models or models.stack); use run for "
+                     "(generative.random_models or generative.stack); use run for "
                      "one model")
   paths = workdir_lib.prepare(workdir, cfg, models_K)
   mesh = sharding_lib.data_mesh()
@@ -198,9 +198,9 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
     _close(ckpts, retained)
     return [last.get(k, {}) for k in range(num)]
 
-  hmms = jax.device_put(jax.vmap(models.as_hmm)(models_K), rep)
+  hmms = jax.device_put(jax.vmap(generative.as_hmm)(models_K), rep)
   chunks = (None if cfg.corpus.fresh else jnp.stack(
-      [corpus_lib.build_chunks(keys.corpus[k], models.trial(models_K, k),
+      [corpus_lib.build_chunks(keys.corpus[k], generative.trial(models_K, k),
                                cfg.corpus) for k in range(num)]))
   get_batch = jax.jit(jax.vmap(
       functools.partial(corpus_lib.batch_at, cfg=cfg.corpus,
@@ -211,7 +211,7 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
   train_step = train.make_train_step(cfg, mesh)
   # Stopped trials are never evaluated again: no validation set for them.
   vals = {k: evaluate_lib.validation_set(keys.val[k],
-                                         models.trial(models_K, k), cfg)
+                                         generative.trial(models_K, k), cfg)
           for k in running}
   progress = _Progress(cfg, start, log, trials=len(running))
   # TensorBoard event files per trial (curves.py): written beside the
@@ -288,7 +288,7 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: models.Model,
   return [last.get(k, {}) for k in range(num)]
 
 
-def evaluate_checkpoints(cfg: PretrainConfig, models_K: models.Model,
+def evaluate_checkpoints(cfg: PretrainConfig, models_K: generative.Model,
                          params_QxK) -> list[list[dict]]:
   """``metrics[q][k]``: :func:`evaluation.evaluate` of trial ``k``'s params
   at checkpoint ``q`` (``params_QxK``, e.g.
@@ -296,12 +296,12 @@ def evaluate_checkpoints(cfg: PretrainConfig, models_K: models.Model,
   set the loop evaluates trial ``k`` on, so at an evaluation step it is
   that step's ``metrics.jsonl`` line (without ``trial``, ``step`` and
   ``wall_s``); the other retained steps are measured here alone."""
-  num = cast(int, models.num_trials(models_K))  # stacked: an int
+  num = cast(int, generative.num_trials(models_K))  # stacked: an int
   keys = Keys.of(cfg.seed, num)
   num_q = jax.tree.leaves(params_QxK)[0].shape[0]
   out: list[list[Any]] = [[None] * num for _ in range(num_q)]
   for k in range(num):
-    val = evaluate_lib.validation_set(keys.val[k], models.trial(models_K, k),
+    val = evaluate_lib.validation_set(keys.val[k], generative.trial(models_K, k),
                                       cfg)
     for q in range(num_q):
       out[q][k] = evaluate_lib.evaluate(_take(params_QxK, (q, k)), cfg, val)

@@ -133,7 +133,7 @@ def make_train_step(cfg: PretrainConfig, mesh):
   split over the devices along ``B``; params and ``hmms`` replicated, the
   old states' buffers donated. Models run ``cfg.trials_per_vmap`` at a
   time (``lax.map`` with that batch size; 0: one ``vmap``). ``hmms``
-  (the generating models as vanilla HMMs, ``jax.vmap(models.as_hmm)``) is
+  (the generating models as vanilla HMMs, ``jax.vmap(generative.as_hmm)``) is
   needed only for ``cfg.targets == "exact"``: the targets are computed
   inside the step, per device on its share of the batch. A model that
   should stop is dropped from the stack by the caller (the loop), so
@@ -155,7 +155,7 @@ def make_train_step(cfg: PretrainConfig, mesh):
                  hmms=None):
     if cfg.targets == "exact" and hmms is None:
       raise ValueError("PretrainConfig.targets='exact' needs the generating "
-                       "HMMs: pass hmms=jax.vmap(models.as_hmm)(models_K) "
+                       "HMMs: pass hmms=jax.vmap(generative.as_hmm)(models_K) "
                        "to the step")
     return jitted(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT,
                   hmms if cfg.targets == "exact" else None)

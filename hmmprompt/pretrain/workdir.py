@@ -2,7 +2,7 @@
 
 Layout (version :data:`LAYOUT`): ``config.json`` (``{"layout", "pretrain":
 PretrainConfig}``), ``hmm.npz`` (the generating models stacked ``[K]``,
-:func:`models.save`), ``checkpoints/`` (orbax, the :class:`TrainState` of
+:func:`generative.save`), ``checkpoints/`` (orbax, the :class:`TrainState` of
 all K), ``metrics.jsonl`` (one line per trial and evaluation) and, with
 :attr:`PretrainConfig.retain`, ``retained/`` (orbax, the states of the
 retained steps, never rotated out). One model is a stack of one.
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hmmprompt import checkpoints as ckpt_lib
-from hmmprompt import models
+from hmmprompt import generative
 from hmmprompt import results as results_lib
 from hmmprompt.backbones import Backbone
 from hmmprompt.backbones import transformer
@@ -81,7 +81,7 @@ def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 
 def prepare(workdir: str, cfg: PretrainConfig,
-            models_K: models.Model) -> Paths:
+            models_K: generative.Model) -> Paths:
   """Creates ``workdir`` for a run of ``[K]`` stacked models, or checks
   that it holds this very run: the same result-deciding config
   (:meth:`PretrainConfig.identity`; runtime fields may differ), trial
@@ -100,18 +100,18 @@ def prepare(workdir: str, cfg: PretrainConfig,
       raise ValueError(f"{workdir} holds a run with a different config "
                        f"({'; '.join(diff)}); use a new --workdir (or "
                        f"delete it) to start another")
-    old_models = models.load(paths.model)
-    had, has = models.num_trials(old_models), models.num_trials(models_K)
+    old_models = generative.load(paths.model)
+    had, has = generative.num_trials(old_models), generative.num_trials(models_K)
     if had is None:
       raise ValueError(_LAYOUT1_SINGLE.format(workdir=workdir))
     if had != has:
       raise ValueError(f"{workdir} holds a run of {had} stacked trials, "
                        f"this run has {has} stacked trials: use a new "
                        f"workdir (or delete it) to change the trial count")
-    if not models.same(old_models, models_K):
+    if not generative.same(old_models, models_K):
       raise ValueError(f"{workdir} was pretrained on a different HMM")
   elif jax.process_index() == 0:
-    models.save(paths.model, models_K)
+    generative.save(paths.model, models_K)
     results_lib.atomic_write_text(paths.config, json.dumps(
         {"layout": LAYOUT, "pretrain": cfg.to_json()}, indent=1))
   return paths
@@ -144,7 +144,7 @@ def _abstract_states(cfg: PretrainConfig, num: int):
       jax.random.split(jax.random.PRNGKey(0), num), cfg))
 
 
-def _open_run(workdir: str) -> tuple[Paths, PretrainConfig, models.Model,
+def _open_run(workdir: str) -> tuple[Paths, PretrainConfig, generative.Model,
                                      int]:
   """``(paths, config, models_K, K)`` of a stacked run's directory;
   ``FileNotFoundError`` / ``ValueError`` as :func:`load_trials`."""
@@ -154,8 +154,8 @@ def _open_run(workdir: str) -> tuple[Paths, PretrainConfig, models.Model,
       raise FileNotFoundError(f"{getattr(paths, what)} not found: {workdir} "
                               f"is not a pretraining workdir")
   _, cfg = read_config(paths)
-  models_K = models.load(paths.model)
-  num = models.num_trials(models_K)
+  models_K = generative.load(paths.model)
+  num = generative.num_trials(models_K)
   if num is None:
     raise ValueError(_LAYOUT1_SINGLE.format(workdir=workdir))
   return paths, cfg, models_K, num
@@ -184,9 +184,9 @@ def load_trials(workdir: str) -> tuple[Backbone, Any, list[dict]]:
     raise FileNotFoundError(f"no checkpoints in {paths.ckpt}")
   metrics = read_metrics(paths)
   infos = []
-  for k in range(cast(int, models.num_trials(models_K))):
+  for k in range(cast(int, generative.num_trials(models_K))):
     mine = [m for m in metrics if m.get("trial", 0) == k]
-    infos.append({"config": cfg, "model": models.trial(models_K, k),
+    infos.append({"config": cfg, "model": generative.trial(models_K, k),
                   "metrics": mine[-1] if mine else {},
                   "step": int(state.step[k])})
   return transformer.make_backbone(cfg.model), state.params, infos
@@ -245,7 +245,7 @@ def load_retained(workdir: str) -> tuple[Backbone, Any, list[int],
   params_QxK = jax.tree.map(lambda *xs: jnp.stack(xs),
                             *[s.params for s in states_Q])
   state_steps_QxK = np.stack([np.asarray(s.step) for s in states_Q])
-  infos = [{"config": cfg, "model": models.trial(models_K, k),
+  infos = [{"config": cfg, "model": generative.trial(models_K, k),
             "steps": [int(x) for x in state_steps_QxK[:, k]]}
            for k in range(num)]
   return transformer.make_backbone(cfg.model), params_QxK, steps, infos

@@ -296,7 +296,7 @@ def tune_trials(keys, backbone: Backbone, bparams_K,
   its own backbone params, shared by its tasks.
 
   ``bparams_K``: the params of K backbones of one size stacked on a leading
-  trial axis (``jax.vmap(models.as_hmm)`` of :func:`models.random_models`
+  trial axis (``jax.vmap(generative.as_hmm)`` of :func:`generative.random_models`
   for the exact backbone, or :func:`pretrain.load_trials`' params);
   ``datas[k][s]`` and ``keys[k][s]`` are trial ``k``'s task ``s``.
   """

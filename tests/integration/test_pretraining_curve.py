@@ -15,7 +15,7 @@ import pytest
 from experiments import pretraining_curve as curve
 from experiments.pretraining_curve import report as curve_report
 from hmmprompt import protocol
-from hmmprompt import models
+from hmmprompt import generative
 from hmmprompt import pretrain
 from hmmprompt import tasks
 from hmmprompt import tuning
@@ -36,7 +36,7 @@ class _Crash(Exception):
 
 
 def _models():
-  return models.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6, 10)
+  return generative.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6, 10)
 
 
 @pytest.fixture(scope="module")

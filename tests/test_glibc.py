@@ -1,4 +1,4 @@
-"""hmmprompt.host_memory: freed blocks are reused without page faults."""
+"""hmmprompt.glibc: freed blocks are reused without page faults."""
 
 import subprocess
 import sys
@@ -8,9 +8,9 @@ import pytest
 _SCRIPT = """
 import resource, sys
 import numpy as np
-from hmmprompt import host_memory
+from hmmprompt import glibc
 if sys.argv[1] == "retain":
-  assert host_memory.retain_freed_memory()
+  assert glibc.retain_freed_memory()
 def faults():
   return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 np.ones(64 << 17)  # 64 MiB, once, so the heap has grown
