@@ -45,11 +45,10 @@ def validation_set(key, model: generative.Model,
   return ValidationSet(inputs, seqs, weights, exact)
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
-def _eval_sums(params, model_cfg, inputs, targets, weights, exact):
-  """``[4]``: weighted sums of model CE, Bayes CE, TV, and the weight."""
-  p_model = jax.nn.softmax(
-      transformer.MLM(model_cfg).apply(params, inputs), -1)
+def gap_sums(p_model, targets, weights, exact) -> jax.Array:
+  """``[4]``: the weighted sums of the model's CE, the Bayes CE, the TV
+  between the two, and the weight, from predicted distributions
+  ``p_model [..., V]`` (traceable)."""
   take = lambda p: jnp.take_along_axis(p, targets[..., None], -1)[..., 0]
   ce_model = -jnp.log(jnp.maximum(take(p_model), 1e-30))
   ce_bayes = -jnp.log(jnp.maximum(take(exact), 1e-30))
@@ -59,14 +58,28 @@ def _eval_sums(params, model_cfg, inputs, targets, weights, exact):
                     jnp.sum(tv * w), jnp.sum(w)])
 
 
+@functools.partial(jax.jit, static_argnums=(1,))
+def _eval_sums(params, model_cfg, inputs, targets, weights, exact):
+  p_model = jax.nn.softmax(
+      transformer.MLM(model_cfg).apply(params, inputs), -1)
+  return gap_sums(p_model, targets, weights, exact)
+
+
 def evaluate(params, cfg: PretrainConfig, val: ValidationSet) -> dict:
-  """``{"mlm_ce", "bayes_ce", "tv", "ce_gap", "eval_positions"}``."""
+  """``{"mlm_ce", "bayes_ce", "tv", "ce_gap", "eval_positions"}`` of the
+  transformer ``params`` (:func:`evaluate_predictions`)."""
+  return evaluate_predictions(
+      lambda sl: _eval_sums(params, cfg.model, val.inputs[sl],
+                            val.targets[sl], val.weights[sl], val.exact[sl]),
+      val, cfg.eval_batch)
+
+
+def evaluate_predictions(sums_of, val: ValidationSet, batch: int) -> dict:
+  """The metrics from :func:`gap_sums` of each slice of ``batch``
+  sequences (``sums_of(slice) -> [4]``), summed over the held-out set."""
   tot = np.zeros(4)
-  for i in range(0, val.inputs.shape[0], cfg.eval_batch):
-    sl = slice(i, i + cfg.eval_batch)
-    tot += np.asarray(_eval_sums(params, cfg.model, val.inputs[sl],
-                                 val.targets[sl], val.weights[sl],
-                                 val.exact[sl]))
+  for i in range(0, val.inputs.shape[0], batch):
+    tot += np.asarray(sums_of(slice(i, i + batch)))
   n = max(tot[3], 1.0)
   return {"mlm_ce": tot[0] / n, "bayes_ce": tot[1] / n, "tv": tot[2] / n,
           "ce_gap": (tot[0] - tot[1]) / n, "eval_positions": int(tot[3])}
