@@ -115,6 +115,7 @@ def main(argv):
     elif set_flags := [k for k, v in given.items() if v is not None]:
       raise ValueError(f"{', '.join(set_flags)} need --distributed")
     job = get_config(_PRESET.value, **_CONFIG.value())
+    sharding.check_batch(job.pretrain.batch_size, sharding.data_mesh())
     models_K = job.make_model()
     workdir_lib.prepare(_WORKDIR.value, job.pretrain, models_K)
   cfg = job.pretrain

@@ -18,6 +18,7 @@ from hmmprompt import config_flags
 from hmmprompt import heads
 from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import results as results_lib
+from hmmprompt import sharding
 from hmmprompt import tasks as tasks_lib
 from hmmprompt import tuning
 
@@ -142,6 +143,7 @@ def check_run(setup: Setup, backbones, pretrain_only: bool = False,
                      "exact backbone has no free parameters to fine-tune)")
   if "transformer" in backbones:
     setup.check_context()
+    sharding.check_batch(setup.pretrain.batch_size, sharding.data_mesh())
 
 
 def _tune(epochs: int, prompt_len: int, batch_size: int) -> tuning.TuneConfig:

@@ -148,11 +148,11 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   num = generative.num_trials(models_K)
   if num is None:
     raise ValueError("run_trials needs [K] stacked models "
-                     "(generative.random_models or generative.stack); use run for "
-                     "one model")
-  paths = workdir_lib.prepare(workdir, cfg, models_K)
+                     "(generative.random_models or generative.stack); use "
+                     "run for one model")
   mesh = sharding_lib.data_mesh()
-  sharding_lib.check_batch(cfg.batch_size, mesh)
+  sharding_lib.check_batch(cfg.batch_size, mesh)  # before writing anything
+  paths = workdir_lib.prepare(workdir, cfg, models_K)
   rep = sharding_lib.replicated(mesh)
   keys = Keys.of(cfg.seed, num)
   tag = (lambda k: "") if num == 1 else (lambda k: f"trial {k} ")

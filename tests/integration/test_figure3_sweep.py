@@ -57,6 +57,36 @@ figure3.run(setup, sys.argv[1], "left", "transformer")
 """
 
 
+# A sweep on 8 host devices, as a TPU v2-8 / v3-8 Colab runtime has them:
+# data-parallel pretraining splits each batch over the 8.
+_EIGHT_DEVICES = """
+import dataclasses, sys
+import jax
+from experiments import figure3
+assert jax.device_count() == 8, jax.devices()
+setup = dataclasses.replace(figure3.get_setup("tiny", **{args!r}),
+                            memory_sizes=(2,), finetune=True)
+figure3.run(setup, sys.argv[1], "both", "transformer")
+# A batch that does not split over the 8 is refused by name, before any
+# work (the binary's check_run is the library's first step).
+from experiments.figure3 import configs
+odd = figure3.get_setup("tiny", overrides={{"pretrain.batch_size": 12}})
+try:
+  configs.check_run(odd, ["transformer"])
+except ValueError as e:
+  assert "batch size 12 is not divisible by the 8 devices" in str(e), e
+else:
+  raise AssertionError("batch 12 on 8 devices was accepted")
+"""
+
+
+def _with_devices(n: int) -> dict:
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(
+      flags + [f"--xla_force_host_platform_device_count={n}"]))
+
+
 def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
   workdir = str(tmp_path)
   path = os.path.join(workdir, "results.jsonl")
@@ -196,6 +226,26 @@ def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
   assert len(figure3.read_results(workdir)) == 10
   monkeypatch.undo()
 
+  # The same sweep on 8 host devices: every line as on one device, to
+  # float tolerance (the pretraining's sums run in another order).
+  eight = str(tmp_path / "eight")
+  proc = subprocess.run(
+      [sys.executable, "-c", _EIGHT_DEVICES.format(args=_SETUP_ARGS), eight],
+      env=_with_devices(8), cwd=ROOT, capture_output=True, text=True,
+      timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  one = {r.key(): r for r in lines}
+  got = figure3.read_results(eight)
+  assert {r.key() for r in got} == set(one)
+  for r in got:
+    want = one[r.key()]
+    for name in ("pretrain_mlm_ce", "pretrain_bayes_ce", "pretrain_tv",
+                 "final_loss"):
+      assert getattr(r, name) == pytest.approx(getattr(want, name),
+                                               rel=1e-4), (r.key(), name)
+    assert r.pretrain_bayes_ce == want.pretrain_bayes_ce  # the same data
+    assert abs(r.test_accuracy - want.test_accuracy) <= 1 / 32, r.key()
+
   figure3.report(workdir)
   table = open(os.path.join(workdir, "figure3.md")).read()
   assert "transformer: vanilla + prompt linear" in table
@@ -288,6 +338,26 @@ def test_sweep_with_the_arms_beyond_the_paper(tmp_path, monkeypatch):
   monkeypatch.setattr(protocol.tuning, "tune_trials", lambda *a, **k: 1 / 0)
   figure3.run(SETUP, workdir, "both", "exact")
   monkeypatch.undo()
+
+  # The same sweep on 8 host devices: every line as on one device, to
+  # float tolerance (the pretraining's sums run in another order).
+  eight = str(tmp_path / "eight")
+  proc = subprocess.run(
+      [sys.executable, "-c", _EIGHT_DEVICES.format(args=_SETUP_ARGS), eight],
+      env=_with_devices(8), cwd=ROOT, capture_output=True, text=True,
+      timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  one = {r.key(): r for r in lines}
+  got = figure3.read_results(eight)
+  assert {r.key() for r in got} == set(one)
+  for r in got:
+    want = one[r.key()]
+    for name in ("pretrain_mlm_ce", "pretrain_bayes_ce", "pretrain_tv",
+                 "final_loss"):
+      assert getattr(r, name) == pytest.approx(getattr(want, name),
+                                               rel=1e-4), (r.key(), name)
+    assert r.pretrain_bayes_ce == want.pretrain_bayes_ce  # the same data
+    assert abs(r.test_accuracy - want.test_accuracy) <= 1 / 32, r.key()
 
   figure3.report(workdir)
   table = open(os.path.join(workdir, "figure3.md")).read()
