@@ -148,6 +148,10 @@ def pretrain_hard_set(workdir: str, cfg: HardSetConfig, log=print) -> dict:
       # Trial k of the sweep's stack trains with seed pretrain.seed + k:
       # a run of trials k0..k1 starts at seed + k0 (run_trials adds j).
       pcfg = cfg.pretrain.with_overrides(seed=cfg.pretrain.seed + run[0])
+      if pcfg.state_loss > 0:  # the readout has the HMM's state count
+        pcfg = pcfg.with_overrides(model=dataclasses.replace(
+            pcfg.model, state_readout=int(models.as_hmm(
+                models.trial(stack, 0)).transition.shape[-1])))
       sub = models.stack([models.trial(stack, k) for k in run])
       pdir = os.path.join(workdir, f"{draws.name}-t{run[0]}-{run[-1]}")
       log(f"pretraining {draws.name} trials {run} in {pdir}")

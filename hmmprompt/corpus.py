@@ -140,6 +140,15 @@ def corruption_likelihood(inputs_T, selected_T, vocab_size: int) -> jax.Array:
                    jnp.where(selected, noisy_TxV, onehot_TxV))
 
 
+def exact_state_posterior(hmm: hmm_lib.HMM, inputs_T,
+                          selected_T) -> jax.Array:
+  """``[T, H]``: ``P[H_t | x~, S]``, the hidden state's posterior given the
+  whole corrupted input (the auxiliary ``state_loss``'s target)."""
+  lik_TxV = corruption_likelihood(inputs_T, selected_T, hmm.vocab_size)
+  evidence_TxH = lik_TxV @ hmm.emission.astype(lik_TxV.dtype).T
+  return hmm_lib.forward_backward(hmm, evidence_TxH).posterior
+
+
 def exact_targets(hmm: hmm_lib.HMM, inputs_T, selected_T) -> jax.Array:
   """``[T, V]``: ``P[X_t | x~, S]`` under :func:`mask_tokens`' corruption.
 
