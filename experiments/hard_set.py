@@ -242,6 +242,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "output directory")
 _BENCH = flags.DEFINE_integer(
     "bench_steps", 0, "first time this many train steps of the recipe "
     "against cpu_capped's, interleaved, and print the per-token ratio")
+_BENCH_ONLY = flags.DEFINE_bool("bench_only", False,
+                                 "with --bench_steps: stop after the ratio")
 _CONFIG = config_flags.define(default_config())
 
 
@@ -269,6 +271,8 @@ def main(argv):
     ratio = bench_ratio(pcfg, _BENCH.value)
     print(f"time per training token: {ratio:.2f}x cpu_capped's "
           f"(interleaved, {_BENCH.value} steps each)", flush=True)
+    if _BENCH_ONLY.value:
+      return
   t0, c0 = time.perf_counter(), os.times()
   per_draw = pretrain_hard_set(workdir, cfg,
                                log=lambda s: print(s, flush=True))
