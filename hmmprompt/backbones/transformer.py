@@ -294,7 +294,14 @@ def rel_bias(cfg: MLMConfig, t: int, table_AxO=None):
     slope_A = 2.0 ** (-8.0 * (jnp.arange(cfg.num_heads) + 1)
                       / cfg.num_heads)
     return -slope_A[:, None, None] * jnp.abs(offset_TxT)[None]
-  return table_AxO[:, offset_TxT + cfg.max_len - 1]
+  # The Toeplitz matrix M[i, j] = w[j - i + t - 1] by tiling and reshaping
+  # (no gather: its gradient, a scatter-add, was the slow part on CPU).
+  if t == 1:
+    return table_AxO[:, cfg.max_len - 1:cfg.max_len][:, None]
+  w_AxW = table_AxO[:, cfg.max_len - t:cfg.max_len + t - 1]  # W = 2t - 1
+  w_AxW = jnp.roll(w_AxW, -(t - 1), axis=-1)  # w'[k] = w[k + t - 1 mod W]
+  flat = jnp.tile(w_AxW, (1, t))[:, :t * (2 * t - 2)]
+  return flat.reshape(-1, t, 2 * t - 2)[:, :, :t]
 
 
 class MLM(nn.Module):
