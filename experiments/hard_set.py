@@ -35,6 +35,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import time
 
 from absl import app
@@ -135,8 +136,10 @@ def tokens_per_step(cfg: pretrain_lib.PretrainConfig) -> int:
   return cfg.batch_size * cfg.corpus.chunk_len
 
 
-def pretrain_hard_set(workdir: str, cfg: HardSetConfig, log=print) -> dict:
-  """Pretrains the selected draws; ``{tag: [metrics lines]}``."""
+def pretrain_hard_set(workdir: str, cfg: HardSetConfig, log=print,
+                      train: bool = True) -> dict:
+  """Pretrains the selected draws; ``{tag: [metrics lines]}`` (``train``
+  False: only reads what ``workdir`` holds, e.g. of a run still going)."""
   out = {}
   for draws in HARD_SET:
     chosen = [k for k, t in zip(draws.trials, draws.tags())
@@ -154,13 +157,35 @@ def pretrain_hard_set(workdir: str, cfg: HardSetConfig, log=print) -> dict:
                 models.trial(stack, 0)).transition.shape[-1])))
       sub = models.stack([models.trial(stack, k) for k in run])
       pdir = os.path.join(workdir, f"{draws.name}-t{run[0]}-{run[-1]}")
-      log(f"pretraining {draws.name} trials {run} in {pdir}")
-      pretrain_lib.run_trials(pdir, pcfg, sub, log=log)
+      if train:
+        log(f"pretraining {draws.name} trials {run} in {pdir}")
+        pretrain_lib.run_trials(pdir, pcfg, sub, log=log)
+      elif not os.path.exists(workdir_lib.Paths.of(pdir).metrics):
+        continue
       lines = workdir_lib.read_metrics(workdir_lib.Paths.of(pdir))
       for j, k in enumerate(run):
         out[f"{draws.name}t{k}"] = [m for m in lines
                                     if m.get("trial", 0) == j]
   return out
+
+
+def read_hard_set(workdir: str) -> dict:
+  """``{tag: [metrics lines]}`` of every draw trained in ``workdir``,
+  whatever runs (``DIR/<name>-t<k0>-<k1>/``) its trials were grouped in;
+  in :data:`HARD_SET`'s order."""
+  found = {}
+  for entry in sorted(os.listdir(workdir)):
+    m = re.fullmatch(r"([a-z]+\d+)-t(\d+)-(\d+)", entry)
+    path = workdir_lib.Paths.of(os.path.join(workdir, entry)).metrics
+    if not m or not os.path.exists(path):
+      continue
+    lines = workdir_lib.read_metrics(workdir_lib.Paths.of(
+        os.path.join(workdir, entry)))
+    for j in range(int(m[3]) - int(m[2]) + 1):
+      found[f"{m[1]}t{int(m[2]) + j}"] = [
+          x for x in lines if x.get("trial", 0) == j]
+  order = [t for d in HARD_SET for t in d.tags()]
+  return {t: found[t] for t in order if t in found}
 
 
 def summarize(lines: list[dict], tok_step: int) -> dict:
@@ -242,6 +267,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "output directory")
 _BENCH = flags.DEFINE_integer(
     "bench_steps", 0, "first time this many train steps of the recipe "
     "against cpu_capped's, interleaved, and print the per-token ratio")
+_REPORT_ONLY = flags.DEFINE_bool(
+    "report_only", False, "print the table of what DIR holds for this "
+    "recipe (a run still going: its evaluations so far); train nothing")
 _BENCH_ONLY = flags.DEFINE_bool("bench_only", False,
                                  "with --bench_steps: stop after the ratio")
 _CONFIG = config_flags.define(default_config())
@@ -266,6 +294,9 @@ def main(argv):
                                            indent=1))
   print(f"recipe {fingerprint(pcfg)}: overrides {_CONFIG.value()}",
         flush=True)
+  if _REPORT_ONLY.value:  # every draw of DIR, however grouped
+    print(report(read_hard_set(workdir), tokens_per_step(pcfg)))
+    return
   ratio = None
   if _BENCH.value:
     ratio = bench_ratio(pcfg, _BENCH.value)
