@@ -43,15 +43,25 @@ run goes (speed, logging, what is kept on disk), never what it computes:
 invalidates anything."""
 
 
+ADDED = {"added": True}
+"""``dataclasses.field(default=..., metadata=ADDED)`` marks a result field
+added after results had been keyed: :func:`identity` leaves it out while it
+holds its default (the earlier runs computed exactly that), so existing
+directory names and fingerprints stand, and any other value moves them."""
+
+
 def identity(cfg) -> dict:
   """``cfg`` as a JSON-able dict of the fields that decide results: every
-  field but those marked :data:`RUNTIME`, subtrees recursed. What
-  directory names, fingerprints and resume checks hash or compare."""
+  field but those marked :data:`RUNTIME` (and those marked :data:`ADDED`
+  while at their default), subtrees recursed. What directory names,
+  fingerprints and resume checks hash or compare."""
   out = {}
   for f in dataclasses.fields(cfg):
     if f.metadata.get("runtime"):
       continue
     value = getattr(cfg, f.name)
+    if f.metadata.get("added") and value == f.default:
+      continue
     out[f.name] = (identity(value) if dataclasses.is_dataclass(value)
                    else value)
   return out

@@ -36,6 +36,16 @@ RMS, so that position ``t``'s dot product with ``t + k`` depends on ``k``
 alone from the first step)."""
 
 
+REL_POS = ("none", "bias", "alibi")
+"""Relative-position terms added to every attention logit, beside the
+absolute position table: ``"none"`` (BERT's), ``"bias"`` (a learned bias
+per layer, head and offset ``j - i``, initialised at 0: attending at a
+fixed offset is one parameter; Shaw et al. 2018, T5 without buckets) or
+``"alibi"`` (a fixed ``-m_a |i - j|`` with ALiBi's slopes ``m_a =
+2^(-8 (a + 1) / A)``, symmetric for a bidirectional model; Press et al.
+2022). Either makes attention take the manual path."""
+
+
 ATTENTIONS = ("auto", "manual", "dot_product")
 """How ``Block`` computes attention: ``"manual"`` (softmax(Q K^T / sqrt(E))
 V by hand in a heads-major layout, what XLA:CPU runs fastest),
@@ -67,6 +77,15 @@ class MLMConfig:
   max_len: int = 512
   dtype: str = "float32"
   pos_init: str = "normal"
+  # Added after results were keyed (config_flags.ADDED: out of the
+  # identity at their defaults). rel_pos: REL_POS. state_readout: the
+  # number of hidden states of a linear readout from the final LayerNorm
+  # (``MLM.logits_and_states``), trained only by PretrainConfig.state_loss
+  # (0: none; tuning never reads it).
+  rel_pos: str = dataclasses.field(default="none",
+                                   metadata=config_flags.ADDED)
+  state_readout: int = dataclasses.field(default=0,
+                                         metadata=config_flags.ADDED)
   # How attention is computed (ATTENTIONS): a runtime choice, left out of
   # PretrainConfig.identity() (directory names, fingerprints, resume
   # checks), as the paths agree to float rounding.
@@ -82,6 +101,12 @@ class MLMConfig:
     if self.pos_init not in POS_INITS:
       raise ValueError(f"MLMConfig.pos_init must be one of {POS_INITS}, got "
                        f"{self.pos_init!r}")
+    if self.rel_pos not in REL_POS:
+      raise ValueError(f"MLMConfig.rel_pos must be one of {REL_POS}, got "
+                       f"{self.rel_pos!r}")
+    if not (isinstance(self.state_readout, int) and self.state_readout >= 0):
+      raise ValueError(f"MLMConfig.state_readout must be an int >= 0, got "
+                       f"{self.state_readout!r}")
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"MLMConfig.dtype must be float32 or bfloat16, got "
                        f"{self.dtype!r}")
@@ -97,6 +122,8 @@ class MLMConfig:
   def resolved_attention(self) -> str:
     """``"manual"`` or ``"dot_product"`` (``"auto"`` resolved by the
     default backend: call at trace time)."""
+    if self.rel_pos != "none":
+      return "manual"  # the logits take a bias
     if self.attention == "auto":
       return "manual" if jax.default_backend() == "cpu" else "dot_product"
     return self.attention
@@ -242,6 +269,11 @@ class Block(nn.Module):
       q, k, v = qkv_3xBxAxTxE[0], qkv_3xBxAxTxE[1], qkv_3xBxAxTxE[2]
       logits_BxAxTxT = jnp.matmul(q, jnp.swapaxes(k, -1, -2)) / jnp.sqrt(
           jnp.asarray(e, dt))
+      if cfg.rel_pos != "none":
+        table = (self.param("rel_bias", nn.initializers.zeros,
+                            (a, 2 * cfg.max_len - 1))
+                 if cfg.rel_pos == "bias" else None)
+        logits_BxAxTxT = logits_BxAxTxT + rel_bias(cfg, t, table).astype(dt)
       attn = jax.nn.softmax(logits_BxAxTxT.astype(jnp.float32),
                             -1).astype(dt)
       out_BxAxTxE = jnp.matmul(attn, v)
@@ -251,6 +283,25 @@ class Block(nn.Module):
     y = nn.Dense(cfg.d_ff, dtype=dt, name="mlp_in")(y)
     y = nn.Dense(d, dtype=dt, name="mlp_out")(nn.gelu(y))
     return x_BxTxD + y
+
+
+
+def rel_bias(cfg: MLMConfig, t: int, table_AxO=None):
+  """``[A, T, T]``: the relative-position term of the attention logits
+  (``table_AxO``: the learned ``"bias"``, offsets ``-(L-1)..L-1``)."""
+  offset_TxT = jnp.arange(t)[None, :] - jnp.arange(t)[:, None]
+  if cfg.rel_pos == "alibi":
+    slope_A = 2.0 ** (-8.0 * (jnp.arange(cfg.num_heads) + 1)
+                      / cfg.num_heads)
+    return -slope_A[:, None, None] * jnp.abs(offset_TxT)[None]
+  # The Toeplitz matrix M[i, j] = w[j - i + t - 1] by tiling and reshaping
+  # (no gather: its gradient, a scatter-add, was the slow part on CPU).
+  if t == 1:
+    return table_AxO[:, cfg.max_len - 1:cfg.max_len][:, None]
+  w_AxW = table_AxO[:, cfg.max_len - t:cfg.max_len + t - 1]  # W = 2t - 1
+  w_AxW = jnp.roll(w_AxW, -(t - 1), axis=-1)  # w'[k] = w[k + t - 1 mod W]
+  flat = jnp.tile(w_AxW, (1, t))[:, :t * (2 * t - 2)]
+  return flat.reshape(-1, t, 2 * t - 2)[:, :, :t]
 
 
 class MLM(nn.Module):
@@ -271,19 +322,33 @@ class MLM(nn.Module):
     self.ln_final = nn.LayerNorm(dtype=cfg.compute_dtype, name="ln_final")
     self.head = nn.Dense(cfg.vocab_size, dtype=cfg.compute_dtype,
                          name="head")
+    if cfg.state_readout:
+      self.state_head = nn.Dense(cfg.state_readout, dtype=cfg.compute_dtype,
+                                 name="state_head")
 
   def embed(self, tokens_BxT):
     ids = jnp.where(tokens_BxT == hmm_lib.MASK, self.cfg.mask_id, tokens_BxT)
     return self.tok_embed(ids)
 
   def encode(self, emb_BxTxD):
+    return self.head(self.features(emb_BxTxD)).astype(jnp.float32)
+
+  def features(self, emb_BxTxD):
     t = emb_BxTxD.shape[-2]
     x = (emb_BxTxD + self.pos_embed[:t]).astype(self.cfg.compute_dtype)
     for block in self.blocks:
       x = block(x)
-    return self.head(self.ln_final(x)).astype(jnp.float32)
+    return self.ln_final(x)
+
+  def logits_and_states(self, tokens_BxT):
+    """``(logits [B, T, V], state logits [B, T, state_readout])``, fp32."""
+    h = self.features(self.embed(tokens_BxT))
+    return (self.head(h).astype(jnp.float32),
+            self.state_head(h).astype(jnp.float32))
 
   def __call__(self, tokens_BxT):
+    if self.is_initializing() and self.cfg.state_readout:
+      return self.logits_and_states(tokens_BxT)[0]
     return self.encode(self.embed(tokens_BxT))
 
 

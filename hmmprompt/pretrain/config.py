@@ -15,6 +15,7 @@ from hmmprompt.backbones import transformer
 
 
 TARGETS = ("sampled", "exact")
+OPTIMIZERS = ("adamw", "muon")
 
 
 def _runtime(default):
@@ -75,6 +76,22 @@ class PretrainConfig:
   cycle_lr: float = 0.5
   seed: int = 0
   targets: str = "sampled"
+  # Added after results were keyed (config_flags.ADDED: out of the
+  # identity at their defaults).
+  # optimizer: OPTIMIZERS; "muon" is optax.contrib.muon on the matrices
+  # (AdamW on the rest, both on lr_schedule).
+  optimizer: str = dataclasses.field(default="adamw",
+                                     metadata=config_flags.ADDED)
+  # state_loss: weight of an auxiliary cross-entropy from the model's linear
+  # state readout (model.state_readout = the HMM's state count) to the
+  # exact posterior P[H_t | corrupted input] at every position, decaying
+  # linearly to 0 at step state_loss_steps (0: constant). It reads the
+  # HMM's latent state, which MLM pretraining never sees: a named option
+  # for experiments, never a preset's default; report its results apart.
+  state_loss: float = dataclasses.field(default=0.0,
+                                        metadata=config_flags.ADDED)
+  state_loss_steps: int = dataclasses.field(default=0,
+                                            metadata=config_flags.ADDED)
   # Runtime settings (config_flags.RUNTIME): how a run goes, not what it
   # computes, so no directory name, fingerprint or resume check reads them.
   log_every: int = _runtime(100)
@@ -88,6 +105,12 @@ class PretrainConfig:
     if self.targets not in TARGETS:
       raise ValueError(f"PretrainConfig.targets must be one of {TARGETS}, "
                        f"got {self.targets!r}")
+    if self.optimizer not in OPTIMIZERS:
+      raise ValueError(f"PretrainConfig.optimizer must be one of "
+                       f"{OPTIMIZERS}, got {self.optimizer!r}")
+    if self.state_loss < 0 or self.state_loss_steps < 0:
+      raise ValueError("PretrainConfig.state_loss and state_loss_steps must "
+                       "be >= 0")
     if self.corpus.chunk_len > self.model.max_len:
       raise ValueError(f"corpus chunk_len {self.corpus.chunk_len} exceeds the "
                        f"model context max_len {self.model.max_len}")

@@ -47,10 +47,15 @@ def lr_schedule(cfg: PretrainConfig):
 
 
 def make_optimizer(cfg: PretrainConfig) -> optax.GradientTransformation:
-  """Global-norm clipping, then AdamW on :func:`lr_schedule`."""
-  return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
-                     optax.adamw(lr_schedule(cfg),
-                                 weight_decay=cfg.weight_decay))
+  """Global-norm clipping, then AdamW on :func:`lr_schedule` (or Muon on
+  the matrices and AdamW on the rest: ``cfg.optimizer == "muon"``)."""
+  if cfg.optimizer == "muon":
+    opt = optax.contrib.muon(lr_schedule(cfg),
+                             weight_decay=cfg.weight_decay,
+                             adam_weight_decay=cfg.weight_decay)
+  else:
+    opt = optax.adamw(lr_schedule(cfg), weight_decay=cfg.weight_decay)
+  return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), opt)
 
 
 def mlm_loss(params, model_cfg, inputs_BxT, targets, weights_BxT):
@@ -69,6 +74,21 @@ def mlm_loss(params, model_cfg, inputs_BxT, targets, weights_BxT):
                                                              targets)
   return jnp.sum(ce_BxT * weights_BxT) / jnp.maximum(jnp.sum(weights_BxT),
                                                      1.0)
+
+
+def mlm_and_state_loss(params, model_cfg, inputs_BxT, targets, weights_BxT,
+                       posterior_BxTxH, state_weight):
+  """:func:`mlm_loss` plus ``state_weight`` times the mean cross-entropy
+  from the model's state readout to the exact posterior ``[B, T, H]`` at
+  every position; returns ``(total, mlm)``."""
+  logits_BxTxV, states_BxTxH = transformer.MLM(model_cfg).apply(
+      params, inputs_BxT, method=transformer.MLM.logits_and_states)
+  ce_BxT = optax.softmax_cross_entropy(logits_BxTxV,
+                                       targets.astype(jnp.float32))
+  mlm = jnp.sum(ce_BxT * weights_BxT) / jnp.maximum(jnp.sum(weights_BxT),
+                                                    1.0)
+  aux = jnp.mean(optax.softmax_cross_entropy(states_BxTxH, posterior_BxTxH))
+  return mlm + state_weight * aux, mlm
 
 
 def _init_one(key, cfg: PretrainConfig) -> TrainState:
@@ -99,11 +119,26 @@ def _step_fn(cfg: PretrainConfig):
   """The pure step ``(state, inputs, tokens, weights, hmm) -> (state, loss)``
   of one model (the body :func:`make_train_step` maps over the stack)."""
   opt = make_optimizer(cfg)
+  if cfg.state_loss > 0 and not cfg.model.state_readout:
+    raise ValueError("PretrainConfig.state_loss needs model.state_readout = "
+                     "the generating HMM's number of states")
 
   def step(state: TrainState, inputs_BxT, tokens_BxT, weights_BxT, hmm):
     targets = loss_targets(cfg, hmm, inputs_BxT, tokens_BxT, weights_BxT)
-    loss, grads = jax.value_and_grad(mlm_loss)(
-        state.params, cfg.model, inputs_BxT, targets, weights_BxT)
+    if cfg.state_loss > 0:
+      post_BxTxH = jax.lax.stop_gradient(jax.vmap(
+          corpus_lib.exact_state_posterior, in_axes=(None, 0, 0))(
+              hmm, inputs_BxT, weights_BxT))
+      w = jnp.float32(cfg.state_loss)
+      if cfg.state_loss_steps:
+        w = w * jnp.maximum(0.0, 1.0 - state.step / cfg.state_loss_steps)
+      (_, loss), grads = jax.value_and_grad(
+          mlm_and_state_loss, has_aux=True)(
+              state.params, cfg.model, inputs_BxT, targets, weights_BxT,
+              post_BxTxH, w)
+    else:
+      loss, grads = jax.value_and_grad(mlm_loss)(
+          state.params, cfg.model, inputs_BxT, targets, weights_BxT)
     updates, opt_state = opt.update(grads, state.opt_state, state.params)
     return TrainState(step=state.step + 1,
                       params=optax.apply_updates(state.params, updates),
@@ -153,12 +188,13 @@ def make_train_step(cfg: PretrainConfig, mesh):
 
   def train_step(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT,
                  hmms=None):
-    if cfg.targets == "exact" and hmms is None:
+    needs_hmms = cfg.targets == "exact" or cfg.state_loss > 0
+    if needs_hmms and hmms is None:
       raise ValueError("PretrainConfig.targets='exact' needs the generating "
                        "HMMs: pass hmms=jax.vmap(generative.as_hmm)(models_K) "
                        "to the step")
     return jitted(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT,
-                  hmms if cfg.targets == "exact" else None)
+                  hmms if needs_hmms else None)
 
   # step_memory compiles it on shapes
   train_step.lower = jitted.lower  # type: ignore[attr-defined]

@@ -1,0 +1,88 @@
+"""The recipe options of issue 30's hard set (experiments/hard_set.py):
+named, off by default, and out of the identity while off."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hmmprompt import corpus as corpus_lib
+from hmmprompt import hmm as hmm_lib
+from hmmprompt import pretrain
+from hmmprompt.backbones import transformer
+from hmmprompt.pretrain import train
+
+TINY = pretrain.preset_config("tiny")
+
+
+def test_added_fields_leave_the_identity_until_set():
+  for name in pretrain.PRESETS:
+    ident = pretrain.preset_config(name).identity()
+    assert "rel_pos" not in ident["model"]
+    assert "state_readout" not in ident["model"]
+    assert "train_mask_rate" not in ident["corpus"]
+    for key in ("optimizer", "state_loss", "state_loss_steps"):
+      assert key not in ident
+  moved = TINY.with_overrides(model=dataclasses.replace(TINY.model,
+                                                        rel_pos="bias"))
+  assert moved.identity()["model"]["rel_pos"] == "bias"
+  assert moved.identity() != TINY.identity()
+
+
+@pytest.mark.parametrize("t", [1, 2, 5, 32])
+def test_rel_bias_is_the_toeplitz_of_the_table(t):
+  cfg = dataclasses.replace(TINY.model, rel_pos="bias")
+  table = jax.random.normal(jax.random.PRNGKey(0),
+                            (cfg.num_heads, 2 * cfg.max_len - 1))
+  off = np.arange(t)[None, :] - np.arange(t)[:, None]
+  np.testing.assert_array_equal(transformer.rel_bias(cfg, t, table),
+                                np.asarray(table)[:, off + cfg.max_len - 1])
+  alibi = transformer.rel_bias(dataclasses.replace(cfg, rel_pos="alibi"), t)
+  slope = 2.0 ** (-8.0 / cfg.num_heads)  # the first head's
+  np.testing.assert_allclose(alibi[0], -slope * np.abs(off), rtol=1e-6)
+
+
+def test_zero_bias_is_the_model_without_it():
+  """``rel_pos="bias"`` starts at 0: the same logits as without it."""
+  params = transformer.init_params(jax.random.PRNGKey(0), TINY.model)
+  cfg = dataclasses.replace(TINY.model, rel_pos="bias")
+  with_bias = transformer.init_params(jax.random.PRNGKey(0), cfg)
+  toks = jnp.array([[hmm_lib.MASK, 1, 2, 9, 3]], jnp.int32)
+  np.testing.assert_allclose(
+      transformer.MLM(cfg).apply(with_bias, toks),
+      transformer.MLM(TINY.model).apply(params, toks), rtol=1e-5, atol=1e-6)
+
+
+def test_train_mask_rate_masks_training_batches_only():
+  hmm = hmm_lib.random_hmm(jax.random.PRNGKey(0), 4, 10)
+  cfg = TINY.corpus
+  dense = dataclasses.replace(cfg, train_mask_rate=0.6)
+  key = jax.random.PRNGKey(1)
+  _, _, w = corpus_lib.batch_at(key, 0, hmm, None, cfg, 64, 10)
+  _, _, w_dense = corpus_lib.batch_at(key, 0, hmm, None, dense, 64, 10)
+  assert float(w.mean()) < 0.25 < 0.45 < float(w_dense.mean())
+  base = pretrain.evaluation.validation_set(key, hmm, TINY)
+  other = pretrain.evaluation.validation_set(
+      key, hmm, TINY.with_overrides(corpus=dense))
+  np.testing.assert_array_equal(base.weights, other.weights)
+
+
+def test_state_loss_steps_and_needs_a_readout():
+  hmm = hmm_lib.random_hmm(jax.random.PRNGKey(0), 4, 10)
+  cfg = TINY.with_overrides(state_loss=1.0, targets="exact")
+  with pytest.raises(ValueError, match="state_readout"):
+    train.make_train_step(cfg, pretrain.loop.sharding_lib.data_mesh())
+  cfg = cfg.with_overrides(model=dataclasses.replace(cfg.model,
+                                                     state_readout=4))
+  step = train.make_train_step(cfg, pretrain.loop.sharding_lib.data_mesh())
+  states = train.init_states(jax.random.split(jax.random.PRNGKey(0), 1), cfg)
+  inputs, tokens, weights = corpus_lib.batch_at(
+      jax.random.PRNGKey(2), 0, hmm, None, cfg.corpus, cfg.batch_size, 10)
+  hmms = jax.tree.map(lambda x: x[None], hmm)
+  states, loss = step(states, inputs[None], tokens[None], weights[None],
+                      hmms)
+  assert np.isfinite(np.asarray(loss)).all()
+  post = corpus_lib.exact_state_posterior(hmm, inputs[0], weights[0])
+  np.testing.assert_allclose(post.sum(-1), 1.0, rtol=1e-5)
