@@ -67,19 +67,6 @@ def read_config(paths: Paths) -> tuple[int, PretrainConfig]:
   return blob["layout"], PretrainConfig.from_json(blob["pretrain"])
 
 
-def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
-  """``"a.b: old -> new"`` for every leaf where two nested dicts (config
-  identities) differ: what a refusal to reuse a directory names."""
-  out = []
-  for key in sorted(set(old) | set(new)):
-    a, b = old.get(key), new.get(key)
-    if isinstance(a, dict) and isinstance(b, dict):
-      out += differences(a, b, f"{prefix}{key}.")
-    elif a != b:
-      out.append(f"{prefix}{key}: {a!r} -> {b!r}")
-  return out
-
-
 def prepare(workdir: str, cfg: PretrainConfig,
             models_K: generative.Model) -> Paths:
   """Creates ``workdir`` for a run of ``[K]`` stacked models, or checks
@@ -95,7 +82,7 @@ def prepare(workdir: str, cfg: PretrainConfig,
   os.makedirs(workdir, exist_ok=True)
   if os.path.exists(paths.config):
     _, old = read_config(paths)
-    diff = differences(old.identity(), cfg.identity())
+    diff = results_lib.differences(old.identity(), cfg.identity())
     if diff:
       raise ValueError(f"{workdir} holds a run with a different config "
                        f"({'; '.join(diff)}); use a new --workdir (or "
