@@ -40,8 +40,10 @@ def test_identities_are_the_committed_ones():
   assert got == {
       "tiny": ("19d48286c874", "fdca962b830c", "W/pretrain/vanilla-h4-b29a8b2f",
                "W/pretrain/memory-h4-m7-b29a8b2f"),
-      "cpu": ("a6f38f8be942", "99eebf1f47d2", "W/pretrain/vanilla-h4-4ff1a5bc",
-              "W/pretrain/memory-h4-m7-4ff1a5bc"),
+      # The transformer's re-keyed once by issue 30's cpu_capped recipe
+      # (was 99eebf1f47d2, vanilla-h4-4ff1a5bc).
+      "cpu": ("a6f38f8be942", "5ab58c6d5ab7", "W/pretrain/vanilla-h4-539e5958",
+              "W/pretrain/memory-h4-m7-539e5958"),
       "paper": ("80bfbca971f2", "2a26c840f84c",
                 "W/pretrain/vanilla-h4-bb7e9b01",
                 "W/pretrain/memory-h4-m7-bb7e9b01"),
@@ -61,8 +63,11 @@ def test_get_setup_presets_overrides_and_errors():
   # The main job's pretraining is the named cpu_capped recipe.
   assert (cpu.pretrain.batch_size, cpu.pretrain.lr, cpu.pretrain.steps,
           cpu.pretrain.cycles, cpu.pretrain.targets,
-          cpu.pretrain.corpus.corruption) == (
-              32, 5e-3, 2000, (500, 500, 1000), "exact", "mask")
+          cpu.pretrain.corpus.corruption, cpu.pretrain.optimizer,
+          cpu.pretrain.model.rel_pos,
+          cpu.pretrain.corpus.train_mask_rate) == (
+              32, 1e-2, 2000, (250, 250, 500, 1000), "exact", "mask", "muon",
+              "bias", 0.4)
   assert (cpu.trials, cpu.tasks_per_hmm, cpu.features) == (3, 1, ("raw",))
   s = figure3.get_setup("cpu", trials=2, overrides={
       "pretrain.lr": "3e-3", "left_sizes": "4:8", "tune.epochs": 2})

@@ -17,7 +17,7 @@ stack, drawn, pretrained and tuned as one vmapped program
 * :mod:`.sweep`: the plan, the stacks, :func:`run`;
 * :mod:`.records`: :class:`ResultLine`, the declared schema of a line;
 * :mod:`.reporting`: tables and plots; :mod:`.chunks`: the sweep in
-  chunks for a lent machine (``experiments/accelerator.py``);
+  chunks for a lent machine (``experiments/in_chunks.py``);
 * ``__main__``: the thin absl binary.
 
 Outputs, all written atomically; a rerun skips finished lines:

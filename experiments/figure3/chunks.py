@@ -1,8 +1,10 @@
 """Figure 3 in chunks of whole size stacks, for a machine lent for minutes
 that keeps nothing: each chunk starts from a committed results directory,
 computes only what is missing and ends in one archive that
-:func:`merge` adds back (``experiments/accelerator.py`` is the binary;
-its docstring has the command lines)."""
+:func:`merge` adds back (``experiments/in_chunks.py`` is the binary;
+its docstring has the command lines). Nothing here is device-specific: a
+lent accelerator runs the ``gpu`` preset this way, the 2-core CPU the
+``cpu_paper`` one."""
 
 from __future__ import annotations
 
@@ -29,8 +31,7 @@ from hmmprompt import results as results_lib
 from hmmprompt import sharding as sharding_lib
 from hmmprompt.pretrain import report as pretrain_report
 
-ARCHIVE = "figure3-gpu.tar.gz"
-RESULTS_DIR = os.path.join("docs", "results", "figure3-gpu")
+ARCHIVE = "figure3-chunk.tar.gz"
 # Result-line fields that time the run and may differ between two runs of
 # one cell.
 TIMING_FIELDS = ("seconds", "pretrain_wall_s")
@@ -40,6 +41,13 @@ _PRETRAIN_FILES = ("metrics.jsonl", "config.json")
 _MEMBER = re.compile(r"(results\.jsonl|sweep\.json|run\.json|"
                      + "|".join(re.escape(f) for f in _REPORT_FILES)
                      + r"|pretrain/\w[\w.-]*/(metrics\.jsonl|config\.json))")
+
+
+def results_dir(preset: str) -> str:
+  """The committed results directory of ``preset``'s chunks:
+  ``docs/results/figure3-<preset>`` with ``_`` as ``-``."""
+  return os.path.join("docs", "results",
+                      "figure3-" + preset.replace("_", "-"))
 
 
 def chunk_sizes(setup: configs.Setup,
@@ -134,7 +142,7 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
               results_dir: str, out_dir: str, budget_s: float | None = None,
               workdir: str | None = None, preset: str = "") -> dict:
   """Computes ``chunk``'s missing cells from ``results_dir`` and writes
-  ``out_dir/figure3-gpu.tar.gz`` (also after the budget or an error);
+  ``out_dir/figure3-chunk.tar.gz`` (also after the budget or an error);
   returns the archive's ``run.json``.
 
   ``workdir`` (kept): compute there, resuming what an earlier run there
@@ -150,7 +158,7 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
   configs.check_run(setup, [backbone])
   sweep.check_workdir(results_dir, setup, write=False)
   keep = workdir is not None
-  workdir = workdir or tempfile.mkdtemp(prefix="figure3-gpu-")
+  workdir = workdir or tempfile.mkdtemp(prefix="figure3-chunk-")
   try:
     at_start = start_workdir(results_dir, workdir, setup)
     run_info = {"preset": preset, "chunk": chunk, "backbone": backbone,

@@ -241,7 +241,10 @@ def _cpu(vocab_size: int) -> PretrainConfig:
       targets="exact", trials_per_vmap=1)
 
 
-def _cpu_capped(vocab_size: int) -> PretrainConfig:
+def _cpu_adamw(vocab_size: int) -> PretrainConfig:
+  # cpu_capped before issue 30 (AdamW, learned absolute positions, training
+  # at the held-out 15% masking); the committed pretraining curve
+  # (experiments/pretraining_curve) keeps it.
   # The main job's budget (3 trials of its 7 sizes, 21 transformers, on 2
   # cores in minutes): batch 32 (half the CPU time per step), exact targets
   # under MASK-only corruption at lr 5e-3, cycles of 500, 500 and 1000
@@ -262,6 +265,22 @@ def _cpu_capped(vocab_size: int) -> PretrainConfig:
       corpus=dataclasses.replace(cpu.corpus, corruption="mask"))
 
 
+def _cpu_capped(vocab_size: int) -> PretrainConfig:
+  # cpu_adamw's budget with what brought the hard draws down (issue 30;
+  # docs/pretraining.md, "The hard set"): a learned bias per relative
+  # offset (rel_pos=bias), training at 40% masking (the held-out sets keep
+  # 15%), Muon on the weight matrices at lr 1e-2. On the 15 hard draws it
+  # takes 12 within 0.04 by 5.12 M tokens (cpu_adamw: 3) in half the tokens
+  # in all. A first cycle of 250 steps (warmup 100) stops the easy draws
+  # at 0.64 M tokens, the same stop checks at 500, 1000 and 2000 after it.
+  base = _cpu_adamw(vocab_size)
+  return base.with_overrides(
+      optimizer="muon", lr=1e-2, warmup_steps=100,
+      cycles=(250, 250, 500, 1000),
+      model=dataclasses.replace(base.model, rel_pos="bias"),
+      corpus=dataclasses.replace(base.corpus, train_mask_rate=0.4))
+
+
 def _paper(vocab_size: int) -> PretrainConfig:
   return PretrainConfig(
       model=transformer.paper_config(vocab_size),
@@ -272,10 +291,12 @@ def _paper(vocab_size: int) -> PretrainConfig:
       eval_every=2000, ckpt_every=2000, keep=3)
 
 
-PRESETS = {"tiny": _tiny, "cpu": _cpu, "cpu_capped": _cpu_capped,
-           "paper": _paper}
+PRESETS = {"tiny": _tiny, "cpu": _cpu, "cpu_adamw": _cpu_adamw,
+           "cpu_capped": _cpu_capped, "paper": _paper}
 """``tiny`` (tests), ``cpu`` (2-core machines: the full recipe),
-``cpu_capped`` (the main job's 30-minute budget), ``paper`` (Appendix D)."""
+``cpu_capped`` (the main job's budget, capped at 2000 steps), ``cpu_adamw``
+(``cpu_capped`` before issue 30: AdamW, absolute positions), ``paper``
+(Appendix D)."""
 
 
 def preset_config(name: str, vocab_size: int = 10) -> PretrainConfig:

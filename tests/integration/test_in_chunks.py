@@ -1,4 +1,4 @@
-"""experiments.accelerator: chunks in separate processes merge to the whole
+"""experiments.in_chunks: chunks in separate processes merge to the whole
 sweep, a rerun computes nothing, a spent budget still writes the archive,
 bad input is refused by name."""
 
@@ -12,7 +12,7 @@ import tarfile
 
 import pytest
 
-from experiments.figure3 import chunks as accelerator
+from experiments.figure3 import chunks
 from experiments import figure3
 from experiments.figure3 import records
 from experiments.figure3 import sweep
@@ -34,38 +34,38 @@ FLAGS = ["--preset=tiny", "--backbone=exact"] + [
 
 
 def _binary(*args):
-  return subprocess.run([sys.executable, "-m", "experiments.accelerator",
+  return subprocess.run([sys.executable, "-m", "experiments.in_chunks",
                          *FLAGS, *args], capture_output=True, text=True,
                         timeout=300, cwd=ROOT)
 
 
 def _members(out_dir):
-  with tarfile.open(os.path.join(out_dir, accelerator.ARCHIVE)) as tar:
+  with tarfile.open(os.path.join(out_dir, chunks.ARCHIVE)) as tar:
     return sorted(tar.getnames())
 
 
 def _run_json(out_dir):
-  with tarfile.open(os.path.join(out_dir, accelerator.ARCHIVE)) as tar:
+  with tarfile.open(os.path.join(out_dir, chunks.ARCHIVE)) as tar:
     return json.load(tar.extractfile("run.json"))
 
 
 def _values(workdir):
   """Key -> every field but the timing ones."""
   return {r.key(): {k: v for k, v in r.to_json().items()
-                    if k not in accelerator.TIMING_FIELDS}
+                    if k not in chunks.TIMING_FIELDS}
           for r in records.read_results(workdir)}
 
 
 def test_chunk_sizes_close_over_shared_stacks_and_refuse_bad_text():
-  assert accelerator.chunk_sizes(SETUP, "all") == ((4, 8), (2,))
-  assert accelerator.chunk_sizes(SETUP, "left:4") == ((4,), ())
+  assert chunks.chunk_sizes(SETUP, "all") == ((4, 8), (2,))
+  assert chunks.chunk_sizes(SETUP, "left:4") == ((4,), ())
   # The vanilla |H| = 8 stack is the left size 8 and |M| = 2's twin.
-  assert accelerator.chunk_sizes(SETUP, "left:8") == ((8,), (2,))
-  assert accelerator.chunk_sizes(SETUP, "right:2") == ((8,), (2,))
-  assert accelerator.chunk_sizes(SETUP, "left") == ((4, 8), (2,))
+  assert chunks.chunk_sizes(SETUP, "left:8") == ((8,), (2,))
+  assert chunks.chunk_sizes(SETUP, "right:2") == ((8,), (2,))
+  assert chunks.chunk_sizes(SETUP, "left") == ((4, 8), (2,))
   # Sizes are no part of the fingerprint: a chunk's lines key as the
   # whole sweep's.
-  part = accelerator.chunk_setup(SETUP, "left:4")
+  part = chunks.chunk_setup(SETUP, "left:4")
   for backbone in sweep.BACKBONES:
     assert part.fingerprint(backbone) == SETUP.fingerprint(backbone)
   for chunk, match in [("middle:4", "expected left:SIZES"),
@@ -74,7 +74,7 @@ def test_chunk_sizes_close_over_shared_stacks_and_refuse_bad_text():
                        ("left:5", r"\[5\] not among the left panel's"),
                        ("right:4", r"\[4\] not among the right panel's")]:
     with pytest.raises(ValueError, match=f"--chunk='{chunk}'.*{match}"):
-      accelerator.chunk_sizes(SETUP, chunk)
+      chunks.chunk_sizes(SETUP, chunk)
 
 
 def test_chunks_in_two_processes_merge_to_the_whole_run(tmp_path,
@@ -86,7 +86,7 @@ def test_chunks_in_two_processes_merge_to_the_whole_run(tmp_path,
   # Two processes: the binary in a subprocess, the other chunk in this one.
   proc = _binary("--chunk=left:4", f"--results={empty}", f"--out={outs[0]}")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  accelerator.run_chunk(SETUP, "right:2", "exact", empty, outs[1],
+  chunks.run_chunk(SETUP, "right:2", "exact", empty, outs[1],
                         preset="tiny")
   assert os.listdir(empty) == []  # a run never writes to --results
   assert _members(outs[0]) == ["figure3.md", "figure3.png", "results.jsonl",
@@ -98,19 +98,19 @@ def test_chunks_in_two_processes_merge_to_the_whole_run(tmp_path,
           for r in runs] == [(4, [4], []), (8, [8], [2])]
   assert runs[0]["device"] == ["cpu:0"] and runs[0]["skipped_stacks"] == []
   for out in outs:
-    accelerator.merge(os.path.join(out, accelerator.ARCHIVE), merged)
+    chunks.merge(os.path.join(out, chunks.ARCHIVE), merged)
   assert len(results_lib.read_jsonl(os.path.join(merged, "runs.jsonl"))) == 2
   assert "paper prompt" in open(os.path.join(merged, "figure3.md")).read()
 
-  info = accelerator.run_chunk(SETUP, "all", "exact", empty,
+  info = chunks.run_chunk(SETUP, "all", "exact", empty,
                                str(tmp_path / "out_all"), preset="tiny")
   assert info["cells_computed"] == 12
-  accelerator.merge(str(tmp_path / "out_all" / accelerator.ARCHIVE), whole)
+  chunks.merge(str(tmp_path / "out_all" / chunks.ARCHIVE), whole)
   assert _values(merged) == _values(whole) and len(_values(merged)) == 12
 
   # Merging again adds nothing (keys are kept once); rerunning a finished
   # chunk from the merged results computes nothing.
-  counts = accelerator.merge(os.path.join(outs[1], accelerator.ARCHIVE),
+  counts = chunks.merge(os.path.join(outs[1], chunks.ARCHIVE),
                              merged)
   assert counts == {"added": 0, "kept": 8, "conflicts": 0}
   assert len(results_lib.read_jsonl(os.path.join(merged,
@@ -120,7 +120,7 @@ def test_chunks_in_two_processes_merge_to_the_whole_run(tmp_path,
     raise AssertionError("finished work was redone")
 
   monkeypatch.setattr(sweep, "prepare", boom)
-  info = accelerator.run_chunk(SETUP, "right:2", "exact", merged,
+  info = chunks.run_chunk(SETUP, "right:2", "exact", merged,
                                str(tmp_path / "out_again"))
   assert info["cells_computed"] == 0 and info["skipped_stacks"] == []
 
@@ -131,15 +131,15 @@ def test_chunks_in_two_processes_merge_to_the_whole_run(tmp_path,
                                 '{"trials": 5, "right_trials": 5}')
   with pytest.raises(ValueError, match=re.escape(
       "holds results of another setup (right_trials: 5 -> 2; trials: 5 -> 2")):
-    accelerator.merge(os.path.join(outs[0], accelerator.ARCHIVE), bad)
+    chunks.merge(os.path.join(outs[0], chunks.ARCHIVE), bad)
   other = dataclasses.replace(SETUP, seed=1)
   with pytest.raises(ValueError, match="holds result lines of setup"):
-    accelerator.run_chunk(other, "left:4", "exact", merged, str(tmp_path))
+    chunks.run_chunk(other, "left:4", "exact", merged, str(tmp_path))
   os.remove(os.path.join(bad, "sweep.json"))
   results_lib.append_lines(os.path.join(bad, "results.jsonl"), [dataclasses.replace(
       records.read_results(merged)[0], setup="0123456789ab")])
   with pytest.raises(ValueError, match="exact lines of setups"):
-    accelerator.merge(os.path.join(outs[0], accelerator.ARCHIVE), bad)
+    chunks.merge(os.path.join(outs[0], chunks.ARCHIVE), bad)
 
 
 def test_spent_budget_runs_no_stack_and_still_writes_the_archive(tmp_path):
@@ -167,7 +167,7 @@ def test_transformer_chunk_archives_pretraining_metrics(tmp_path,
   setup = dataclasses.replace(SETUP, left_sizes=(4,), memory_sizes=())
   results, out = str(tmp_path / "results"), str(tmp_path / "out")
   workdir = str(tmp_path / "workdir")
-  info = accelerator.run_chunk(setup, "left:4", "transformer", results, out,
+  info = chunks.run_chunk(setup, "left:4", "transformer", results, out,
                                workdir=workdir)
   assert info["cells_computed"] == 4
   assert os.listdir(os.path.join(workdir, "pretrain"))  # kept, checkpoints
@@ -177,7 +177,7 @@ def test_transformer_chunk_archives_pretraining_metrics(tmp_path,
   assert tag.startswith("vanilla-h4-") and pretrain == [
       f"pretrain/{tag}/config.json", f"pretrain/{tag}/metrics.jsonl"]
   assert "pretraining.png" in names  # no checkpoints, no hmm.npz
-  accelerator.merge(os.path.join(out, accelerator.ARCHIVE), results)
+  chunks.merge(os.path.join(out, chunks.ARCHIVE), results)
   metrics = results_lib.read_jsonl(os.path.join(results, "pretrain", tag,
                                                 "metrics.jsonl"))
   assert {m["trial"] for m in metrics} == {0, 1}
@@ -190,14 +190,14 @@ def test_transformer_chunk_archives_pretraining_metrics(tmp_path,
 
   monkeypatch.setattr(pretrain_train, "make_train_step", boom)
   monkeypatch.setattr(protocol.tuning, "tune_trials", boom)
-  info = accelerator.run_chunk(setup, "left:4", "transformer", results,
+  info = chunks.run_chunk(setup, "left:4", "transformer", results,
                                str(tmp_path / "again"))
   assert info["cells_computed"] == 0
   assert not any(n.startswith("pretrain/")
                  for n in _members(str(tmp_path / "again")))
   # Nor does one from nothing in the kept workdir (what a stack cut short by
   # a time limit resumes from).
-  info = accelerator.run_chunk(setup, "left:4", "transformer",
+  info = chunks.run_chunk(setup, "left:4", "transformer",
                                str(tmp_path / "none"), str(tmp_path / "kept"),
                                workdir=workdir)
   assert info["cells_computed"] == 0
@@ -205,7 +205,7 @@ def test_transformer_chunk_archives_pretraining_metrics(tmp_path,
 
 def test_step_memory_per_stack_of_the_chunk():
   setup = dataclasses.replace(SETUP, memory_sizes=())
-  got = accelerator.step_memory(setup, "left:8")
+  got = chunks.step_memory(setup, "left:8")
   assert [(m["stack"], m["trials"]) for m in got] == [("vanilla-h8", 2)]
   m = got[0]
   assert m["temp_bytes"] > 0 and m["state_bytes"] > 0

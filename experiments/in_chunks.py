@@ -1,17 +1,20 @@
-r"""Figure 3 on a lent accelerator, in chunks of whole size stacks
-(docs/figure3_gpu.md; the library is :mod:`experiments.figure3.chunks`).
+r"""Figure 3 in chunks of whole size stacks, each resuming from committed
+results: on a lent accelerator (``gpu``, docs/figure3_gpu.md) or on the
+2-core CPU (``cpu_paper``, docs/figure3.md); the library is
+:mod:`experiments.figure3.chunks`.
 
-  python -m experiments.accelerator --preset=gpu --chunk=left:4,8 \
+  python -m experiments.in_chunks --preset=gpu --chunk=left:4,8 \
       --budget_s=540 --out=$OUT [--results=docs/results/figure3-gpu] \
       [--backbone=transformer] [--workdir=DIR] [--config.<path>=...]
-  python -m experiments.accelerator --merge=A.tar.gz[,B.tar.gz] \
-      [--results=docs/results/figure3-gpu]
-  python -m experiments.accelerator --preset=gpu --chunk=left:30 \
+  python -m experiments.in_chunks --preset=gpu --merge=A.tar.gz[,B.tar.gz]
+  python -m experiments.in_chunks --preset=gpu --chunk=left:30 \
       --step_memory [--config.pretrain.trials_per_vmap=4]
+
+``--results`` defaults to the preset's ``docs/results/figure3-<preset>``.
 
 A run starts from ``--results``' lines (another setup's are refused, what
 differs named), computes the chunk's missing cells, starts no stack after
-``--budget_s`` and writes ``OUT/figure3-gpu.tar.gz`` (results, stamp,
+``--budget_s`` and writes ``OUT/figure3-chunk.tar.gz`` (results, stamp,
 pretraining metrics, report, ``run.json``), also after the budget or an
 error. ``--merge`` adds archives to ``--results`` by key and renders the
 report again. ``--step_memory`` prints each stack's pretraining-step
@@ -47,7 +50,8 @@ _BUDGET = flags.DEFINE_float(
     "started is finished); default: no limit")
 _OUT = flags.DEFINE_string("out", None, f"where {ARCHIVE} is written")
 _RESULTS = flags.DEFINE_string(
-    "results", chunks.RESULTS_DIR, "the committed results directory: a run "
+    "results", None, "the committed results directory (default: "
+    "docs/results/figure3-<preset>, _ as -): a run "
     "starts from its lines, --merge adds to them")
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "a directory to compute in, kept (its checkpoints "
@@ -82,13 +86,14 @@ def _print_step_memory(setup, chunk: str) -> None:
 
 def main(argv):
   t0 = cli.start(argv)
+  results = _RESULTS.value or chunks.results_dir(_PRESET.value)
   with cli.usage_errors():
     if _MERGE.value:
       missing = [a for a in _MERGE.value if not os.path.isfile(a)]
       if _OUT.value or missing:
         raise ValueError("--merge computes nothing: drop --out" if _OUT.value
                          else f"--merge: no such archive {missing}")
-      return _merge(_MERGE.value, _RESULTS.value)
+      return _merge(_MERGE.value, results)
     if not _OUT.value and not _STEP_MEMORY.value:
       raise ValueError("--out is required (or --merge, --step_memory)")
     if _BUDGET.value is not None and _BUDGET.value < 0:
@@ -98,13 +103,13 @@ def main(argv):
     # another setup.
     chunks.chunk_sizes(setup, _CHUNK.value)
     configs.check_run(setup, [_BACKBONE.value])
-    for where in (_RESULTS.value, _WORKDIR.value):
+    for where in (results, _WORKDIR.value):
       if where:
         sweep.check_workdir(where, setup, write=False)
   if _STEP_MEMORY.value:
     return _print_step_memory(setup, _CHUNK.value)
   info = chunks.run_chunk(setup, _CHUNK.value, _BACKBONE.value,
-                          _RESULTS.value, _OUT.value, _BUDGET.value,
+                          results, _OUT.value, _BUDGET.value,
                           _WORKDIR.value, _PRESET.value)
   print(f"{info['cells_computed']} cells, skipped stacks "
         f"{info['skipped_stacks']}")
