@@ -209,6 +209,29 @@ def test_summary_is_over_trials_and_splits_the_variance():
   assert reporting.variance_components(one) == {}
 
 
+def test_wins_count_each_draw_once_with_its_tasks_averaged():
+  """Per size, a draw counts for prompt tuning when the mean over its tasks
+  beats head tuning's; ties and the other panel apart."""
+  base = dict(backbone="transformer", hmm="vanilla", num_states=4,
+              memory_size=0, features="raw", setup="abc",
+              hmm_fingerprint="f", size=4, val_accuracy=0.5,
+              train_accuracy=0.5, final_loss=0.1, steps=3, seconds=1.0,
+              task_redraws=0, assumptions={}, tune_config={}, task_config={})
+  accs = {  # (trial, task): (head, prompt)
+      (0, 0): (0.6, 0.9), (0, 1): (0.8, 0.6),  # prompt 0.75 > head 0.7
+      (1, 0): (0.9, 0.8), (1, 1): (0.9, 0.9),  # head wins
+      (2, 0): (0.7, 0.7), (2, 1): (0.5, 0.5)}  # a tie
+  lines = [records.ResultLine(**base, panel="left", trial=k, task=t,
+                              method=m, test_accuracy=a[i])
+           for (k, t), a in accs.items()
+           for i, m in enumerate(("head_linear", "prompt_linear"))]
+  right = [dataclasses.replace(r, panel="right") for r in lines]
+  table = reporting.wins_table(lines + right)
+  assert table.splitlines()[-1] == "| transformer | raw | 4 | 3 | 1 | 1 | 1 |"
+  assert table.count("| transformer |") == 1
+  assert reporting.wins_table(right) == ""
+
+
 def test_pretraining_plot_has_a_panel_per_size_and_is_linked(tmp_path):
   """DIR/pretraining.png plots every trial's gap against tokens (from each
   run's config.json), linked under the pretraining table; no pretraining

@@ -18,7 +18,7 @@ TINY = pretrain.preset_config("tiny")
 
 
 def test_added_fields_leave_the_identity_until_set():
-  for name in pretrain.PRESETS:
+  for name in set(pretrain.PRESETS) - {"cpu_capped"}:  # it sets them
     ident = pretrain.preset_config(name).identity()
     assert "rel_pos" not in ident["model"]
     assert "state_readout" not in ident["model"]
@@ -29,6 +29,10 @@ def test_added_fields_leave_the_identity_until_set():
                                                         rel_pos="bias"))
   assert moved.identity()["model"]["rel_pos"] == "bias"
   assert moved.identity() != TINY.identity()
+  capped = pretrain.preset_config("cpu_capped").identity()
+  assert (capped["model"]["rel_pos"], capped["corpus"]["train_mask_rate"],
+          capped["optimizer"]) == ("bias", 0.4, "muon")
+  assert "state_loss" not in capped  # MLM pretraining: no latent state
 
 
 @pytest.mark.parametrize("t", [1, 2, 5, 32])

@@ -138,6 +138,35 @@ def trial_table(lines: list[records.ResultLine]) -> str:
   return "\n".join(out)
 
 
+def wins_table(lines: list[records.ResultLine]) -> str:
+  """Markdown: per backbone and left-panel size, on how many draws prompt
+  tuning beats head tuning (each draw's tasks averaged; same features):
+  the paired view that a mean ± interval hides."""
+  rows = []
+  for backbone in sorted({r.backbone for r in lines}):
+    for features in sorted({r.features for r in lines}):
+      by = {}
+      for r in lines:
+        if (r.backbone, r.panel, r.features) == (backbone, "left", features):
+          by.setdefault((r.size, r.trial), {}).setdefault(
+              r.method, []).append(r.test_accuracy)
+      for size in sorted({s for s, _ in by}):
+        pairs = [(np.mean(m["prompt_linear"]), np.mean(m["head_linear"]))
+                 for (s, _), m in by.items() if s == size
+                 and "prompt_linear" in m and "head_linear" in m]
+        if pairs:
+          p, h = np.array(pairs).T
+          rows.append((backbone, features, size, len(pairs),
+                       int((p > h).sum()), int((p == h).sum()),
+                       int((p < h).sum())))
+  if not rows:
+    return ""
+  return "\n".join(["## Prompt vs head tuning, draw by draw (left panel)",
+                    ""] + results_lib.markdown_table(
+      ("backbone", "features", "|H|", "draws", "prompt wins", "ties",
+       "head wins"), rows) + [""])
+
+
 def diverged_table(lines: list[records.ResultLine]) -> str:
   """Markdown naming every cell whose tuning loss ended non-finite (its
   accuracy is that of a constant prediction, not of the method)."""
@@ -257,7 +286,7 @@ def report(workdir: str) -> dict:
   lines = records.read_results(workdir)
   records.check_one_setup(lines, workdir)
   summary = summarize(lines)
-  extra = [diverged_table(lines), components_table(lines),
+  extra = [diverged_table(lines), wins_table(lines), components_table(lines),
            trial_table(lines), pretrain_report.report(workdir)]
   write_table(summary, os.path.join(workdir, "figure3.md"),
               extra="\n".join(e for e in extra if e))
