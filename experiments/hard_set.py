@@ -1,7 +1,7 @@
 r"""The hard set: pretrain the 15 hard HMM draws with a recipe and report
 how fast each comes within 0.04 nats of the Bayes CE (issue 30, part 1).
 
-  python -m experiments.hard_set --workdir=DIR \
+  python -m experiments.hard_set --workdir=DIR [--recipe=cpu_adamw] \
       [--config.pretrain.model.num_layers=4 --config.pretrain.lr=3e-3 ...] \
       [--config.only=h28t2,m7t0] [--bench_steps=60]
 
@@ -12,9 +12,10 @@ trials 0-4 of ``|H|`` = 25 and ``|H|`` = 30 from the ``paper`` preset's
 streams. Trial ``k`` of a size is the sweep's own draw
 (``generative.random_model(fold_in(protocol.model_key(setup, mid), k))``) and is
 pretrained with seed ``pretrain.seed + k``, as in the sweep's stack, so a
-``cpu_capped`` run here reproduces the main job's gaps.
+run of the main job's recipe here reproduces the main job's gaps.
 
-The config tree is ``pretrain`` (the ``cpu_capped`` recipe; every leaf a
+The config tree is ``pretrain`` (the ``--recipe`` preset, ``cpu_capped``
+or ``cpu_adamw``, the main job's before issue 30; every leaf a
 ``--config.pretrain.<path>`` flag, as the figure3 binary takes them) and
 ``only`` (draw tags such as ``h28t2``, ``m7t0``; empty: all 15). Each
 recipe trains in its own directory ``DIR/<fingerprint>/`` (one
@@ -24,7 +25,7 @@ held-out CE gap at the first evaluation at or past 1, 2.5 and 5 M tokens
 (a draw that stopped at the target earlier keeps its stopping gap), and the
 tokens at the first evaluation within 0.04 nats, then the run's wall, user
 and sys time (this process, compiles included). ``--bench_steps=N`` first
-times N train steps of the recipe against N of ``cpu_capped`` on one
+times N train steps of the recipe against N of ``cpu_adamw`` on one
 ``|H|`` = 28 draw, interleaved in this process, and prints the cost per
 token as a ratio (what a shared machine can still compare).
 """
@@ -56,7 +57,7 @@ from hmmprompt.pretrain import workdir as workdir_lib
 
 TARGET = 0.04
 MARKS = (1.0e6, 2.5e6, 5.0e6)
-# The budget: cpu_capped's cap, 2000 steps x 32 x 80 = 5.12 M tokens (the
+# The budget: cpu_adamw's cap, 2000 steps x 32 x 80 = 5.12 M tokens (the
 # first evaluation at or past 5 M at eval_every 100).
 BUDGET = 2000 * 32 * 80
 
@@ -97,12 +98,12 @@ class HardSetConfig:
                        f"{','.join(known)}")
 
 
-def default_config() -> HardSetConfig:
+def default_config(recipe: str = "cpu_capped") -> HardSetConfig:
   # Evaluations every 100 steps (256 k tokens at batch 32 x 80): they show
   # the marks and the first step within the target; they change no result
   # (a run stops only at the end of a cycle, where it always evaluates).
   return HardSetConfig(pretrain=pretrain_lib.configure(
-      "cpu_capped", protocol.VOCAB, eval_every=100))
+      recipe, protocol.VOCAB, eval_every=100))
 
 
 def draw_models(draws: Draws) -> generative.Model:
@@ -225,10 +226,11 @@ def report(per_draw: dict, tok_step: int) -> str:
 
 def bench_ratio(cfg: pretrain_lib.PretrainConfig, steps: int,
                 rounds: int = 5) -> float:
-  """Time per training token of ``cfg`` over ``cpu_capped``'s, stepping
+  """Time per training token of ``cfg`` over ``cpu_adamw``'s (the main
+  job's recipe before issue 30), stepping
   one ``|H|`` = 28 draw, the two interleaved in ``rounds`` blocks (so load
   from other work falls on both alike)."""
-  base = default_config().pretrain
+  base = default_config("cpu_adamw").pretrain
   hmm_model = generative.trial(draw_models(HARD_SET[2]), 0)
   mesh = sharding_lib.data_mesh()
   hmms = jax.tree.map(lambda x: x[None], generative.as_hmm(hmm_model))
@@ -262,9 +264,13 @@ def bench_ratio(cfg: pretrain_lib.PretrainConfig, steps: int,
 
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "output directory")
+_RECIPE = flags.DEFINE_enum(
+    "recipe", "cpu_capped", ["cpu_capped", "cpu_adamw"], "the pretraining "
+    "preset the --config.pretrain overrides apply to (cpu_adamw: the main "
+    "job's before issue 30)")
 _BENCH = flags.DEFINE_integer(
     "bench_steps", 0, "first time this many train steps of the recipe "
-    "against cpu_capped's, interleaved, and print the per-token ratio")
+    "against cpu_adamw's, interleaved, and print the per-token ratio")
 _REPORT_ONLY = flags.DEFINE_bool(
     "report_only", False, "print the table of what DIR holds for this "
     "recipe (a run still going: its evaluations so far); train nothing")
@@ -280,7 +286,7 @@ def main(argv):
     raise app.UsageError("--workdir is required")
   glibc.retain_freed_memory()
   try:
-    cfg = config_flags.apply(default_config(), _CONFIG.value())
+    cfg = config_flags.apply(default_config(_RECIPE.value), _CONFIG.value())
   except ValueError as e:
     raise app.UsageError(str(e)) from e
   pcfg = cfg.pretrain
@@ -298,7 +304,7 @@ def main(argv):
   ratio = None
   if _BENCH.value:
     ratio = bench_ratio(pcfg, _BENCH.value)
-    print(f"time per training token: {ratio:.2f}x cpu_capped's "
+    print(f"time per training token: {ratio:.2f}x cpu_adamw's "
           f"(interleaved, {_BENCH.value} steps each)", flush=True)
     if _BENCH_ONLY.value:
       return
@@ -311,7 +317,7 @@ def main(argv):
            f"{c1.system - c0.system:.0f} s (this process, this "
            f"invocation: a resumed run counts only what it ran)")
   if ratio is not None:
-    times += f"; time per token {ratio:.2f}x cpu_capped's (interleaved)"
+    times += f"; time per token {ratio:.2f}x cpu_adamw's (interleaved)"
   text = f"{table}\n\n{times}\n"
   results_lib.atomic_write_text(os.path.join(workdir, "hard_set.md"), text)
   results_lib.atomic_write_text(

@@ -3,7 +3,9 @@ report's statistics. The sweeps themselves: tests/integration/."""
 
 import dataclasses
 import json
+import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -344,3 +346,54 @@ def test_report_shows_the_arms_beyond_the_paper_only_when_present(tmp_path):
   assert "* attention prompt: prompt tuning with the attention head" in right
   assert "head optimum" not in right
   assert reporting.trial_table(make(extra)).count("vanilla: head optimum") == 1
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_CPU_PAPER = os.path.join(_ROOT, "docs", "results", "figure3-cpu-paper")
+
+
+def _readme_row(size: int, summary: dict, wins: dict) -> str:
+  """The README's row of the cpu_paper table for left-panel size ``size``."""
+  def cell(backbone, method):
+    m, ci, n = summary[(backbone, "left", "vanilla", method, "raw")][size]
+    return f"{m:.1f} ± {ci:.1f}"
+  paper = [f"~{reporting.PAPER_LEFT[k][size]}"
+           if size in reporting.PAPER_LEFT[k] else "" for k in ("prompt",
+                                                                 "head")]
+  return "| " + " | ".join(
+      [str(size), *paper, cell("transformer", "head_linear"),
+       cell("transformer", "prompt_linear"), wins[("transformer", size)],
+       cell("exact", "head_linear"), cell("exact", "prompt_linear"),
+       wins[("exact", size)]]) + " |"
+
+
+def test_the_committed_cpu_paper_report_is_rebuilt_from_its_lines(tmp_path):
+  """The committed protocol (docs/results/figure3-cpu-paper/) is what its
+  lines and pretraining metrics give: its report, rendered again here with
+  no pretraining, is the committed figure3.md to the byte, with every
+  transformer's gap in it; the README's table rows are its summary."""
+  for name in ("results.jsonl", "sweep.json", "pretrain"):
+    src = os.path.join(_CPU_PAPER, name)
+    if os.path.isdir(src):
+      shutil.copytree(src, tmp_path / name)
+    else:
+      shutil.copy(src, tmp_path / name)
+  summary = reporting.report(str(tmp_path))
+  with open(os.path.join(_CPU_PAPER, "figure3.md")) as f:
+    assert (tmp_path / "figure3.md").read_text() == f.read()
+  lines = figure3.read_results(_CPU_PAPER)
+  models = {(r.hmm, r.size, r.trial) for r in lines
+            if r.backbone == "transformer"}
+  gaps = re.findall(r"^\| (?:vanilla|memory)-\S+ \| \d+ \| \d+ \|",
+                    (tmp_path / "figure3.md").read_text(), re.M)
+  assert len(gaps) == len(models) > 0  # one pretraining row per model
+  # The draws on which prompt tuning beats head tuning: "wins of draws".
+  wins = {(m[1], int(m[2])): f"{m[4]} of {m[3]}" for m in re.finditer(
+      r"^\| (exact|transformer) \| raw \| (\d+) \| (\d+) \| (\d+) \|",
+      (tmp_path / "figure3.md").read_text(), re.M)}
+  with open(os.path.join(_ROOT, "README.md")) as f:
+    readme = f.read()
+  sizes = sorted({r.size for r in lines if r.panel == "left"
+                  and r.backbone == "transformer"})
+  for size in sizes:
+    assert _readme_row(size, summary, wins) in readme, size

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import scipy.stats
 
 from experiments.figure3 import records
 from hmmprompt import results as results_lib
@@ -41,6 +40,9 @@ def mean_ci(values) -> tuple[float, float]:
   v = np.asarray(values, np.float64)
   if len(v) < 2:
     return float(v.mean()), float("nan")
+  # Imported here: scipy.stats costs ~0.8 s to import, in every process
+  # that imports the sweep (binaries, test workers), most never report.
+  import scipy.stats  # pylint: disable=g-import-not-at-top
   t = scipy.stats.t.ppf(0.975, len(v) - 1)
   return float(v.mean()), float(t * v.std(ddof=1) / np.sqrt(len(v)))
 
