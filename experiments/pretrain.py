@@ -1,6 +1,6 @@
 r"""Pretrain the masked LM on text from an HMM (docs/pretraining.md).
 
-  python -m experiments.pretrain --preset=tiny|cpu|cpu_capped|paper \
+  python -m experiments.pretrain --preset=tiny|cpu|cpu_capped|cpu_adamw|paper \
       --workdir=DIR [--config.model_kind=memory --config.memory_size=3] \
       [--config.num_states=10] [--config.hmm_seed=0] [--config.trials=K] \
       [--config.pretrain.lr=3e-3 --config.pretrain.model.num_heads=4 ...]

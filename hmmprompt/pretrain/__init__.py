@@ -3,8 +3,9 @@
 One role per module:
 
 * :mod:`~hmmprompt.pretrain.config`: :class:`PretrainConfig` and the named
-  presets (``tiny``, ``cpu``, ``cpu_capped``, ``paper``), :func:`configure`;
-* :mod:`~hmmprompt.pretrain.train`: :class:`TrainState`, AdamW with
+  presets (``tiny``, ``cpu``, ``cpu_capped``, ``cpu_adamw``, ``paper``),
+  :func:`configure`;
+* :mod:`~hmmprompt.pretrain.train`: :class:`TrainState`, AdamW (or Muon) with
   learning-rate cycles, the loss and the jitted data-parallel step of K
   models (one model: K = 1), :func:`step_memory` (its XLA buffer sizes,
   compiled on shapes only);

@@ -199,6 +199,15 @@ def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
   workdir = str(tmp_path)
   setup = dataclasses.replace(SETUP, memory_sizes=(2,), finetune=True)
   assert setup.pretrain.steps == 20 and setup.pretrain.cycles is None
+  # The same sweep on 8 host devices, in a subprocess started first so that
+  # it runs beside this one (compared below).
+  eight = str(tmp_path / "eight")
+  # (Its log goes to a file: a pipe left unread would stall it when full.)
+  twin_log = open(tmp_path / "eight.log", "w+")  # pylint: disable=consider-using-with
+  twin = subprocess.Popen(
+      [sys.executable, "-c", _EIGHT_DEVICES.format(args=_SETUP_ARGS), eight],
+      env=_with_devices(8), cwd=ROOT, stdout=twin_log,
+      stderr=subprocess.STDOUT)
   figure3.run(setup, workdir, "both", "transformer")
   lines = figure3.read_results(workdir)
   # left: head, prompt, finetune; right: memory + vanilla; 2 seeds each.
@@ -227,14 +236,12 @@ def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
   assert len(figure3.read_results(workdir)) == 10
   monkeypatch.undo()
 
-  # The same sweep on 8 host devices: every line as on one device, to
-  # float tolerance (the pretraining's sums run in another order).
-  eight = str(tmp_path / "eight")
-  proc = subprocess.run(
-      [sys.executable, "-c", _EIGHT_DEVICES.format(args=_SETUP_ARGS), eight],
-      env=_with_devices(8), cwd=ROOT, capture_output=True, text=True,
-      timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  # The sweep on 8 host devices: every line as on one device, to float
+  # tolerance (the pretraining's sums run in another order).
+  twin.wait(timeout=600)
+  twin_log.seek(0)
+  assert twin.returncode == 0, twin_log.read()[-3000:]
+  twin_log.close()
   one = {r.key(): r for r in lines if r.panel == "left"}  # one stack
   got = figure3.read_results(eight)
   assert {r.key() for r in got} == set(one)
