@@ -165,7 +165,7 @@ def wins_table(lines: list[records.ResultLine]) -> str:
     return ""
   return "\n".join(["## Prompt vs head tuning, draw by draw (left panel)",
                     ""] + results_lib.markdown_table(
-      ("backbone", "features", "|H|", "draws", "prompt wins", "ties",
+      ("backbone", "features", "size", "draws", "prompt wins", "ties",
        "head wins"), rows) + [""])
 
 
