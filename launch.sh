@@ -49,7 +49,9 @@ fi
 stamp="$VENV/.hmmprompt-installed-$extras"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q -e ".[$extras]"
+  # --no-compile: byte-compiling every installed package took 20 of the
+  # install's 35 s (2 cores); Python compiles the modules it imports.
+  "$VENV/bin/python" -m pip install -q --no-compile -e ".[$extras]"
   touch "$stamp"
 fi
 

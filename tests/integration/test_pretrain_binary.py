@@ -4,9 +4,11 @@ one machine, SIGKILL and resume, checkpoints written once, usage errors.
 Two local CPU processes joined by ``jax.distributed`` (a coordinator on the
 loopback address, gloo collectives) pretrain the tiny preset (exact
 targets) as one model, data-parallel over their two devices: the result
-equals a one-process run on two devices and on one (float tolerance), each
-checkpoint is written once, a two-process run killed mid-way resumes
-exactly, and a one-device process reads its checkpoints. The first run finds its coordinator,
+equals a one-process run on two devices bit for bit, each checkpoint is
+written once, a two-process run killed mid-way resumes exactly, and a
+one-device process reads its checkpoints. (That data parallelism equals
+one device to float tolerance is the 8-device sweep's claim, in
+test_figure3_sweep.py.) The first run finds its coordinator,
 process count and index from the binary's flags, the rerun the way it
 would under ``srun`` (SLURM's variables, set by hand here: there is no
 SLURM on this machine). docs/multihost.md shows both launches.
@@ -95,38 +97,21 @@ def _params(workdir):
       pretrain.load_backbone(workdir)[1])
 
 
-def _close_but_key_bias(a, b):
-  """Leaves equal to float tolerance, but for the attention's key bias: it
-  adds one constant to all of a query's scores, so its gradient is 0 up to
-  rounding, and Adam's update of it (the sign of that noise, at the lr)
-  differs between any two summation orders; it changes no output."""
-  assert [p for p, _ in a] == [p for p, _ in b]
-  for (path, x), (_, y) in zip(a, b):
-    x, y = np.asarray(x), np.asarray(y)
-    if jax.tree_util.keystr(path).endswith("['qkv']['bias']"):
-      d = x.shape[-1] // 3
-      x, y = np.delete(x, np.s_[d:2 * d], -1), np.delete(y, np.s_[d:2 * d], -1)
-    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6,
-                               err_msg=jax.tree_util.keystr(path))
-
-
-def test_two_processes_equal_one_and_resume(tmp_path):
-  w = {name: str(tmp_path / name) for name in ("one", "two_devices",
+def test_two_processes_equal_two_devices_and_resume(tmp_path):
+  w = {name: str(tmp_path / name) for name in ("two_devices",
                                                 "two_processes")}
-  # One process on 1 device, one on 2, and two processes of 1 device each
-  # (one model data-parallel over both) killed after step 35, between the
-  # checkpoints of steps 30 and 40; all side by side.
+  # One process on 2 devices, and two processes of 1 device each (one model
+  # data-parallel over both) killed after step 35, between the checkpoints
+  # of steps 30 and 40; side by side.
   port = next(p for p in iter(lambda: random.randint(20000, 40000), None)
               if _port_is_free(p))
-  out = _wait([_launch(w["one"], _env(1)),
-               _launch(w["two_devices"], _env(2))] + [
+  out = _wait([_launch(w["two_devices"], _env(2))] + [
                    _launch(w["two_processes"], _env(1), "--distributed",
                            f"--coordinator_address=127.0.0.1:{port}",
                            "--num_processes=2", f"--process_id={i}",
                            "--crash_at_step=35") for i in range(2)])
-  assert [rc for rc, _ in out[:2]] == [0, 0], out[0][1][-3000:] + out[1][1][
-      -3000:]
-  killed = out[2:]
+  assert out[0][0] == 0, out[0][1][-3000:]
+  killed = out[1:]
   assert "process 1 of 2" in killed[1][1], killed[1][1][-3000:]
   assert "step 20: mlm_ce" in killed[0][1], killed[0][1][-3000:]
   # Process 0 kills itself; process 1 too, or it is ended by losing the
@@ -140,21 +125,14 @@ def test_two_processes_equal_one_and_resume(tmp_path):
 
   # The killed and resumed run of 2 processes x 1 device ends where the
   # uninterrupted run of 1 process x 2 devices does, bit for bit (the same
-  # program and sums, only the all-reduce crosses processes), and equals
-  # the run on 1 device to float tolerance (other summation order).
+  # program and sums, only the all-reduce crosses processes).
   two = _params(w["two_processes"])
   for (path, x), (_, y) in zip(two, _params(w["two_devices"])):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y),
                                   err_msg=jax.tree_util.keystr(path))
-  _close_but_key_bias(two, _params(w["one"]))
   m = _metrics(w["two_processes"])
   assert [(l["trial"], l["step"]) for l in m] == [(0, 20), (0, 40)]
   assert m == _metrics(w["two_devices"])
-  one = _metrics(w["one"])
-  assert [sorted(l) for l in one] == [sorted(l) for l in m]
-  for a, b in zip(m, one):
-    np.testing.assert_allclose([a[k] for k in sorted(a)],
-                               [b[k] for k in sorted(b)], rtol=1e-5)
 
   # Each checkpoint written once: one directory per step kept (tiny keeps
   # 2) and, in it, one copy of the replicated state: orbax splits its
