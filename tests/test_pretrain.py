@@ -119,8 +119,10 @@ def test_loaded_backbone_tunes_frozen_unless_finetuning(trained, model):
     return (g,)
 
   sentinel.defvjp(lambda p: (p, None), bwd)
-  sbb = dataclasses.replace(bb, name="sentinel",
-                            apply=lambda p, e: bb.apply(sentinel(p), e))
+  # Every function of the backbone that reads its params for G.
+  sbb = dataclasses.replace(
+      bb, name="sentinel", apply=lambda p, e: bb.apply(sentinel(p), e),
+      apply_at=lambda p, e, i: bb.apply_at(sentinel(p), e, i))
   task = tasks.make_task(jax.random.PRNGKey(1), model, tasks.TaskConfig(
       num_train=64, num_val=16, num_test=32, seq_len=12))
   before = jax.tree.map(lambda a: np.array(a, copy=True), params)

@@ -39,6 +39,36 @@ def test_model_shapes_and_split_forward():
     bb.embed(params, jnp.array([0, 10]))
 
 
+@pytest.mark.parametrize("rel_pos,attention,layers", [
+    ("none", "manual", 2), ("bias", "manual", 2), ("alibi", "manual", 1),
+    ("none", "dot_product", 2)])
+def test_output_at_one_position_is_that_row_of_all(rel_pos, attention,
+                                                   layers):
+  """The linear head's path: the last block computes the MASK's row alone
+  (``apply_at``), and equals the row of the full forward. The two differ
+  only in the shapes of the same sums, so in float32 rounding: a dot
+  product of ``n`` terms is within ``n * eps`` relative of its value
+  (Higham's gamma_n), ``n`` <= ``d_ff`` = 64 here; probabilities <= 1."""
+  cfg = dataclasses.replace(TINY.model, rel_pos=rel_pos, attention=attention,
+                            num_layers=layers)
+  params = transformer.init_params(jax.random.PRNGKey(0), cfg)
+  # Weights far from the init, so every term (the offset bias too) counts.
+  params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(
+      jax.random.PRNGKey(1), x.shape), params)
+  bb = transformer.build_backbone(cfg)
+  tokens_T = jax.random.randint(jax.random.PRNGKey(2), (9,), 0, 10)
+  prompt = jax.random.normal(jax.random.PRNGKey(3), (3, cfg.d_model))
+  full, _ = bb.outputs(params, tokens_T, prompt)
+  tol = cfg.d_ff * np.finfo(np.float32).eps
+  for index in (0, 3, 11):
+    row = jax.jit(bb.output_at, static_argnums=3)(params, tokens_T, prompt,
+                                                  index)
+    np.testing.assert_allclose(row, full[index], rtol=0, atol=tol)
+    assert not np.allclose(full[index], full[(index + 1) % 12], atol=1e-3)
+  with pytest.raises(ValueError, match="exceeds the model's context"):
+    bb.apply_at(params, jnp.zeros((cfg.max_len + 1, cfg.d_model)), 0)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(d_model=30, num_heads=4), "divisible by num_heads"),
     (dict(dtype="float16"), "float32 or bfloat16"),

@@ -45,7 +45,9 @@ def _sentinel_backbone(bb, flag):
   sentinel.defvjp(fwd, bwd)
   return dataclasses.replace(
       bb, name="sentinel",
-      apply=lambda p, e: bb.apply(sentinel(p), e))
+      apply=lambda p, e: bb.apply(sentinel(p), e),
+      apply_at=bb.apply_at and (
+          lambda p, e, i: bb.apply_at(sentinel(p), e, i)))
 
 
 def test_backbone_is_frozen(setup):

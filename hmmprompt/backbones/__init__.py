@@ -37,12 +37,33 @@ class Backbone:
   vocab_size: int
   finetunable: bool = False
 
+  # Optional: ``apply_at(params, embeddings [T', D], i) -> [V]``, row ``i``
+  # of ``apply`` (``i`` static) computed without the other rows where the
+  # backbone can skip them (a transformer's last block: its keys and values
+  # still read every position).
+  apply_at: Callable[[Params, jax.Array, int], jax.Array] | None = None
+
+  def inputs(self, params: Params, tokens_T: jax.Array,
+             prompt_raw_PxD: jax.Array | None = None) -> jax.Array:
+    """``embeddings [P+T, D]``: the prompt's, then the tokens'."""
+    emb_TxD = self.embed(params, tokens_T)
+    if prompt_raw_PxD is None:
+      return emb_TxD
+    return jax.numpy.concatenate(
+        [self.prompt_embedding(prompt_raw_PxD).astype(emb_TxD.dtype),
+         emb_TxD], axis=0)
+
   def outputs(self, params: Params, tokens_T: jax.Array,
               prompt_raw_PxD: jax.Array | None = None):
     """``(G [P+T, V], embeddings [P+T, D])`` with the prompt prepended."""
-    emb_TxD = self.embed(params, tokens_T)
-    if prompt_raw_PxD is not None:
-      emb_TxD = jax.numpy.concatenate(
-          [self.prompt_embedding(prompt_raw_PxD).astype(emb_TxD.dtype),
-           emb_TxD], axis=0)
+    emb_TxD = self.inputs(params, tokens_T, prompt_raw_PxD)
     return self.apply(params, emb_TxD), emb_TxD
+
+  def output_at(self, params: Params, tokens_T: jax.Array,
+                prompt_raw_PxD: jax.Array | None, index: int) -> jax.Array:
+    """``G [V]`` at input position ``index`` (static) of
+    :meth:`outputs`."""
+    emb_TxD = self.inputs(params, tokens_T, prompt_raw_PxD)
+    if self.apply_at is None:
+      return self.apply(params, emb_TxD)[index]
+    return self.apply_at(params, emb_TxD, index)

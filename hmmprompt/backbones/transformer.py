@@ -143,7 +143,9 @@ class Block(nn.Module):
   cfg: MLMConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD):
+  def __call__(self, x_BxTxD, query: int | None = None):
+    """``[B, T, D]``, or with ``query`` (static) ``[B, 1, D]``: that
+    position's output alone (its attention still reads every position)."""
     cfg = self.cfg
     dt = cfg.compute_dtype
     b, t, d = x_BxTxD.shape
@@ -158,6 +160,8 @@ class Block(nn.Module):
                                           qkv_BxTx3xAxE[:, :, 2])
       x_BxTxD = x_BxTxD + nn.Dense(d, dtype=dt, name="attn_out")(
           out_BxTxAxE.reshape(b, t, d))
+      if query is not None:
+        x_BxTxD = x_BxTxD[:, query:query + 1]
     else:
       # Heads-major [3, B, A, T, E] so both attention products are batched
       # matmuls over minor dims: XLA:CPU runs the [B, T, A, E] einsums of
@@ -165,18 +169,21 @@ class Block(nn.Module):
       qkv_3xBxAxTxE = nn.Dense(3 * d, dtype=dt, name="qkv")(y).reshape(
           b, t, 3, a, e).transpose(2, 0, 3, 1, 4)
       q, k, v = qkv_3xBxAxTxE[0], qkv_3xBxAxTxE[1], qkv_3xBxAxTxE[2]
-      logits_BxAxTxT = jnp.matmul(q, jnp.swapaxes(k, -1, -2)) / jnp.sqrt(
+      rows = slice(None) if query is None else slice(query, query + 1)
+      q = q[:, :, rows]  # [B, A, Q, E], Q = T or 1
+      logits_BxAxQxT = jnp.matmul(q, jnp.swapaxes(k, -1, -2)) / jnp.sqrt(
           jnp.asarray(e, dt))
       if cfg.rel_pos != "none":
         table = (self.param("rel_bias", nn.initializers.zeros,
                             (a, 2 * cfg.max_len - 1))
                  if cfg.rel_pos == "bias" else None)
-        logits_BxAxTxT = logits_BxAxTxT + rel_bias(cfg, t, table).astype(dt)
-      attn = jax.nn.softmax(logits_BxAxTxT.astype(jnp.float32),
+        logits_BxAxQxT = logits_BxAxQxT + rel_bias(cfg, t, table)[
+            :, rows].astype(dt)
+      attn = jax.nn.softmax(logits_BxAxQxT.astype(jnp.float32),
                             -1).astype(dt)
-      out_BxAxTxE = jnp.matmul(attn, v)
-      x_BxTxD = x_BxTxD + nn.Dense(d, dtype=dt, name="attn_out")(
-          out_BxAxTxE.transpose(0, 2, 1, 3).reshape(b, t, d))
+      out_BxAxQxE = jnp.matmul(attn, v)
+      x_BxTxD = x_BxTxD[:, rows] + nn.Dense(d, dtype=dt, name="attn_out")(
+          out_BxAxQxE.transpose(0, 2, 1, 3).reshape(b, q.shape[2], d))
     y = nn.LayerNorm(dtype=dt, name="ln_mlp")(x_BxTxD)
     y = nn.Dense(cfg.d_ff, dtype=dt, name="mlp_in")(y)
     y = nn.Dense(d, dtype=dt, name="mlp_out")(nn.gelu(y))
@@ -231,11 +238,17 @@ class MLM(nn.Module):
   def encode(self, emb_BxTxD):
     return self.head(self.features(emb_BxTxD)).astype(jnp.float32)
 
-  def features(self, emb_BxTxD):
+  def encode_at(self, emb_BxTxD, query: int):
+    """``encode(emb)[:, query]`` as ``[B, V]``: the last block computes that
+    position alone."""
+    return self.head(self.features(emb_BxTxD, query)[:, 0]).astype(
+        jnp.float32)
+
+  def features(self, emb_BxTxD, query: int | None = None):
     t = emb_BxTxD.shape[-2]
     x = (emb_BxTxD + self.pos_embed[:t]).astype(self.cfg.compute_dtype)
-    for block in self.blocks:
-      x = block(x)
+    for i, block in enumerate(self.blocks):
+      x = block(x, query if i == len(self.blocks) - 1 else None)
     return self.ln_final(x)
 
   def logits_and_states(self, tokens_BxT):
@@ -292,14 +305,23 @@ def build_backbone(cfg: MLMConfig) -> Backbone:
     _check_range(tokens_T, cfg)
     return model.apply(params, tokens_T[None], method=MLM.embed)[0]
 
-  def apply(params, emb_TxD):
+  def _check_context(emb_TxD):
     if emb_TxD.shape[0] > cfg.max_len:
       raise ValueError(f"input of {emb_TxD.shape[0]} positions exceeds the "
                        f"model's context max_len = {cfg.max_len}")
+
+  def apply(params, emb_TxD):
+    _check_context(emb_TxD)
     logits = model.apply(params, emb_TxD[None], method=MLM.encode)[0]
     return jax.nn.softmax(logits, -1)
 
+  def apply_at(params, emb_TxD, index):
+    _check_context(emb_TxD)
+    logits = model.apply(params, emb_TxD[None], index, method=MLM.encode_at)
+    return jax.nn.softmax(logits[0], -1)
+
   return Backbone(name="transformer", embed=embed, apply=apply,
+                  apply_at=apply_at,
                   prompt_embedding=lambda raw: raw, embed_dim=cfg.d_model,
                   vocab_size=cfg.vocab_size, finetunable=True)
 

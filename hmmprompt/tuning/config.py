@@ -218,10 +218,10 @@ def backbone_head_inputs(backbone: Backbone, params, cfg: TuneConfig,
   positions get ``(G [P+T, V], emb [P+T, D])``; the others get ``(G [V],
   None)`` at the ``MASK``, which is all head tuning then needs to cache.
   """
-  probs_TxV, emb_TxD = backbone.outputs(params, tokens_T, prompt_raw_PxD)
   if heads.HEADS[cfg.head].reads_all_positions:
-    return probs_TxV, emb_TxD
-  return probs_TxV[tasks_lib.mask_index(cfg.num_prompt)], None
+    return backbone.outputs(params, tokens_T, prompt_raw_PxD)
+  return backbone.output_at(params, tokens_T, prompt_raw_PxD,
+                            tasks_lib.mask_index(cfg.num_prompt)), None
 
 
 def _nothing_extra(key, backbone, bparams, cfg):
