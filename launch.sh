@@ -49,9 +49,11 @@ fi
 stamp="$VENV/.hmmprompt-installed-$extras"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  # --no-compile: byte-compiling every installed package took 20 of the
-  # install's 35 s (2 cores); Python compiles the modules it imports.
-  "$VENV/bin/python" -m pip install -q --no-compile -e ".[$extras]"
+  # Byte-compiling at install costs 20 of its 35 s (2 cores) but is kept:
+  # with PYTHONDONTWRITEBYTECODE set, as on CI, Python would recompile
+  # every module on every import (+4 s in each jax process; the suite
+  # from a fresh clone took 6 min 34 s with --no-compile).
+  "$VENV/bin/python" -m pip install -q -e ".[$extras]"
   touch "$stamp"
 fi
 
