@@ -51,8 +51,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # Byte-compiling at install costs 20 of its 35 s (2 cores) but is kept:
   # with PYTHONDONTWRITEBYTECODE set, as on CI, Python would recompile
-  # every module on every import (+4 s in each jax process; the suite
-  # from a fresh clone took 6 min 34 s with --no-compile).
+  # every module on every import (importing jax, flax, orbax and the
+  # library: 2.9 s -> 6.9 s in every process, measured 2026-11-24).
   "$VENV/bin/python" -m pip install -q -e ".[$extras]"
   touch "$stamp"
 fi
