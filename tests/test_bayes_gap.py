@@ -100,3 +100,26 @@ def test_the_exact_conditionals_score_a_gap_of_zero():
   # rounding only: the gap is 0 to that (a relative 1e-5 of the CE).
   m = metrics(brute)
   assert abs(m["ce_gap"]) <= 1e-5 * m["bayes_ce"] and m["tv"] < 1e-5
+
+
+def test_gap_sums_are_the_weighted_sums_they_name():
+  """``gap_sums`` against numpy loops over positions: each CE reads the
+  probability its own distribution gives the target token at that
+  position, weighted (a prediction equal to the reference, as above,
+  cannot tell which entry was read)."""
+  rng = np.random.default_rng(0)
+  n, t_len, v = 3, 5, 4
+  p_model = rng.dirichlet(np.ones(v), (n, t_len)).astype(np.float32)
+  exact = rng.dirichlet(np.ones(v), (n, t_len)).astype(np.float32)
+  targets = rng.integers(0, v, (n, t_len))
+  weights = (rng.random((n, t_len)) < 0.6).astype(np.float32)
+  want = np.zeros(4)
+  for i in range(n):
+    for t in range(t_len):
+      w = weights[i, t]
+      want += w * np.array([-np.log(p_model[i, t, targets[i, t]]),
+                            -np.log(exact[i, t, targets[i, t]]),
+                            0.5 * np.abs(p_model[i, t] - exact[i, t]).sum(),
+                            1.0])
+  got = evaluation.gap_sums(p_model, targets, weights, exact)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
