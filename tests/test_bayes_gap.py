@@ -123,3 +123,28 @@ def test_gap_sums_are_the_weighted_sums_they_name():
                             1.0])
   got = evaluation.gap_sums(p_model, targets, weights, exact)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8])
+def test_evaluate_predictions_counts_each_sequence_once(batch):
+  """The metrics are the totals over the held-out set divided by its
+  scored positions, whatever the batch (one that divides the 5 sequences
+  or not, or exceeds them): each sequence's sums counted once, the model's
+  CE apart from the Bayes CE."""
+  rng = np.random.default_rng(1)
+  per_seq = rng.random((5, 4)) + np.array([1.0, 0.0, 0.0, 2.0])
+  val = evaluation.ValidationSet(*(np.zeros((5, 3)),) * 3,
+                                 np.zeros((5, 3, 2)))
+  m = evaluation.evaluate_predictions(
+      lambda sl: per_seq[sl].sum(0), val, batch)
+  tot = per_seq.sum(0)
+  assert m == pytest.approx({
+      "mlm_ce": tot[0] / tot[3], "bayes_ce": tot[1] / tot[3],
+      "tv": tot[2] / tot[3], "ce_gap": (tot[0] - tot[1]) / tot[3],
+      "eval_positions": int(tot[3])})
+  # One scored position: its own values (no floor on the count above 1).
+  one = evaluation.evaluate_predictions(
+      lambda sl: np.array([0.7, 0.2, 0.1, 1.0]) * (sl.start == 0),
+      val, batch)
+  assert one == pytest.approx({"mlm_ce": 0.7, "bayes_ce": 0.2, "tv": 0.1,
+                               "ce_gap": 0.5, "eval_positions": 1})

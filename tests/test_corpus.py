@@ -146,3 +146,19 @@ def test_exact_target_gradient_is_mean_of_sampled_gradients(tiny_hmm):
   print(f"relative error: exact {err_exact:.4f}, naive {err_naive:.4f}")
   assert err_exact < 0.05, err_exact
   assert err_naive > 3 * err_exact, (err_naive, err_exact)
+
+
+def test_exact_targets_of_an_impossible_input_are_zero_rows():
+  """Symbol 2 is never emitted: an input that shows it has probability 0,
+  and its targets are zero rows (no NaN from 0 / 0), while the same input
+  with a possible symbol there gets distributions."""
+  hmm = hmm_lib.HMM(initial=jnp.array([0.5, 0.5]),
+                    transition=jnp.array([[0.9, 0.1], [0.2, 0.8]]),
+                    emission=jnp.array([[0.6, 0.4, 0.0], [0.3, 0.7, 0.0]]))
+  selected = jnp.array([0.0, 1.0, 0.0, 0.0])
+  got = corpus_lib.exact_targets(hmm, jnp.array([0, hmm_lib.MASK, 2, 1]),
+                                 selected)
+  np.testing.assert_array_equal(np.asarray(got), 0.0)
+  possible = corpus_lib.exact_targets(
+      hmm, jnp.array([0, hmm_lib.MASK, 1, 1]), selected)
+  np.testing.assert_allclose(np.asarray(possible).sum(-1), 1.0, rtol=1e-6)
