@@ -303,7 +303,8 @@ def tune_lanes(setup: TrialsConfig, cfg: tuning.TuneConfig, backbone,
 
 
 def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
-               deadline: float | None = None) -> list[str]:
+               deadline: float | None = None,
+               claim: Callable[[ModelId], bool] | None = None) -> list[str]:
   """The resume loop: for each stack of ``todo`` (``{ModelId: [group]}``,
   the groups still missing lines, in order), ``prepare(mid, groups)``
   makes it, then each group's ``tune(group, stack)`` lines are appended to
@@ -313,6 +314,8 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
   ``deadline`` (a ``time.monotonic()`` value) bounds a run on a machine
   lent for a fixed time: no stack starts after it, and a stack started is
   finished (its checkpoints live in a workdir such a run does not keep).
+  ``claim(mid)``, asked just before a stack starts, lets processes that
+  share ``todo`` split it: a stack whose claim is refused is another's.
 
   Returns:
     The tags of the stacks skipped for the deadline (``[]``: none).
@@ -324,6 +327,9 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
       continue
     if deadline is not None and time.monotonic() >= deadline:
       skipped.append((mid.tag, len(groups)))
+      continue
+    if claim is not None and not claim(mid):
+      total -= len(groups)
       continue
     stack = prepare(mid, groups)
     for g in groups:

@@ -4,6 +4,7 @@ package docstring for the command line)."""
 from __future__ import annotations
 
 import os
+import sys
 
 from absl import app
 from absl import flags
@@ -14,6 +15,7 @@ from experiments.figure3 import configs
 from experiments.figure3 import records
 from experiments.figure3 import reporting
 from experiments.figure3 import sweep
+from experiments.figure3 import workers
 from hmmprompt import config_flags
 from hmmprompt.pretrain import report as pretrain_report
 
@@ -36,6 +38,30 @@ _NUM_TASKS = flags.DEFINE_integer(
     "TPU VMs); each HMM's cells go to one host")
 _TASK_INDEX = flags.DEFINE_integer("task_index", 0,
                                    "this host's index in [0, num_tasks)")
+_WORKERS = flags.DEFINE_integer(
+    "workers", 1, "processes on this machine, one per core, each taking "
+    "the next unclaimed stack (CPU only; 0: one per core, at most one per "
+    "4 GB of free memory)")
+_WORKER = flags.DEFINE_integer("worker", None, "internal: this worker's "
+                               "index (set by --workers)")
+_CLAIMS = flags.DEFINE_string("claims", None, "internal: the workers' "
+                              "shared claims directory")
+
+
+def _run(setup, workdir: str, names: list[str]) -> None:
+  """This process's part: all of it, a host's share, or a worker's."""
+  worker = _WORKER.value
+  for name in names:
+    if name == "transformer" or not _PRETRAIN_ONLY.value:
+      logging.info("backbone %s, preset %s, task %d of %d%s", name,
+                   _PRESET.value, _TASK_INDEX.value, _NUM_TASKS.value,
+                   "" if worker is None else f", worker {worker}")
+      sweep.run(setup, workdir, _PANEL.value, name, _NUM_TASKS.value,
+                _TASK_INDEX.value, pretrain_only=_PRETRAIN_ONLY.value,
+                claim=None if worker is None else workers.claims(
+                    _CLAIMS.value, name),
+                results_file=None if worker is None else
+                workers.results_path(workdir, worker))
 
 
 def main(argv):
@@ -45,14 +71,17 @@ def main(argv):
     setup = configs.get_setup(_PRESET.value, _CONFIG.value())
     configs.check_run(setup, names, _PRETRAIN_ONLY.value, _NUM_TASKS.value,
                       _TASK_INDEX.value)
+    count = (1 if _WORKER.value is not None else
+             workers.resolve_count(_WORKERS.value, _NUM_TASKS.value))
     os.makedirs(workdir, exist_ok=True)
     sweep.check_workdir(workdir, setup)  # a workdir of another setup?
-  for name in names:
-    if name == "transformer" or not _PRETRAIN_ONLY.value:
-      logging.info("backbone %s, preset %s, task %d of %d", name,
-                   _PRESET.value, _TASK_INDEX.value, _NUM_TASKS.value)
-      sweep.run(setup, workdir, _PANEL.value, name, _NUM_TASKS.value,
-                _TASK_INDEX.value, pretrain_only=_PRETRAIN_ONLY.value)
+  if _WORKER.value is not None:
+    return _run(setup, workdir, names)
+  workers.merge_results(workdir)  # what a killed run's workers left
+  if count > 1:
+    workers.run_workers(sys.argv, count, workdir)
+  else:
+    _run(setup, workdir, names)
   if _PRETRAIN_ONLY.value:
     print(pretrain_report.write_report(workdir))
     return

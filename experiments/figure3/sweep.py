@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -200,10 +201,14 @@ def stamp(workdir: str, identity: dict, write: bool = True) -> None:
 def run(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
         num_tasks: int = 1, task_index: int = 0,
         pretrain_only: bool = False,
-        deadline: float | None = None) -> list[str]:
+        deadline: float | None = None,
+        claim: Callable[[protocol.ModelId], bool] | None = None,
+        results_file: str | None = None) -> list[str]:
   """Runs this host's share of the sweep (whole models: a stack of trials
   per host); finished lines are skipped. ``deadline``: as
-  :func:`protocol.run_stacks`.
+  :func:`protocol.run_stacks`. ``claim`` (:mod:`.workers`): every stack is
+  this process's to claim, the costliest first, instead of every
+  ``num_tasks``-th; ``results_file``: where its lines go.
 
   Returns:
     The tags of the stacks skipped for the deadline (``[]``: none).
@@ -226,11 +231,17 @@ def run(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
   done = {line.key() for line in records.read_results(workdir)}
   fp = setup.fingerprint(backbone_name)
   todo = {}  # {model: {group: its cells without a line}}, this host's models
-  for i, (mid, groups) in enumerate(plan(setup, panel, backbone_name).items()):
-    if i % num_tasks != task_index:
+  stacks = list(plan(setup, panel, backbone_name).items())
+  if claim is not None:  # the long stacks first: no long one starts last
+    stacks.sort(key=lambda kv: (-stack_size(setup, kv[0]),
+                                -kv[0].num_states * max(kv[0].memory_size, 1)))
+  for i, (mid, groups) in enumerate(stacks):
+    if claim is None and i % num_tasks != task_index:
       continue
     if pretrain_only:
-      backbones(workdir, setup, mid, make_models(setup, mid), backbone_name)
+      if claim is None or claim(mid):
+        backbones(workdir, setup, mid, make_models(setup, mid),
+                  backbone_name)
       continue
     todo[mid] = {g: cells for g in groups if (cells := {
         (k, s) for k in range(setup.panel_trials(g.panel))
@@ -241,4 +252,5 @@ def run(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
       todo, lambda mid, _: prepare(workdir, setup, mid, backbone_name),
       lambda g, trials: tune_group(setup, backbone_name, g, trials,
                                    todo[g.model_id][g]),
-      records.results_path(workdir, num_tasks, task_index), deadline)
+      results_file or records.results_path(workdir, num_tasks, task_index),
+      deadline, claim)

@@ -1,0 +1,153 @@
+"""The sweep in one process per core, on one machine.
+
+XLA:CPU spreads the small matmuls of these models poorly over cores: on
+the 2-core machine one process steps the ``cpu_capped`` transformer in
+~44 ms on both cores and ~55 ms on one, so two processes, one per core,
+train 1.6x the steps (``experiments/bench_trials.py`` run on both cores,
+then two at once under ``taskset``; docs/performance.md). The binary's
+``--workers=N`` starts N copies of itself (:func:`spawn`), each pinned to
+one core; each takes the next stack nobody has claimed, the
+costliest first (:func:`claims`), into its own results file, and the
+parent merges those into ``DIR/results.jsonl`` (:func:`merge_results`).
+The lines are those of one process, to float rounding (a core's
+summation order), and keyed alike.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+
+import jax
+
+from experiments.figure3 import records
+from hmmprompt import protocol
+from hmmprompt import results as results_lib
+
+# One thread per process: XLA's intra-op pool and Eigen's.
+SINGLE_THREAD_FLAGS = ("--xla_cpu_multi_thread_eigen=false",
+                       "intra_op_parallelism_threads=1")
+
+
+def auto_count() -> int:
+  """Workers for ``--workers=0``: the cores this process may run on,
+  at most one per 4 GB of available memory (a ``cpu_paper`` stack peaks
+  at ~3 GB)."""
+  cores = len(os.sched_getaffinity(0))
+  try:
+    with open("/proc/meminfo") as f:
+      kb = next(int(line.split()[1]) for line in f
+                if line.startswith("MemAvailable:"))
+  except (OSError, StopIteration):
+    return cores
+  return max(1, min(cores, kb // (4 * 2**20)))
+
+
+def resolve_count(requested: int, num_tasks: int = 1) -> int:
+  """The ``--workers`` to run (0: :func:`auto_count`, or 1 off the CPU).
+
+  Raises:
+    ValueError: a negative count, several with host sharding, or several
+      asked for on an accelerator (named).
+  """
+  if requested < 0:
+    raise ValueError(f"--workers must be >= 0, got {requested}")
+  count = auto_count() if requested == 0 else requested
+  if count > 1 and num_tasks > 1:
+    raise ValueError("--workers > 1 splits this machine's share by claims; "
+                     "it does not combine with --num_tasks > 1")
+  if count > 1 and jax.default_backend() != "cpu":
+    if requested == 0:
+      return 1
+    raise ValueError(f"--workers={count} runs one process per CPU core; "
+                     f"the backend here is {jax.default_backend()}")
+  return count
+
+
+def run_workers(argv: list[str], count: int, workdir: str) -> None:
+  """:func:`spawn` with a fresh claims directory in ``workdir``, then
+  :func:`merge_results`; ``SystemExit`` naming the exit codes if a worker
+  failed (what the others finished is kept: a rerun resumes)."""
+  claims_dir = tempfile.mkdtemp(prefix="claims-", dir=workdir)
+  try:
+    codes = spawn(argv, count, claims_dir)
+  finally:
+    shutil.rmtree(claims_dir, ignore_errors=True)
+    merge_results(workdir)
+  if any(codes):
+    raise SystemExit(f"workers exited with {codes} (their logs above); "
+                     f"rerun to resume")
+
+
+def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
+  """Runs ``count`` copies of the binary ``argv`` (``sys.argv``) as
+  workers ``0..count-1`` sharing ``claims_dir``, worker ``i`` pinned to
+  the ``i``-th allowed core (``taskset``, so before XLA sizes its thread
+  pool; unpinned where there is none); returns their exit codes. Their
+  logs are this process's stderr; if this process is interrupted, they
+  are killed."""
+  os.makedirs(claims_dir, exist_ok=True)
+  env = dict(os.environ, XLA_FLAGS=" ".join(
+      [os.environ.get("XLA_FLAGS", ""), *SINGLE_THREAD_FLAGS]).strip())
+  # Shared by the workers (the tuning programs are the same for every
+  # stack of a config), kept no longer than the claims.
+  env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(claims_dir,
+                                                           "xla"))
+  module = sys.modules["__main__"].__spec__.name
+  cores = sorted(os.sched_getaffinity(0))
+  taskset = shutil.which("taskset")
+  procs = []
+  try:
+    for i in range(count):
+      pin = ([taskset, "-c", str(cores[i % len(cores)])] if taskset
+             else [])
+      procs.append(subprocess.Popen(
+          [*pin, sys.executable, "-m", module,
+           *[a for a in argv[1:] if not a.startswith("--workers")],
+           f"--worker={i}", f"--claims={claims_dir}"], env=env))
+    return [p.wait() for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        p.wait()
+
+
+def claims(claims_dir: str, backbone: str
+           ) -> Callable[[protocol.ModelId], bool]:
+  """``claim(mid)``: True for exactly one of the processes that ask
+  (an exclusive create of ``claims_dir/<backbone>-<tag>``)."""
+  def claim(mid: protocol.ModelId) -> bool:
+    try:
+      os.close(os.open(os.path.join(claims_dir, f"{backbone}-{mid.tag}"),
+                       os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+      return False
+    return True
+  return claim
+
+
+def results_path(workdir: str, worker: int) -> str:
+  """Worker ``worker``'s own results file (read with the others by
+  :func:`records.read_results`)."""
+  return os.path.join(workdir, f"results-worker{worker}.jsonl")
+
+
+def merge_results(workdir: str) -> int:
+  """Moves every worker file's lines (a killed run's too) into
+  ``DIR/results.jsonl`` by key, then removes the file; returns the lines
+  added."""
+  path, added = records.results_path(workdir), 0
+  for part in sorted(glob.glob(results_path(workdir, 0).replace(
+      "worker0", "worker*"))):
+    new, _, _ = results_lib.merge_lines(
+        path, results_lib.read_lines(part, records.ResultLine))
+    added += len(new)
+    os.remove(part)
+  return added
