@@ -85,5 +85,5 @@ case "$mode" in
       ${mods:+--modules=$mods} ;;
   main)  exec "$VENV/bin/python" -m experiments.figure3 \
            --backbone=exact,transformer --preset=cpu --workdir=runs/figure3 \
-           "$@" ;;
+           --workers=0 "$@" ;;
 esac

@@ -15,6 +15,7 @@ from experiments import pretraining_curve
 from experiments.figure3 import records
 from experiments.figure3 import reporting
 from experiments.figure3 import sweep
+from experiments.figure3 import workers
 from hmmprompt import protocol
 from hmmprompt import results as results_lib
 from hmmprompt.pretrain import report as pretrain_report
@@ -397,3 +398,41 @@ def test_the_committed_cpu_paper_report_is_rebuilt_from_its_lines(tmp_path):
                   and r.backbone == "transformer"})
   for size in sizes:
     assert _readme_row(size, summary, wins) in readme, size
+
+
+def test_worker_claims_give_each_stack_to_one_process(tmp_path):
+  """Two workers asking for the same stacks: each stack goes to the first
+  to ask, once; a backbone's stacks are claimed apart from another's."""
+  first = workers.claims(str(tmp_path), "transformer")
+  second = workers.claims(str(tmp_path), "transformer")
+  mids = [protocol.vanilla(4), protocol.memory(2), protocol.vanilla(8)]
+  assert [first(m) for m in mids[:2]] == [True, True]
+  assert [second(m) for m in mids] == [False, False, True]
+  assert [first(m) for m in mids] == [False, False, False]
+  assert workers.claims(str(tmp_path), "exact")(mids[0])
+
+
+def test_worker_files_merge_into_results_by_key(tmp_path):
+  """The parent moves every worker file (a killed run's too) into
+  results.jsonl: each key once, the files gone, the lines as written."""
+  lines = figure3.read_results(os.path.join(
+      __file__.rsplit("/tests/", 1)[0], "docs", "results",
+      "figure3-cpu-paper"))[:30]
+  d = str(tmp_path)
+  results_lib.append_lines(workers.results_path(d, 0), lines[:20])
+  results_lib.append_lines(workers.results_path(d, 1), lines[10:30])
+  results_lib.append_lines(records.results_path(d), lines[:5])
+  assert workers.merge_results(d) == 25
+  assert sorted(os.listdir(d)) == ["results.jsonl"]
+  assert sorted(r.key() for r in figure3.read_results(d)) == sorted(
+      r.key() for r in lines)
+  assert workers.merge_results(d) == 0
+
+
+def test_workers_are_refused_by_name_where_they_cannot_run():
+  with pytest.raises(ValueError, match="--workers must be >= 0, got -2"):
+    workers.resolve_count(-2)
+  with pytest.raises(ValueError, match="does not combine with --num_tasks"):
+    workers.resolve_count(2, num_tasks=3)
+  assert workers.resolve_count(1) == 1
+  assert 1 <= workers.resolve_count(0) <= len(os.sched_getaffinity(0))

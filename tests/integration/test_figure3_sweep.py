@@ -163,6 +163,9 @@ _BAD_FLAGS = [
     (["--workdir=W", "--backbone=transformer", "--preset=tiny",
       "--config.task.seq_len=100"], "exceed the pretrained context"),
     (["--workdir=W", "--num_tasks=2", "--task_index=2"], "task_index"),
+    (["--workdir=W", "--workers=-1"], "--workers must be >= 0, got -1"),
+    (["--workdir=W", "--workers=2", "--num_tasks=2"],
+     "does not combine with --num_tasks > 1"),
     (["--workdir=W", "--backbone=transformer",
       "--config.pretrain.model.width=8"], "config.pretrain.model.width"),
     # A workdir of a sweep with other trial counts (an earlier version's
@@ -309,6 +312,28 @@ def test_sharded_sweep_merges_to_the_unsharded_one(tmp_path):
   acc = lambda d: sorted((r.key(), r.test_accuracy)
                          for r in figure3.read_results(d))
   assert acc(shards) == acc(whole)
+
+  # The binary's --workers=2: two processes, one per core, claim the two
+  # stacks between them and their lines end merged in results.jsonl, equal
+  # to the one process's (the exact backbone's tuning on one core sums as
+  # on two here; accuracies equal, losses to float rounding).
+  pool = str(tmp_path / "workers")
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.figure3", "--preset=tiny",
+       "--backbone=exact", "--panel=left", f"--workdir={pool}",
+       "--workers=2", "--config.trials=1", "--config.left_sizes=4,6",
+       "--config.features=raw", *[f"--config.{k}={v}" for k, v in
+                                  _SETUP_ARGS["overrides"].items()]],
+      capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "worker 0" in proc.stderr and "worker 1" in proc.stderr
+  assert sorted(os.listdir(pool)) == ["figure3.md", "figure3.png",
+                                      "results.jsonl", "sweep.json"]
+  assert acc(pool) == acc(whole)
+  by_key = {r.key(): r for r in figure3.read_results(whole)}
+  for r in figure3.read_results(pool):
+    assert r.final_loss == pytest.approx(by_key[r.key()].final_loss,
+                                         rel=1e-5)
 
 
 def test_sweep_with_the_arms_beyond_the_paper(tmp_path, monkeypatch):
