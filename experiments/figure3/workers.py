@@ -30,15 +30,15 @@ from experiments.figure3 import records
 from hmmprompt import protocol
 from hmmprompt import results as results_lib
 
-# One thread per process: XLA's intra-op pool and Eigen's.
-SINGLE_THREAD_FLAGS = ("--xla_cpu_multi_thread_eigen=false",
-                       "intra_op_parallelism_threads=1")
+# Eigen's matmuls on one thread (XLA sizes its own pool by the cores the
+# process may run on: the pinning below).
+SINGLE_THREAD_FLAGS = ("--xla_cpu_multi_thread_eigen=false",)
 
 
 def auto_count() -> int:
   """Workers for ``--workers=0``: the cores this process may run on,
-  at most one per 4 GB of available memory (a ``cpu_paper`` stack peaks
-  at ~3 GB)."""
+  at most one per 4 GB of available memory (the main job's largest worker
+  peaked at 2.8 GB)."""
   cores = len(os.sched_getaffinity(0))
   try:
     with open("/proc/meminfo") as f:
