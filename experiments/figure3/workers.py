@@ -35,11 +35,19 @@ from hmmprompt import results as results_lib
 SINGLE_THREAD_FLAGS = ("--xla_cpu_multi_thread_eigen=false",)
 
 
+def _cores() -> list[int]:
+  """The cores this process may run on (all of them where the OS has no
+  affinity call, e.g. macOS)."""
+  if hasattr(os, "sched_getaffinity"):
+    return sorted(os.sched_getaffinity(0))
+  return list(range(os.cpu_count() or 1))
+
+
 def auto_count() -> int:
   """Workers for ``--workers=0``: the cores this process may run on,
   at most one per 4 GB of available memory (the main job's largest worker
   peaked at 2.8 GB)."""
-  cores = len(os.sched_getaffinity(0))
+  cores = len(_cores())
   try:
     with open("/proc/meminfo") as f:
       kb = next(int(line.split()[1]) for line in f
@@ -100,7 +108,7 @@ def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
   env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(claims_dir,
                                                            "xla"))
   module = sys.modules["__main__"].__spec__.name
-  cores = sorted(os.sched_getaffinity(0))
+  cores = _cores()
   taskset = shutil.which("taskset")
   procs = []
   try:
