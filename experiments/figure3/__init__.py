@@ -4,7 +4,7 @@ r"""Figure 3 of the paper: head vs prompt tuning, memory vs vanilla HMMs
   python -m experiments.figure3 --backbone=exact,transformer --preset=cpu \
       --workdir=DIR [--panel=left|right|both] [--config.trials=N] \
       [--config.left_sizes=4,8] [--config.pretrain.lr=3e-3] \
-      [--num_tasks=N --task_index=I] [--pretrain_only]
+      [--num_tasks=N --task_index=I] [--workers=N] [--pretrain_only]
 
 Left panel: vanilla HMMs, head vs prompt tuning with a linear head at the
 MASK. Right panel: memory HMMs with an attention head vs vanilla HMMs of
@@ -18,6 +18,7 @@ stack, drawn, pretrained and tuned as one vmapped program
 * :mod:`.records`: :class:`ResultLine`, the declared schema of a line;
 * :mod:`.reporting`: tables and plots; :mod:`.chunks`: the sweep in
   chunks for a lent machine (``experiments/in_chunks.py``);
+* :mod:`.workers`: ``--workers``, one process per core on one machine;
 * ``__main__``: the thin absl binary.
 
 Outputs, all written atomically; a rerun skips finished lines:
