@@ -58,14 +58,17 @@ def auto_count() -> int:
 
 
 def resolve_count(requested: int, num_tasks: int = 1) -> int:
-  """The ``--workers`` to run (0: :func:`auto_count`, or 1 off the CPU).
+  """The ``--workers`` to run (0: :func:`auto_count`; 1 with host
+  sharding or off the CPU).
 
   Raises:
-    ValueError: a negative count, several with host sharding, or several
-      asked for on an accelerator (named).
+    ValueError: a negative count, or several asked for with host sharding
+      or on an accelerator (named).
   """
   if requested < 0:
     raise ValueError(f"--workers must be >= 0, got {requested}")
+  if requested == 0 and num_tasks > 1:
+    return 1  # each host of the array runs its share in one process
   count = auto_count() if requested == 0 else requested
   if count > 1 and num_tasks > 1:
     raise ValueError("--workers > 1 splits this machine's share by claims; "
