@@ -30,8 +30,8 @@ from experiments.figure3 import records
 from hmmprompt import protocol
 from hmmprompt import results as results_lib
 
-# Eigen's matmuls on one thread (XLA sizes its own pool by the cores the
-# process may run on: the pinning below).
+# Eigen's matmuls on one thread; the pinning in spawn() keeps the rest of
+# XLA's threads on the worker's one core.
 SINGLE_THREAD_FLAGS = ("--xla_cpu_multi_thread_eigen=false",)
 
 
@@ -99,8 +99,8 @@ def run_workers(argv: list[str], count: int, workdir: str) -> None:
 def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
   """Runs ``count`` copies of the binary ``argv`` (``sys.argv``) as
   workers ``0..count-1`` sharing ``claims_dir``, worker ``i`` pinned to
-  the ``i``-th allowed core (``taskset``, so before XLA sizes its thread
-  pool; unpinned where there is none); returns their exit codes. Their
+  the ``i``-th allowed core (``taskset``, from its start; unpinned where
+  there is none); returns their exit codes. Their
   logs are this process's stderr; if this process is interrupted, they
   are killed."""
   os.makedirs(claims_dir, exist_ok=True)
@@ -155,8 +155,8 @@ def merge_results(workdir: str) -> int:
   ``DIR/results.jsonl`` by key, then removes the file; returns the lines
   added."""
   path, added = records.results_path(workdir), 0
-  for part in sorted(glob.glob(results_path(workdir, 0).replace(
-      "worker0", "worker*"))):
+  for part in sorted(glob.glob(os.path.join(workdir,
+                                            "results-worker*.jsonl"))):
     new, _, _ = results_lib.merge_lines(
         path, results_lib.read_lines(part, records.ResultLine))
     added += len(new)
