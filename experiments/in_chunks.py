@@ -5,7 +5,8 @@ results: on a lent accelerator (``gpu``, docs/figure3_gpu.md) or on the
 
   python -m experiments.in_chunks --preset=gpu --chunk=left:4,8 \
       --budget_s=540 --out=$OUT [--results=docs/results/figure3-gpu] \
-      [--backbone=transformer] [--workdir=DIR] [--config.<path>=...]
+      [--backbone=transformer] [--workdir=DIR] [--workers=0] \
+      [--config.<path>=...]
   python -m experiments.in_chunks --preset=gpu --merge=A.tar.gz[,B.tar.gz]
   python -m experiments.in_chunks --preset=gpu --chunk=left:30 \
       --step_memory [--config.pretrain.trials_per_vmap=4]
@@ -19,11 +20,16 @@ pretraining metrics, report, ``run.json``), also after the budget or an
 error. ``--merge`` adds archives to ``--results`` by key and renders the
 report again. ``--step_memory`` prints each stack's pretraining-step
 memory (XLA's buffer assignment, shapes only) against the device's.
+``--workers=N`` (CPU; 0: one per core) computes the chunk in N processes
+pinned one per core, as the Figure 3 binary's flag does
+(:mod:`experiments.figure3.workers`); the budget is theirs together, and
+``run.json`` records the count.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 from absl import app
 from absl import flags
@@ -32,6 +38,7 @@ from experiments import cli
 from experiments.figure3 import chunks
 from experiments.figure3 import configs
 from experiments.figure3 import sweep
+from experiments.figure3 import workers
 from hmmprompt import config_flags
 
 ARCHIVE = chunks.ARCHIVE
@@ -63,6 +70,10 @@ _STEP_MEMORY = flags.DEFINE_bool(
     "buffer assignment, compiled on shapes only) and stop")
 _MERGE = flags.DEFINE_list(
     "merge", None, "archives to merge into --results (computes nothing)")
+_WORKERS, _WORKER, _CLAIMS = workers.define_flags("the chunk")
+flags.adopt_module_key_flags(workers)
+_DEADLINE = flags.DEFINE_float("deadline", None, "internal: the parent's "
+                               "deadline, a time.monotonic() value")
 
 
 def _merge(archives: list[str], results: str) -> None:
@@ -84,6 +95,15 @@ def _print_step_memory(setup, chunk: str) -> None:
           f"{need / 2**30:.1f} GiB{fits}")
 
 
+def _work(setup) -> None:
+  """A ``--workers`` process: claims stacks of the chunk in the parent's
+  workdir until its deadline, lines into its own file."""
+  sweep.run(chunks.chunk_setup(setup, _CHUNK.value), _WORKDIR.value, "both",
+            _BACKBONE.value, deadline=_DEADLINE.value,
+            claim=workers.claims(_CLAIMS.value, _BACKBONE.value),
+            results_file=workers.results_path(_WORKDIR.value, _WORKER.value))
+
+
 def main(argv):
   t0 = cli.start(argv)
   results = _RESULTS.value or chunks.results_dir(_PRESET.value)
@@ -94,6 +114,8 @@ def main(argv):
         raise ValueError("--merge computes nothing: drop --out" if _OUT.value
                          else f"--merge: no such archive {missing}")
       return _merge(_MERGE.value, results)
+    if _WORKER.value is not None:
+      return _work(configs.get_setup(_PRESET.value, _CONFIG.value()))
     if not _OUT.value and not _STEP_MEMORY.value:
       raise ValueError("--out is required (or --merge, --step_memory)")
     if _BUDGET.value is not None and _BUDGET.value < 0:
@@ -108,9 +130,12 @@ def main(argv):
         sweep.check_workdir(where, setup, write=False)
   if _STEP_MEMORY.value:
     return _print_step_memory(setup, _CHUNK.value)
-  info = chunks.run_chunk(setup, _CHUNK.value, _BACKBONE.value,
-                          results, _OUT.value, _BUDGET.value,
-                          _WORKDIR.value, _PRESET.value)
+  count = workers.resolve_count(_WORKERS.value)
+  info = chunks.run_chunk(
+      setup, _CHUNK.value, _BACKBONE.value, results, _OUT.value,
+      _BUDGET.value, _WORKDIR.value, _PRESET.value,
+      compute=None if count == 1 else workers.chunk_compute(
+          sys.argv, count, _BACKBONE.value), info={"workers": count})
   print(f"{info['cells_computed']} cells, skipped stacks "
         f"{info['skipped_stacks']}")
   cli.done(t0, archive=os.path.join(_OUT.value, ARCHIVE))

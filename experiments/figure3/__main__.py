@@ -38,14 +38,8 @@ _NUM_TASKS = flags.DEFINE_integer(
     "TPU VMs); each HMM's cells go to one host")
 _TASK_INDEX = flags.DEFINE_integer("task_index", 0,
                                    "this host's index in [0, num_tasks)")
-_WORKERS = flags.DEFINE_integer(
-    "workers", 1, "processes on this machine, one per core, each taking "
-    "the next unclaimed stack (CPU only; 0: one per core, at most one per "
-    "4 GB of free memory)")
-_WORKER = flags.DEFINE_integer("worker", None, "internal: this worker's "
-                               "index (set by --workers)")
-_CLAIMS = flags.DEFINE_string("claims", None, "internal: the workers' "
-                              "shared claims directory")
+_WORKERS, _WORKER, _CLAIMS = workers.define_flags("the sweep")
+flags.adopt_module_key_flags(workers)
 
 
 def _run(setup, workdir: str, names: list[str]) -> None:

@@ -16,6 +16,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 
 from absl import logging
 import jax
@@ -140,13 +141,20 @@ def write_archive(workdir: str, path: str, run_info: dict) -> list[str]:
 
 def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
               results_dir: str, out_dir: str, budget_s: float | None = None,
-              workdir: str | None = None, preset: str = "") -> dict:
+              workdir: str | None = None, preset: str = "",
+              compute: Callable | None = None,
+              info: dict | None = None) -> dict:
   """Computes ``chunk``'s missing cells from ``results_dir`` and writes
   ``out_dir/figure3-chunk.tar.gz`` (also after the budget or an error);
   returns the archive's ``run.json``.
 
   ``workdir`` (kept): compute there, resuming what an earlier run there
   left (:func:`start_workdir`); ``None``: a temporary directory, deleted.
+  ``compute(chunk_setup, workdir, deadline)`` computes the cells into
+  ``workdir/results.jsonl`` and returns the tags of the stacks it skipped
+  for the deadline; default: :func:`sweep.run` in this process (the
+  binary's ``--workers`` passes one that runs a process per core).
+  ``info``: more fields for ``run.json`` (the binary's ``workers``).
 
   Raises:
     ValueError: a bad chunk, or ``results_dir`` or ``workdir`` holding
@@ -167,10 +175,14 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
                 "memory_sizes": list(chunk_cfg.memory_sizes),
                 "device": [str(d) for d in jax.devices()],
                 "device_kind": jax.devices()[0].device_kind,
-                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                **(info or {})}
     try:
-      run_info["skipped_stacks"] = sweep.run(chunk_cfg, workdir, "both",
-                                             backbone, deadline=deadline)
+      if compute is None:
+        run_info["skipped_stacks"] = sweep.run(chunk_cfg, workdir, "both",
+                                               backbone, deadline=deadline)
+      else:
+        run_info["skipped_stacks"] = compute(chunk_cfg, workdir, deadline)
     except Exception as e:
       run_info["error"] = f"{type(e).__name__}: {e}"
       raise

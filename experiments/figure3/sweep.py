@@ -198,6 +198,21 @@ def stamp(workdir: str, identity: dict, write: bool = True) -> None:
   results_lib.stamp(path, identity, "setup", write=write)
 
 
+def missing_cells(setup: configs.Setup, workdir: str, panel: str,
+                  backbone_name: str) -> dict[ModelId, dict[Group, set]]:
+  """``{model: {group: its (trial, task) cells without a line in
+  workdir}}`` over :func:`plan`'s models; a group with every line is left
+  out (a finished model maps to ``{}``)."""
+  done = {line.key() for line in records.read_results(workdir)}
+  fp = setup.fingerprint(backbone_name)
+  return {mid: {g: cells for g in groups if (cells := {
+      (k, s) for k in range(setup.panel_trials(g.panel))
+      for s in range(setup.tasks_per_hmm)
+      if (backbone_name, g.panel, mid.hmm, mid.num_states, mid.memory_size,
+          k, s, g.method_name, g.features, fp) not in done})}
+          for mid, groups in plan(setup, panel, backbone_name).items()}
+
+
 def run(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
         num_tasks: int = 1, task_index: int = 0,
         pretrain_only: bool = False,
@@ -228,26 +243,20 @@ def run(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
     setup.check_context()
   os.makedirs(workdir, exist_ok=True)
   check_workdir(workdir, setup)
-  done = {line.key() for line in records.read_results(workdir)}
-  fp = setup.fingerprint(backbone_name)
-  todo = {}  # {model: {group: its cells without a line}}, this host's models
-  stacks = list(plan(setup, panel, backbone_name).items())
+  stacks = list(plan(setup, panel, backbone_name))
   if claim is not None:  # the long stacks first: no long one starts last
-    stacks.sort(key=lambda kv: (-stack_size(setup, kv[0]),
-                                -kv[0].num_states * max(kv[0].memory_size, 1)))
-  for i, (mid, groups) in enumerate(stacks):
-    if claim is None and i % num_tasks != task_index:
-      continue
-    if pretrain_only:
+    stacks.sort(key=lambda mid: (-stack_size(setup, mid),
+                                 -mid.num_states * max(mid.memory_size, 1)))
+  mine = [mid for i, mid in enumerate(stacks)
+          if claim is not None or i % num_tasks == task_index]
+  if pretrain_only:
+    for mid in mine:
       if claim is None or claim(mid):
         backbones(workdir, setup, mid, make_models(setup, mid),
                   backbone_name)
-      continue
-    todo[mid] = {g: cells for g in groups if (cells := {
-        (k, s) for k in range(setup.panel_trials(g.panel))
-        for s in range(setup.tasks_per_hmm)
-        if (backbone_name, g.panel, mid.hmm, mid.num_states, mid.memory_size,
-            k, s, g.method_name, g.features, fp) not in done})}
+    return []
+  missing = missing_cells(setup, workdir, panel, backbone_name)
+  todo = {mid: missing[mid] for mid in mine}
   return protocol.run_stacks(
       todo, lambda mid, _: prepare(workdir, setup, mid, backbone_name),
       lambda g, trials: tune_group(setup, backbone_name, g, trials,

@@ -23,16 +23,42 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from typing import NamedTuple
 
+from absl import flags
 import jax
 
 from experiments.figure3 import records
+from experiments.figure3 import sweep
 from hmmprompt import protocol
 from hmmprompt import results as results_lib
 
 # Eigen's matmuls on one thread; the pinning in spawn() keeps the rest of
 # XLA's threads on the worker's one core.
 SINGLE_THREAD_FLAGS = ("--xla_cpu_multi_thread_eigen=false",)
+
+
+class Flags(NamedTuple):
+  workers: flags.FlagHolder  # --workers: the count asked for
+  worker: flags.FlagHolder  # internal: this worker's index
+  claims: flags.FlagHolder  # internal: the shared claims directory
+
+
+def define_flags(what: str) -> Flags:
+  """Defines a binary's ``--workers`` (each process taking the next
+  unclaimed stack of ``what``) and the flags it passes its workers; the
+  binary lists them in its ``--help`` with
+  ``flags.adopt_module_key_flags(workers)``."""
+  holders = Flags(
+      flags.DEFINE_integer(
+          "workers", 1, f"processes on this machine, one per core, each "
+          f"taking the next unclaimed stack of {what} (CPU only; 0: one per "
+          f"core, at most one per 4 GB of free memory)"),
+      flags.DEFINE_integer("worker", None, "internal: this worker's index "
+                           "(set by --workers)"),
+      flags.DEFINE_string("claims", None, "internal: the workers' shared "
+                          "claims directory"))
+  return holders
 
 
 def _cores() -> list[int]:
@@ -162,3 +188,37 @@ def merge_results(workdir: str) -> int:
     added += len(new)
     os.remove(part)
   return added
+
+
+def _without(argv: list[str], names: tuple[str, ...]) -> list[str]:
+  """``argv`` without the flags ``names``, given as ``--name=value`` or
+  ``--name value``."""
+  out, skip = [], False
+  for a in argv:
+    if skip:
+      skip = False
+    elif a.lstrip("-").partition("=")[0] in names and a.startswith("--"):
+      skip = "=" not in a
+    else:
+      out.append(a)
+  return out
+
+
+def chunk_compute(argv: list[str], count: int, backbone: str) -> Callable:
+  """A ``compute`` for :func:`chunks.run_chunk`: ``count`` workers of the
+  binary ``argv`` (``experiments.in_chunks``) claim the chunk's stacks in
+  its workdir, each until the shared deadline; returns the tags of the
+  stacks still missing cells (those the deadline skipped)."""
+  def compute(chunk_setup, workdir: str, deadline: float | None
+              ) -> list[str]:
+    # Each worker runs the chunk as given on the command line, in this
+    # workdir, under this process's deadline (time.monotonic() is one
+    # clock for every process of a machine).
+    args = [*_without(argv, ("workdir", "out", "budget_s", "workers")),
+            f"--workdir={workdir}"]
+    if deadline is not None:
+      args.append(f"--deadline={deadline!r}")
+    run_workers(args, count, workdir)
+    return [mid.tag for mid, groups in sweep.missing_cells(
+        chunk_setup, workdir, "both", backbone).items() if groups]
+  return compute

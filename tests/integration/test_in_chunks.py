@@ -102,11 +102,24 @@ def test_chunks_in_two_processes_merge_to_the_whole_run(tmp_path,
   assert len(results_lib.read_jsonl(os.path.join(merged, "runs.jsonl"))) == 2
   assert "paper prompt" in open(os.path.join(merged, "figure3.md")).read()
 
-  info = chunks.run_chunk(SETUP, "all", "exact", empty,
-                               str(tmp_path / "out_all"), preset="tiny")
-  assert info["cells_computed"] == 12
-  chunks.merge(str(tmp_path / "out_all" / chunks.ARCHIVE), whole)
-  assert _values(merged) == _values(whole) and len(_values(merged)) == 12
+  # The whole sweep in one chunk, by two worker processes (--workers=2,
+  # one per core, claiming its 3 stacks): the same cells as the chunks',
+  # accuracies equal, losses to float rounding (a core sums in its own
+  # order).
+  out_all = str(tmp_path / "out_all")
+  proc = _binary("--chunk=all", f"--results={empty}", f"--out={out_all}",
+                 "--workers=2")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  info = _run_json(out_all)
+  assert (info["cells_computed"], info["workers"],
+          info["skipped_stacks"]) == (12, 2, [])
+  chunks.merge(os.path.join(out_all, chunks.ARCHIVE), whole)
+  parts, together = _values(merged), _values(whole)
+  assert parts.keys() == together.keys() and len(parts) == 12
+  for key, line in together.items():
+    assert line["final_loss"] == pytest.approx(parts[key]["final_loss"],
+                                               rel=1e-5)
+    assert ({**line, "final_loss": 0} == {**parts[key], "final_loss": 0})
 
   # Merging again adds nothing (keys are kept once); rerunning a finished
   # chunk from the merged results computes nothing.
