@@ -84,7 +84,10 @@ def test_chunks_in_two_processes_merge_to_the_whole_run(tmp_path,
   os.makedirs(empty)
   outs = [str(tmp_path / f"out{i}") for i in range(2)]
   # Two processes: the binary in a subprocess, the other chunk in this one.
-  proc = _binary("--chunk=left:4", f"--results={empty}", f"--out={outs[0]}")
+  # The binary runs --workers=2 (one process per core claiming stacks; its
+  # one stack goes to one of them, the other finds none left).
+  proc = _binary("--chunk=left:4", f"--results={empty}", f"--out={outs[0]}",
+                 "--workers=2")
   assert proc.returncode == 0, proc.stderr[-3000:]
   chunks.run_chunk(SETUP, "right:2", "exact", empty, outs[1],
                         preset="tiny")
@@ -97,23 +100,19 @@ def test_chunks_in_two_processes_merge_to_the_whole_run(tmp_path,
   assert [(r["cells_computed"], r["left_sizes"], r["memory_sizes"])
           for r in runs] == [(4, [4], []), (8, [8], [2])]
   assert runs[0]["device"] == ["cpu:0"] and runs[0]["skipped_stacks"] == []
+  assert runs[0]["workers"] == 2 and "workers" not in runs[1]
   for out in outs:
     chunks.merge(os.path.join(out, chunks.ARCHIVE), merged)
   assert len(results_lib.read_jsonl(os.path.join(merged, "runs.jsonl"))) == 2
   assert "paper prompt" in open(os.path.join(merged, "figure3.md")).read()
 
-  # The whole sweep in one chunk, by two worker processes (--workers=2,
-  # one per core, claiming its 3 stacks): the same cells as the chunks',
-  # accuracies equal, losses to float rounding (a core sums in its own
-  # order).
-  out_all = str(tmp_path / "out_all")
-  proc = _binary("--chunk=all", f"--results={empty}", f"--out={out_all}",
-                 "--workers=2")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  info = _run_json(out_all)
-  assert (info["cells_computed"], info["workers"],
-          info["skipped_stacks"]) == (12, 2, [])
-  chunks.merge(os.path.join(out_all, chunks.ARCHIVE), whole)
+  info = chunks.run_chunk(SETUP, "all", "exact", empty,
+                               str(tmp_path / "out_all"), preset="tiny")
+  assert info["cells_computed"] == 12
+  chunks.merge(str(tmp_path / "out_all" / chunks.ARCHIVE), whole)
+  # The same cells as the whole run's; accuracies equal, the worker's
+  # losses to float rounding (XLA single-threaded on one core sums in
+  # its own order).
   parts, together = _values(merged), _values(whole)
   assert parts.keys() == together.keys() and len(parts) == 12
   for key, line in together.items():
