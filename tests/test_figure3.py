@@ -438,3 +438,15 @@ def test_workers_are_refused_by_name_where_they_cannot_run():
   # ./launch.sh passes --workers=0: a SLURM array's host runs one process.
   assert workers.resolve_count(0, num_tasks=4) == 1
   assert 1 <= workers.resolve_count(0) <= (os.cpu_count() or 1)
+
+
+def test_chunk_workers_get_the_command_line_without_the_parents_flags():
+  """The in_chunks workers rerun the parent's command line with its own
+  workdir and deadline: the flags only the parent uses are dropped in
+  both spellings (``--name=value``, ``--name value``), nothing else."""
+  argv = ["in_chunks", "--preset=cpu_paper", "--workdir", "W", "--out=O",
+          "--budget_s", "60", "--workers=0", "--chunk=left:4",
+          "--config.trials=2", "--outer=1"]
+  assert workers._without(argv, ("workdir", "out", "budget_s", "workers")) == [
+      "in_chunks", "--preset=cpu_paper", "--chunk=left:4",
+      "--config.trials=2", "--outer=1"]
