@@ -49,7 +49,7 @@ def define_flags(what: str) -> Flags:
   unclaimed stack of ``what``) and the flags it passes its workers; the
   binary lists them in its ``--help`` with
   ``flags.adopt_module_key_flags(workers)``."""
-  holders = Flags(
+  return Flags(
       flags.DEFINE_integer(
           "workers", 1, f"processes on this machine, one per core, each "
           f"taking the next unclaimed stack of {what} (CPU only; 0: one per "
@@ -58,7 +58,6 @@ def define_flags(what: str) -> Flags:
                            "(set by --workers)"),
       flags.DEFINE_string("claims", None, "internal: the workers' shared "
                           "claims directory"))
-  return holders
 
 
 def _cores() -> list[int]:
@@ -123,8 +122,8 @@ def run_workers(argv: list[str], count: int, workdir: str) -> None:
 
 
 def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
-  """Runs ``count`` copies of the binary ``argv`` (``sys.argv``) as
-  workers ``0..count-1`` sharing ``claims_dir``, worker ``i`` pinned to
+  """Runs ``count`` copies of the binary ``argv`` (``sys.argv``; its
+  ``--workers`` dropped, in either spelling) as workers ``0..count-1`` sharing ``claims_dir``, worker ``i`` pinned to
   the ``i``-th allowed core (``taskset``, from its start; unpinned where
   there is none); returns their exit codes. Their
   logs are this process's stderr; if this process is interrupted, they
@@ -146,7 +145,7 @@ def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
              else [])
       procs.append(subprocess.Popen(
           [*pin, sys.executable, "-m", module,
-           *[a for a in argv[1:] if not a.startswith("--workers")],
+           *_without(argv[1:], ("workers",)),
            f"--worker={i}", f"--claims={claims_dir}"], env=env))
     return [p.wait() for p in procs]
   finally:
@@ -214,7 +213,7 @@ def chunk_compute(argv: list[str], count: int, backbone: str) -> Callable:
     # Each worker runs the chunk as given on the command line, in this
     # workdir, under this process's deadline (time.monotonic() is one
     # clock for every process of a machine).
-    args = [*_without(argv, ("workdir", "out", "budget_s", "workers")),
+    args = [*_without(argv, ("workdir", "out", "budget_s")),
             f"--workdir={workdir}"]
     if deadline is not None:
       args.append(f"--deadline={deadline!r}")
