@@ -269,7 +269,8 @@ def pretrain_fields(info: dict) -> dict:
   return {"pretrain_ce_gap": m.get("ce_gap"), "pretrain_tv": m.get("tv"),
           "pretrain_mlm_ce": m.get("mlm_ce"),
           "pretrain_bayes_ce": m.get("bayes_ce"),
-          "pretrain_steps": info["step"], "pretrain_wall_s": m.get("wall_s")}
+          "pretrain_steps": info["step"], "pretrain_wall_s": m.get("wall_s"),
+          "pretrain_layers": m.get("layers")}
 
 
 def tune_lanes(setup: TrialsConfig, cfg: tuning.TuneConfig, backbone,

@@ -38,15 +38,20 @@ def test_identities_are_the_committed_ones():
   got = {p: (s.fingerprint("exact"), s.fingerprint("transformer"),
              protocol.pretrain_dir("W", s, protocol.vanilla(4)),
              protocol.pretrain_dir("W", s, protocol.memory(7)))
-         for p in ("tiny", "cpu", "paper", "gpu")
+         for p in ("tiny", "cpu", "cpu_paper", "paper", "gpu")
          for s in [figure3.get_setup(p)]}
   assert got == {
       "tiny": ("19d48286c874", "fdca962b830c", "W/pretrain/vanilla-h4-b29a8b2f",
                "W/pretrain/memory-h4-m7-b29a8b2f"),
-      # The transformer's re-keyed once by issue 30's cpu_capped recipe
-      # (was 99eebf1f47d2, vanilla-h4-4ff1a5bc).
-      "cpu": ("a6f38f8be942", "5ab58c6d5ab7", "W/pretrain/vanilla-h4-539e5958",
-              "W/pretrain/memory-h4-m7-539e5958"),
+      # The transformer's re-keyed by issue 30's cpu_capped recipe (was
+      # 99eebf1f47d2, vanilla-h4-4ff1a5bc), then by its 4-layer fallback
+      # (was 5ab58c6d5ab7, vanilla-h4-539e5958: now cpu_paper's, which
+      # keeps the committed protocol's identity).
+      "cpu": ("a6f38f8be942", "53e275558c25", "W/pretrain/vanilla-h4-f3291955",
+              "W/pretrain/memory-h4-m7-f3291955"),
+      "cpu_paper": ("a6f38f8be942", "5ab58c6d5ab7",
+                    "W/pretrain/vanilla-h4-539e5958",
+                    "W/pretrain/memory-h4-m7-539e5958"),
       "paper": ("80bfbca971f2", "2a26c840f84c",
                 "W/pretrain/vanilla-h4-bb7e9b01",
                 "W/pretrain/memory-h4-m7-bb7e9b01"),

@@ -593,3 +593,73 @@ def test_retain_is_runtime_and_round_trips():
   old = TINY.to_json()
   del old["retain"]  # a config.json written before the field
   assert pretrain.PretrainConfig.from_json(old).retain == ()
+
+
+def test_a_trial_short_of_the_target_at_the_cap_falls_back_to_depth(
+    tmp_path):
+  """``fallback_layers``: the trial above the target at the cap trains
+  again alone, as trial ``k`` with the deeper model (its line is that
+  run's); the stack loads at the deeper depth, the trial that stopped in
+  time padded with identity blocks (the same outputs); a rerun trains
+  nothing."""
+  deeper = TINY.model.num_layers + 1
+  cfg = dataclasses.replace(TINY, target_gap=0.5, fallback_layers=deeper)
+  stacked = generative.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6,
+                                     10)
+  workdir = str(tmp_path / "stack")
+  logs = []
+  final = pretrain.run_trials(workdir, cfg, stacked, log=logs.append)
+  # Trial 0 stops at step 20 (gap 0.29); trial 1 ends the cap above 0.5.
+  assert [m["step"] for m in final] == [20, final[1]["step"]]
+  assert "layers" not in final[0] and final[1]["layers"] == deeper
+  assert any("trial 1: CE gap" in s and f"with {deeper} layers" in s
+             for s in logs)
+  alone = pretrain.run_trials(str(tmp_path / "alone"), cfg.fallback(1),
+                              generative.stack([generative.trial(stacked, 1)]),
+                              log=lambda s: None)[0]
+  drop = lambda d: {a: b for a, b in d.items()
+                    if a not in ("wall_s", "trial", "layers")}
+  assert drop(final[1]) == drop(alone)
+
+  backbone, params_k, infos = pretrain.load_trials(workdir)
+  assert infos[1]["metrics"]["layers"] == deeper
+  assert infos[1]["step"] == alone["step"] and "layers" not in infos[0][
+      "metrics"]
+  _, alone_params = pretrain.load_backbone(str(tmp_path / "alone"))[:2]
+  chex_close = lambda a, b: np.testing.assert_array_equal(np.asarray(a),
+                                                          np.asarray(b))
+  jax.tree.map(lambda a, b: chex_close(a[1], b), params_k, alone_params)
+  # Trial 0 padded: the deeper backbone computes its shallow model's
+  # function. The extra block adds exact zeros; the real blocks' float
+  # sums may be ordered otherwise in the deeper program (a few ulps).
+  shallow_bb, shallow_k, _ = pretrain.load_trials(
+      _copy_without_fallbacks(workdir, str(tmp_path / "plain")))
+  tokens = generative.sample_tokens(jax.random.PRNGKey(9),
+                                    generative.trial(stacked, 0), 12)
+  take0 = lambda t: jax.tree.map(lambda x: x[0], t)
+  want = shallow_bb.apply(take0(shallow_k), shallow_bb.embed(
+      take0(shallow_k), tokens))
+  got = backbone.apply(take0(params_k), backbone.embed(take0(params_k),
+                                                        tokens))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+  def boom(*a, **k):
+    raise AssertionError("finished work was redone")
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(pretrain_train, "make_train_step", boom)
+    assert pretrain.run_trials(workdir, cfg, stacked,
+                               log=lambda s: None) == final
+  with pytest.raises(ValueError, match="fallback_layers = 1 must be 0 or an "
+                     "int above model.num_layers"):
+    dataclasses.replace(TINY, target_gap=0.5, fallback_layers=1)
+
+
+def _copy_without_fallbacks(workdir, to):
+  """``workdir``'s stack as a run without ``fallback_layers``."""
+  shutil.copytree(workdir, to, ignore=shutil.ignore_patterns("fallback-*"))
+  path = os.path.join(to, "config.json")
+  cfg = json.load(open(path))
+  cfg["pretrain"]["fallback_layers"] = 0
+  json.dump(cfg, open(path, "w"))
+  return to

@@ -58,6 +58,9 @@ class ResultLine(results_lib.Line):
   pretrain_bayes_ce: float | None = None
   pretrain_steps: int | None = None
   pretrain_wall_s: float | None = None
+  # The fallback model's depth where the trial fell back
+  # (PretrainConfig.fallback_layers), else None: the recipe's own.
+  pretrain_layers: int | None = None
 
   KEY_FIELDS = ("backbone", "panel", "hmm", "num_states", "memory_size",
                 "trial", "task", "method", "features", "setup")

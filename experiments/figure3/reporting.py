@@ -121,8 +121,9 @@ def trial_table(lines: list[records.ResultLine]) -> str:
       for r in rs:
         row = rows.setdefault((r.size, r.trial), {"fp": {}, "gap": {}})
         row["fp"][r.hmm] = r.hmm_fingerprint
-        if r.pretrain_ce_gap is not None:
-          row["gap"][r.hmm] = r.pretrain_ce_gap
+        if r.pretrain_ce_gap is not None:  # a fallback's depth named
+          row["gap"][r.hmm] = f"{r.pretrain_ce_gap:.4f}" + (
+              f" ({r.pretrain_layers} layers)" if r.pretrain_layers else "")
         row.setdefault((r.hmm, r.method, r.features), []).append(
             100.0 * r.test_accuracy)
       hmms = sorted({a[0] for a in arms})
@@ -133,7 +134,7 @@ def trial_table(lines: list[records.ResultLine]) -> str:
       out += [f"### {backbone}, {panel} panel", ""] + (
           results_lib.markdown_table(head, [
               [size, trial] + [row["fp"].get(h, "") for h in hmms]
-              + ([f"{row['gap'][h]:.4f}" if h in row["gap"] else ""
+              + ([row["gap"].get(h, "")
                   for h in hmms] if backbone == "transformer" else [])
               + [f"{np.mean(row[a]):.1f}" if a in row else "" for a in arms]
               for (size, trial), row in sorted(rows.items())])) + [""]

@@ -267,6 +267,27 @@ def init_params(key, cfg: MLMConfig):
   return MLM(cfg).init(key, jnp.zeros((1, min(cfg.max_len, 8)), jnp.int32))
 
 
+def pad_layers(params, num_layers: int):
+  """``params`` (an ``MLM``'s, any leading axes such as a trial stack)
+  with identity blocks appended up to ``num_layers``: the deeper model
+  computes the same function (the same logits, up to float rounding).
+
+  A block adds ``attn_out(.)`` and ``mlp_out(.)`` to its input (pre-norm
+  residual); with both projections' kernels and biases zero it adds
+  exactly 0, whatever its other parameters (zeros here too: every value
+  stays finite). Stacks with another deeper model's params of the same
+  width (:func:`~hmmprompt.pretrain.workdir.load_trials`' fallbacks).
+  """
+  inner = params["params"]
+  have = sum(1 for name in inner if name.startswith("block_"))
+  if num_layers < have:
+    raise ValueError(f"pad_layers: the params have {have} layers, more than "
+                     f"num_layers = {num_layers}")
+  zero_block = jax.tree.map(jnp.zeros_like, inner["block_0"])
+  return {**params, "params": {
+      **inner, **{f"block_{i}": zero_block for i in range(have, num_layers)}}}
+
+
 def num_params(params) -> int:
   return sum(x.size for x in jax.tree.leaves(params))
 

@@ -92,6 +92,15 @@ class PretrainConfig:
                                         metadata=config_flags.ADDED)
   state_loss_steps: int = dataclasses.field(default=0,
                                             metadata=config_flags.ADDED)
+  # fallback_layers: a trial still above target_gap at the cap is
+  # pretrained again, from its own seed and data, with this many layers
+  # instead of model.num_layers (0: none): depth converges the slow-mixing
+  # draws that no 2-layer recipe did (docs/pretraining.md, "The hard
+  # set"), at ~3x the cost per token, so only the draws that need it pay.
+  # The trial's backbone is then the deeper model; the stack's shallower
+  # ones join it as identity-padded copies (transformer.pad_layers).
+  fallback_layers: int = dataclasses.field(default=0,
+                                           metadata=config_flags.ADDED)
   # Runtime settings (config_flags.RUNTIME): how a run goes, not what it
   # computes, so no directory name, fingerprint or resume check reads them.
   log_every: int = _runtime(100)
@@ -111,6 +120,14 @@ class PretrainConfig:
     if self.state_loss < 0 or self.state_loss_steps < 0:
       raise ValueError("PretrainConfig.state_loss and state_loss_steps must "
                        "be >= 0")
+    if self.fallback_layers and not (
+        isinstance(self.fallback_layers, int)
+        and self.fallback_layers > self.model.num_layers
+        and self.target_gap is not None):
+      raise ValueError(
+          f"PretrainConfig.fallback_layers = {self.fallback_layers} must be "
+          f"0 or an int above model.num_layers = {self.model.num_layers}, "
+          f"with a target_gap to fall short of (got {self.target_gap})")
     if self.corpus.chunk_len > self.model.max_len:
       raise ValueError(f"corpus chunk_len {self.corpus.chunk_len} exceeds the "
                        f"model context max_len {self.model.max_len}")
@@ -188,6 +205,20 @@ class PretrainConfig:
   def to_json(self) -> dict:
     """Every field (what ``config.json`` records)."""
     return dataclasses.asdict(self)
+
+  def falls_back(self, line: dict) -> bool:
+    """Whether trial's final metrics ``line`` sends it to the
+    ``fallback_layers`` model: trained to the cap, above the target."""
+    return bool(self.fallback_layers) and line.get("step") == (
+        self.total_steps) and line.get("ce_gap", 0.0) > self.target_gap
+
+  def fallback(self, k: int) -> PretrainConfig:
+    """Trial ``k``'s fallback run: the deeper model, one trial, seeded as
+    trial ``k`` of the stack (:class:`~hmmprompt.pretrain.loop.Keys`)."""
+    return self.with_overrides(
+        model=dataclasses.replace(self.model,
+                                  num_layers=self.fallback_layers),
+        seed=self.seed + k, fallback_layers=0)
 
   def identity(self) -> dict:
     """The fields that decide a run's results, JSON-normalised: what the

@@ -144,12 +144,37 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
       devices.
     FileNotFoundError: checkpoints exist but none is readable.
     FloatingPointError: a non-finite loss; the last checkpoint is kept.
+
+  With ``cfg.fallback_layers``, a trial still above the target at the cap
+  then trains again, alone, with that many layers, in
+  ``workdir/fallback-<k>/`` (:func:`~hmmprompt.pretrain.workdir.fallback_dir`;
+  it resumes as the stack does); its returned line is the fallback's, with
+  ``layers`` and ``wall_s`` summing both runs.
   """
   num = generative.num_trials(models_K)
   if num is None:
     raise ValueError("run_trials needs [K] stacked models "
                      "(generative.random_models or generative.stack); use "
                      "run for one model")
+  finals = _train_stack(workdir, cfg, models_K, num, log, after_step)
+  for k, line in enumerate(finals):
+    if cfg.falls_back(line):
+      log(f"trial {k}: CE gap {line['ce_gap']:.4f} above the target at the "
+          f"cap; pretraining it again with {cfg.fallback_layers} layers")
+      deep = _train_stack(workdir_lib.fallback_dir(workdir, k),
+                          cfg.fallback(k), generative.stack(
+                              [generative.trial(models_K, k)]), 1, log,
+                          after_step)[0]
+      finals[k] = {**deep, "trial": k, "layers": cfg.fallback_layers,
+                   "wall_s": line["wall_s"] + deep["wall_s"]}
+  return finals
+
+
+def _train_stack(workdir: str, cfg: PretrainConfig,
+                 models_K: generative.Model, num: int,
+                 log: Callable[[str], Any],
+                 after_step: Callable[[int], Any] | None) -> list[dict]:
+  """:func:`run_trials` without the fallback."""
   mesh = sharding_lib.data_mesh()
   sharding_lib.check_batch(cfg.batch_size, mesh)  # before writing anything
   paths = workdir_lib.prepare(workdir, cfg, models_K)

@@ -148,6 +148,11 @@ def _open_run(workdir: str) -> tuple[Paths, PretrainConfig, generative.Model,
   return paths, cfg, models_K, num
 
 
+def fallback_dir(workdir: str, k: int) -> str:
+  """Where trial ``k``'s fallback run lives (``PretrainConfig.fallback_layers``)."""
+  return os.path.join(workdir, f"fallback-{k}")
+
+
 def load_trials(workdir: str) -> tuple[Backbone, Any, list[dict]]:
   """``(backbone, params_K, infos)`` of a pretraining run, for tuning.
 
@@ -176,7 +181,28 @@ def load_trials(workdir: str) -> tuple[Backbone, Any, list[dict]]:
     infos.append({"config": cfg, "model": generative.trial(models_K, k),
                   "metrics": mine[-1] if mine else {},
                   "step": int(state.step[k])})
-  return transformer.make_backbone(cfg.model), state.params, infos
+  fell = [k for k, info in enumerate(infos) if cfg.falls_back(info["metrics"])]
+  if not fell:
+    return transformer.make_backbone(cfg.model), state.params, infos
+  # The trials that fell back: their deeper models, the rest padded to
+  # that depth with identity blocks, so the K still stack.
+  deep_cfg = cfg.fallback(0).model
+  params_K = transformer.pad_layers(state.params, deep_cfg.num_layers)
+  for k in fell:
+    where = fallback_dir(workdir, k)
+    if not os.path.exists(Paths.of(where).config):
+      raise FileNotFoundError(
+          f"trial {k} of {workdir} is above the target gap at the cap and "
+          f"its fallback run {where} is missing: run run_trials to train it")
+    _, deep_K, (deep,) = load_trials(where)
+    params_K = jax.tree.map(lambda a, b, k=k: a.at[k].set(b[0]), params_K,
+                            deep_K)
+    infos[k] = {**deep, "model": infos[k]["model"],
+                "metrics": {**deep["metrics"], "trial": k,
+                            "layers": deep_cfg.num_layers,
+                            "wall_s": infos[k]["metrics"]["wall_s"]
+                            + deep["metrics"]["wall_s"]}}
+  return transformer.make_backbone(deep_cfg), params_K, infos
 
 
 def load_backbone(workdir: str) -> tuple[Backbone, Any, dict]:
