@@ -175,7 +175,7 @@ def load_trials(workdir: str) -> tuple[Backbone, Any, list[dict]]:
   if step is None:
     raise FileNotFoundError(f"no checkpoints in {paths.ckpt}")
   metrics = read_metrics(paths)
-  infos = []
+  infos: list[dict[str, Any]] = []
   for k in range(cast(int, generative.num_trials(models_K))):
     mine = [m for m in metrics if m.get("trial", 0) == k]
     infos.append({"config": cfg, "model": generative.trial(models_K, k),
