@@ -47,8 +47,8 @@ def test_identities_are_the_committed_ones():
       # 99eebf1f47d2, vanilla-h4-4ff1a5bc), then by its 4-layer fallback
       # (was 5ab58c6d5ab7, vanilla-h4-539e5958: now cpu_paper's, which
       # keeps the committed protocol's identity).
-      "cpu": ("a6f38f8be942", "53e275558c25", "W/pretrain/vanilla-h4-f3291955",
-              "W/pretrain/memory-h4-m7-f3291955"),
+      "cpu": ("a6f38f8be942", "df9d417fe40c", "W/pretrain/vanilla-h4-2ef05c55",
+              "W/pretrain/memory-h4-m7-2ef05c55"),
       "cpu_paper": ("a6f38f8be942", "5ab58c6d5ab7",
                     "W/pretrain/vanilla-h4-539e5958",
                     "W/pretrain/memory-h4-m7-539e5958"),

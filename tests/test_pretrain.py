@@ -22,6 +22,7 @@ from hmmprompt import tasks
 from hmmprompt import tuning
 from hmmprompt.backbones import transformer
 from hmmprompt.pretrain import train as pretrain_train
+from hmmprompt.pretrain import workdir as pretrain_workdir
 TINY = pretrain.preset_config("tiny")
 
 
@@ -663,3 +664,32 @@ def _copy_without_fallbacks(workdir, to):
   cfg["pretrain"]["fallback_layers"] = 0
   json.dump(cfg, open(path, "w"))
   return to
+
+
+def test_a_trial_far_from_the_target_falls_back_before_the_cap(tmp_path):
+  """``fallback_gap``: at the end of the last cycle before the cap, a
+  trial above it leaves the stack for its fallback then; one below it
+  trains on. A rerun resumes to the same lines."""
+  cfg = TINY.with_overrides(cycles=(20, 20), target_gap=0.05,
+                            fallback_layers=TINY.model.num_layers + 1,
+                            fallback_gap=0.6)
+  stacked = generative.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6,
+                                     10)
+  workdir = str(tmp_path / "stack")
+  final = pretrain.run_trials(workdir, cfg, stacked, log=lambda s: None)
+  lines = pretrain_workdir.read_metrics(pretrain_workdir.Paths.of(workdir))
+  at20 = {m["trial"]: m["ce_gap"] for m in lines if m["step"] == 20}
+  for k, gap in at20.items():
+    early = gap > cfg.fallback_gap
+    assert max(m["step"] for m in lines if m["trial"] == k) == (
+        20 if early else 40), (k, gap)
+    if early:
+      assert final[k]["layers"] == cfg.fallback_layers
+  assert any(g > cfg.fallback_gap for g in at20.values()), at20
+  assert any(g <= cfg.fallback_gap for g in at20.values()), at20
+  assert pretrain.run_trials(workdir, cfg, stacked,
+                             log=lambda s: None) == final
+  for bad in (dict(fallback_layers=0), dict(cycles=None, steps=40),
+              dict(fallback_gap=0.01)):
+    with pytest.raises(ValueError, match="fallback_gap"):
+      cfg.with_overrides(**bad)

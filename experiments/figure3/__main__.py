@@ -45,7 +45,10 @@ flags.adopt_module_key_flags(workers)
 def _run(setup, workdir: str, names: list[str]) -> None:
   """This process's part: all of it, a host's share, or a worker's."""
   worker = _WORKER.value
-  for name in names:
+  # The transformer first, whatever the flag's order: its stacks are the
+  # long ones (the costliest claimed first), so the exact backbone's
+  # minutes fill the end of whichever worker frees up first.
+  for name in sorted(names, key=lambda n: n != "transformer"):
     if name == "transformer" or not _PRETRAIN_ONLY.value:
       logging.info("backbone %s, preset %s, task %d of %d%s", name,
                    _PRESET.value, _TASK_INDEX.value, _NUM_TASKS.value,

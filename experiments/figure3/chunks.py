@@ -130,7 +130,9 @@ def write_archive(workdir: str, path: str, run_info: dict) -> list[str]:
   reporting.report(workdir)
   members = [n for n in ("results.jsonl", sweep.STAMP, *_REPORT_FILES)
              if os.path.exists(os.path.join(workdir, n))]
-  for run_dir in sorted(glob.glob(os.path.join(workdir, "pretrain", "*"))):
+  for run_dir in sorted(glob.glob(os.path.join(workdir, "pretrain", "*"))
+                        + glob.glob(os.path.join(workdir, "pretrain", "*",
+                                                 "fallback-*"))):
     members += [os.path.relpath(os.path.join(run_dir, n), workdir)
                 for n in _PRETRAIN_FILES
                 if os.path.exists(os.path.join(run_dir, n))]

@@ -159,8 +159,10 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   finals = _train_stack(workdir, cfg, models_K, num, log, after_step)
   for k, line in enumerate(finals):
     if cfg.falls_back(line):
-      log(f"trial {k}: CE gap {line['ce_gap']:.4f} above the target at the "
-          f"cap; pretraining it again with {cfg.fallback_layers} layers")
+      log(f"trial {k}: CE gap {line['ce_gap']:.4f} at step {line['step']}, "
+          f"above the target at the cap or above fallback_gap "
+          f"{cfg.fallback_gap} before it; pretraining it again with "
+          f"{cfg.fallback_layers} layers")
       deep = _train_stack(workdir_lib.fallback_dir(workdir, k),
                           cfg.fallback(k), generative.stack(
                               [generative.trial(models_K, k)]), 1, log,
@@ -211,7 +213,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
   metrics = workdir_lib.read_metrics(paths, upto=start)
   last = {m.get("trial", 0): m for m in metrics}
   stops = lambda k: (k in last and _may_stop(cfg, last[k]["step"])
-                     and _reached(cfg, last[k]))
+                     and (_reached(cfg, last[k]) or cfg.falls_back(last[k])))
   running = [k for k in range(num) if not stops(k)]
   # A crash between a checkpoint and its evaluation leaves one to redo.
   missing = ([k for k in running if last.get(k, {}).get("step") != start]
@@ -271,6 +273,8 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
           f"{cfg.target_gap} at step {step}: stopping"
           f"{'' if num == 1 else ' it'}")
       running.remove(k)
+    for k in [k for k in running if cfg.falls_back(last[k])]:
+      running.remove(k)  # to its fallback (run_trials), before the cap
 
   if missing:
     evaluate(start, _take(states, np.asarray(missing)), missing)

@@ -34,11 +34,31 @@ def runs(workdir: str) -> list[tuple[str, Any, dict]]:
     by_trial: dict[int, list[dict]] = {}
     for m in results_lib.read_jsonl(mpath):
       by_trial.setdefault(m.get("trial", 0), []).append(m)
+    name = os.path.basename(run_dir)
+    # A trial that fell back (PretrainConfig.fallback_layers) is reported
+    # by its deeper run, the model tuned, named "<run>/fallback-<k>".
+    for k, deep_cfg, lines in _fallbacks(run_dir, cfg, by_trial):
+      del by_trial[k]
+      runs.append((f"{name}/fallback-{k}", deep_cfg, {k: lines}))
     if by_trial:
-      runs.append((os.path.basename(run_dir), cfg, by_trial))
+      runs.append((name, cfg, by_trial))
   return sorted(runs, key=lambda r: (
       not r[0].startswith("vanilla"),
       [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", r[0])]))
+
+
+def _fallbacks(run_dir: str, cfg, by_trial: dict):
+  """``(k, config, metrics lines)`` of the fallback runs of ``run_dir``'s
+  trials that fell back."""
+  out = []
+  for k, ms in sorted(by_trial.items()):
+    where = pretrain_workdir.fallback_dir(run_dir, k)
+    paths = pretrain_workdir.Paths.of(where)
+    if cfg.falls_back(ms[-1]) and os.path.exists(paths.metrics):
+      out.append((k, pretrain_workdir.read_config(paths)[1],
+                  [{**m, "trial": k} for m in
+                   results_lib.read_jsonl(paths.metrics)]))
+  return out
 
 
 def table(runs) -> str:

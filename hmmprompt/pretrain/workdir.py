@@ -239,6 +239,12 @@ def load_retained(workdir: str) -> tuple[Backbone, Any, list[int],
     ValueError: a layout-1 one-model run (named).
   """
   paths, cfg, models_K, num = _open_run(workdir)
+  fell = sorted({m.get("trial", 0) for m in read_metrics(paths)
+                 if cfg.falls_back(m)})
+  if fell:  # their tuned models are the fallbacks', retained nowhere
+    raise ValueError(f"trials {fell} of {workdir} fell back to "
+                     f"{cfg.fallback_layers} layers: load_retained reads "
+                     f"the stack's own checkpoints only")
   if not os.path.isdir(paths.retained):
     raise FileNotFoundError(
         f"no retained checkpoints in {workdir} ({paths.retained} missing): "
