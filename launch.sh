@@ -3,7 +3,7 @@
 #   ./launch.sh           set up .venv if needed, run the main job: Figure 3
 #                         (both panels, 3 HMM draws per size) with the exact
 #                         backbone and pretrained transformers, cpu preset
-#                         (~10 min on 2 cores, a process per core), into
+#                         (~12 min on 2 cores, a process per core), into
 #                         runs/figure3 (resumes if rerun)
 #   ./launch.sh test      set up .venv if needed, run the whole test suite
 #                         (./launch.sh test -m "not slow": the fast tier)
