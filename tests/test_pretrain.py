@@ -627,9 +627,9 @@ def test_a_trial_short_of_the_target_at_the_cap_falls_back_to_depth(
   assert infos[1]["step"] == alone["step"] and "layers" not in infos[0][
       "metrics"]
   _, alone_params = pretrain.load_backbone(str(tmp_path / "alone"))[:2]
-  chex_close = lambda a, b: np.testing.assert_array_equal(np.asarray(a),
-                                                          np.asarray(b))
-  jax.tree.map(lambda a, b: chex_close(a[1], b), params_k, alone_params)
+  equal = lambda a, b: np.testing.assert_array_equal(np.asarray(a),
+                                                     np.asarray(b))
+  jax.tree.map(lambda a, b: equal(a[1], b), params_k, alone_params)
   # Trial 0 padded: the deeper backbone computes its shallow model's
   # function. The extra block adds exact zeros; the real blocks' float
   # sums may be ordered otherwise in the deeper program (a few ulps).

@@ -145,11 +145,13 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
     FileNotFoundError: checkpoints exist but none is readable.
     FloatingPointError: a non-finite loss; the last checkpoint is kept.
 
-  With ``cfg.fallback_layers``, a trial still above the target at the cap
-  then trains again, alone, with that many layers, in
-  ``workdir/fallback-<k>/`` (:func:`~hmmprompt.pretrain.workdir.fallback_dir`;
-  it resumes as the stack does); its returned line is the fallback's, with
-  ``layers`` and ``wall_s`` summing both runs.
+  With ``cfg.fallback_layers``, a trial that :meth:`PretrainConfig.falls_back`
+  (above the target at the cap, or above ``fallback_gap`` at the end of
+  the last cycle before it) then trains again, alone, with that many
+  layers, in ``workdir/fallback-<k>/``
+  (:func:`~hmmprompt.pretrain.workdir.fallback_dir`; it resumes as the
+  stack does); its returned line is
+  :func:`~hmmprompt.pretrain.workdir.fallback_line`.
   """
   num = generative.num_trials(models_K)
   if num is None:
@@ -167,8 +169,8 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
                           cfg.fallback(k), generative.stack(
                               [generative.trial(models_K, k)]), 1, log,
                           after_step)[0]
-      finals[k] = {**deep, "trial": k, "layers": cfg.fallback_layers,
-                   "wall_s": line["wall_s"] + deep["wall_s"]}
+      finals[k] = workdir_lib.fallback_line(line, deep, k,
+                                            cfg.fallback_layers)
   return finals
 
 

@@ -153,6 +153,13 @@ def fallback_dir(workdir: str, k: int) -> str:
   return os.path.join(workdir, f"fallback-{k}")
 
 
+def fallback_line(shallow: dict, deep: dict, k: int, layers: int) -> dict:
+  """Trial ``k``'s final metrics line after a fallback: the deeper run's,
+  with ``layers`` and ``wall_s`` summing both runs."""
+  return {**deep, "trial": k, "layers": layers,
+          "wall_s": shallow["wall_s"] + deep["wall_s"]}
+
+
 def load_trials(workdir: str) -> tuple[Backbone, Any, list[dict]]:
   """``(backbone, params_K, infos)`` of a pretraining run, for tuning.
 
@@ -198,10 +205,8 @@ def load_trials(workdir: str) -> tuple[Backbone, Any, list[dict]]:
     params_K = jax.tree.map(lambda a, b, k=k: a.at[k].set(b[0]), params_K,
                             deep_K)
     infos[k] = {**deep, "model": infos[k]["model"],
-                "metrics": {**deep["metrics"], "trial": k,
-                            "layers": deep_cfg.num_layers,
-                            "wall_s": infos[k]["metrics"]["wall_s"]
-                            + deep["metrics"]["wall_s"]}}
+                "metrics": fallback_line(infos[k]["metrics"], deep["metrics"],
+                                         k, deep_cfg.num_layers)}
   return transformer.make_backbone(deep_cfg), params_K, infos
 
 
