@@ -133,6 +133,19 @@ class MLMConfig:
     return jnp.dtype(self.dtype)
 
 
+class TokenDense(nn.Dense):
+  """``nn.Dense`` over the last axis, applied to the input flattened to
+  ``[N, D]``: the same parameters and values, but XLA:CPU computes the
+  weight gradient of a ``[B, T, D]`` Dense ~2.6x slower than that of the
+  flattened one (a full 2-layer train step 13% slower;
+  docs/performance.md)."""
+
+  @nn.compact
+  def __call__(self, x):
+    y = super().__call__(x.reshape(-1, x.shape[-1]))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 def paper_config(vocab_size: int = 10, **kw) -> MLMConfig:
   """BERT-base width with 6 layers (Appendix D)."""
   return MLMConfig(vocab_size=vocab_size, d_model=768, num_heads=12,
@@ -153,12 +166,12 @@ class Block(nn.Module):
     y = nn.LayerNorm(dtype=dt, name="ln_attn")(x_BxTxD)
     if cfg.resolved_attention == "dot_product":
       # [B, T, A, E], dot_product_attention's layout (vmaps fold into B).
-      qkv_BxTx3xAxE = nn.Dense(3 * d, dtype=dt, name="qkv")(y).reshape(
+      qkv_BxTx3xAxE = TokenDense(3 * d, dtype=dt, name="qkv")(y).reshape(
           b, t, 3, a, e)
       out_BxTxAxE = dot_product_attention(qkv_BxTx3xAxE[:, :, 0],
                                           qkv_BxTx3xAxE[:, :, 1],
                                           qkv_BxTx3xAxE[:, :, 2])
-      x_BxTxD = x_BxTxD + nn.Dense(d, dtype=dt, name="attn_out")(
+      x_BxTxD = x_BxTxD + TokenDense(d, dtype=dt, name="attn_out")(
           out_BxTxAxE.reshape(b, t, d))
       if query is not None:
         x_BxTxD = x_BxTxD[:, query:query + 1]
@@ -166,7 +179,7 @@ class Block(nn.Module):
       # Heads-major [3, B, A, T, E] so both attention products are batched
       # matmuls over minor dims: XLA:CPU runs the [B, T, A, E] einsums of
       # the textbook layout several times slower (experiments/bench_mlm.py).
-      qkv_3xBxAxTxE = nn.Dense(3 * d, dtype=dt, name="qkv")(y).reshape(
+      qkv_3xBxAxTxE = TokenDense(3 * d, dtype=dt, name="qkv")(y).reshape(
           b, t, 3, a, e).transpose(2, 0, 3, 1, 4)
       q, k, v = qkv_3xBxAxTxE[0], qkv_3xBxAxTxE[1], qkv_3xBxAxTxE[2]
       rows = slice(None) if query is None else slice(query, query + 1)
@@ -182,11 +195,11 @@ class Block(nn.Module):
       attn = jax.nn.softmax(logits_BxAxQxT.astype(jnp.float32),
                             -1).astype(dt)
       out_BxAxQxE = jnp.matmul(attn, v)
-      x_BxTxD = x_BxTxD[:, rows] + nn.Dense(d, dtype=dt, name="attn_out")(
+      x_BxTxD = x_BxTxD[:, rows] + TokenDense(d, dtype=dt, name="attn_out")(
           out_BxAxQxE.transpose(0, 2, 1, 3).reshape(b, q.shape[2], d))
     y = nn.LayerNorm(dtype=dt, name="ln_mlp")(x_BxTxD)
-    y = nn.Dense(cfg.d_ff, dtype=dt, name="mlp_in")(y)
-    y = nn.Dense(d, dtype=dt, name="mlp_out")(nn.gelu(y))
+    y = TokenDense(cfg.d_ff, dtype=dt, name="mlp_in")(y)
+    y = TokenDense(d, dtype=dt, name="mlp_out")(nn.gelu(y))
     return x_BxTxD + y
 
 
@@ -225,10 +238,10 @@ class MLM(nn.Module):
     self.blocks = [Block(cfg, name=f"block_{i}")
                    for i in range(cfg.num_layers)]
     self.ln_final = nn.LayerNorm(dtype=cfg.compute_dtype, name="ln_final")
-    self.head = nn.Dense(cfg.vocab_size, dtype=cfg.compute_dtype,
+    self.head = TokenDense(cfg.vocab_size, dtype=cfg.compute_dtype,
                          name="head")
     if cfg.state_readout:
-      self.state_head = nn.Dense(cfg.state_readout, dtype=cfg.compute_dtype,
+      self.state_head = TokenDense(cfg.state_readout, dtype=cfg.compute_dtype,
                                  name="state_head")
 
   def embed(self, tokens_BxT):
