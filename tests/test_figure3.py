@@ -45,13 +45,13 @@ def test_identities_are_the_committed_ones():
                "W/pretrain/memory-h4-m7-b29a8b2f"),
       # The transformer's re-keyed by issue 30's cpu_capped recipe (was
       # 99eebf1f47d2, vanilla-h4-4ff1a5bc), then by its 4-layer fallback
-      # (was 5ab58c6d5ab7, vanilla-h4-539e5958: now cpu_paper's, which
-      # keeps the committed protocol's identity).
+      # (was 5ab58c6d5ab7, vanilla-h4-539e5958; cpu_paper kept that until
+      # its protocol was rerun with the fallback).
       "cpu": ("a6f38f8be942", "df9d417fe40c", "W/pretrain/vanilla-h4-2ef05c55",
               "W/pretrain/memory-h4-m7-2ef05c55"),
-      "cpu_paper": ("a6f38f8be942", "5ab58c6d5ab7",
-                    "W/pretrain/vanilla-h4-539e5958",
-                    "W/pretrain/memory-h4-m7-539e5958"),
+      "cpu_paper": ("a6f38f8be942", "df9d417fe40c",
+                    "W/pretrain/vanilla-h4-2ef05c55",
+                    "W/pretrain/memory-h4-m7-2ef05c55"),
       "paper": ("80bfbca971f2", "2a26c840f84c",
                 "W/pretrain/vanilla-h4-bb7e9b01",
                 "W/pretrain/memory-h4-m7-bb7e9b01"),
