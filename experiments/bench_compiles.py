@@ -34,7 +34,7 @@ _WORKDIR = flags.DEFINE_string("child_workdir", None, "internal")
 
 def _child(mode: str, workdir: str) -> None:
   import jax  # pylint: disable=g-import-not-at-top
-  from experiments import figure3  # pylint: disable=g-import-not-at-top
+  from hmmprompt import figure3  # pylint: disable=g-import-not-at-top
   from hmmprompt.backbones import transformer  # pylint: disable=g-import-not-at-top
 
   stats = {"compiles": 0, "compile_s": 0.0}

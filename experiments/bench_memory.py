@@ -69,7 +69,7 @@ def run_arm(name: str, workdir: str) -> dict:
 
 
 def _lines(workdir: str) -> dict:
-  from experiments.figure3 import records  # pylint: disable=g-import-not-at-top
+  from hmmprompt.figure3 import records  # pylint: disable=g-import-not-at-top
   return {r.key(): r for r in records.read_results(workdir)}
 
 

@@ -21,7 +21,7 @@ from absl import app
 from absl import flags
 import jax
 
-from experiments import figure3
+from hmmprompt import figure3
 from hmmprompt import generative
 from hmmprompt import glibc
 from hmmprompt import protocol

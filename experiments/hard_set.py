@@ -6,7 +6,7 @@ how fast each comes within 0.04 nats of the Bayes CE (issue 30, part 1).
       [--config.only=h28t2,m7t0] [--bench_steps=60]
 
 The hard set (:data:`HARD_SET`): the main job's 5 draws that end above
-0.04 nats at its cap (``experiments/figure3``'s ``cpu`` preset: ``|H|`` =
+0.04 nats at its cap (``hmmprompt/figure3/configs.py``'s ``cpu`` preset: ``|H|`` =
 12 trial 0, ``|H|`` = 28 trials 0-2, memory ``|M|`` = 7 trial 0) and
 trials 0-4 of ``|H|`` = 25 and ``|H|`` = 30 from the ``paper`` preset's
 streams. Trial ``k`` of a size is the sweep's own draw
@@ -43,7 +43,7 @@ from absl import app
 from absl import flags
 import jax
 
-from experiments.figure3 import configs
+from hmmprompt.figure3 import configs
 from hmmprompt import protocol
 from hmmprompt import config_flags
 from hmmprompt import corpus as corpus_lib

@@ -1,7 +1,7 @@
 r"""Figure 3 in chunks of whole size stacks, each resuming from committed
 results: on a lent accelerator (``gpu``, docs/figure3_gpu.md) or on the
 2-core CPU (``cpu_paper``, docs/figure3.md); the library is
-:mod:`experiments.figure3.chunks`.
+:mod:`hmmprompt.figure3.chunks`.
 
   python -m experiments.in_chunks --preset=gpu --chunk=left:4,8 \
       --budget_s=540 --out=$OUT [--results=docs/results/figure3-gpu] \
@@ -22,7 +22,7 @@ report again. ``--step_memory`` prints each stack's pretraining-step
 memory (XLA's buffer assignment, shapes only) against the device's.
 ``--workers=N`` (CPU; 0: one per core) computes the chunk in N processes
 pinned one per core, as the Figure 3 binary's flag does
-(:mod:`experiments.figure3.workers`); the budget is theirs together, and
+(:mod:`hmmprompt.figure3.workers`); the budget is theirs together, and
 ``run.json`` records the count.
 """
 
@@ -35,10 +35,10 @@ from absl import app
 from absl import flags
 
 from experiments import cli
-from experiments.figure3 import chunks
-from experiments.figure3 import configs
-from experiments.figure3 import sweep
-from experiments.figure3 import workers
+from hmmprompt.figure3 import chunks
+from hmmprompt.figure3 import configs
+from hmmprompt.figure3 import sweep
+from hmmprompt.figure3 import workers
 from hmmprompt import config_flags
 
 ARCHIVE = chunks.ARCHIVE

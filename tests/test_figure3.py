@@ -1,4 +1,4 @@
-"""experiments.figure3: configs (get_setup), the result-line schema, the
+"""hmmprompt.figure3: configs (get_setup), the result-line schema, the
 report's statistics. The sweeps themselves: tests/integration/."""
 
 import dataclasses
@@ -10,12 +10,12 @@ import shutil
 import numpy as np
 import pytest
 
-from experiments import figure3
+from hmmprompt import figure3
 from experiments import pretraining_curve
-from experiments.figure3 import records
-from experiments.figure3 import reporting
-from experiments.figure3 import sweep
-from experiments.figure3 import workers
+from hmmprompt.figure3 import records
+from hmmprompt.figure3 import reporting
+from hmmprompt.figure3 import sweep
+from hmmprompt.figure3 import workers
 from hmmprompt import protocol
 from hmmprompt import results as results_lib
 from hmmprompt.pretrain import report as pretrain_report

@@ -375,7 +375,7 @@ def test_runtime_fields_resume_and_reuse_result_fields_are_refused(
   reused as it is (nothing trains), and the sweep's pretraining directory
   and fingerprint stay. A result-deciding field is refused by name."""
   workdir, final = trained
-  from experiments.figure3 import configs as fig_configs
+  from hmmprompt.figure3 import configs as fig_configs
   from hmmprompt import protocol
   setup = fig_configs.get_setup("tiny")
   mid = protocol.vanilla(4)

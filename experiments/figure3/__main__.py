@@ -11,11 +11,11 @@ from absl import flags
 from absl import logging
 
 from experiments import cli
-from experiments.figure3 import configs
-from experiments.figure3 import records
-from experiments.figure3 import reporting
-from experiments.figure3 import sweep
-from experiments.figure3 import workers
+from hmmprompt.figure3 import configs
+from hmmprompt.figure3 import records
+from hmmprompt.figure3 import reporting
+from hmmprompt.figure3 import sweep
+from hmmprompt.figure3 import workers
 from hmmprompt import config_flags
 from hmmprompt.pretrain import report as pretrain_report
 

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 import binaries  # tests/integration/binaries.py
-from experiments import figure3
-from experiments.figure3 import records
-from experiments.figure3 import sweep
+from hmmprompt import figure3
+from hmmprompt.figure3 import records
+from hmmprompt.figure3 import sweep
 from hmmprompt import protocol
 from hmmprompt import results as results_lib
 from hmmprompt import tuning
@@ -33,8 +33,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
 # written, the second's are not).
 _KILLED_SWEEP = """
 import os, signal, sys
-from experiments import figure3
-from experiments.figure3 import sweep
+from hmmprompt import figure3
+from hmmprompt.figure3 import sweep
 from hmmprompt import protocol
 setup = figure3.get_setup("tiny", **{args!r})
 kill = lambda: os.kill(os.getpid(), signal.SIGKILL)
@@ -63,14 +63,14 @@ figure3.run(setup, sys.argv[1], "left", "transformer")
 _EIGHT_DEVICES = """
 import dataclasses, sys
 import jax
-from experiments import figure3
+from hmmprompt import figure3
 assert jax.device_count() == 8, jax.devices()
 setup = dataclasses.replace(figure3.get_setup("tiny", **{args!r}),
                             memory_sizes=(2,), finetune=True)
 figure3.run(setup, sys.argv[1], "left", "transformer")
 # A batch that does not split over the 8 is refused by name, before any
 # work (the binary's check_run is the library's first step).
-from experiments.figure3 import configs
+from hmmprompt.figure3 import configs
 odd = figure3.get_setup("tiny", overrides={{"pretrain.batch_size": 12}})
 try:
   configs.check_run(odd, ["transformer"])

@@ -12,10 +12,10 @@ import tarfile
 
 import pytest
 
-from experiments.figure3 import chunks
-from experiments import figure3
-from experiments.figure3 import records
-from experiments.figure3 import sweep
+from hmmprompt.figure3 import chunks
+from hmmprompt import figure3
+from hmmprompt.figure3 import records
+from hmmprompt.figure3 import sweep
 from hmmprompt import protocol
 from hmmprompt import results as results_lib
 from hmmprompt.pretrain import train as pretrain_train

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from experiments.figure3 import records
+from hmmprompt.figure3 import records
 from hmmprompt import results as results_lib
 from hmmprompt.pretrain import report as pretrain_report
 
@@ -49,7 +49,7 @@ def mean_ci(values) -> tuple[float, float]:
 
 def _by_trial(lines) -> dict:
   """trial -> test accuracies (%) of its tasks."""
-  out = {}
+  out: dict = {}
   for r in lines:
     out.setdefault(r.trial, []).append(100.0 * r.test_accuracy)
   return out
@@ -57,7 +57,7 @@ def _by_trial(lines) -> dict:
 
 def _curves(lines) -> dict:
   """Curve key -> size -> its result lines, curves sorted."""
-  buckets = {}
+  buckets: dict = {}
   for r in lines:
     buckets.setdefault(r.summary_key, {}).setdefault(r.size, []).append(r)
   return dict(sorted(buckets.items()))
@@ -71,7 +71,7 @@ def summarize(lines: list[records.ResultLine]) -> dict:
   one trial the interval is over its tasks (``n`` tasks), which measures
   task noise only.
   """
-  out = {}
+  out: dict = {}
   for k, by_size in _curves(lines).items():
     out[k] = {}
     for size, rs in sorted(by_size.items()):
@@ -89,7 +89,7 @@ def variance_components(lines: list[records.ResultLine]) -> dict:
   the SD of the trial means (HMM draws) and the pooled SD of tasks around
   their trial's mean (task draws); only where both are measurable (>= 2
   trials with >= 2 tasks each)."""
-  out = {}
+  out: dict = {}
   for k, by_size in _curves(lines).items():
     for size, rs in sorted(by_size.items()):
       trials = _by_trial(rs)
@@ -117,7 +117,7 @@ def trial_table(lines: list[records.ResultLine]) -> str:
       if not rs:
         continue
       arms = sorted({(r.hmm, r.method, r.features) for r in rs})
-      rows = {}
+      rows: dict = {}
       for r in rs:
         row = rows.setdefault((r.size, r.trial), {"fp": {}, "gap": {}})
         row["fp"][r.hmm] = r.hmm_fingerprint
@@ -148,7 +148,7 @@ def wins_table(lines: list[records.ResultLine]) -> str:
   rows = []
   for backbone in sorted({r.backbone for r in lines}):
     for features in sorted({r.features for r in lines}):
-      by = {}
+      by: dict = {}
       for r in lines:
         if (r.backbone, r.panel, r.features) == (backbone, "left", features):
           by.setdefault((r.size, r.trial), {}).setdefault(
@@ -247,7 +247,7 @@ def write_table(summary: dict, path: str, extra: str = "") -> None:
 
 def write_plot(summary: dict, path: str) -> None:
   fig, axes = results_lib.pyplot().subplots(1, 2, figsize=(12, 4.5))
-  colors = {}  # one colour per (backbone, hmm, method); style per features
+  colors: dict = {}  # one colour per (backbone, hmm, method); style per features
   for ax, panel, paper, xlabel in (
       (axes[0], "left", PAPER_LEFT, "hidden states |H|"),
       (axes[1], "right", PAPER_RIGHT, "|M||H|")):

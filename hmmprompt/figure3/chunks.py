@@ -22,10 +22,10 @@ from absl import logging
 import jax
 
 from hmmprompt import protocol
-from experiments.figure3 import configs
-from experiments.figure3 import records
-from experiments.figure3 import reporting
-from experiments.figure3 import sweep
+from hmmprompt.figure3 import configs
+from hmmprompt.figure3 import records
+from hmmprompt.figure3 import reporting
+from hmmprompt.figure3 import sweep
 from hmmprompt import generative
 from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import results as results_lib

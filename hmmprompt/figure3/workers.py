@@ -28,8 +28,8 @@ from typing import NamedTuple
 from absl import flags
 import jax
 
-from experiments.figure3 import records
-from experiments.figure3 import sweep
+from hmmprompt.figure3 import records
+from hmmprompt.figure3 import sweep
 from hmmprompt import protocol
 from hmmprompt import results as results_lib
 
@@ -135,7 +135,10 @@ def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
   # stack of a config), kept no longer than the claims.
   env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(claims_dir,
                                                            "xla"))
-  module = sys.modules["__main__"].__spec__.name
+  spec = sys.modules["__main__"].__spec__
+  if spec is None:
+    raise ValueError("--workers needs the binary run as python -m MODULE")
+  module = spec.name
   cores = _cores()
   taskset = shutil.which("taskset")
   procs = []

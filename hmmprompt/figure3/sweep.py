@@ -25,8 +25,8 @@ import numpy as np
 from hmmprompt import protocol
 from hmmprompt.protocol import Group
 from hmmprompt.protocol import ModelId
-from experiments.figure3 import configs
-from experiments.figure3 import records
+from hmmprompt.figure3 import configs
+from hmmprompt.figure3 import records
 from hmmprompt import generative
 from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import results as results_lib
@@ -102,7 +102,7 @@ def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
   if backbone_name == "exact":
     bb, _ = exact.make(generative.trial(models_K, 0))
     return (bb, jax.vmap(generative.as_hmm)(models_K),
-            [{}] * generative.num_trials(models_K))
+            [{} for _ in range(generative.num_trials(models_K) or 1)])
   pdir = protocol.pretrain_dir(workdir, setup, mid)
   protocol.pretrain(pdir, setup.pretrain, models_K)
   bb, params_K, infos = pretrain_lib.load_trials(pdir)
@@ -141,6 +141,9 @@ def tune_group(setup: configs.Setup, backbone_name: str, g: Group,
   fields = protocol.tune_lanes(setup, cfg, trials.backbone, params_K,
                              [(k, task_ids) for k in trial_ids], trials.stack)
   fp, mid, lines = setup.fingerprint(backbone_name), g.model_id, []
+  verdicts = trials.stack.verdicts
+  if verdicts is None:  # prepare draws its stacks with them
+    raise ValueError(f"{mid}: the stack has no assumption verdicts")
   for i, k in enumerate(trial_ids):
     for j, s in enumerate(task_ids):
       if (k, s) in cells:
@@ -151,7 +154,7 @@ def tune_group(setup: configs.Setup, backbone_name: str, g: Group,
             setup=fp, hmm_fingerprint=trials.stack.fingerprints[k],
             size=mid.size, **fields[i][j],
             task_redraws=trials.stack.tasks[k][s].redraws,
-            assumptions=trials.stack.verdicts[k][s],
+            assumptions=verdicts[k][s],
             tune_config=dataclasses.asdict(cfg),
             task_config=dataclasses.asdict(setup.task),
             **trials.pretrain[k]))
