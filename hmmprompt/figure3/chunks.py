@@ -41,7 +41,8 @@ _PRETRAIN_FILES = ("metrics.jsonl", "config.json")
 # What an archive may hold; anything else is refused (no path escapes).
 _MEMBER = re.compile(r"(results\.jsonl|sweep\.json|run\.json|"
                      + "|".join(re.escape(f) for f in _REPORT_FILES)
-                     + r"|pretrain/\w[\w.-]*/(metrics\.jsonl|config\.json))")
+                     + r"|pretrain/\w[\w.-]*/(fallback-\d+/)?"
+                     r"(metrics\.jsonl|config\.json))")
 
 
 def results_dir(preset: str) -> str:
