@@ -1,10 +1,12 @@
 r"""Figure 3 of the paper: head vs prompt tuning, memory vs vanilla HMMs
-(docs/figure3.md).
+(docs/figure3.md). The binary:
 
-  python -m experiments.figure3 --backbone=exact,transformer --preset=cpu \
-      --workdir=DIR [--panel=left|right|both] [--config.trials=N] \
-      [--config.left_sizes=4,8] [--config.pretrain.lr=3e-3] \
-      [--num_tasks=N --task_index=I] [--workers=N] [--pretrain_only]
+```
+python -m experiments.figure3 --backbone=exact,transformer --preset=cpu \
+    --workdir=DIR [--panel=left|right|both] [--config.trials=N] \
+    [--config.left_sizes=4,8] [--config.pretrain.lr=3e-3] \
+    [--num_tasks=N --task_index=I] [--workers=N] [--pretrain_only]
+```
 
 Left panel: vanilla HMMs, head vs prompt tuning with a linear head at the
 MASK. Right panel: memory HMMs with an attention head vs vanilla HMMs of
