@@ -455,3 +455,31 @@ def test_chunk_workers_get_the_command_line_without_the_parents_flags():
   assert workers._without(argv, ("workdir", "out", "budget_s", "workers")) == [
       "in_chunks", "--preset=cpu_paper", "--chunk=left:4",
       "--config.trials=2", "--outer=1"]
+
+
+def test_a_chunk_archive_carries_fallback_metrics_into_the_merge(tmp_path):
+  """A stack whose draws fell back (the committed protocol's ``|H|`` =
+  25): its archive holds each ``fallback-<k>/`` run's metrics and config,
+  the merge accepts them (it refuses any other member) and the merged
+  report names the deeper models."""
+  from hmmprompt.figure3 import chunks
+  work, results = tmp_path / "work", str(tmp_path / "results")
+  tag = next(d for d in os.listdir(os.path.join(_CPU_PAPER, "pretrain"))
+             if d.startswith("vanilla-h25-"))
+  shutil.copytree(os.path.join(_CPU_PAPER, "pretrain", tag),
+                  work / "pretrain" / tag)
+  shutil.copy(os.path.join(_CPU_PAPER, "sweep.json"), work / "sweep.json")
+  lines = [r for r in figure3.read_results(_CPU_PAPER)
+           if r.backbone == "transformer" and r.panel == "left"
+           and r.size == 25]
+  results_lib.append_lines(records.results_path(str(work)), lines)
+  archive = str(tmp_path / "chunk.tar.gz")
+  names = chunks.write_archive(str(work), archive, {"chunk": "left:25"})
+  fallbacks = sorted({n.split("/")[2] for n in names if "/fallback-" in n})
+  assert fallbacks == ["fallback-13", "fallback-18", "fallback-2"]
+  assert chunks.merge(archive, results)["added"] == len(lines)
+  for k in (2, 13, 18):
+    assert open(os.path.join(results, "pretrain", tag, f"fallback-{k}",
+                             "metrics.jsonl")).read()
+  assert open(os.path.join(results, "figure3.md")).read().count(
+      "(4 layers)") >= 3
