@@ -124,10 +124,10 @@ def run_workers(argv: list[str], count: int, workdir: str) -> None:
 def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
   """Runs ``count`` copies of the binary ``argv`` (``sys.argv``; its
   ``--workers`` dropped, in either spelling) as workers ``0..count-1``
-  sharing ``claims_dir``, worker ``i`` pinned to the ``i``-th allowed core (``taskset``, from its start; unpinned where
-  there is none); returns their exit codes. Their
-  logs are this process's stderr; if this process is interrupted, they
-  are killed."""
+  sharing ``claims_dir``, worker ``i`` pinned to the ``i``-th allowed
+  core (``taskset``, from its start; unpinned where there is none);
+  returns their exit codes. Their logs are this process's stderr; if this
+  process is interrupted, they are killed."""
   os.makedirs(claims_dir, exist_ok=True)
   env = dict(os.environ, XLA_FLAGS=" ".join(
       [os.environ.get("XLA_FLAGS", ""), *SINGLE_THREAD_FLAGS]).strip())
