@@ -46,12 +46,14 @@ def test_identities_are_the_committed_ones():
       # The transformer's re-keyed by issue 30's cpu_capped recipe (was
       # 99eebf1f47d2, vanilla-h4-4ff1a5bc), then by its 4-layer fallback
       # (was 5ab58c6d5ab7, vanilla-h4-539e5958; cpu_paper kept that until
-      # its protocol was rerun with the fallback).
+      # its protocol was rerun with the fallback). cpu_paper's then by its
+      # earlier fallback checks (fallback_gaps; was cpu's, df9d417fe40c,
+      # vanilla-h4-2ef05c55).
       "cpu": ("a6f38f8be942", "df9d417fe40c", "W/pretrain/vanilla-h4-2ef05c55",
               "W/pretrain/memory-h4-m7-2ef05c55"),
-      "cpu_paper": ("a6f38f8be942", "df9d417fe40c",
-                    "W/pretrain/vanilla-h4-2ef05c55",
-                    "W/pretrain/memory-h4-m7-2ef05c55"),
+      "cpu_paper": ("a6f38f8be942", "46e34602bece",
+                    "W/pretrain/vanilla-h4-783042a5",
+                    "W/pretrain/memory-h4-m7-783042a5"),
       "paper": ("80bfbca971f2", "2a26c840f84c",
                 "W/pretrain/vanilla-h4-bb7e9b01",
                 "W/pretrain/memory-h4-m7-bb7e9b01"),
@@ -483,3 +485,44 @@ def test_a_chunk_archive_carries_fallback_metrics_into_the_merge(tmp_path):
                              "metrics.jsonl")).read()
   assert open(os.path.join(results, "figure3.md")).read().count(
       "(4 layers)") >= 3
+
+
+def test_a_padded_stack_is_tuned_at_each_trials_own_depth():
+  """``Trials.by_depth``: in a stack padded for a fallback
+  (``pretrain.load_trials``), the shallow trials get back their own params,
+  exactly (``take_layers`` undoes ``pad_layers``), and their own depth's
+  backbone, whose outputs are the padded model's to float rounding; the
+  deep trial keeps the stack's backbone. Exact trials stay one group."""
+  import jax
+  from hmmprompt.backbones import transformer
+  shallow = transformer.MLMConfig(vocab_size=5, d_model=16, num_heads=2,
+                                  d_ff=32, num_layers=1, max_len=8)
+  deep = dataclasses.replace(shallow, num_layers=3)
+  p0, p2 = (transformer.init_params(jax.random.PRNGKey(k), shallow)
+            for k in (0, 2))
+  p1 = transformer.init_params(jax.random.PRNGKey(1), deep)
+  padded = [transformer.pad_layers(p, 3) for p in (p0, p2)]
+  stack = lambda *ps: jax.tree.map(lambda *x: np.stack(x), *ps)
+  trials = sweep.Trials(None, transformer.make_backbone(deep),
+                        stack(padded[0], p1, padded[1]), [{}] * 3,
+                        [shallow, deep, shallow])
+  (bb_s, params_s, ids_s), (bb_d, params_d, ids_d) = trials.by_depth(
+      [0, 1, 2])
+  assert (ids_s, ids_d) == ([0, 2], [1])
+  assert bb_d is trials.backbone
+  assert bb_s is transformer.make_backbone(shallow)
+  jax.tree.map(np.testing.assert_array_equal, params_s, stack(p0, p2))
+  jax.tree.map(np.testing.assert_array_equal, params_d, stack(p1))
+  tokens = np.array([1, 4, 0, 2, 3], np.int32)
+  for i, k in enumerate(ids_s):
+    own, _ = bb_s.outputs(jax.tree.map(lambda x, i=i: x[i], params_s),
+                          tokens)
+    pad, _ = trials.backbone.outputs(
+        jax.tree.map(lambda x, k=k: x[k], trials.params_K), tokens)
+    np.testing.assert_allclose(own, pad, rtol=1e-5, atol=1e-6)
+  assert [ids for *_, ids in trials.by_depth([2, 1])] == [[2], [1]]
+  exact = sweep.Trials(None, trials.backbone, trials.params_K, [{}] * 3,
+                       [None] * 3)
+  assert [ids for *_, ids in exact.by_depth([0, 2])] == [[0, 2]]
+  with pytest.raises(ValueError, match="take_layers"):
+    transformer.take_layers(p0, 2)

@@ -590,6 +590,37 @@ def test_retain_is_runtime_and_round_trips():
   assert pretrain.PretrainConfig.from_json(old).retain == ()
 
 
+def test_fallback_gaps_check_the_earlier_cycle_ends():
+  """``fallback_gaps[i]``: a trial above it at the end of cycle ``i``
+  falls back there (0: no check); ``fallback_gap`` keeps the last cycle
+  end before the cap, ``target_gap`` the cap. Out of the identity at its
+  default, a tuple through config.json, and refused by name where it
+  cannot apply."""
+  base = TINY.with_overrides(cycles=(10, 10, 10, 10), target_gap=0.05,
+                             fallback_layers=TINY.model.num_layers + 1,
+                             fallback_gap=0.2)
+  cfg = base.with_overrides(fallback_gaps=(0.0, 0.4))
+  falls = lambda step, gap: cfg.falls_back({"step": step, "ce_gap": gap})
+  assert [falls(10, 9.0), falls(20, 0.41), falls(20, 0.39),
+          falls(30, 0.21), falls(30, 0.19), falls(40, 0.051),
+          falls(40, 0.05), falls(25, 9.0)] == [
+              False, True, False, True, False, True, False, False]
+  assert base.identity() == TINY.with_overrides(
+      cycles=(10, 10, 10, 10), target_gap=0.05,
+      fallback_layers=TINY.model.num_layers + 1,
+      fallback_gap=0.2).identity()
+  assert "fallback_gaps" not in json.dumps(base.identity())
+  assert cfg.identity() != base.identity()
+  assert pretrain.PretrainConfig.from_json(
+      json.loads(json.dumps(cfg.to_json()))) == cfg
+  assert config_flags.apply(base, {"fallback_gaps": "0,0.4"}) == cfg
+  assert cfg.fallback(1).fallback_gaps == ()
+  for bad in (dict(fallback_gap=0.0), dict(fallback_gaps=(0.4, 0.4, 0.4)),
+              dict(fallback_gaps=(0.1,))):
+    with pytest.raises(ValueError, match="fallback_gaps"):
+      cfg.with_overrides(**bad)
+
+
 def test_a_trial_short_of_the_target_at_the_cap_falls_back_to_depth(
     tmp_path):
   """``fallback_layers``: the trial above the target at the cap trains

@@ -301,6 +301,21 @@ def pad_layers(params, num_layers: int):
       **inner, **{f"block_{i}": zero_block for i in range(have, num_layers)}}}
 
 
+def take_layers(params, num_layers: int):
+  """``params`` (any leading axes) with only the first ``num_layers``
+  blocks: :func:`pad_layers` undone, the padded model's own params back
+  (tuned at their own depth, the padding's backward costs nothing)."""
+  inner = params["params"]
+  have = sum(1 for name in inner if name.startswith("block_"))
+  if not 0 < num_layers <= have:
+    raise ValueError(f"take_layers: num_layers = {num_layers} not in "
+                     f"[1, {have}] (the params' layers)")
+  return {**params, "params": {
+      name: leaf for name, leaf in inner.items()
+      if not name.startswith("block_")
+      or int(name.split("_")[1]) < num_layers}}
+
+
 def num_params(params) -> int:
   return sum(x.size for x in jax.tree.leaves(params))
 

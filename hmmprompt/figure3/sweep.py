@@ -6,7 +6,7 @@ tunes each group's missing cells, all its trials x tasks in one vmapped
 program (:func:`tune_group`); a cell is one task of one trial of a group,
 one :class:`records.ResultLine`.
 
-Random streams are :mod:`experiments.engine`'s: a vanilla HMM depends only
+Random streams are :mod:`hmmprompt.protocol`'s: a vanilla HMM depends only
 on its size and trial, so both panels share it (and its pretrained
 transformer).
 """
@@ -17,7 +17,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import numpy as np
@@ -32,6 +32,7 @@ from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import results as results_lib
 from hmmprompt.backbones import Backbone
 from hmmprompt.backbones import exact
+from hmmprompt.backbones import transformer
 
 BACKBONES = protocol.BACKBONES
 STAMP = "sweep.json"
@@ -97,16 +98,21 @@ def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
   transformer is pretrained first (or reused, or resumed).
 
   ``params_K`` is stacked ``[K, ...]``; ``pretrain_K[k]`` holds the
-  ``pretrain_*`` fields of trial ``k``'s result lines (none for exact).
+  ``pretrain_*`` fields of trial ``k``'s result lines (none for exact);
+  ``models_K[k]``: trial ``k``'s own transformer config (a stack with
+  fallbacks is padded to the deepest, :func:`~hmmprompt.pretrain.
+  load_trials`; None for exact).
   """
   if backbone_name == "exact":
     bb, _ = exact.make(generative.trial(models_K, 0))
-    return (bb, jax.vmap(generative.as_hmm)(models_K),
-            [{} for _ in range(generative.num_trials(models_K) or 1)])
+    num = generative.num_trials(models_K) or 1
+    return (bb, jax.vmap(generative.as_hmm)(models_K), [{}] * num,
+            [None] * num)
   pdir = protocol.pretrain_dir(workdir, setup, mid)
   protocol.pretrain(pdir, setup.pretrain, models_K)
   bb, params_K, infos = pretrain_lib.load_trials(pdir)
-  return bb, params_K, [protocol.pretrain_fields(info) for info in infos]
+  return (bb, params_K, [protocol.pretrain_fields(info) for info in infos],
+          [info["config"].model for info in infos])
 
 
 class Trials(NamedTuple):
@@ -116,6 +122,33 @@ class Trials(NamedTuple):
   backbone: Backbone
   params_K: Any  # the backbone params, stacked [K, ...]
   pretrain: list[dict]  # [K] the pretrain_* fields of the trial's lines
+  models: list[transformer.MLMConfig | None]  # [K] own config (or exact)
+
+  def by_depth(self, trial_ids: list[int]) -> list[tuple[Backbone, Any,
+                                                       list[int]]]:
+    """``(backbone, params_G, ids)`` per depth among ``trial_ids``: each
+    trial tuned at its own depth, not padded to its stack's deepest (a
+    2-layer model padded to 4 pays the 4-layer backward in prompt
+    tuning: 491 s against 153 s for ``|H|`` = 25's 20 draws,
+    docs/figure3.md)."""
+    def depth(k: int) -> int:
+      model = self.models[k]
+      return 0 if model is None else model.num_layers
+
+    deepest = max(depth(k) for k in range(len(self.models)))
+    out = []
+    for d in sorted({depth(k) for k in trial_ids}):
+      ids = [k for k in trial_ids if depth(k) == d]
+      params = self.params_K
+      if ids != list(range(len(self.models))):
+        params = jax.tree.map(lambda x, ids=ids: x[np.asarray(ids)], params)
+      backbone = self.backbone
+      if d != deepest:  # shallow models inside a padded stack
+        params = transformer.take_layers(params, d)
+        backbone = transformer.make_backbone(
+            cast(transformer.MLMConfig, self.models[ids[0]]))
+      out.append((backbone, params, ids))
+    return out
 
 
 def prepare(workdir: str, setup: configs.Setup, mid: ModelId,
@@ -131,20 +164,21 @@ def prepare(workdir: str, setup: configs.Setup, mid: ModelId,
 def tune_group(setup: configs.Setup, backbone_name: str, g: Group,
                trials: Trials, cells) -> list[records.ResultLine]:
   """Tunes ``g``'s ``cells`` (``(trial, task)`` pairs) in one program (the
-  rectangle of their trials x tasks); returns their lines."""
+  rectangle of their trials x tasks) per backbone depth
+  (:meth:`Trials.by_depth`); returns their lines."""
   trial_ids = sorted({k for k, _ in cells})
   task_ids = sorted({s for _, s in cells})
   cfg = g.tune_config(setup.tune)
-  params_K = trials.params_K
-  if trial_ids != list(range(len(trials.stack.fingerprints))):
-    params_K = jax.tree.map(lambda x: x[np.asarray(trial_ids)], params_K)
-  fields = protocol.tune_lanes(setup, cfg, trials.backbone, params_K,
-                             [(k, task_ids) for k in trial_ids], trials.stack)
+  fields: dict[int, list[dict]] = {}
+  for backbone, params, ids in trials.by_depth(trial_ids):
+    fields.update(zip(ids, protocol.tune_lanes(
+        setup, cfg, backbone, params, [(k, task_ids) for k in ids],
+        trials.stack)))
   fp, mid, lines = setup.fingerprint(backbone_name), g.model_id, []
   verdicts = trials.stack.verdicts
   if verdicts is None:  # prepare draws its stacks with them
     raise ValueError(f"{mid}: the stack has no assumption verdicts")
-  for i, k in enumerate(trial_ids):
+  for k in trial_ids:
     for j, s in enumerate(task_ids):
       if (k, s) in cells:
         lines.append(records.ResultLine(
@@ -152,7 +186,7 @@ def tune_group(setup: configs.Setup, backbone_name: str, g: Group,
             num_states=mid.num_states, memory_size=mid.memory_size,
             trial=k, task=s, method=g.method_name, features=g.features,
             setup=fp, hmm_fingerprint=trials.stack.fingerprints[k],
-            size=mid.size, **fields[i][j],
+            size=mid.size, **fields[k][j],
             task_redraws=trials.stack.tasks[k][s].redraws,
             assumptions=verdicts[k][s],
             tune_config=dataclasses.asdict(cfg),

@@ -131,6 +131,14 @@ def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
   os.makedirs(claims_dir, exist_ok=True)
   env = dict(os.environ, XLA_FLAGS=" ".join(
       [os.environ.get("XLA_FLAGS", ""), *SINGLE_THREAD_FLAGS]).strip())
+  # One malloc arena: XLA:CPU allocates a program's temporaries in one
+  # block from a thread of its own, and glibc serves a block over 64 MiB
+  # in a thread's arena with mmap whatever M_MMAP_MAX says (glibc.py), so
+  # a 4-layer step faulted its ~100 MiB in afresh every time (chunk 1 of
+  # the cpu_paper protocol: 471 M minor faults, 15 min of system time).
+  # In the main arena the block is kept; on one core it costs nothing
+  # (docs/performance.md).
+  env.setdefault("MALLOC_ARENA_MAX", "1")
   # Shared by the workers (the tuning programs are the same for every
   # stack of a config), kept no longer than the claims.
   env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(claims_dir,

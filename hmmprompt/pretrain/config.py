@@ -108,6 +108,14 @@ class PretrainConfig:
   # draw that converged by the cap at most 0.055 (docs/pretraining.md).
   fallback_gap: float = dataclasses.field(default=0.0,
                                           metadata=config_flags.ADDED)
+  # fallback_gaps: earlier checks of the same kind, one threshold per cycle
+  # end from the first (0: no check there); a trial above one falls back
+  # at that cycle end. The 2-layer steps of a draw that falls back anyway
+  # are spent for nothing: in the cpu_paper protocol the 10 draws that fell
+  # back were at 0.36-0.60 at step 250 (8 of them; every other draw at
+  # most 0.25) and at 0.13-0.25 at step 500 (every other at most 0.10).
+  fallback_gaps: tuple[float, ...] = dataclasses.field(
+      default=(), metadata=config_flags.ADDED)
   # Runtime settings (config_flags.RUNTIME): how a run goes, not what it
   # computes, so no directory name, fingerprint or resume check reads them.
   log_every: int = _runtime(100)
@@ -143,6 +151,17 @@ class PretrainConfig:
           f"fallback_layers, two or more cycles and a gap above target_gap "
           f"(got fallback_layers = {self.fallback_layers}, cycles = "
           f"{self.cycles}, target_gap = {self.target_gap})")
+    if self.fallback_gaps and not (
+        self.fallback_gap and self.cycles is not None
+        and len(self.fallback_gaps) <= len(self.cycles) - 2
+        and all(g == 0 or g > self.fallback_gap
+                for g in self.fallback_gaps)):
+      raise ValueError(
+          f"PretrainConfig.fallback_gaps = {self.fallback_gaps} needs "
+          f"fallback_gap, one threshold (0: none, else above fallback_gap "
+          f"= {self.fallback_gap}) per cycle end before the one "
+          f"fallback_gap checks, at most {len(self.cycles or ()) - 2} "
+          f"(cycles = {self.cycles})")
     if self.corpus.chunk_len > self.model.max_len:
       raise ValueError(f"corpus chunk_len {self.corpus.chunk_len} exceeds the "
                        f"model context max_len {self.model.max_len}")
@@ -223,14 +242,20 @@ class PretrainConfig:
 
   def falls_back(self, line: dict) -> bool:
     """Whether a trial's metrics ``line`` sends it to the
-    ``fallback_layers`` model: at the cap above the target, or at the end
-    of the last cycle before it above ``fallback_gap``."""
+    ``fallback_layers`` model: at the cap above the target, at the end
+    of the last cycle before it above ``fallback_gap``, or at the end of
+    cycle ``i`` above ``fallback_gaps[i]`` (where not 0)."""
     if not self.fallback_layers or "ce_gap" not in line:
       return False
-    if line["step"] == self.total_steps:
-      return line["ce_gap"] > self.target_gap
-    return bool(self.fallback_gap) and line["step"] == self.cycle_ends[
-        -2] and line["ce_gap"] > self.fallback_gap
+    step, gap = line["step"], line["ce_gap"]
+    if step == self.total_steps:
+      return gap > self.target_gap
+    if not self.fallback_gap:
+      return False
+    ends = self.cycle_ends
+    checks = {ends[-2]: self.fallback_gap,
+              **{ends[i]: g for i, g in enumerate(self.fallback_gaps) if g}}
+    return step in checks and gap > checks[step]
 
   def fallback(self, k: int) -> PretrainConfig:
     """Trial ``k``'s fallback run: the deeper model, one trial, seeded as
@@ -238,7 +263,8 @@ class PretrainConfig:
     return self.with_overrides(
         model=dataclasses.replace(self.model,
                                   num_layers=self.fallback_layers),
-        seed=self.seed + k, fallback_layers=0, fallback_gap=0.0)
+        seed=self.seed + k, fallback_layers=0, fallback_gap=0.0,
+        fallback_gaps=())
 
   def identity(self) -> dict:
     """The fields that decide a run's results, JSON-normalised: what the
@@ -254,8 +280,9 @@ class PretrainConfig:
     d["corpus"] = corpus_lib.CorpusConfig(**d["corpus"])
     if d.get("cycles") is not None:
       d["cycles"] = tuple(d["cycles"])
-    if "retain" in d:  # absent from config.json files written before it
-      d["retain"] = tuple(d["retain"])
+    for name in ("retain", "fallback_gaps"):  # absent from older files
+      if name in d:
+        d[name] = tuple(d[name])
     return cls(**d)
 
 
