@@ -22,6 +22,10 @@ def _runtime(default):
   return dataclasses.field(default=default, metadata=config_flags.RUNTIME)
 
 
+def _added(default):
+  return dataclasses.field(default=default, metadata=config_flags.ADDED)
+
+
 @dataclasses.dataclass(frozen=True)
 class PretrainConfig:
   """Defaults: Appendix D (lr 1e-5, batch 8, 3 epochs, 500 warmup steps).
@@ -44,13 +48,10 @@ class PretrainConfig:
   minimiser, lower variance).
 
   ``trials_per_vmap``: stacked runs (:func:`~hmmprompt.pretrain.run_trials`)
-  step this many trials at a time with ``vmap`` and the groups one after
-  another (``lax.map``); 0 vmaps all trials at once. The choice changes
-  speed, not results (up to float rounding): on CPU the vmapped
-  transformer's batched matmuls ran at half the speed of one trial at a time
-  (2.1-2.4x the time per trial-step, 3 trials at the ``cpu_capped`` shape;
-  docs/performance.md, "Stacked trials"), so the CPU presets use 1;
-  accelerators want the full vmap.
+  step this many trials at a time with ``vmap``, the groups one after
+  another (``lax.map``; 0: all at once). Speed, not results (up to float
+  rounding): the CPU presets use 1, as XLA:CPU's batched matmuls ran at
+  half speed (docs/performance.md, "Stacked trials"); accelerators want 0.
 
   ``retain``: steps whose train states are saved under ``retained/`` of
   the run's directory and never deleted (0: the initialisation), beside the
@@ -80,42 +81,30 @@ class PretrainConfig:
   # identity at their defaults).
   # optimizer: OPTIMIZERS; "muon" is optax.contrib.muon on the matrices
   # (AdamW on the rest, both on lr_schedule).
-  optimizer: str = dataclasses.field(default="adamw",
-                                     metadata=config_flags.ADDED)
+  optimizer: str = _added("adamw")
   # state_loss: weight of an auxiliary cross-entropy from the model's linear
   # state readout (model.state_readout = the HMM's state count) to the
   # exact posterior P[H_t | corrupted input] at every position, decaying
   # linearly to 0 at step state_loss_steps (0: constant). It reads the
   # HMM's latent state, which MLM pretraining never sees: a named option
   # for experiments, never a preset's default; report its results apart.
-  state_loss: float = dataclasses.field(default=0.0,
-                                        metadata=config_flags.ADDED)
-  state_loss_steps: int = dataclasses.field(default=0,
-                                            metadata=config_flags.ADDED)
+  state_loss: float = _added(0.0)
+  state_loss_steps: int = _added(0)
   # fallback_layers: a trial still above target_gap at the cap is
   # pretrained again, from its own seed and data, with this many layers
-  # instead of model.num_layers (0: none): depth converges the slow-mixing
-  # draws that no 2-layer recipe did (docs/pretraining.md, "The hard
-  # set"), at ~3x the cost per token, so only the draws that need it pay.
-  # The trial's backbone is then the deeper model; the stack's shallower
-  # ones join it as identity-padded copies (transformer.pad_layers).
-  fallback_layers: int = dataclasses.field(default=0,
-                                           metadata=config_flags.ADDED)
-  # fallback_gap: a trial whose gap at the end of the last cycle before
-  # the cap is above this falls back then, without training on to the cap
-  # (0: only at the cap). At the cpu_paper protocol's step 1000 the 10
-  # draws that ended above 0.04 at its cap were at 0.071-0.148, every
-  # draw that converged by the cap at most 0.055 (docs/pretraining.md).
-  fallback_gap: float = dataclasses.field(default=0.0,
-                                          metadata=config_flags.ADDED)
-  # fallback_gaps: earlier checks of the same kind, one threshold per cycle
-  # end from the first (0: no check there); a trial above one falls back
-  # at that cycle end. The 2-layer steps of a draw that falls back anyway
-  # are spent for nothing: in the cpu_paper protocol the 10 draws that fell
-  # back were at 0.36-0.60 at step 250 (8 of them; every other draw at
-  # most 0.25) and at 0.13-0.25 at step 500 (every other at most 0.10).
-  fallback_gaps: tuple[float, ...] = dataclasses.field(
-      default=(), metadata=config_flags.ADDED)
+  # (0: none): depth converges the slow-mixing draws no 2-layer recipe did
+  # (docs/pretraining.md, "The hard set") at ~3x the cost per token, so
+  # only the draws that need it pay. Its stack's shallower models join
+  # its deeper one padded with identity blocks (transformer.pad_layers).
+  fallback_layers: int = _added(0)
+  # fallback_gap: a trial above it at the end of the last cycle before the
+  # cap falls back then (0: only at the cap); fallback_gaps[i]: the same
+  # at the end of cycle i (0: no check). In the cpu_paper protocol the 10
+  # draws that fell back were at 0.28-0.60 at step 250, 0.13-0.25 at 500
+  # and 0.071-0.148 at 1000; every other draw at most 0.25, 0.10 and
+  # 0.055 (docs/pretraining.md).
+  fallback_gap: float = _added(0.0)
+  fallback_gaps: tuple[float, ...] = _added(())
   # Runtime settings (config_flags.RUNTIME): how a run goes, not what it
   # computes, so no directory name, fingerprint or resume check reads them.
   log_every: int = _runtime(100)
@@ -158,10 +147,8 @@ class PretrainConfig:
                 for g in self.fallback_gaps)):
       raise ValueError(
           f"PretrainConfig.fallback_gaps = {self.fallback_gaps} needs "
-          f"fallback_gap, one threshold (0: none, else above fallback_gap "
-          f"= {self.fallback_gap}) per cycle end before the one "
-          f"fallback_gap checks, at most {len(self.cycles or ()) - 2} "
-          f"(cycles = {self.cycles})")
+          f"fallback_gap and at most {len(self.cycles or ()) - 2} values, "
+          f"each 0 or above fallback_gap = {self.fallback_gap}")
     if self.corpus.chunk_len > self.model.max_len:
       raise ValueError(f"corpus chunk_len {self.corpus.chunk_len} exceeds the "
                        f"model context max_len {self.model.max_len}")
@@ -247,15 +234,11 @@ class PretrainConfig:
     cycle ``i`` above ``fallback_gaps[i]`` (where not 0)."""
     if not self.fallback_layers or "ce_gap" not in line:
       return False
-    step, gap = line["step"], line["ce_gap"]
-    if step == self.total_steps:
-      return gap > self.target_gap
-    if not self.fallback_gap:
-      return False
     ends = self.cycle_ends
-    checks = {ends[-2]: self.fallback_gap,
-              **{ends[i]: g for i, g in enumerate(self.fallback_gaps) if g}}
-    return step in checks and gap > checks[step]
+    checks = {self.total_steps: self.target_gap, **({
+        ends[-2]: self.fallback_gap, **{ends[i]: g for i, g in enumerate(
+            self.fallback_gaps) if g}} if self.fallback_gap else {})}
+    return line["step"] in checks and line["ce_gap"] > checks[line["step"]]
 
   def fallback(self, k: int) -> PretrainConfig:
     """Trial ``k``'s fallback run: the deeper model, one trial, seeded as
