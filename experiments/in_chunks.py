@@ -76,25 +76,6 @@ _DEADLINE = flags.DEFINE_float("deadline", None, "internal: the parent's "
                                "deadline, a time.monotonic() value")
 
 
-def _merge(archives: list[str], results: str) -> None:
-  for archive in archives:
-    c = chunks.merge(archive, results)
-    print(f"{archive}: {c['added']} lines added, {c['kept']} already in "
-          f"{results} ({c['conflicts']} with other values, kept)")
-
-
-def _print_step_memory(setup, chunk: str) -> None:
-  for m in chunks.step_memory(setup, chunk):
-    need = m["argument_bytes"] + m["temp_bytes"]
-    fits = ("" if m["device_bytes"] is None else
-            f" of {m['device_bytes'] / 2**30:.1f} GiB: "
-            f"{'fits' if need <= m['device_bytes'] else 'does NOT fit'}")
-    print(f"{m['stack']}: {m['trials']} trials, trials_per_vmap "
-          f"{m['trials_per_vmap']}: state {m['state_bytes'] / 2**30:.1f} "
-          f"GiB, temporaries {m['temp_bytes'] / 2**30:.1f} GiB, step "
-          f"{need / 2**30:.1f} GiB{fits}")
-
-
 def _work(setup) -> None:
   """A ``--workers`` process: claims stacks of the chunk in the parent's
   workdir until its deadline, lines into its own file."""
@@ -109,27 +90,21 @@ def main(argv):
   results = _RESULTS.value or chunks.results_dir(_PRESET.value)
   with cli.usage_errors():
     if _MERGE.value:
-      missing = [a for a in _MERGE.value if not os.path.isfile(a)]
-      if _OUT.value or missing:
-        raise ValueError("--merge computes nothing: drop --out" if _OUT.value
-                         else f"--merge: no such archive {missing}")
-      return _merge(_MERGE.value, results)
+      if _OUT.value:
+        raise ValueError("--merge computes nothing: drop --out")
+      return print(*chunks.merge_all(_MERGE.value, results), sep="\n")
+    setup = configs.get_setup(_PRESET.value, _CONFIG.value())
     if _WORKER.value is not None:
-      return _work(configs.get_setup(_PRESET.value, _CONFIG.value()))
+      return _work(setup)
     if not _OUT.value and not _STEP_MEMORY.value:
       raise ValueError("--out is required (or --merge, --step_memory)")
     if _BUDGET.value is not None and _BUDGET.value < 0:
       raise ValueError(f"--budget_s must be >= 0, got {_BUDGET.value}")
-    setup = configs.get_setup(_PRESET.value, _CONFIG.value())
-    # Before any work: a bad chunk, inputs beyond the context, results of
-    # another setup.
-    chunks.chunk_sizes(setup, _CHUNK.value)
-    configs.check_run(setup, [_BACKBONE.value])
-    for where in (results, _WORKDIR.value):
-      if where:
-        sweep.check_workdir(where, setup, write=False)
+    chunks.check_chunk(setup, _CHUNK.value, _BACKBONE.value, results,
+                       _WORKDIR.value)
   if _STEP_MEMORY.value:
-    return _print_step_memory(setup, _CHUNK.value)
+    return print(*map(chunks.describe_step_memory,
+                      chunks.step_memory(setup, _CHUNK.value)), sep="\n")
   count = workers.resolve_count(_WORKERS.value)
   info = chunks.run_chunk(
       setup, _CHUNK.value, _BACKBONE.value, results, _OUT.value,

@@ -5,12 +5,11 @@ r"""Pretrain the masked LM on text from an HMM (docs/pretraining.md).
       [--config.num_states=10] [--config.hmm_seed=0] [--config.trials=K] \
       [--config.pretrain.lr=3e-3 --config.pretrain.model.num_heads=4 ...]
 
-One config tree (:class:`Job`): the generating HMM's fields and the
-``pretrain`` subtree (:class:`hmmprompt.pretrain.PretrainConfig`, whose
-presets ``hmmprompt/pretrain/config.py`` states); every leaf is a
-``--config.<path>`` flag, unknown keys are refused by name. ``trials=K``
-draws K HMMs (trial k from ``fold_in(PRNGKey(hmm_seed), k)``) and
-pretrains them in one stacked run (:func:`hmmprompt.pretrain.run_trials`).
+One config tree (:class:`hmmprompt.pretrain.Job`): the generating HMM's
+fields and the ``pretrain`` subtree (:class:`hmmprompt.pretrain.
+PretrainConfig`, whose presets ``hmmprompt/pretrain/config.py`` states);
+every leaf is a ``--config.<path>`` flag, unknown keys are refused by
+name. ``trials=K`` pretrains K HMM draws in one stacked run.
 
 Writes DIR/config.json, DIR/hmm.npz, orbax checkpoints under
 DIR/checkpoints/ and DIR/metrics.jsonl; rerunning the same command resumes
@@ -25,7 +24,6 @@ detected, elsewhere pass the three settings; docs/multihost.md):
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 
@@ -36,52 +34,16 @@ import jax
 
 from experiments import cli
 from hmmprompt import config_flags
-from hmmprompt import generative
 from hmmprompt import pretrain
 from hmmprompt import sharding
 from hmmprompt.pretrain import workdir as workdir_lib
 from hmmprompt.backbones import transformer
 
 
-@dataclasses.dataclass(frozen=True)
-class Job:
-  """The generating HMM and the pretraining recipe (the vocabulary is
-  ``pretrain.model.vocab_size``)."""
-
-  pretrain: pretrain.PretrainConfig
-  model_kind: str = "vanilla"
-  num_states: int = 10
-  memory_size: int = 3
-  hmm_seed: int = 0
-  trials: int = 1
-
-  def __post_init__(self):
-    if self.model_kind not in generative.KINDS:
-      raise ValueError(f"model_kind must be one of {generative.KINDS}, got "
-                       f"{self.model_kind!r}")
-    if not isinstance(self.trials, int) or self.trials < 1:
-      raise ValueError(f"trials must be an int >= 1, got {self.trials!r}")
-
-  def make_model(self) -> generative.Model:
-    """``[trials]`` stacked draws (one: ``random_model(PRNGKey(hmm_seed))``,
-    stacked)."""
-    key = jax.random.PRNGKey(self.hmm_seed)
-    args = (self.model_kind, self.num_states, self.pretrain.model.vocab_size,
-            self.memory_size)
-    if self.trials > 1:
-      return generative.random_models(key, self.trials, *args)
-    return generative.stack([generative.random_model(key, *args)])
-
-
-def get_config(preset: str = "cpu", **overrides) -> Job:
-  """The preset's job with ``{"a.b": value}`` overrides (strings parsed)."""
-  job = Job(pretrain=pretrain.configure(preset))
-  return config_flags.apply(job, overrides)
-
-
 _PRESET = flags.DEFINE_enum("preset", "cpu", list(pretrain.PRESETS),
                             "pretraining preset")
-_CONFIG = config_flags.define(Job(pretrain=pretrain.preset_config("cpu")))
+_CONFIG = config_flags.define(pretrain.Job(
+    pretrain=pretrain.preset_config("cpu")))
 _WORKDIR = flags.DEFINE_string("workdir", None, "output directory")
 _CRASH_AT = flags.DEFINE_integer(
     "crash_at_step", None, "testing: SIGKILL this process after this step "
@@ -114,7 +76,7 @@ def main(argv):
       sharding.initialize_distributed(*given.values())
     elif set_flags := [k for k, v in given.items() if v is not None]:
       raise ValueError(f"{', '.join(set_flags)} need --distributed")
-    job = get_config(_PRESET.value, **_CONFIG.value())
+    job = pretrain.Job.of(_PRESET.value, **_CONFIG.value())
     sharding.check_batch(job.pretrain.batch_size, sharding.data_mesh())
     models_K = job.make_model()
     workdir_lib.prepare(_WORKDIR.value, job.pretrain, models_K)

@@ -223,6 +223,49 @@ def step_memory(setup: configs.Setup, chunk: str) -> list[dict]:
   return out
 
 
+def describe_step_memory(m: dict) -> str:
+  """One line of :func:`step_memory`: the stack's state, temporaries and
+  step in GiB, and whether the step fits the device (where it says)."""
+  need, gib = m["argument_bytes"] + m["temp_bytes"], 2.0**30
+  fits = ("" if m["device_bytes"] is None else
+          f" of {m['device_bytes'] / gib:.1f} GiB: "
+          f"{'fits' if need <= m['device_bytes'] else 'does NOT fit'}")
+  return (f"{m['stack']}: {m['trials']} trials, trials_per_vmap "
+          f"{m['trials_per_vmap']}: state {m['state_bytes'] / gib:.1f} GiB, "
+          f"temporaries {m['temp_bytes'] / gib:.1f} GiB, step "
+          f"{need / gib:.1f} GiB{fits}")
+
+
+def check_chunk(setup: configs.Setup, chunk: str, backbone: str,
+                results_dir: str, workdir: str | None) -> None:
+  """Before any work: refuses a bad ``chunk``, inputs beyond the
+  pretrained context, and a ``results_dir`` or ``workdir`` of another
+  setup (what differs named), with a ``ValueError``."""
+  chunk_sizes(setup, chunk)
+  configs.check_run(setup, [backbone])
+  for where in (results_dir, workdir):
+    if where:
+      sweep.check_workdir(where, setup, write=False)
+
+
+def merge_all(archives: list[str], results_dir: str) -> list[str]:
+  """:func:`merge` of each archive in turn; one line of counts for each.
+
+  Raises:
+    ValueError: an archive that does not exist (named), or :func:`merge`'s.
+  """
+  missing = [a for a in archives if not os.path.isfile(a)]
+  if missing:
+    raise ValueError(f"--merge: no such archive {missing}")
+  out = []
+  for archive in archives:
+    c = merge(archive, results_dir)
+    out.append(f"{archive}: {c['added']} lines added, {c['kept']} already "
+               f"in {results_dir} ({c['conflicts']} with other values, "
+               f"kept)")
+  return out
+
+
 def merge(archive: str, results_dir: str) -> dict:
   """Adds ``archive``'s result lines and pretraining metrics to
   ``results_dir`` and renders its report again; returns counts (``added``,

@@ -5,6 +5,8 @@ One role per module:
 * :mod:`~hmmprompt.pretrain.config`: :class:`PretrainConfig` and the named
   presets (``tiny``, ``cpu``, ``cpu_capped``, ``cpu_adamw``, ``paper``),
   :func:`configure`;
+* :mod:`~hmmprompt.pretrain.job`: :class:`Job`, K draws of one HMM
+  family and their recipe (``experiments/pretrain.py``'s config tree);
 * :mod:`~hmmprompt.pretrain.train`: :class:`TrainState`, AdamW (or Muon) with
   learning-rate cycles, the loss and the jitted data-parallel step of K
   models (one model: K = 1), :func:`step_memory` (its XLA buffer sizes,
@@ -30,6 +32,7 @@ from hmmprompt.pretrain.config import PretrainConfig
 from hmmprompt.pretrain.config import configure
 from hmmprompt.pretrain.config import preset_config
 from hmmprompt.pretrain.config import resolve_dtype
+from hmmprompt.pretrain.job import Job
 from hmmprompt.pretrain.evaluation import ValidationSet
 from hmmprompt.pretrain.evaluation import evaluate
 from hmmprompt.pretrain.evaluation import validation_set

@@ -1,0 +1,55 @@
+"""A pretraining job: K draws of one HMM family and the recipe that
+pretrains a transformer on each (``python -m experiments.pretrain``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from hmmprompt import config_flags
+from hmmprompt import generative
+from hmmprompt.pretrain import config as config_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+  """The generating HMM and the pretraining recipe (the vocabulary is
+  ``pretrain.model.vocab_size``); every leaf is a ``--config.<path>``
+  flag of the binary.
+
+  ``trials=K`` draws K HMMs (trial ``k`` from ``fold_in(PRNGKey(hmm_seed),
+  k)``), pretrained in one stacked run
+  (:func:`~hmmprompt.pretrain.run_trials`).
+  """
+
+  pretrain: config_lib.PretrainConfig
+  model_kind: str = "vanilla"
+  num_states: int = 10
+  memory_size: int = 3
+  hmm_seed: int = 0
+  trials: int = 1
+
+  def __post_init__(self):
+    if self.model_kind not in generative.KINDS:
+      raise ValueError(f"model_kind must be one of {generative.KINDS}, got "
+                       f"{self.model_kind!r}")
+    if not isinstance(self.trials, int) or self.trials < 1:
+      raise ValueError(f"trials must be an int >= 1, got {self.trials!r}")
+
+  @classmethod
+  def of(cls, preset: str = "cpu", **overrides) -> Job:
+    """The preset's recipe with ``{"a.b": value}`` overrides (strings
+    parsed, unknown keys refused by name)."""
+    return config_flags.apply(cls(pretrain=config_lib.configure(preset)),
+                              overrides)
+
+  def make_model(self) -> generative.Model:
+    """``[trials]`` stacked draws (one: ``random_model(PRNGKey(hmm_seed))``,
+    stacked)."""
+    key = jax.random.PRNGKey(self.hmm_seed)
+    args = (self.model_kind, self.num_states, self.pretrain.model.vocab_size,
+            self.memory_size)
+    if self.trials > 1:
+      return generative.random_models(key, self.trials, *args)
+    return generative.stack([generative.random_model(key, *args)])
