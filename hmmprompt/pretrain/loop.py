@@ -146,8 +146,9 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
     FloatingPointError: a non-finite loss; the last checkpoint is kept.
 
   With ``cfg.fallback_layers``, a trial that :meth:`PretrainConfig.falls_back`
-  (above the target at the cap, or above ``fallback_gap`` at the end of
-  the last cycle before it) then trains again, alone, with that many
+  (above the target at the cap, above ``fallback_gap`` at the end of
+  the last cycle before it, or above ``fallback_gaps[i]`` at the end of
+  cycle ``i``) then trains again, alone, with that many
   layers, in ``workdir/fallback-<k>/``
   (:func:`~hmmprompt.pretrain.workdir.fallback_dir`; it resumes as the
   stack does); its returned line is
@@ -162,8 +163,8 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   for k, line in enumerate(finals):
     if cfg.falls_back(line):
       log(f"trial {k}: CE gap {line['ce_gap']:.4f} at step {line['step']}, "
-          f"above the target at the cap or above fallback_gap "
-          f"{cfg.fallback_gap} before it; pretraining it again with "
+          f"above that step's fallback check (target_gap at the cap, "
+          f"fallback_gap(s) before it); pretraining it again with "
           f"{cfg.fallback_layers} layers")
       deep = _train_stack(workdir_lib.fallback_dir(workdir, k),
                           cfg.fallback(k), generative.stack(
