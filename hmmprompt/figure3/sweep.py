@@ -94,14 +94,14 @@ def make_models(setup: configs.Setup, mid: ModelId) -> generative.Model:
 
 def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
               models_K: generative.Model, backbone_name: str):
-  """``(backbone, params_K, pretrain_K)`` of ``mid``'s trials; a
-  transformer is pretrained first (or reused, or resumed).
+  """``(backbone, params_K, pretrain_K, configs_K)`` of ``mid``'s trials;
+  a transformer is pretrained first (or reused, or resumed).
 
   ``params_K`` is stacked ``[K, ...]``; ``pretrain_K[k]`` holds the
   ``pretrain_*`` fields of trial ``k``'s result lines (none for exact);
-  ``models_K[k]``: trial ``k``'s own transformer config (a stack with
-  fallbacks is padded to the deepest, :func:`~hmmprompt.pretrain.
-  load_trials`; None for exact).
+  ``configs_K[k]``: trial ``k``'s own transformer config (None for exact):
+  a stack with fallbacks is padded to the deepest
+  (:func:`~hmmprompt.pretrain.load_trials`).
   """
   if backbone_name == "exact":
     bb, _ = exact.make(generative.trial(models_K, 0))
