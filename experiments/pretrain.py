@@ -6,10 +6,11 @@ r"""Pretrain the masked LM on text from an HMM (docs/pretraining.md).
       [--config.pretrain.lr=3e-3 --config.pretrain.model.num_heads=4 ...]
 
 One config tree (:class:`hmmprompt.pretrain.Job`): the generating HMM's
-fields and the ``pretrain`` subtree (:class:`hmmprompt.pretrain.
-PretrainConfig`, whose presets ``hmmprompt/pretrain/config.py`` states);
-every leaf is a ``--config.<path>`` flag, unknown keys are refused by
-name. ``trials=K`` pretrains K HMM draws in one stacked run.
+fields and the ``pretrain`` subtree
+(:class:`hmmprompt.pretrain.PretrainConfig`, whose presets
+``hmmprompt/pretrain/config.py`` states); every leaf is a
+``--config.<path>`` flag, unknown keys are refused by name. ``trials=K``
+pretrains K HMM draws in one stacked run.
 
 Writes DIR/config.json, DIR/hmm.npz, orbax checkpoints under
 DIR/checkpoints/ and DIR/metrics.jsonl; rerunning the same command resumes
