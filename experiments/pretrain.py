@@ -84,8 +84,9 @@ def main(argv):
   cfg = job.pretrain
   logging.info("process %d of %d; devices: %s; %d params; %d steps",
                jax.process_index(), jax.process_count(), jax.devices(),
-               transformer.num_params(transformer.init_params(
-                   jax.random.PRNGKey(0), cfg.model)), cfg.total_steps)
+               transformer.num_params(jax.eval_shape(
+                   lambda: transformer.init_params(jax.random.PRNGKey(0),
+                                                   cfg.model))), cfg.total_steps)
 
   def after_step(step):
     if _CRASH_AT.value is not None and step >= _CRASH_AT.value:

@@ -55,16 +55,34 @@ V by hand in a heads-major layout, what XLA:CPU runs fastest),
 ``jax.default_backend()`` when the model is traced)."""
 
 
+# Initialisation runs jitted, as one program (:func:`init_params`), and
+# must give the values the op-by-op eager init gave, which committed
+# results were drawn from. XLA's simplifier would reassociate a chain of
+# constant scalings (``sqrt(2) * erfinv(u) * 0.02``) and fold the
+# sinusoid's constants: ``optimization_barrier`` keeps each op's result
+# as the eager op rounded it (eager, it is the identity), so the two agree
+# bit for bit (tests/test_transformer.py).
+_kept = jax.lax.optimization_barrier
+
+
+def normal_init(stddev: float):
+  """``nn.initializers.normal(stddev)``'s values, jit or not."""
+  def init(key, shape, dtype=jnp.float32):
+    return _kept(jax.random.normal(key, shape, dtype)) * jnp.array(stddev,
+                                                                   dtype)
+  return init
+
+
 def sinusoid_init(key, shape, dtype=jnp.float32):
   """``[T, D]`` sin / cos position table (Vaswani et al.) scaled to RMS
   0.02; ``key`` unused (deterministic)."""
   del key
   t, d = shape
-  freq_F = 1.0 / (10_000.0 ** (jnp.arange(0, d, 2) / d))
-  angle_TxF = jnp.arange(t)[:, None] * freq_F[None, :]
-  table = jnp.zeros(shape).at[:, 0::2].set(jnp.sin(angle_TxF))
-  table = table.at[:, 1::2].set(jnp.cos(angle_TxF[:, :d // 2]))
-  return (0.02 * jnp.sqrt(2.0) * table).astype(dtype)
+  freq_F = _kept(1.0 / _kept(10_000.0 ** _kept(jnp.arange(0, d, 2) / d)))
+  angle_TxF = _kept(jnp.arange(t)[:, None] * freq_F[None, :])
+  table = _kept(jnp.zeros(shape).at[:, 0::2].set(_kept(jnp.sin(angle_TxF))))
+  table = _kept(table.at[:, 1::2].set(_kept(jnp.cos(angle_TxF[:, :d // 2]))))
+  return (_kept(0.02 * jnp.sqrt(2.0)) * table).astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +247,7 @@ class MLM(nn.Module):
 
   def setup(self):
     cfg = self.cfg
-    init = nn.initializers.normal(0.02)
+    init = normal_init(0.02)
     self.tok_embed = nn.Embed(cfg.vocab_size + 1, cfg.d_model,
                               embedding_init=init, name="tok_embed")
     self.pos_embed = self.param(
@@ -276,7 +294,10 @@ class MLM(nn.Module):
     return self.encode(self.embed(tokens_BxT))
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def init_params(key, cfg: MLMConfig):
+  """An ``MLM``'s params, drawn from ``key`` (one program: eager, flax's
+  init dispatches and compiles every op of it on its own)."""
   return MLM(cfg).init(key, jnp.zeros((1, min(cfg.max_len, 8)), jnp.int32))
 
 

@@ -99,8 +99,17 @@ def _may_stop(cfg: PretrainConfig, step: int) -> bool:
   return cfg.cycles is None or step in cfg.cycle_ends
 
 
+# Jitted: a tree of states or models moves in one program, where eager
+# indexing compiled one per leaf shape.
+@jax.jit
 def _take(tree, idx):
   return jax.tree.map(lambda x: x[idx], tree)
+
+
+@jax.jit
+def _put(tree, idx, part):
+  """``tree`` with its rows ``idx`` set to ``part``."""
+  return jax.tree.map(lambda full, p: full.at[idx].set(p), tree, part)
 
 
 def run(workdir: str, cfg: PretrainConfig, model: generative.Model,
@@ -302,8 +311,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
       is_eval = _is_eval(cfg, done)
       is_ckpt = is_eval or done % cfg.ckpt_every == 0
       if is_ckpt or done in cfg.retain:
-        states = jax.tree.map(lambda full, part: full.at[idx].set(part),
-                              states, sub)
+        states = _put(states, idx, sub)
         if is_ckpt:
           ckpts.save(done, states)
         retain(done, states)

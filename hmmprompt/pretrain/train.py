@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.struct
@@ -97,9 +98,12 @@ def _init_one(key, cfg: PretrainConfig) -> TrainState:
                     opt_state=make_optimizer(cfg).init(params))
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def init_states(keys_K, cfg: PretrainConfig) -> TrainState:
   """``K`` train states stacked ``[K, ...]``, model ``k`` initialised from
-  ``keys_K[k]`` (one model is a stack of one)."""
+  ``keys_K[k]`` (one model is a stack of one); one program, with the
+  values of an op-by-op init (:func:`~hmmprompt.backbones.transformer.
+  init_params`)."""
   return jax.vmap(lambda k: _init_one(k, cfg))(keys_K)
 
 
