@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 
 from absl import app
+from absl import flags
 
 from hmmprompt import glibc
+from hmmprompt import sharding
 
 
 def start(argv, **required) -> float:
@@ -43,3 +46,35 @@ def done(t0: float, **outputs: str) -> None:
   width = max(map(len, outputs), default=0) + 1
   print(f"done in {time.perf_counter() - t0:.0f}s" + "".join(
       f"\n{name + ':':<{width}} {path}" for name, path in outputs.items()))
+
+
+def define_distributed_flags() -> Callable[[], None]:
+  """Defines ``--distributed`` and the three settings it may be given
+  (the binary lists them in its ``--help`` with
+  ``flags.adopt_module_key_flags(cli)``); returns ``initialize()``, which
+  joins the processes (:func:`hmmprompt.sharding.initialize_distributed`)
+  or, without ``--distributed``, refuses the settings by name
+  (``ValueError``). Call it before any JAX computation."""
+  on = flags.DEFINE_bool(
+      "distributed", False, "data-parallel over several processes (hosts): "
+      "call jax.distributed.initialize(), which finds the three settings "
+      "below on SLURM, Open MPI and TPU VMs")
+  settings = {
+      "--coordinator_address": flags.DEFINE_string(
+          "coordinator_address", None, "--distributed: HOST:PORT of process "
+          "0's coordinator (default: auto-detected, or "
+          "$JAX_COORDINATOR_ADDRESS); 127.0.0.1:PORT runs several processes "
+          "on one machine"),
+      "--num_processes": flags.DEFINE_integer(
+          "num_processes", None, "--distributed: how many processes "
+          "(default: auto-detected)"),
+      "--process_id": flags.DEFINE_integer(
+          "process_id", None, "--distributed: this process's index in [0, "
+          "num_processes) (default: auto-detected)")}
+
+  def initialize() -> None:
+    if on.value:
+      sharding.initialize_distributed(*(f.value for f in settings.values()))
+    elif given := [k for k, f in settings.items() if f.value is not None]:
+      raise ValueError(f"{', '.join(given)} need --distributed")
+  return initialize

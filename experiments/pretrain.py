@@ -49,44 +49,26 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "output directory")
 _CRASH_AT = flags.DEFINE_integer(
     "crash_at_step", None, "testing: SIGKILL this process after this step "
     "(checks that a rerun resumes exactly)")
-_DISTRIBUTED = flags.DEFINE_bool(
-    "distributed", False, "data-parallel over several processes (hosts): "
-    "call jax.distributed.initialize(), which finds the three settings "
-    "below on SLURM, Open MPI and TPU VMs")
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None, "--distributed: HOST:PORT of process 0's "
-    "coordinator (default: auto-detected, or $JAX_COORDINATOR_ADDRESS); "
-    "127.0.0.1:PORT runs several processes on one machine")
-_NUM_PROCESSES = flags.DEFINE_integer(
-    "num_processes", None, "--distributed: how many processes (default: "
-    "auto-detected)")
-_PROCESS_ID = flags.DEFINE_integer(
-    "process_id", None, "--distributed: this process's index in [0, "
-    "num_processes) (default: auto-detected)")
+_INIT_DISTRIBUTED = cli.define_distributed_flags()
+flags.adopt_module_key_flags(cli)
 
 
 def main(argv):
   t0 = cli.start(argv, workdir=_WORKDIR.value)
-  given = {"--coordinator_address": _COORDINATOR.value,
-           "--num_processes": _NUM_PROCESSES.value,
-           "--process_id": _PROCESS_ID.value}
   # Usage errors (flags, config, a workdir holding another run) are found
   # here, before any work; whatever fails later keeps its traceback.
   with cli.usage_errors():
-    if _DISTRIBUTED.value:
-      sharding.initialize_distributed(*given.values())
-    elif set_flags := [k for k, v in given.items() if v is not None]:
-      raise ValueError(f"{', '.join(set_flags)} need --distributed")
+    _INIT_DISTRIBUTED()
     job = pretrain.Job.of(_PRESET.value, **_CONFIG.value())
     sharding.check_batch(job.pretrain.batch_size, sharding.data_mesh())
     models_K = job.make_model()
     workdir_lib.prepare(_WORKDIR.value, job.pretrain, models_K)
   cfg = job.pretrain
+  params = jax.eval_shape(lambda: transformer.init_params(
+      jax.random.PRNGKey(0), cfg.model))
   logging.info("process %d of %d; devices: %s; %d params; %d steps",
                jax.process_index(), jax.process_count(), jax.devices(),
-               transformer.num_params(jax.eval_shape(
-                   lambda: transformer.init_params(jax.random.PRNGKey(0),
-                                                   cfg.model))), cfg.total_steps)
+               transformer.num_params(params), cfg.total_steps)
 
   def after_step(step):
     if _CRASH_AT.value is not None and step >= _CRASH_AT.value:

@@ -55,27 +55,24 @@ V by hand in a heads-major layout, what XLA:CPU runs fastest),
 ``jax.default_backend()`` when the model is traced)."""
 
 
-# Initialisation runs jitted, as one program (:func:`init_params`), and
-# must give the values the op-by-op eager init gave, which committed
-# results were drawn from. XLA's simplifier would reassociate a chain of
-# constant scalings (``sqrt(2) * erfinv(u) * 0.02``) and fold the
-# sinusoid's constants: ``optimization_barrier`` keeps each op's result
-# as the eager op rounded it (eager, it is the identity), so the two agree
-# bit for bit (tests/test_transformer.py).
+# init_params is one jitted program, yet must give the op-by-op (eager)
+# init's values, which committed results were drawn from. XLA would
+# reassociate constant scalings (sqrt(2) * erfinv(u) * 0.02) and fold the
+# sinusoid's constants; a barrier keeps each op's result as the eager op
+# rounded it (tests/test_transformer.py holds them equal bit for bit).
 _kept = jax.lax.optimization_barrier
 
 
 def normal_init(stddev: float):
   """``nn.initializers.normal(stddev)``'s values, jit or not."""
   def init(key, shape, dtype=jnp.float32):
-    return _kept(jax.random.normal(key, shape, dtype)) * jnp.array(stddev,
-                                                                   dtype)
+    return _kept(jax.random.normal(key, shape, dtype)) * jnp.array(
+        stddev, dtype)
   return init
 
 
 def sinusoid_init(key, shape, dtype=jnp.float32):
-  """``[T, D]`` sin / cos position table (Vaswani et al.) scaled to RMS
-  0.02; ``key`` unused (deterministic)."""
+  """``[T, D]`` sin / cos positions (Vaswani et al.) at RMS 0.02; no key."""
   del key
   t, d = shape
   freq_F = _kept(1.0 / _kept(10_000.0 ** _kept(jnp.arange(0, d, 2) / d)))
@@ -296,8 +293,7 @@ class MLM(nn.Module):
 
 @functools.partial(jax.jit, static_argnums=1)
 def init_params(key, cfg: MLMConfig):
-  """An ``MLM``'s params, drawn from ``key`` (one program: eager, flax's
-  init dispatches and compiles every op of it on its own)."""
+  """An ``MLM``'s params from ``key`` (one program, not one per op)."""
   return MLM(cfg).init(key, jnp.zeros((1, min(cfg.max_len, 8)), jnp.int32))
 
 
