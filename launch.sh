@@ -80,7 +80,8 @@ case "$mode" in
            [ "$isa" = native ] || flags="$flags --xla_cpu_max_isa=$isa"
            echo "== the fast tier, ISA $isa" >&2
            XLA_FLAGS="$flags" "$VENV/bin/python" -m pytest tests -n auto \
-             --dist worksteal -m "not slow" || { status=1; echo "== FAILED under $isa" >&2; }
+             --dist worksteal -m "not slow" ||
+             { status=1; echo "== FAILED under $isa" >&2; }
          done
          exit $status ;;
   bench) "$VENV/bin/python" -m experiments.bench_hmm
