@@ -515,9 +515,9 @@ def test_a_padded_stack_is_tuned_at_each_trials_own_depth():
   jax.tree.map(np.testing.assert_array_equal, params_d, stack(p1))
   tokens = np.array([1, 4, 0, 2, 3], np.int32)
   for i, k in enumerate(ids_s):
-    own, _ = bb_s.outputs(jax.tree.map(lambda x, i=i: x[i], params_s),
-                          tokens)
-    pad, _ = trials.backbone.outputs(
+    own, _ = jax.jit(bb_s.outputs)(
+        jax.tree.map(lambda x, i=i: x[i], params_s), tokens)
+    pad, _ = jax.jit(trials.backbone.outputs)(
         jax.tree.map(lambda x, k=k: x[k], trials.params_K), tokens)
     np.testing.assert_allclose(own, pad, rtol=1e-5, atol=1e-6)
   assert [ids for *_, ids in trials.by_depth([2, 1])] == [[2], [1]]

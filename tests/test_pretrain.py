@@ -88,8 +88,10 @@ def test_no_model_beats_the_bayes_ce_beyond_sampling_noise(trained, model):
   val = pretrain.validation_set(jax.random.PRNGKey(7), model, cfg)
   params0 = transformer.init_params(jax.random.PRNGKey(9), cfg.model)
   _, params, _ = pretrain.load_backbone(trained[0])
-  apply = lambda p: np.asarray(jax.nn.softmax(
+  # (One program for both params, not a compile per op and shape.)
+  probs = jax.jit(lambda p: jax.nn.softmax(
       transformer.MLM(cfg.model).apply(p, val.inputs), -1))
+  apply = lambda p: np.asarray(probs(p))
   exact = np.asarray(val.exact)
   targets, w = np.asarray(val.targets), np.asarray(val.weights) > 0
   for name, p in [("init", apply(params0)),
@@ -663,10 +665,9 @@ def test_a_trial_short_of_the_target_at_the_cap_falls_back_to_depth(
   tokens = generative.sample_tokens(jax.random.PRNGKey(9),
                                     generative.trial(stacked, 0), 12)
   take0 = lambda t: jax.tree.map(lambda x: x[0], t)
-  want = shallow_bb.apply(take0(shallow_k), shallow_bb.embed(
-      take0(shallow_k), tokens))
-  got = backbone.apply(take0(params_k), backbone.embed(take0(params_k),
-                                                        tokens))
+  logits = lambda bb, p: jax.jit(lambda p: bb.apply(p, bb.embed(p, tokens)))(
+      take0(p))
+  want, got = logits(shallow_bb, shallow_k), logits(backbone, params_k)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
   def boom(*a, **k):

@@ -31,7 +31,8 @@ def test_model_shapes_and_split_forward():
                   method=transformer.MLM.embed)
   np.testing.assert_array_equal(alt, emb)
   bb = transformer.make_backbone(cfg)
-  probs, full = bb.outputs(params, toks[0], jnp.zeros((3, cfg.d_model)))
+  probs, full = jax.jit(bb.outputs)(params, toks[0],
+                                    jnp.zeros((3, cfg.d_model)))
   assert probs.shape == (7, 10) and full.shape == (7, cfg.d_model)
   np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
   with pytest.raises(ValueError, match="exceeds the model's context"):
@@ -59,7 +60,7 @@ def test_output_at_one_position_is_that_row_of_all(rel_pos, attention,
   bb = transformer.build_backbone(cfg)
   tokens_T = jax.random.randint(jax.random.PRNGKey(2), (9,), 0, 10)
   prompt = jax.random.normal(jax.random.PRNGKey(3), (3, cfg.d_model))
-  full, _ = bb.outputs(params, tokens_T, prompt)
+  full, _ = jax.jit(bb.outputs)(params, tokens_T, prompt)
   tol = cfg.d_ff * np.finfo(np.float32).eps
   for index in (0, 3, 11):
     row = jax.jit(bb.output_at, static_argnums=3)(params, tokens_T, prompt,

@@ -89,6 +89,9 @@ def _with_devices(n: int) -> dict:
 
 
 def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
+  """Both panels on the exact backbone; a rerun recomputes nothing, a lost
+  group alone is redone, and the arms beyond the paper add lines and
+  report columns without moving the paper's."""
   workdir = str(tmp_path)
   path = os.path.join(workdir, "results.jsonl")
   figure3.run(SETUP, workdir, "both", "exact")
@@ -140,12 +143,62 @@ def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
   for r in redone:
     assert r.test_accuracy == pytest.approx(old[r.key()])
 
+  # The arms beyond the paper on the same workdir: ``prompt_attention``
+  # adds prompt tuning with the attention head on each memory HMM (Theorem
+  # 4.6), ``head_optimum`` an L-BFGS twin of every linear-head arm. They
+  # are new lines beside the paper's, whose keys do not move: only the new
+  # arms are tuned, and a rerun without the flags recomputes nothing.
+  setup = dataclasses.replace(SETUP, prompt_attention=True,
+                              head_optimum=True)
+  assert setup.fingerprint("exact") == SETUP.fingerprint("exact")
+  calls.clear()
+  monkeypatch.setattr(protocol.tuning, "tune_trials", lambda *a, **k: (
+      calls.append((a[4].method, a[4].head, a[4].optimizer)),
+      real(*a, **k))[1])
+  figure3.run(setup, workdir, "both", "exact")
+  assert sorted(set(calls)) == [("head", "linear", "lbfgs"),
+                                ("prompt", "attention", "adam")]
+  lines = records.read_results(workdir)
+  arms = {(r.panel, r.hmm, r.method) for r in lines}
+  assert arms == methods | {("left", "vanilla", "head_linear_lbfgs"),
+                            ("right", "memory", "prompt_attention"),
+                            ("right", "vanilla", "head_linear_lbfgs")}
+  assert len(lines) == len({r.key() for r in lines}) == 2 * len(arms)
+  for r in lines:
+    if r.method in ("head_linear", "prompt_linear", "head_attention"):
+      assert r.test_accuracy == pytest.approx(old[r.key()])
+  adam_steps = tuning.num_steps(64, setup.tune)
+  for r in lines:
+    lbfgs = r.method.endswith("_lbfgs")
+    assert r.tune_config["optimizer"] == ("lbfgs" if lbfgs else "adam")
+    assert (r.tune_config["method"], r.tune_config["head"]) == tuple(
+        r.method.split("_")[:2])
+    if lbfgs:
+      assert 1 <= r.steps <= setup.tune.lbfgs_max_steps
+    else:
+      assert r.steps == adam_steps
+    assert 0.0 <= r.test_accuracy <= 1.0 and r.final_loss >= 0
+  monkeypatch.setattr(protocol.tuning, "tune_trials", boom)
+  figure3.run(SETUP, workdir, "both", "exact")
+  monkeypatch.undo()
+
   summary = figure3.report(workdir)
   assert summary
   with open(os.path.join(workdir, "figure3.png"), "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   table = open(os.path.join(workdir, "figure3.md")).read()
   assert "paper prompt" in table and "exact: vanilla + prompt linear" in table
+  left, right = table.split("## Right", 1)
+  right = right.split("## ", 1)[0]
+  columns = lambda panel: next(row for row in panel.splitlines()
+                               if row.startswith("| size |")
+                               ).strip("| ").split(" | ")
+  assert "exact: vanilla + head optimum (raw)" in columns(left)
+  assert "* head optimum: the linear head solved" in left
+  assert {"exact: memory + attention prompt (raw)",
+          "exact: memory + head attention (raw)",
+          "exact: vanilla + head optimum (raw)"} <= set(columns(right))
+  assert "* attention prompt: prompt tuning with the attention" in right
 
 
 _BAD_FLAGS = [
@@ -334,54 +387,3 @@ def test_sharded_sweep_merges_to_the_unsharded_one(tmp_path):
   for r in figure3.read_results(pool):
     assert r.final_loss == pytest.approx(by_key[r.key()].final_loss,
                                          rel=1e-5)
-
-
-def test_sweep_with_the_arms_beyond_the_paper(tmp_path, monkeypatch):
-  """``prompt_attention`` adds prompt tuning with the attention head on each
-  memory HMM (Theorem 4.6); ``head_optimum`` an L-BFGS twin of every
-  linear-head arm. Both are new lines beside the paper's, whose keys do not move (a
-  rerun without the flags recomputes nothing), and new report columns."""
-  workdir = str(tmp_path)
-  setup = dataclasses.replace(SETUP, prompt_attention=True,
-                              head_optimum=True)
-  assert setup.fingerprint("exact") == SETUP.fingerprint("exact")
-  figure3.run(setup, workdir, "both", "exact")
-  lines = records.read_results(workdir)
-  arms = {(r.panel, r.hmm, r.method) for r in lines}
-  assert arms == {("left", "vanilla", "head_linear"),
-                  ("left", "vanilla", "head_linear_lbfgs"),
-                  ("left", "vanilla", "prompt_linear"),
-                  ("right", "memory", "head_attention"),
-                  ("right", "memory", "prompt_attention"),
-                  ("right", "vanilla", "head_linear"),
-                  ("right", "vanilla", "head_linear_lbfgs")}
-  assert len(lines) == len({r.key() for r in lines}) == 2 * len(arms)
-  adam_steps = tuning.num_steps(64, setup.tune)
-  for r in lines:
-    lbfgs = r.method.endswith("_lbfgs")
-    assert r.tune_config["optimizer"] == ("lbfgs" if lbfgs else "adam")
-    assert (r.tune_config["method"], r.tune_config["head"]) == tuple(
-        r.method.split("_")[:2])
-    if lbfgs:
-      assert 1 <= r.steps <= setup.tune.lbfgs_max_steps
-    else:
-      assert r.steps == adam_steps
-    assert 0.0 <= r.test_accuracy <= 1.0 and r.final_loss >= 0
-  # The paper's arms are keyed as before: without the flags, nothing runs.
-  monkeypatch.setattr(protocol.tuning, "tune_trials", lambda *a, **k: 1 / 0)
-  figure3.run(SETUP, workdir, "both", "exact")
-  monkeypatch.undo()
-
-  figure3.report(workdir)
-  table = open(os.path.join(workdir, "figure3.md")).read()
-  left, right = table.split("## Right", 1)
-  right = right.split("## ", 1)[0]
-  columns = lambda panel: next(row for row in panel.splitlines()
-                               if row.startswith("| size |")
-                               ).strip("| ").split(" | ")
-  assert "exact: vanilla + head optimum (raw)" in columns(left)
-  assert "* head optimum: the linear head solved" in left
-  assert {"exact: memory + attention prompt (raw)",
-          "exact: memory + head attention (raw)",
-          "exact: vanilla + head optimum (raw)"} <= set(columns(right))
-  assert "* attention prompt: prompt tuning with the attention" in right
