@@ -49,33 +49,25 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 stamp="$VENV/.hmmprompt-installed-$extras"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  # uv installs in 4 s where pip takes 33 s on 2 cores (2026-11-24); the
-  # host's pip puts uv into the venv (pip >= 22.3 --python), else the venv's
-  # own. pip stays the fallback, and installs the bench extra: the CPU build
-  # of torch comes from pip's configured wheel folder, which uv does not read.
+  # Byte-compiled at install: with PYTHONDONTWRITEBYTECODE set, as on CI,
+  # Python would recompile every module on every import (importing jax,
+  # flax, orbax and the library: 2.9 s -> 6.9 s in every process, measured
+  # 2026-11-24). uv installs the same versions, byte-compiled, in 11 s
+  # (16 s with an empty uv cache) where pip takes 33 s on 2 cores
+  # (2026-11-24). The host's pip puts uv into the venv (pip >= 22.3
+  # --python), else the venv's own. pip stays the fallback, and installs the
+  # bench extra: the CPU build of torch comes from pip's configured wheel
+  # folder, which uv does not read.
   if [ "$mode" = bench ] || ! { { "$PY" -m pip --python "$VENV/bin/python" \
           install -q "uv>=0.9" 2>/dev/null ||
         { "$VENV/bin/python" -m ensurepip -q &&
           "$VENV/bin/python" -m pip install -q "uv>=0.9"; }; } &&
-      "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" \
-        -e ".[$extras]"; }; then
+      "$VENV/bin/uv" pip install -q --compile-bytecode \
+        --python "$VENV/bin/python" -e ".[$extras]"; }; then
     "$VENV/bin/python" -m ensurepip -q
     "$VENV/bin/python" -m pip install -q --upgrade pip
     "$VENV/bin/python" -m pip install -q -e ".[$extras]"
   fi
-  # Byte code for what the suite's processes import (its workers, the
-  # binaries, the notebook's kernel, the docs build), written once here: with
-  # PYTHONDONTWRITEBYTECODE set, as on CI, every process would compile them
-  # again on every import (jax, flax, orbax and the library: 2.9 s -> 6.9 s
-  # a process, 2026-11-24). Compiling all of site-packages instead (uv's
-  # --compile-bytecode) takes 18.5 s here against 9.4 s (AMD EPYC,
-  # 2026-11-25); a module left out is compiled when imported, as before.
-  PYTHONDONTWRITEBYTECODE= "$VENV/bin/python" -c "
-import jax, jax.numpy, flax.linen, optax, orbax.checkpoint, chex, absl.app
-import numpy, scipy.stats, matplotlib.pyplot, tensorboardX
-import pytest, xdist, nbclient, nbformat, ipykernel.kernelapp, IPython
-import mkdocs.commands.build, mkdocstrings, griffe
-import hmmprompt.figure3, hmmprompt.protocol, hmmprompt.pretrain"
   touch "$stamp"
 fi
 
