@@ -514,11 +514,11 @@ def test_a_padded_stack_is_tuned_at_each_trials_own_depth():
   jax.tree.map(np.testing.assert_array_equal, params_s, stack(p0, p2))
   jax.tree.map(np.testing.assert_array_equal, params_d, stack(p1))
   tokens = np.array([1, 4, 0, 2, 3], np.int32)
+  own_fn, pad_fn = jax.jit(bb_s.outputs), jax.jit(trials.backbone.outputs)
   for i, k in enumerate(ids_s):
-    own, _ = jax.jit(bb_s.outputs)(
-        jax.tree.map(lambda x, i=i: x[i], params_s), tokens)
-    pad, _ = jax.jit(trials.backbone.outputs)(
-        jax.tree.map(lambda x, k=k: x[k], trials.params_K), tokens)
+    own, _ = own_fn(jax.tree.map(lambda x, i=i: x[i], params_s), tokens)
+    pad, _ = pad_fn(jax.tree.map(lambda x, k=k: x[k], trials.params_K),
+                    tokens)
     np.testing.assert_allclose(own, pad, rtol=1e-5, atol=1e-6)
   assert [ids for *_, ids in trials.by_depth([2, 1])] == [[2], [1]]
   exact = sweep.Trials(None, trials.backbone, trials.params_K, [{}] * 3,
