@@ -153,7 +153,13 @@ def random_simplex(key, shape, temp: float) -> jax.Array:
   return jax.nn.softmax((u - 0.5) / temp, axis=-1)
 
 
-def random_transition(key, num_states: int, temp: float = 0.01) -> jax.Array:
+# Appendix D's temperatures: near-permutation transitions, near-deterministic
+# emissions, a near-uniform initial distribution.
+TRANSITION_TEMP, EMISSION_TEMP, INITIAL_TEMP = 0.01, 0.01, 10.0
+
+
+def random_transition(key, num_states: int,
+                      temp: float = TRANSITION_TEMP) -> jax.Array:
   """``[H, H]`` convex combination of ``H`` random permutation matrices."""
   k_w, k_p = jax.random.split(key)
   weights_R = random_simplex(k_w, (num_states,), temp)
@@ -175,8 +181,9 @@ def draw_random_hmm(key, num_states: int, vocab_size: int,
 
 @validation.entry_point(draw_random_hmm, static_argnums=(1, 2))
 def random_hmm(key, num_states: int, vocab_size: int, *,
-               transition_temp: float = 0.01, emission_temp: float = 0.01,
-               initial_temp: float = 10.0) -> HMM:
+               transition_temp: float = TRANSITION_TEMP,
+               emission_temp: float = EMISSION_TEMP,
+               initial_temp: float = INITIAL_TEMP) -> HMM:
   """Appendix D's random HMM.
 
   Every probability vector is ``softmax((U - 0.5) / temp)``; the transition

@@ -409,3 +409,82 @@ def test_bad_generator_args_raise():
     hmm_lib.random_hmm(jax.random.PRNGKey(0), 3, 4, emission_temp=0.0)
   with pytest.raises(ValueError, match="num_states and vocab_size"):
     hmm_lib.random_hmm(jax.random.PRNGKey(0), 0, 4)
+
+
+def test_evidence_is_checked_as_an_array_of_at_least_one_position():
+  hmm = hmm_lib.HMM(**GOOD)
+  ev = [[0.5, 0.1], [0.5, 0.8], [1.0, 1.0]]
+  # A nested list is evidence as much as an array.
+  np.testing.assert_array_equal(hmm_lib.smooth(hmm, ev).posterior,
+                                hmm_lib.smooth(hmm, np.float32(ev)).posterior)
+  with pytest.raises(ValueError, match=r"T >= 1, got \(0, 2\)"):
+    hmm_lib.smooth(hmm, np.zeros((0, 2), np.float32))
+  # One position is a sequence: its posterior is the normalised prior x ev.
+  one = hmm_lib.smooth(hmm, np.float32([[0.5, 0.1]])).posterior
+  prior = np.float32([0.5, 0.5]) * np.float32([0.5, 0.1])
+  np.testing.assert_allclose(one[0], prior / prior.sum(), rtol=1e-6)
+
+
+def test_bad_evidence_is_named_by_its_first_bad_entry():
+  """Zeros are evidence (a state that cannot emit the token); the error
+  names the first negative or non-finite entry, past any zeros."""
+  hmm = hmm_lib.HMM(**GOOD)
+  ev = np.float32([[0.0, 0.5], [0.3, 0.0], [0.5, -0.25], [np.nan, 1.0]])
+  ok = ev[:2]
+  assert np.isfinite(np.asarray(hmm_lib.smooth(hmm, ok).posterior)).all()
+  with pytest.raises(ValueError, match=r"entry \[2, 1\] is -0\.25"):
+    hmm_lib.smooth(hmm, ev)
+
+
+def test_the_transition_temperature_moves_the_permutation_mixture():
+  """The transition mixes H permutation matrices with softmax weights at
+  ``transition_temp``: cold, one permutation; hot, all H equally, so every
+  entry is a count of permutations over H; Appendix D's default, each row
+  within 1e-2 of one-hot."""
+  key, h = jax.random.PRNGKey(3), 6
+  draw = lambda **kw: np.asarray(hmm_lib.random_hmm(key, h, 4, **kw).transition)
+  cold, hot = draw(transition_temp=1e-3), draw(transition_temp=1e3)
+  np.testing.assert_array_equal(np.sort(cold, axis=1)[:, -1], 1.0)
+  np.testing.assert_array_equal(cold.sum(0), 1.0)  # a permutation matrix
+  np.testing.assert_allclose(hot * h, np.round(hot * h), atol=1e-2)
+  assert hot.max() <= 0.5 + 1e-3  # no state's row is one permutation's
+  assert (draw().max(axis=1) > 0.99).all()
+  # random_transition's own default is the same (jit and eager round apart).
+  np.testing.assert_allclose(
+      draw(), hmm_lib.random_transition(jax.random.split(key, 3)[1], h),
+      rtol=1e-5)
+
+
+def test_the_cdf_ends_at_exactly_one_and_no_zero_outcome_is_drawn():
+  """``_cdf`` divides by the total, so the entries from the last non-zero
+  weight on are exactly 1.0 (even for weights that do not sum to 1), and
+  the inverse-CDF draw never picks a zero-probability outcome, not even
+  for ``u = 0`` or the largest float32 below 1."""
+  cdf = np.asarray(hmm_lib._cdf(jnp.float32([0.0, 3.0, 3.0, 3.0, 0.0])))
+  np.testing.assert_allclose(cdf, [0.0, 1 / 3, 2 / 3, 1.0, 1.0], rtol=1e-6)
+  assert cdf[-2] == 1.0 and cdf[-1] == 1.0
+  u = jnp.float32([0.0, 0.2, 0.5, np.nextafter(np.float32(1), 0)])
+  np.testing.assert_array_equal(hmm_lib._draw(cdf, u), [1, 1, 2, 3])
+
+
+def test_sampling_draws_the_committed_streams():
+  """Committed results (docs/results/) were drawn from these streams: a
+  change in how the uniforms are drawn or used changes every draw while
+  keeping the distribution, which the statistical tests cannot see."""
+  tokens, states = hmm_lib.sample(jax.random.PRNGKey(7), hmm_lib.HMM(**GOOD),
+                                  16)
+  assert tokens.tolist() == [2, 2, 2, 2, 2, 2, 2, 2, 1, 0, 1, 0, 1, 0, 2, 0]
+  assert states.tolist() == [1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1]
+
+
+def test_an_out_of_range_token_under_jit_makes_its_context_impossible():
+  """Under a caller's jit the token is not checked: its likelihood is 0
+  (``mode="fill"`` with 0), so every other position's conditionals are
+  the documented zero rows, not NaN, and its own row is unaffected."""
+  hmm = hmm_lib.HMM(**GOOD)
+  got = np.asarray(jax.jit(hmm_lib.conditionals)(
+      hmm, jnp.array([0, 7, 1], jnp.int32)))
+  np.testing.assert_array_equal(got[[0, 2]], 0.0)
+  np.testing.assert_allclose(
+      got[1], hmm_lib.conditionals(hmm, jnp.array([0, MASK, 1]))[1],
+      rtol=1e-6)
