@@ -16,6 +16,7 @@ from hmmprompt.figure3 import records
 from hmmprompt.figure3 import reporting
 from hmmprompt.figure3 import sweep
 from hmmprompt.figure3 import workers
+from hmmprompt import generative
 from hmmprompt import protocol
 from hmmprompt import results as results_lib
 from hmmprompt.pretrain import report as pretrain_report
@@ -526,3 +527,31 @@ def test_a_padded_stack_is_tuned_at_each_trials_own_depth():
   assert [ids for *_, ids in exact.by_depth([0, 2])] == [[0, 2]]
   with pytest.raises(ValueError, match="take_layers"):
     transformer.take_layers(p0, 2)
+
+
+# The draws' softmax rounds differently without FMA: under
+# --xla_cpu_max_isa=SSE4_2 or AVX all 170 fingerprints differ (2026-11-25).
+_NO_FMA = re.search(r"--xla_cpu_max_isa=(SSE|AVX\b|AVX(?!2|512))",
+                    os.environ.get("XLA_FLAGS", ""))
+
+
+@pytest.mark.skipif(bool(_NO_FMA), reason="the committed draws were made "
+                    "with FMA (AVX2 and up); without it they round apart")
+def test_the_committed_cpu_paper_lines_name_the_hmms_their_seeds_draw():
+  """Every committed ``cpu_paper`` line's ``hmm_fingerprint`` is the
+  fingerprint of the HMM its seed, size and trial draw now: the committed
+  results stay reproducible (a change in the draw streams, the sampling of
+  Appendix D's parameters or the fingerprint recipe fails here). Holds on
+  CPUs with FMA, where the committed run was made (Intel Xeon with
+  AVX-512, checked on an AMD EPYC with AVX2)."""
+  setup = figure3.get_setup("cpu_paper")
+  want: dict = {}
+  for r in figure3.read_results(_CPU_PAPER):
+    want.setdefault((r.hmm, r.num_states, r.memory_size), {})[r.trial] = (
+        r.hmm_fingerprint)
+  assert len(want) == 13 and sum(map(len, want.values())) == 170
+  for (hmm, num_states, memory_size), by_trial in want.items():
+    mid = protocol.ModelId(hmm, num_states, memory_size)
+    got = generative.fingerprints(protocol.make_models(setup, mid,
+                                                       len(by_trial)))
+    assert got == [by_trial[k] for k in range(len(by_trial))], mid
