@@ -93,6 +93,10 @@ def test_stacked_trials_equal_separate_draws(model_kind):
   assert generative.fingerprints(stacked) == [generative.fingerprint(m)
                                           for m in singles]
   assert len(set(generative.fingerprints(stacked))) == 3
+  # A stack of one is a trial count like any other (one trial per size).
+  one = generative.random_models(key, 1, model_kind, 4, 6, memory_size=3)
+  assert generative.num_trials(one) == 1
+  assert generative.same(generative.trial(one, 0), singles[0])
 
   keys = jax.random.split(jax.random.PRNGKey(6), 3)
   tokens_KxT = jax.jit(jax.vmap(generative.sample_tokens, in_axes=(0, 0, None)),
@@ -112,8 +116,11 @@ def test_stacking_errors_name_the_problem(pair):
     generative.random_models(jax.random.PRNGKey(0), 0, "vanilla", 4, 6)
   with pytest.raises(ValueError, match="model kind must be one of"):
     generative.random_models(jax.random.PRNGKey(0), 2, "vanila", 4, 6)
+  # A memory model needs its memory size: neither call defaults one.
   with pytest.raises(ValueError, match="memory_size, num_states and vocab"):
     generative.random_models(jax.random.PRNGKey(0), 2, "memory", 4, 6)
+  with pytest.raises(ValueError, match="memory_size, num_states and vocab"):
+    generative.random_model(jax.random.PRNGKey(0), "memory", 4, 6)
   with pytest.raises(ValueError, match="at least one model"):
     generative.stack([])
   with pytest.raises(ValueError, match="different kinds"):
