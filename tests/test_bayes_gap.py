@@ -10,6 +10,10 @@ noise).
 whole suite passed.)"""
 
 import dataclasses
+import glob
+import json
+import os
+import re
 
 import jax
 import numpy as np
@@ -17,9 +21,11 @@ import pytest
 
 import reference as ref  # tests/reference.py
 from conftest import random_dense_hmm
+from hmmprompt import figure3
 from hmmprompt import generative
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import pretrain
+from hmmprompt import protocol
 from hmmprompt.pretrain import evaluation
 
 TINY = pretrain.preset_config("tiny")
@@ -148,3 +154,47 @@ def test_evaluate_predictions_counts_each_sequence_once(batch):
       val, batch)
   assert one == pytest.approx({"mlm_ce": 0.7, "bayes_ce": 0.2, "tv": 0.1,
                                "ce_gap": 0.5, "eval_positions": 1})
+
+
+_CPU_PAPER = os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "docs", "results", "figure3-cpu-paper")
+
+
+@pytest.mark.parametrize("tag,hmm_id", [
+    ("vanilla-h4", ("vanilla", 4, 0)),
+    ("memory-h4-m2", ("memory", 4, 2)),
+])
+def test_the_committed_held_out_sets_are_drawn_again(tag, hmm_id):
+  """The committed ``cpu_paper`` pretraining metrics were scored on the
+  held-out set that trial ``k``'s seed draws now: the same number of
+  scored positions (the ``MASK`` draw: integer streams, any CPU) and the
+  same Bayes CE, which depends on the HMM and that set alone, within
+  float32's worst-case rounding of a sum over the scored positions (on a
+  CPU with FMA, where the HMMs draw as committed: test_figure3.py)."""
+  setup = figure3.get_setup("cpu_paper")
+  cfg = setup.pretrain
+  path = glob.glob(os.path.join(_CPU_PAPER, "pretrain", f"{tag}-*",
+                                "metrics.jsonl"))
+  assert len(path) == 1, path
+  committed = {}
+  for line in open(path[0]):
+    m = json.loads(line)
+    if m["trial"] < 5:  # the first five trials (the right panel's all)
+      committed[m["trial"]] = (m["eval_positions"], m["bayes_ce"])
+  assert sorted(committed) == list(range(5))
+  models = protocol.make_models(setup, protocol.ModelId(*hmm_id), 5)
+  keys = pretrain.loop.Keys.of(cfg.seed, 5)
+  fma = not re.search(r"--xla_cpu_max_isa=(SSE|AVX\b|AVX(?!2|512))",
+                      os.environ.get("XLA_FLAGS", ""))
+  for k, (positions, bayes_ce) in sorted(committed.items()):
+    val = pretrain.validation_set(keys.val[k], generative.trial(models, k),
+                                  cfg)
+    m = evaluation.evaluate_predictions(
+        lambda sl: evaluation.gap_sums(val.exact[sl], val.targets[sl],
+                                       val.weights[sl], val.exact[sl]),
+        val, cfg.eval_batch)
+    assert m["eval_positions"] == positions, k
+    if fma:
+      eps32 = float(np.finfo(np.float32).eps)
+      assert m["bayes_ce"] == pytest.approx(bayes_ce,
+                                            rel=positions * eps32), k
