@@ -21,7 +21,7 @@ import functools
 import hashlib
 import io
 import os
-from typing import Any, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -166,16 +166,27 @@ def _draw_stacked(key, num, model_kind, num_states, vocab_size, memory_size):
 
 
 def fingerprints(models: Model) -> list[str]:
-  """:func:`fingerprint` of every trial of stacked models."""
-  num = cast(int, num_trials(models))  # stacked: an int
-  return [fingerprint(trial(models, k)) for k in range(num)]
+  """:func:`fingerprint` of every trial of stacked models (each leaf moved
+  to the host once, not one validated trial at a time)."""
+  num = num_trials(models)
+  if num is None:
+    raise ValueError("fingerprints needs [K] stacked models; use "
+                     "fingerprint for one model")
+  host = [np.asarray(leaf, np.float32) for leaf in models]
+  return [_fingerprint(kind(models), [a[k] for a in host])
+          for k in range(num)]
 
 
 def fingerprint(model: Model) -> str:
   """12 hex digits of a hash of the kind and the float32 parameters."""
-  h = hashlib.sha256(kind(model).encode())
-  for leaf in model:
-    a = np.ascontiguousarray(np.asarray(leaf, np.float32))
+  return _fingerprint(kind(model), [np.asarray(leaf, np.float32)
+                                    for leaf in model])
+
+
+def _fingerprint(model_kind: str, leaves) -> str:
+  h = hashlib.sha256(model_kind.encode())
+  for leaf in leaves:
+    a = np.ascontiguousarray(leaf)
     h.update(str(a.shape).encode())
     h.update(a.tobytes())
   return h.hexdigest()[:12]
