@@ -129,6 +129,9 @@ def test_stacking_errors_name_the_problem(pair):
                              vanilla.num_states + 1, vanilla.vocab_size)
   with pytest.raises(ValueError, match="different sizes: trial 0 .* trial 1"):
     generative.stack([vanilla, other])
+  with pytest.raises(ValueError, match=r"fingerprints needs \[K\] stacked "
+                     r"models; use fingerprint for one model"):
+    generative.fingerprints(vanilla)
   with pytest.raises(ValueError, match="trial 2 out of range for 2 trials"):
     generative.trial(generative.stack([vanilla, vanilla]), 2)
   # A stack is validated per trial: one bad trial is named by its index.
