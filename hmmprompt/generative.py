@@ -172,9 +172,9 @@ def fingerprints(models: Model) -> list[str]:
   if num is None:
     raise ValueError("fingerprints needs [K] stacked models; use "
                      "fingerprint for one model")
+  model_kind = kind(models)
   host = [np.asarray(leaf, np.float32) for leaf in models]
-  return [_fingerprint(kind(models), [a[k] for a in host])
-          for k in range(num)]
+  return [_fingerprint(model_kind, [a[k] for a in host]) for k in range(num)]
 
 
 def fingerprint(model: Model) -> str:

@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import sys
 
@@ -48,6 +49,19 @@ from hmmprompt import glibc
 # As the binaries do: XLA:CPU's per-step temporaries are then reused, not
 # faulted in afresh (tests/test_glibc.py).
 glibc.retain_freed_memory()
+
+
+# The committed Figure 3 protocol that tests rebuild and redraw.
+CPU_PAPER = os.path.join(_ROOT, "docs", "results", "figure3-cpu-paper")
+
+
+def without_fma() -> bool:
+  """Whether ``XLA_FLAGS`` caps the ISA below FMA (``SSE*`` or ``AVX``):
+  Appendix D's draws round differently there, so the committed HMMs
+  (drawn with FMA) are not drawn again bit for bit (docs/performance.md,
+  "On any CPU")."""
+  return bool(re.search(r"--xla_cpu_max_isa=(SSE|AVX(?!2|512))",
+                        os.environ.get("XLA_FLAGS", "")))
 
 
 def random_dense_hmm(seed, num_states, vocab_size, zero_frac=0.0):

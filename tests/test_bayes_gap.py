@@ -13,14 +13,13 @@ import dataclasses
 import glob
 import json
 import os
-import re
 
 import jax
 import numpy as np
 import pytest
 
 import reference as ref  # tests/reference.py
-from conftest import random_dense_hmm
+from conftest import CPU_PAPER, random_dense_hmm, without_fma
 from hmmprompt import figure3
 from hmmprompt import generative
 from hmmprompt import hmm as hmm_lib
@@ -156,10 +155,6 @@ def test_evaluate_predictions_counts_each_sequence_once(batch):
                                "ce_gap": 0.5, "eval_positions": 1})
 
 
-_CPU_PAPER = os.path.join(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))), "docs", "results", "figure3-cpu-paper")
-
-
 @pytest.mark.parametrize("tag,hmm_id", [
     ("vanilla-h4", ("vanilla", 4, 0)),
     ("memory-h4-m2", ("memory", 4, 2)),
@@ -173,7 +168,7 @@ def test_the_committed_held_out_sets_are_drawn_again(tag, hmm_id):
   CPU with FMA, where the HMMs draw as committed: test_figure3.py)."""
   setup = figure3.get_setup("cpu_paper")
   cfg = setup.pretrain
-  path = glob.glob(os.path.join(_CPU_PAPER, "pretrain", f"{tag}-*",
+  path = glob.glob(os.path.join(CPU_PAPER, "pretrain", f"{tag}-*",
                                 "metrics.jsonl"))
   assert len(path) == 1, path
   committed = {}
@@ -184,8 +179,7 @@ def test_the_committed_held_out_sets_are_drawn_again(tag, hmm_id):
   assert sorted(committed) == list(range(5))
   models = protocol.make_models(setup, protocol.ModelId(*hmm_id), 5)
   keys = pretrain.loop.Keys.of(cfg.seed, 5)
-  fma = not re.search(r"--xla_cpu_max_isa=(SSE|AVX\b|AVX(?!2|512))",
-                      os.environ.get("XLA_FLAGS", ""))
+  fma = not without_fma()
   for k, (positions, bayes_ce) in sorted(committed.items()):
     val = pretrain.validation_set(keys.val[k], generative.trial(models, k),
                                   cfg)

@@ -10,6 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
+from conftest import CPU_PAPER, without_fma
 from hmmprompt import figure3
 from experiments import pretraining_curve
 from hmmprompt.figure3 import records
@@ -358,7 +359,7 @@ def test_report_shows_the_arms_beyond_the_paper_only_when_present(tmp_path):
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_CPU_PAPER = os.path.join(_ROOT, "docs", "results", "figure3-cpu-paper")
+_CPU_PAPER = CPU_PAPER
 
 
 def _readme_row(size: int, summary: dict, wins: dict) -> str:
@@ -529,13 +530,9 @@ def test_a_padded_stack_is_tuned_at_each_trials_own_depth():
     transformer.take_layers(p0, 2)
 
 
-# The draws' softmax rounds differently without FMA: under
-# --xla_cpu_max_isa=SSE4_2 or AVX all 170 fingerprints differ (2026-11-25).
-_NO_FMA = re.search(r"--xla_cpu_max_isa=(SSE|AVX\b|AVX(?!2|512))",
-                    os.environ.get("XLA_FLAGS", ""))
-
-
-@pytest.mark.skipif(bool(_NO_FMA), reason="the committed draws were made "
+# Under --xla_cpu_max_isa=SSE4_2 or AVX all 170 fingerprints differ
+# (2026-11-25).
+@pytest.mark.skipif(without_fma(), reason="the committed draws were made "
                     "with FMA (AVX2 and up); without it they round apart")
 def test_the_committed_cpu_paper_lines_name_the_hmms_their_seeds_draw():
   """The committed ``cpu_paper`` lines' ``hmm_fingerprint`` is the
