@@ -94,7 +94,7 @@ case "$mode" in
          exec "$VENV/bin/python" -m experiments.bench_mlm ;;
   demo)  exec "$VENV/bin/python" -m experiments.demo "$@" ;;
   docs)  exec "$VENV/bin/python" -m mkdocs build --strict "$@" ;;
-  # Mutation testing, the fast tier as the oracle (docs/mutation.md):
+  # Mutation testing, the in-process tests as the oracle (docs/mutation.md):
   # ./launch.sh mutants tuning heads tasks (default: all of hmmprompt/).
   mutants)
     globs=(); mods=""

@@ -93,7 +93,22 @@ PROTOCOL_MISSES = (
     Draws("paper", protocol.vanilla(25), (13, 18), "h25"),
     Draws("paper", protocol.vanilla(30), (10, 11, 12, 16, 19), "h30"),
 )
-SETS = {"hard": HARD_SET, "protocol_misses": PROTOCOL_MISSES}
+# The ten draws of the cpu_paper protocol that fell back to 4 layers
+# (docs/figure3.md): with its recipe and fallback settings, the run of
+# each reproduces the protocol's 2-layer steps, then its fallback.
+PROTOCOL_FALLBACKS = (
+    Draws("paper", protocol.vanilla(25), (2, 13, 18), "h25"),
+    Draws("cpu", protocol.vanilla(28), (2,), "h28"),
+    Draws("paper", protocol.vanilla(30), (0, 10, 11, 12, 16, 19), "h30"),
+)
+# The first 20 draws of three cpu_paper sizes whose draws mostly stop at
+# the first cycle's end (all 20, 17 and 14 of them at step 250): what a
+# shorter first cycle would stop.
+PROTOCOL_EASY = tuple(Draws("paper", protocol.vanilla(h), tuple(range(20)),
+                            f"h{h}") for h in (4, 10, 15))
+SETS = {"hard": HARD_SET, "protocol_misses": PROTOCOL_MISSES,
+        "protocol_fallbacks": PROTOCOL_FALLBACKS,
+        "protocol_easy": PROTOCOL_EASY}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,13 +195,17 @@ def pretrain_hard_set(workdir: str, cfg: HardSetConfig, log=print,
       for j, k in enumerate(run):
         out[f"{draws.name}t{k}"] = [m for m in lines
                                     if m.get("trial", 0) == j]
+        deep = workdir_lib.Paths.of(workdir_lib.fallback_dir(pdir, j))
+        if os.path.exists(deep.metrics):  # its steps count from the stop
+          out[f"{draws.name}t{k}-{pcfg.fallback_layers}L"] = (
+              workdir_lib.read_metrics(deep))
   return out
 
 
 def read_hard_set(workdir: str) -> dict:
   """``{tag: [metrics lines]}`` of every draw trained in ``workdir``,
   whatever runs (``DIR/<name>-t<k0>-<k1>/``) its trials were grouped in;
-  in :data:`HARD_SET`'s order."""
+  in :data:`SETS`' order."""
   found = {}
   for entry in sorted(os.listdir(workdir)):
     m = re.fullmatch(r"([a-z]+\d+)-t(\d+)-(\d+)", entry)
@@ -198,7 +217,8 @@ def read_hard_set(workdir: str) -> dict:
     for j in range(int(m[3]) - int(m[2]) + 1):
       found[f"{m[1]}t{int(m[2]) + j}"] = [
           x for x in lines if x.get("trial", 0) == j]
-  order = [t for d in HARD_SET + PROTOCOL_MISSES for t in d.tags()]
+  order = list(dict.fromkeys(t for draws in SETS.values() for d in draws
+                             for t in d.tags()))
   return {t: found[t] for t in order if t in found}
 
 

@@ -97,11 +97,15 @@ _INTEGRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)),
 def pytest_collection_modifyitems(config, items):
   """Everything under tests/integration/ (subprocesses, the notebook,
   end-to-end sweeps) and every ``default_compiler`` test (a pytest
-  subprocess) is ``slow``: ``-m "not slow"`` is the fast tier."""
+  subprocess) is ``integration`` and ``slow``. ``-m "not slow"`` is the
+  fast tier, the one-minute check: it also leaves out the in-process tests
+  marked ``slow`` by hand (pretraining loops, many-program comparisons).
+  ``-m "not integration"`` is mutmut's oracle: every in-process test."""
   del config
   for item in items:
     if (str(item.path).startswith(_INTEGRATION)
         or item.get_closest_marker("default_compiler") is not None):
+      item.add_marker(pytest.mark.integration)
       item.add_marker(pytest.mark.slow)
 
 

@@ -377,6 +377,7 @@ def _readme_row(size: int, summary: dict, wins: dict) -> str:
        wins[("exact", size)]]) + " |"
 
 
+@pytest.mark.slow
 def test_the_committed_cpu_paper_report_is_rebuilt_from_its_lines(tmp_path):
   """The committed protocol (docs/results/figure3-cpu-paper/) is what its
   lines and pretraining metrics give: its report, rendered again here with

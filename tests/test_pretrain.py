@@ -192,6 +192,7 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(
              for x in jax.tree.leaves(params))
 
 
+@pytest.mark.slow
 def test_exact_targets_train_and_beat_sampled_at_equal_steps(
     tmp_path, model, trained):
   """The same run (data, masks, init) with exact-conditional targets: the
@@ -265,6 +266,7 @@ def test_config_overrides_build_configs_and_name_bad_items():
       config_flags.apply(base, item)
 
 
+@pytest.mark.slow
 def test_stacked_step_equals_separate_steps_and_drops_stopped_trials():
   """K = 2 models (own HMMs, inits and batches) in one vmapped step give
   each model's separate run (a stack of one); a trial dropped from the
@@ -346,6 +348,7 @@ def test_run_trials_equals_separate_runs_and_stops_each(tmp_path):
     pretrain.run_trials(workdir, cfg, generative.trial(stacked, 0))
 
 
+@pytest.mark.slow
 def test_step_memory_counts_the_state_and_scales_with_what_steps_at_once(
     model):
   """XLA's buffer sizes of the stacked step, compiled on shapes: the state
@@ -421,6 +424,7 @@ def _damage(step_dir: str, how: str) -> None:
             f.write(b"\0garbage" * 8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["item folder missing", "data corrupted"])
 def test_damaged_newest_checkpoint_falls_back_and_ends_as_uninterrupted(
     tmp_path, trained, model, how):
@@ -471,6 +475,7 @@ def test_layout1_one_model_run_is_refused_by_name(tmp_path, model):
       call()
 
 
+@pytest.mark.slow
 def test_tensorboard_curves_per_trial_read_back_across_a_resume(tmp_path):
   """Each trial's TensorBoard run holds its evaluations (the values of
   metrics.jsonl), training loss and throughput, against steps and tokens.
@@ -623,6 +628,7 @@ def test_fallback_gaps_check_the_earlier_cycle_ends():
       cfg.with_overrides(**bad)
 
 
+@pytest.mark.slow
 def test_a_trial_short_of_the_target_at_the_cap_falls_back_to_depth(
     tmp_path):
   """``fallback_layers``: the trial above the target at the cap trains
@@ -682,6 +688,57 @@ def test_a_trial_short_of_the_target_at_the_cap_falls_back_to_depth(
     dataclasses.replace(TINY, target_gap=0.5, fallback_layers=1)
 
 
+@pytest.mark.slow
+def test_a_warm_fallback_starts_from_the_trial_as_it_stopped(tmp_path):
+  """``fallback_init="warm"``: the deeper run starts from the shallow
+  trial's state at its stop (the same function: its blocks, embeddings
+  and output layer, then new blocks whose output projections are zero and
+  whose other weights are their own init) with a fresh optimizer; its line
+  is trial ``k``'s; a rerun trains nothing."""
+  deeper = TINY.model.num_layers + 1
+  cfg = dataclasses.replace(TINY, target_gap=0.5, fallback_layers=deeper,
+                            fallback_init="warm", retain=(0,))
+  assert cfg.fallback(1).fallback_init == "warm"  # in the deeper run's id
+  stacked = generative.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6,
+                                     10)
+  workdir = str(tmp_path / "stack")
+  final = pretrain.run_trials(workdir, cfg, stacked, log=lambda s: None)
+  assert "layers" not in final[0] and final[1]["layers"] == deeper
+  shallow_bb, shallow_k, _ = pretrain.load_trials(
+      _copy_without_fallbacks(workdir, str(tmp_path / "plain")))
+  stopped = jax.tree.map(lambda x: x[1], shallow_k)
+  deep_bb, start_QxK, steps, _ = pretrain_workdir.load_retained(
+      pretrain_workdir.fallback_dir(workdir, 1))
+  assert steps == [0]
+  start = jax.tree.map(lambda x: x[0, 0], start_QxK)
+  grown, old = start["params"], stopped["params"]
+  jax.tree.map(np.testing.assert_array_equal,
+               {n: grown[n] for n in old}, old)  # the shallow model, exactly
+  new = grown[f"block_{deeper - 1}"]
+  for name, part in new.items():
+    zero = all(not np.any(np.asarray(x)) for x in jax.tree.leaves(part))
+    assert zero == (name in ("attn_out", "mlp_out")), name
+  tokens = generative.sample_tokens(jax.random.PRNGKey(9),
+                                    generative.trial(stacked, 1), 12)
+  logits = lambda bb, p: jax.jit(lambda p: bb.apply(p, bb.embed(p, tokens)))(
+      p)
+  np.testing.assert_allclose(logits(deep_bb, start),
+                             logits(shallow_bb, stopped), rtol=1e-5,
+                             atol=1e-7)
+  with pytest.raises(ValueError, match="not more than the"):
+    transformer.grow_layers(stopped, stopped)
+
+  def boom(*a, **k):
+    raise AssertionError("finished work was redone")
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(pretrain_train, "make_train_step", boom)
+    assert pretrain.run_trials(workdir, cfg, stacked,
+                               log=lambda s: None) == final
+  with pytest.raises(ValueError, match="fallback_init must be one of"):
+    dataclasses.replace(cfg, fallback_init="hot")
+
+
 def _copy_without_fallbacks(workdir, to):
   """``workdir``'s stack as a run without ``fallback_layers``."""
   shutil.copytree(workdir, to, ignore=shutil.ignore_patterns("fallback-*"))
@@ -692,6 +749,7 @@ def _copy_without_fallbacks(workdir, to):
   return to
 
 
+@pytest.mark.slow
 def test_a_trial_far_from_the_target_falls_back_before_the_cap(tmp_path):
   """``fallback_gap``: at the end of the last cycle before the cap, a
   trial above it leaves the stack for its fallback then; one below it

@@ -116,6 +116,7 @@ def test_degenerate_draws_are_redrawn(vanilla):
     tasks.make_task(key, vanilla, impossible)
 
 
+@pytest.mark.slow
 def test_make_tasks_for_stacked_models_equal_make_task_per_trial():
   """Trials: one vmapped draw per attempt gives every trial the task that
   make_task gives it alone, redraws included."""

@@ -131,6 +131,7 @@ def test_sinusoid_positions_are_relative_from_the_start():
   assert np.ptp(np.diagonal(normal @ normal.T, 1)) > 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pos_init", transformer.POS_INITS)
 def test_jitted_init_equals_the_op_by_op_init(pos_init):
   """``init_params`` is one jitted program; the committed results were
@@ -196,6 +197,7 @@ def _assert_trees_close(a, b):
 
 
 # One vmap level is the inner level of the nested case (both fold).
+@pytest.mark.slow
 @pytest.mark.parametrize("stack", [(), (2, 2)], ids=["one", "nested_vmap"])
 def test_dot_product_attention_matches_manual(stack):
   """Same logits and gradients (fp32) for one model, a vmapped stack of two

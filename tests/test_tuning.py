@@ -83,6 +83,7 @@ def test_vmapped_seeds_equal_one_by_one(setup, method):
         tunable, jax.tree.map(lambda x: x[i], stacked), rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_lane_groups_with_a_remainder_equal_one_vmap(setup):
   """3 seeds in groups of 2 (a group and a remainder, lax.map) give what
   one vmap over the 3 gives, to float rounding."""
@@ -228,6 +229,7 @@ def test_new_method_through_registry(setup, monkeypatch):
                                               abs=1 / 128)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["head", "prompt"])
 def test_vmapped_trials_equal_one_by_one(method):
   """Trials x tasks: 2 HMMs (exact backbone params), 2 tasks on each, tuned
@@ -567,6 +569,7 @@ def test_the_head_optimum_is_the_float64_optimum(setup):
           <= np.mean(correct_N | ~sure_N))
 
 
+@pytest.mark.slow
 def test_head_optimum_lanes_equal_one_by_one(setup):
   """Lanes that stop after different numbers of steps, vmapped (the loop
   runs until the last stops) and in lane groups (lax.map), end where each

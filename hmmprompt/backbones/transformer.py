@@ -318,6 +318,31 @@ def pad_layers(params, num_layers: int):
       **inner, **{f"block_{i}": zero_block for i in range(have, num_layers)}}}
 
 
+def grow_layers(params, fresh):
+  """``fresh`` (a deeper ``MLM``'s params of the same width, any leading
+  axes) started from the shallower ``params``: their embeddings, output
+  layer and blocks, then ``fresh``'s further blocks with both output
+  projections (``attn_out``, ``mlp_out``) zero. Such a block adds exactly
+  0 (:func:`pad_layers`), so the grown model computes ``params``'
+  function; unlike :func:`pad_layers`' all-zero blocks, its other
+  weights keep their init, so its gradients do not vanish and training
+  grows it (a fallback warm-started, ``PretrainConfig.fallback_init``)."""
+  inner, deep = params["params"], fresh["params"]
+  have = sum(1 for name in inner if name.startswith("block_"))
+  want = sum(1 for name in deep if name.startswith("block_"))
+  if want <= have:
+    raise ValueError(f"grow_layers: fresh has {want} layers, not more than "
+                     f"the {have} of params")
+  zero_out = lambda block: {
+      name: (jax.tree.map(jnp.zeros_like, leaf)
+             if name in ("attn_out", "mlp_out") else leaf)
+      for name, leaf in block.items()}
+  return {**fresh, "params": {
+      **deep, **inner,
+      **{f"block_{i}": zero_out(deep[f"block_{i}"])
+         for i in range(have, want)}}}
+
+
 def take_layers(params, num_layers: int):
   """``params`` (any leading axes) with only the first ``num_layers``
   blocks: :func:`pad_layers` undone, the padded model's own params back

@@ -16,6 +16,7 @@ from hmmprompt.backbones import transformer
 
 TARGETS = ("sampled", "exact")
 OPTIMIZERS = ("adamw", "muon")
+FALLBACK_INITS = ("scratch", "warm")
 
 
 def _runtime(default):
@@ -105,6 +106,14 @@ class PretrainConfig:
   # 0.055 (docs/pretraining.md).
   fallback_gap: float = _added(0.0)
   fallback_gaps: tuple[float, ...] = _added(())
+  # fallback_init: FALLBACK_INITS; "scratch" pretrains the deeper model
+  # from its own init, "warm" from the shallow trial as it fell back:
+  # its embeddings, output layer and blocks, then new blocks (their own
+  # init, both output projections zero, so they start as the identity:
+  # transformer.grow_layers), a fresh optimizer state and schedule. The
+  # fallback run's own config keeps the value (its identity says how it
+  # started).
+  fallback_init: str = _added("scratch")
   # Runtime settings (config_flags.RUNTIME): how a run goes, not what it
   # computes, so no directory name, fingerprint or resume check reads them.
   log_every: int = _runtime(100)
@@ -118,6 +127,9 @@ class PretrainConfig:
     if self.targets not in TARGETS:
       raise ValueError(f"PretrainConfig.targets must be one of {TARGETS}, "
                        f"got {self.targets!r}")
+    if self.fallback_init not in FALLBACK_INITS:
+      raise ValueError(f"PretrainConfig.fallback_init must be one of "
+                       f"{FALLBACK_INITS}, got {self.fallback_init!r}")
     if self.optimizer not in OPTIMIZERS:
       raise ValueError(f"PretrainConfig.optimizer must be one of "
                        f"{OPTIMIZERS}, got {self.optimizer!r}")

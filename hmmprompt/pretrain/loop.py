@@ -168,17 +168,23 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
     raise ValueError("run_trials needs [K] stacked models "
                      "(generative.random_models or generative.stack); use "
                      "run for one model")
-  finals = _train_stack(workdir, cfg, models_K, num, log, after_step)
+  finals, states = _train_stack(workdir, cfg, models_K, num, log,
+                                after_step)
   for k, line in enumerate(finals):
     if cfg.falls_back(line):
       log(f"trial {k}: CE gap {line['ce_gap']:.4f} at step {line['step']}, "
           f"above that step's fallback check (target_gap at the cap, "
           f"fallback_gap(s) before it); pretraining it again with "
-          f"{cfg.fallback_layers} layers")
-      deep = _train_stack(workdir_lib.fallback_dir(workdir, k),
-                          cfg.fallback(k), generative.stack(
-                              [generative.trial(models_K, k)]), 1, log,
-                          after_step)[0]
+          f"{cfg.fallback_layers} layers"
+          f"{' from it' if cfg.fallback_init == 'warm' else ''}")
+      deep_cfg = cfg.fallback(k)
+      # Warm: trial k's state as it stopped (stopped rows never move).
+      init = (None if cfg.fallback_init == "scratch" else
+              lambda keys, k=k, deep_cfg=deep_cfg: train.grown_states(
+                  _take(states, np.asarray([k])), keys, deep_cfg))
+      deep = _train_stack(workdir_lib.fallback_dir(workdir, k), deep_cfg,
+                          generative.stack([generative.trial(models_K, k)]),
+                          1, log, after_step, init=init)[0][0]
       finals[k] = workdir_lib.fallback_line(line, deep, k,
                                             cfg.fallback_layers)
   return finals
@@ -187,8 +193,12 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
 def _train_stack(workdir: str, cfg: PretrainConfig,
                  models_K: generative.Model, num: int,
                  log: Callable[[str], Any],
-                 after_step: Callable[[int], Any] | None) -> list[dict]:
-  """:func:`run_trials` without the fallback."""
+                 after_step: Callable[[int], Any] | None,
+                 init: Callable[[jax.Array], Any] | None = None
+                 ) -> tuple[list[dict], Any]:
+  """:func:`run_trials` without the fallback; also returns the train
+  states (all K, a stopped trial's as it stopped). ``init(keys_K)``, if
+  given, makes the step-0 states in place of :func:`train.init_states`."""
   mesh = sharding_lib.data_mesh()
   sharding_lib.check_batch(cfg.batch_size, mesh)  # before writing anything
   paths = workdir_lib.prepare(workdir, cfg, models_K)
@@ -200,7 +210,8 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
   ckpts = ckpt_lib.Checkpoints(paths.ckpt, keep=cfg.keep)
   start, states = workdir_lib.restore(ckpts, cfg, num, log=log)
   if start is None:
-    start, states = 0, train.init_states(keys.init, cfg)
+    start, states = 0, (train.init_states(keys.init, cfg) if init is None
+                        else init(keys.init))
   else:
     log(f"resumed {'' if num == 1 else f'{num} trials '}from step {start}")
   states = jax.device_put(states, rep)
@@ -235,7 +246,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
         f"{max(m['step'] for m in last.values())}")
   if not running or (start >= total and not missing):
     _close(ckpts, retained)
-    return [last.get(k, {}) for k in range(num)]
+    return [last.get(k, {}) for k in range(num)], states
 
   hmms = jax.device_put(jax.vmap(generative.as_hmm)(models_K), rep)
   chunks = (None if cfg.corpus.fresh else jnp.stack(
@@ -325,7 +336,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
         break  # re-form the stack without the stopped trials
     start = done
   _close(ckpts, retained)
-  return [last.get(k, {}) for k in range(num)]
+  return [last.get(k, {}) for k in range(num)], states
 
 
 def evaluate_checkpoints(cfg: PretrainConfig, models_K: generative.Model,

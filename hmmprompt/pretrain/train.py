@@ -107,6 +107,20 @@ def init_states(keys_K, cfg: PretrainConfig) -> TrainState:
   return jax.vmap(lambda k: _init_one(k, cfg))(keys_K)
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def grown_states(states_K: TrainState, keys_K, cfg: PretrainConfig
+                 ) -> TrainState:
+  """``cfg``'s deeper models started from the shallower ``states_K``
+  (:func:`~hmmprompt.backbones.transformer.grow_layers` over
+  :func:`init_states`' own init from ``keys_K``), at step 0 with a fresh
+  optimizer state: the same functions, trained on from there."""
+  def one(params, key):
+    params = transformer.grow_layers(params, _init_one(key, cfg).params)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=make_optimizer(cfg).init(params))
+  return jax.vmap(one)(states_K.params, keys_K)
+
+
 def loss_targets(cfg: PretrainConfig, hmm, inputs_BxT, tokens_BxT,
                  weights_BxT):
   """What the loss is taken against: the true tokens ``[B, T]``, or with
