@@ -50,6 +50,7 @@ def trained(tmp_path_factory, model):
   return workdir, final
 
 
+@pytest.mark.slow
 def test_pretraining_learns_and_reports_bayes_gap(trained, model):
   workdir, final = trained
   lines = [json.loads(l) for l in open(os.path.join(workdir,
@@ -75,6 +76,7 @@ def test_pretraining_learns_and_reports_bayes_gap(trained, model):
   assert final["ce_gap"] < 0.7 * untrained["ce_gap"]
 
 
+@pytest.mark.slow
 def test_no_model_beats_the_bayes_ce_beyond_sampling_noise(trained, model):
   """With the right reference, a model's expected gap is its expected KL
   to the exact conditionals, >= 0; the held-out mean of the per-position
@@ -104,6 +106,7 @@ def test_no_model_beats_the_bayes_ce_beyond_sampling_noise(trained, model):
     assert d.mean() >= -3 * se, (name, d.mean(), se)
 
 
+@pytest.mark.slow
 def test_loaded_backbone_tunes_frozen_unless_finetuning(trained, model):
   """A loaded backbone feeds tuning; head and prompt tuning never
   differentiate it (a sentinel on its params would fire); the fine-tuning
@@ -155,6 +158,7 @@ def test_load_backbone_missing(tmp_path):
     pretrain.load_backbone(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_other_config_in_same_workdir_is_refused(trained, model):
   workdir, _ = trained
   with pytest.raises(ValueError, match="different config"):

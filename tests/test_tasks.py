@@ -141,6 +141,7 @@ def test_make_tasks_for_stacked_models_equal_make_task_per_trial():
         SMALL, max_label_share=0.5, max_redraws=1))
 
 
+@pytest.mark.slow
 def test_memory_budget_chunks_the_posteriors_and_changes_no_label():
   """A budget of a few examples' smoothing (chunks of 3 of 32 or 128
   examples, a remainder included) draws the tasks of no budget: tokens and
@@ -253,6 +254,7 @@ def test_majority_share_counts_every_class():
   assert tasks.majority_share(np.asarray([], np.int64)) == 0.0
 
 
+@pytest.mark.slow
 def test_attempts_are_one_plus_max_redraws_and_the_bound_is_inclusive(
     vanilla):
   """A draw whose majority share equals ``max_label_share`` is taken; a

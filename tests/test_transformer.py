@@ -238,6 +238,7 @@ def test_dot_product_attention_matches_manual(stack):
       _apply("manual")))(params, toks))
 
 
+@pytest.mark.slow
 def test_dot_product_attention_folds_partly_batched_operands():
   """Unbatched operands are broadcast into the fold; ``grad`` of a vmap
   (cotangents of the unbatched ``k`` summed over the stack) and a vmap of

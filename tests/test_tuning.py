@@ -68,6 +68,7 @@ def test_backbone_is_frozen(setup):
   assert flag["backbone_grad_traced"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["head", "prompt"])
 def test_vmapped_seeds_equal_one_by_one(setup, method):
   model, bb, bp, task_list = setup
@@ -519,6 +520,7 @@ def _head_objective(z_N, labels_N, l2, *w) -> float:
   return ce + l2 / 2 * sum(np.sum(np.square(x)) for x in w)
 
 
+@pytest.mark.slow
 def test_the_head_optimum_is_the_float64_optimum(setup):
   """On an HMM's raw ``G`` at the ``MASK`` (not separable: a finite
   optimum the L2 barely moves), L-BFGS ends at Newton's float64 optimum to
