@@ -172,6 +172,13 @@ def test_multi_cell_sampler_and_size_limit(tiny_multi):
     ("emission", np.full((2, 3, 4), 0.25), r"MemoryHMM.emission must have "
      r"shape \[M, H, V\]"),
     ("transition", [[0.5, 0.5]], "MemoryHMM.transition must have shape"),
+    # Each field's own check names that field (not another's, not None).
+    ("initial", [0.5, 0.6], r"^MemoryHMM.initial must sum to 1"),
+    ("transition", [[0.5, 0.6], [0.5, 0.5]],
+     r"^MemoryHMM.transition must sum to 1 along its last axis, but row "
+     r"\[0\]"),
+    ("emission", np.full((2, 2, 4), 0.3),
+     r"^MemoryHMM.emission must sum to 1"),
 ])
 def test_malformed_memory_hmm_raises(field, value, match):
   rng = np.random.default_rng(0)
@@ -212,3 +219,102 @@ def test_memory_entry_points_run_their_kernels(tiny_memory, tiny_multi):
   for a, b in zip(memory_lib.sample(key, tiny_memory, 9),
                   memory_lib.draw_memory_sequence(key, tiny_memory, 9)):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("memory_prior", np.full((2, 2), 0.6),
+     r"^MultiMemoryHMM.memory_prior must sum to 1"),
+    ("memory_prior", np.full((1, 2, 2), 0.5),
+     r"^MultiMemoryHMM.memory_prior must have shape \[N, M\] \(batches "
+     r"of multi-cell HMMs are not supported\)$"),
+    ("initial", np.full((2,), 0.6), r"^MultiMemoryHMM.initial must sum to 1"),
+    ("transition", np.full((2, 2), 0.6),
+     r"^MultiMemoryHMM.transition must sum to 1"),
+    ("emission", np.full((2, 2, 1, 3), 0.5),
+     r"^MultiMemoryHMM.emission must sum to 1"),
+    ("emission", np.full((2, 3, 1, 3), 1 / 3),
+     r"^MultiMemoryHMM.emission must have shape \[N, M, S, V\] = \(2, 2, "
+     r"S, V\), got \(2, 3, 1, 3\)$"),
+    # Only the transition off: ``or``, not ``and``, of the two shapes.
+    ("transition", np.full((3, 3), 1 / 3),
+     r"^MultiMemoryHMM.initial/transition must have shapes \(2,\) and "
+     r"\(2, 2\) for N\*S = 2, got \(2,\) and \(3, 3\)$"),
+])
+def test_malformed_multi_memory_hmm_raises(field, value, match):
+  """Every field's check names it, and the shape checks say what was
+  expected and got (N = 2 cells, M = 2, S = 1)."""
+  rng = np.random.default_rng(0)
+  kwargs = dict(memory_prior=_dense(rng, (2, 2)), initial=_dense(rng, (2,)),
+                transition=_dense(rng, (2, 2)),
+                emission=_dense(rng, (2, 2, 1, 3)))
+  memory_lib.MultiMemoryHMM(**kwargs)  # the valid one
+  kwargs[field] = np.asarray(value, np.float32)
+  with pytest.raises(ValueError, match=match):
+    memory_lib.MultiMemoryHMM(**kwargs)
+
+
+def test_impossible_and_out_of_range_tokens_give_a_zero_posterior():
+  """A sequence no memory value can emit has the documented all-zero
+  posterior (not a uniform one); under a caller's jit the kernel gives
+  an out-of-range token zero likelihood too, not a clamped one."""
+  emission = np.full((2, 2, 3), 0.5, np.float32)
+  emission[..., 2] = 0.0  # token 2 is never emitted
+  mhmm = memory_lib.MemoryHMM(np.array([0.3, 0.7], np.float32),
+                              np.array([0.5, 0.5], np.float32),
+                              np.full((2, 2), 0.5, np.float32), emission)
+  np.testing.assert_array_equal(memory_lib.memory_posterior(mhmm, [0, 1]).
+                                shape, (2,))
+  np.testing.assert_array_equal(memory_lib.memory_posterior(mhmm, [0, 2]),
+                                np.zeros(2))
+  kernel = jax.jit(memory_lib.token_memory_posterior)
+  np.testing.assert_array_equal(kernel(mhmm, jnp.array([0, 3], jnp.int32)),
+                                np.zeros(2))
+  # In range, the kernel is the entry point's posterior (the prior here:
+  # every memory value emits 0 and 1 alike).
+  np.testing.assert_allclose(kernel(mhmm, jnp.array([0, 1], jnp.int32)),
+                             [0.3, 0.7], rtol=1e-6)
+
+
+def test_random_multi_memory_hmm_is_whole_and_its_samples_are_ints():
+  """The drawn multi-cell HMM has every field (distributions of the
+  documented shapes), and its sampler returns integer cells, syntax
+  states and memory that index the model."""
+  n, m, s, v = 2, 3, 2, 5
+  mm = memory_lib.random_multi_memory_hmm(jax.random.PRNGKey(2), n, m, s, v)
+  shapes = {"memory_prior": (n, m), "initial": (n * s,),
+            "transition": (n * s, n * s), "emission": (n, m, s, v)}
+  for name, shape in shapes.items():
+    x = np.asarray(getattr(mm, name), np.float64)
+    assert x.shape == shape, name
+    np.testing.assert_allclose(x.sum(-1), 1.0, rtol=1e-5, err_msg=name)
+  tokens, cells, syntax, mem = memory_lib.multi_sample(
+      jax.random.PRNGKey(3), mm, 30)
+  for x in (tokens, cells, syntax, mem):
+    assert jnp.issubdtype(x.dtype, jnp.integer), x.dtype
+  assert 0 <= int(cells.min()) and int(cells.max()) < n
+  assert 0 <= int(syntax.min()) and int(syntax.max()) < s
+  assert 0 <= int(mem.min()) and int(mem.max()) < m
+
+
+def test_product_size_limit_is_inclusive():
+  """Exactly MAX_PRODUCT_STATES product states (16^2 * 2 * 4 = 2048) is
+  built; one syntax state more (2560) is refused."""
+  at = memory_lib.random_multi_memory_hmm(jax.random.PRNGKey(0), 2, 16, 4, 3)
+  assert at.num_product_states == memory_lib.MAX_PRODUCT_STATES
+  memory_lib._check_product_size(at)  # pylint: disable=protected-access
+  over = memory_lib.random_multi_memory_hmm(jax.random.PRNGKey(0), 2, 16, 5,
+                                            3)
+  with pytest.raises(ValueError, match="= 2560 states, above "
+                     "MAX_PRODUCT_STATES = 2048"):
+    memory_lib._check_product_size(over)  # pylint: disable=protected-access
+
+
+def test_vanilla_twin_passes_its_temperatures_on():
+  """Figure 3's twin is Appendix D's random HMM on |M||H| states, with the
+  temperatures it is given."""
+  key = jax.random.PRNGKey(4)
+  twin = memory_lib.vanilla_twin(key, 2, 3, 5, transition_temp=1.0)
+  want = hmm_lib.random_hmm(key, 6, 5, transition_temp=1.0)
+  chex.assert_trees_all_equal(twin, want)
+  assert not np.array_equal(np.asarray(twin.transition), np.asarray(
+      memory_lib.vanilla_twin(key, 2, 3, 5).transition))
