@@ -160,7 +160,9 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   cycle ``i``) then trains again, alone, with that many
   layers, in ``workdir/fallback-<k>/``
   (:func:`~hmmprompt.pretrain.workdir.fallback_dir`; it resumes as the
-  stack does); its returned line is
+  stack does), from its own init or, with ``cfg.fallback_init == "warm"``,
+  from trial ``k``'s state as it stopped
+  (:func:`~hmmprompt.pretrain.train.grown_states`); its returned line is
   :func:`~hmmprompt.pretrain.workdir.fallback_line`.
   """
   num = generative.num_trials(models_K)
