@@ -12,19 +12,16 @@ All inference runs on *evidence vectors* ``e_t[h]`` (non-negative, shape
 ``e(x)[h] = P(X = x | H = h)`` (:func:`embed`); for a soft prompt they can be any
 vector in ``[0, 1]^H`` (Appendix B's message passing on embedding vectors).
 
-Two public layers (docs/hmm.md): pure, unchecked, traceable **kernels**
-with documented shapes (:func:`forward_backward`, :func:`token_smooth`,
-:func:`draw_sequence`, ...; the package's traced code calls only these,
-as dynamax's ``hmm_smoother``), and jitted **entry points** over them
-(:func:`sample`, :func:`posterior`, ...; :func:`validation.entry_point`),
-one sequence each (``vmap`` them), which raise ``ValueError`` on bad
-concrete input; under a caller's ``jit`` only dtypes and shapes are
-checked (call :func:`check_tokens` on a batch first if unsure).
+Two public layers (docs/hmm.md): traceable **kernels** with documented
+shapes (:func:`forward_backward`, :func:`token_smooth`, ...; traced code
+calls only these), and jitted **entry points** over them (:func:`sample`,
+:func:`posterior`, ...; :func:`validation.entry_point`), one sequence each,
+which raise ``ValueError`` on bad concrete input (under a caller's ``jit``
+only dtypes and shapes: :func:`check_tokens` a batch first if unsure).
 
 Messages are rescaled at every step (Rabiner's scaling): float32 is stable
 on 10^4 tokens of Appendix D's HMMs. An impossible sequence gives
-log-likelihood ``-inf`` and all-zero posteriors/conditionals where its
-context is impossible (Appendix B's convention), never NaN.
+log-likelihood ``-inf`` and all-zero posteriors/conditionals, never NaN.
 """
 
 from __future__ import annotations
@@ -153,8 +150,7 @@ def random_simplex(key, shape, temp: float) -> jax.Array:
   return jax.nn.softmax((u - 0.5) / temp, axis=-1)
 
 
-# Appendix D's temperatures: near-permutation transitions, near-deterministic
-# emissions, a near-uniform initial distribution.
+# Appendix D's temperatures (near-permutation, near-deterministic, uniform).
 TRANSITION_TEMP, EMISSION_TEMP, INITIAL_TEMP = 0.01, 0.01, 10.0
 
 
@@ -209,12 +205,11 @@ def random_hmm(key, num_states: int, vocab_size: int, *,
 def _cdf(p: jax.Array) -> jax.Array:
   """Cumulative distribution along the last axis, with last entry exactly 1.
 
-  Dividing by the total makes the entries after the last non-zero probability
-  exactly 1.0, so ``#(cdf <= u)`` for ``u`` in ``[0, 1)`` never selects a
-  zero-probability outcome (not even for ``u == 0``).
+  Dividing by the total makes the entries after the last non-zero
+  probability exactly 1.0, so ``#(cdf <= u)`` for ``u`` in ``[0, 1)`` never
+  selects a zero-probability outcome (not even ``u == 0``).
   """
-  c = jnp.cumsum(p, axis=-1)
-  return c / c[..., -1:]
+  return (c := jnp.cumsum(p, axis=-1)) / c[..., -1:]
 
 
 def _draw(cdf: jax.Array, u: jax.Array) -> jax.Array:
@@ -226,9 +221,8 @@ def _draw(cdf: jax.Array, u: jax.Array) -> jax.Array:
 def draw_sequence(key, hmm: HMM, length: int):
   """Kernel of :func:`sample`: ``(tokens int32[T], states int32[T])``."""
   u_2xT = jax.random.uniform(key, (2, length))
-  cdf_init_H = _cdf(hmm.initial)
   cdf_trans_HxH = _cdf(hmm.transition)
-  s0 = _draw(cdf_init_H, u_2xT[0, 0])
+  s0 = _draw(_cdf(hmm.initial), u_2xT[0, 0])
 
   def step(s, u):
     s_next = _draw(cdf_trans_HxH[s], u)
@@ -266,15 +260,14 @@ def _unit_sum(x: jax.Array) -> jax.Array:
 
 @_unit_sum.defjvp
 def _unit_sum_jvp(primals, tangents):
-  # d(x / s) = (dx - y sum(dx)) / s with y = x / s. Autodiff's form has
-  # x ds / s**2, and s**2 underflows to 0 in float32 for the tiny sums of
-  # near-deterministic HMMs (s < 1e-19): inf * 0 = NaN gradients.
+  # d(x / s) = (dx - y sum(dx)) / s with y = x / s. Autodiff's x ds / s**2
+  # underflows: s**2 is 0 in float32 for the tiny sums of near-deterministic
+  # HMMs (s < 1e-19), and inf * 0 = NaN gradients.
   (x,), (dx,) = primals, tangents
-  s = jnp.sum(x, axis=-1, keepdims=True)
-  safe = jnp.where(s > 0, s, 1.0)
+  safe = jnp.sum(x, axis=-1, keepdims=True)
+  safe = jnp.where(safe > 0, safe, 1.0)
   y = x / safe
-  dy = (dx - y * jnp.sum(dx, axis=-1, keepdims=True)) / safe
-  return y, dy
+  return y, (dx - y * jnp.sum(dx, axis=-1, keepdims=True)) / safe
 
 
 def _normalize(x: jax.Array) -> tuple[jax.Array, jax.Array]:

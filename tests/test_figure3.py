@@ -497,6 +497,7 @@ def test_a_padded_stack_is_tuned_at_each_trials_own_depth():
   backbone, whose outputs are the padded model's to float rounding; the
   deep trial keeps the stack's backbone. Exact trials stay one group."""
   import jax
+  from hmmprompt.backbones import depth
   from hmmprompt.backbones import transformer
   shallow = transformer.MLMConfig(vocab_size=5, d_model=16, num_heads=2,
                                   d_ff=32, num_layers=1, max_len=8)
@@ -504,7 +505,7 @@ def test_a_padded_stack_is_tuned_at_each_trials_own_depth():
   p0, p2 = (transformer.init_params(jax.random.PRNGKey(k), shallow)
             for k in (0, 2))
   p1 = transformer.init_params(jax.random.PRNGKey(1), deep)
-  padded = [transformer.pad_layers(p, 3) for p in (p0, p2)]
+  padded = [depth.pad_layers(p, 3) for p in (p0, p2)]
   stack = lambda *ps: jax.tree.map(lambda *x: np.stack(x), *ps)
   trials = sweep.Trials(None, transformer.make_backbone(deep),
                         stack(padded[0], p1, padded[1]), [{}] * 3,
@@ -528,7 +529,7 @@ def test_a_padded_stack_is_tuned_at_each_trials_own_depth():
                        [None] * 3)
   assert [ids for *_, ids in exact.by_depth([0, 2])] == [[0, 2]]
   with pytest.raises(ValueError, match="take_layers"):
-    transformer.take_layers(p0, 2)
+    depth.take_layers(p0, 2)
 
 
 # Under --xla_cpu_max_isa=SSE4_2 or AVX all 170 fingerprints differ

@@ -20,6 +20,7 @@ from hmmprompt import pretrain
 from hmmprompt import sharding
 from hmmprompt import tasks
 from hmmprompt import tuning
+from hmmprompt.backbones import depth
 from hmmprompt.backbones import transformer
 from hmmprompt.pretrain import train as pretrain_train
 from hmmprompt.pretrain import workdir as pretrain_workdir
@@ -730,7 +731,7 @@ def test_a_warm_fallback_starts_from_the_trial_as_it_stopped(tmp_path):
                              logits(shallow_bb, stopped), rtol=1e-5,
                              atol=1e-7)
   with pytest.raises(ValueError, match="not more than the"):
-    transformer.grow_layers(stopped, stopped)
+    depth.grow_layers(stopped, stopped)
 
   def boom(*a, **k):
     raise AssertionError("finished work was redone")

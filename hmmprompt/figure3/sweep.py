@@ -31,6 +31,7 @@ from hmmprompt import generative
 from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import results as results_lib
 from hmmprompt.backbones import Backbone
+from hmmprompt.backbones import depth as depth_lib
 from hmmprompt.backbones import exact
 from hmmprompt.backbones import transformer
 
@@ -144,7 +145,7 @@ class Trials(NamedTuple):
         params = jax.tree.map(lambda x, ids=ids: x[np.asarray(ids)], params)
       backbone = self.backbone
       if d != deepest:  # shallow models inside a padded stack
-        params = transformer.take_layers(params, d)
+        params = depth_lib.take_layers(params, d)
         backbone = transformer.make_backbone(
             cast(transformer.MLMConfig, self.models[ids[0]]))
       out.append((backbone, params, ids))

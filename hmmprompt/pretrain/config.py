@@ -94,25 +94,17 @@ class PretrainConfig:
   # fallback_layers: a trial still above target_gap at the cap is
   # pretrained again, from its own seed and data, with this many layers
   # (0: none): depth converges the slow-mixing draws no 2-layer recipe did
-  # (docs/pretraining.md, "The hard set") at ~3x the cost per token, so
-  # only the draws that need it pay. Its stack's shallower models join
-  # its deeper one padded with identity blocks (transformer.pad_layers).
+  # at ~3x the cost per token (docs/pretraining.md, "The hard set"). Its
+  # stack's shallower models join it padded (depth.pad_layers).
   fallback_layers: int = _added(0)
   # fallback_gap: a trial above it at the end of the last cycle before the
   # cap falls back then (0: only at the cap); fallback_gaps[i]: the same
-  # at the end of cycle i (0: no check). In the cpu_paper protocol the 10
-  # draws that fell back were at 0.28-0.60 at step 250, 0.13-0.25 at 500
-  # and 0.071-0.148 at 1000; every other draw at most 0.25, 0.10 and
-  # 0.055 (docs/pretraining.md).
+  # at the end of cycle i (0: no check). Thresholds: docs/pretraining.md.
   fallback_gap: float = _added(0.0)
   fallback_gaps: tuple[float, ...] = _added(())
-  # fallback_init: FALLBACK_INITS; "scratch" pretrains the deeper model
-  # from its own init, "warm" from the shallow trial as it fell back:
-  # its embeddings, output layer and blocks, then new blocks (their own
-  # init, both output projections zero, so they start as the identity:
-  # transformer.grow_layers), a fresh optimizer state and schedule. The
-  # fallback run's own config keeps the value (its identity says how it
-  # started).
+  # fallback_init: FALLBACK_INITS; the deeper model from its own init, or
+  # "warm" from the trial as it stopped (depth.grow_layers; the fallback's
+  # config keeps it). Same steps but one on the protocol's ten fallbacks.
   fallback_init: str = _added("scratch")
   # Runtime settings (config_flags.RUNTIME): how a run goes, not what it
   # computes, so no directory name, fingerprint or resume check reads them.
@@ -124,15 +116,11 @@ class PretrainConfig:
   retain: tuple[int, ...] = _runtime(())
 
   def __post_init__(self):
-    if self.targets not in TARGETS:
-      raise ValueError(f"PretrainConfig.targets must be one of {TARGETS}, "
-                       f"got {self.targets!r}")
-    if self.fallback_init not in FALLBACK_INITS:
-      raise ValueError(f"PretrainConfig.fallback_init must be one of "
-                       f"{FALLBACK_INITS}, got {self.fallback_init!r}")
-    if self.optimizer not in OPTIMIZERS:
-      raise ValueError(f"PretrainConfig.optimizer must be one of "
-                       f"{OPTIMIZERS}, got {self.optimizer!r}")
+    for name, known in (("targets", TARGETS), ("optimizer", OPTIMIZERS),
+                        ("fallback_init", FALLBACK_INITS)):
+      if getattr(self, name) not in known:
+        raise ValueError(f"PretrainConfig.{name} must be one of {known}, "
+                         f"got {getattr(self, name)!r}")
     if self.state_loss < 0 or self.state_loss_steps < 0:
       raise ValueError("PretrainConfig.state_loss and state_loss_steps must "
                        "be >= 0")

@@ -12,6 +12,7 @@ import optax
 
 from hmmprompt import corpus as corpus_lib
 from hmmprompt import sharding as sharding_lib
+from hmmprompt.backbones import depth
 from hmmprompt.backbones import transformer
 from hmmprompt.pretrain.config import PretrainConfig
 
@@ -111,11 +112,11 @@ def init_states(keys_K, cfg: PretrainConfig) -> TrainState:
 def grown_states(states_K: TrainState, keys_K, cfg: PretrainConfig
                  ) -> TrainState:
   """``cfg``'s deeper models started from the shallower ``states_K``
-  (:func:`~hmmprompt.backbones.transformer.grow_layers` over
+  (:func:`~hmmprompt.backbones.depth.grow_layers` over
   :func:`init_states`' own init from ``keys_K``), at step 0 with a fresh
   optimizer state: the same functions, trained on from there."""
   def one(params, key):
-    params = transformer.grow_layers(params, _init_one(key, cfg).params)
+    params = depth.grow_layers(params, _init_one(key, cfg).params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=make_optimizer(cfg).init(params))
   return jax.vmap(one)(states_K.params, keys_K)

@@ -29,6 +29,7 @@ from hmmprompt import checkpoints as ckpt_lib
 from hmmprompt import generative
 from hmmprompt import results as results_lib
 from hmmprompt.backbones import Backbone
+from hmmprompt.backbones import depth
 from hmmprompt.backbones import transformer
 from hmmprompt.pretrain import train
 from hmmprompt.pretrain.config import PretrainConfig
@@ -194,7 +195,7 @@ def load_trials(workdir: str) -> tuple[Backbone, Any, list[dict]]:
   # The trials that fell back: their deeper models, the rest padded to
   # that depth with identity blocks, so the K still stack.
   deep_cfg = cfg.fallback(0).model
-  params_K = transformer.pad_layers(state.params, deep_cfg.num_layers)
+  params_K = depth.pad_layers(state.params, deep_cfg.num_layers)
   for k in fell:
     where = fallback_dir(workdir, k)
     if not os.path.exists(Paths.of(where).config):
