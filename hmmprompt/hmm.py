@@ -264,8 +264,8 @@ def _unit_sum_jvp(primals, tangents):
   # underflows: s**2 is 0 in float32 for the tiny sums of near-deterministic
   # HMMs (s < 1e-19), and inf * 0 = NaN gradients.
   (x,), (dx,) = primals, tangents
-  safe = jnp.sum(x, axis=-1, keepdims=True)
-  safe = jnp.where(safe > 0, safe, 1.0)
+  s = jnp.sum(x, axis=-1, keepdims=True)
+  safe = jnp.where(s > 0, s, 1.0)
   y = x / safe
   return y, (dx - y * jnp.sum(dx, axis=-1, keepdims=True)) / safe
 

@@ -262,15 +262,15 @@ def test_impossible_and_out_of_range_tokens_give_a_zero_posterior():
   mhmm = memory_lib.MemoryHMM(np.array([0.3, 0.7], np.float32),
                               np.array([0.5, 0.5], np.float32),
                               np.full((2, 2), 0.5, np.float32), emission)
-  np.testing.assert_array_equal(memory_lib.memory_posterior(mhmm, [0, 1]).
-                                shape, (2,))
+  # Every memory value emits 0 and 1 alike: the posterior is the prior.
+  np.testing.assert_allclose(memory_lib.memory_posterior(mhmm, [0, 1]),
+                             [0.3, 0.7], rtol=1e-6)
   np.testing.assert_array_equal(memory_lib.memory_posterior(mhmm, [0, 2]),
                                 np.zeros(2))
   kernel = jax.jit(memory_lib.token_memory_posterior)
   np.testing.assert_array_equal(kernel(mhmm, jnp.array([0, 3], jnp.int32)),
                                 np.zeros(2))
-  # In range, the kernel is the entry point's posterior (the prior here:
-  # every memory value emits 0 and 1 alike).
+  # In range, the kernel gives the entry point's posterior.
   np.testing.assert_allclose(kernel(mhmm, jnp.array([0, 1], jnp.int32)),
                              [0.3, 0.7], rtol=1e-6)
 

@@ -680,14 +680,7 @@ def test_a_trial_short_of_the_target_at_the_cap_falls_back_to_depth(
       take0(p))
   want, got = logits(shallow_bb, shallow_k), logits(backbone, params_k)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
-
-  def boom(*a, **k):
-    raise AssertionError("finished work was redone")
-
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(pretrain_train, "make_train_step", boom)
-    assert pretrain.run_trials(workdir, cfg, stacked,
-                               log=lambda s: None) == final
+  _assert_rerun_trains_nothing(workdir, cfg, stacked, final)
   with pytest.raises(ValueError, match="fallback_layers = 1 must be 0 or an "
                      "int above model.num_layers"):
     dataclasses.replace(TINY, target_gap=0.5, fallback_layers=1)
@@ -732,6 +725,14 @@ def test_a_warm_fallback_starts_from_the_trial_as_it_stopped(tmp_path):
                              atol=1e-7)
   with pytest.raises(ValueError, match="not more than the"):
     depth.grow_layers(stopped, stopped)
+  _assert_rerun_trains_nothing(workdir, cfg, stacked, final)
+  with pytest.raises(ValueError, match="fallback_init must be one of"):
+    dataclasses.replace(cfg, fallback_init="hot")
+
+
+def _assert_rerun_trains_nothing(workdir, cfg, stacked, final):
+  """Rerunning a finished ``run_trials`` returns ``final`` without
+  building a train step."""
 
   def boom(*a, **k):
     raise AssertionError("finished work was redone")
@@ -740,8 +741,6 @@ def test_a_warm_fallback_starts_from_the_trial_as_it_stopped(tmp_path):
     mp.setattr(pretrain_train, "make_train_step", boom)
     assert pretrain.run_trials(workdir, cfg, stacked,
                                log=lambda s: None) == final
-  with pytest.raises(ValueError, match="fallback_init must be one of"):
-    dataclasses.replace(cfg, fallback_init="hot")
 
 
 def _copy_without_fallbacks(workdir, to):
