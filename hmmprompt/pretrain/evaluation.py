@@ -32,6 +32,10 @@ class ValidationSet(NamedTuple):
   exact: jax.Array
 
 
+_exact_conditionals = jax.jit(jax.vmap(hmm_lib.token_conditionals,
+                                       in_axes=(None, 0)))
+
+
 def validation_set(key, model: generative.Model,
                    cfg: PretrainConfig) -> ValidationSet:
   """Held-out sequences of the context length, ``MASK``-only masking."""
@@ -40,8 +44,7 @@ def validation_set(key, model: generative.Model,
   inputs, weights = corpus_lib.mask_tokens(
       jax.random.fold_in(key, 1), seqs, cfg.corpus.mask_rate,
       cfg.model.vocab_size, bert=False)
-  exact = jax.jit(jax.vmap(hmm_lib.token_conditionals, in_axes=(None, 0)))(
-      generative.as_hmm(model), inputs)
+  exact = _exact_conditionals(generative.as_hmm(model), inputs)
   return ValidationSet(inputs, seqs, weights, exact)
 
 

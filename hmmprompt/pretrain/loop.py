@@ -192,6 +192,18 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   return finals
 
 
+@functools.lru_cache(maxsize=16)
+def _batch_fn(corpus_cfg, batch_size: int, vocab_size: int, fresh: bool,
+              mesh):
+  """The jitted ``[K]`` batch draw, one per setting (kept across runs, as
+  the train step: no trace and lowering per run)."""
+  return jax.jit(jax.vmap(
+      functools.partial(corpus_lib.batch_at, cfg=corpus_cfg,
+                        batch_size=batch_size, vocab_size=vocab_size),
+      in_axes=(0, None, 0, None if fresh else 0)),
+                 out_shardings=sharding_lib.trial_batch_sharded(mesh))
+
+
 def _train_stack(workdir: str, cfg: PretrainConfig,
                  models_K: generative.Model, num: int,
                  log: Callable[[str], Any],
@@ -254,12 +266,8 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
   chunks = (None if cfg.corpus.fresh else jnp.stack(
       [corpus_lib.build_chunks(keys.corpus[k], generative.trial(models_K, k),
                                cfg.corpus) for k in range(num)]))
-  get_batch = jax.jit(jax.vmap(
-      functools.partial(corpus_lib.batch_at, cfg=cfg.corpus,
-                        batch_size=cfg.batch_size,
-                        vocab_size=cfg.model.vocab_size),
-      in_axes=(0, None, 0, None if chunks is None else 0)),
-                      out_shardings=sharding_lib.trial_batch_sharded(mesh))
+  get_batch = _batch_fn(cfg.corpus, cfg.batch_size, cfg.model.vocab_size,
+                        chunks is None, mesh)
   train_step = train.make_train_step(cfg, mesh)
   # Stopped trials are never evaluated again: no validation set for them.
   vals = {k: evaluate_lib.validation_set(keys.val[k],

@@ -178,6 +178,24 @@ def map_trials(f, xs, trials_per_vmap: int):
                                         else trials_per_vmap))
 
 
+# One jitted step per (config, mesh), kept across runs: each run_trials
+# call (a sweep's stacks, a fallback, a resume) would otherwise trace and
+# lower the same program again before the compilation cache is consulted.
+@functools.lru_cache(maxsize=16)
+def _jitted_step(cfg: PretrainConfig, mesh):
+  rep = sharding_lib.replicated(mesh)
+  bat = sharding_lib.trial_batch_sharded(mesh)
+  one = _step_fn(cfg)
+
+  def step(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT, hmms):
+    return map_trials(lambda a: one(*a), (states, inputs_KxBxT, tokens_KxBxT,
+                                          weights_KxBxT, hmms),
+                      cfg.trials_per_vmap)
+
+  return jax.jit(step, in_shardings=(rep, bat, bat, bat, rep),
+                 out_shardings=(rep, rep), donate_argnums=0)
+
+
 def make_train_step(cfg: PretrainConfig, mesh):
   """K models of one config in one jitted step (one model: K = 1).
 
@@ -193,17 +211,7 @@ def make_train_step(cfg: PretrainConfig, mesh):
   should stop is dropped from the stack by the caller (the loop), so
   every model in it steps.
   """
-  rep = sharding_lib.replicated(mesh)
-  bat = sharding_lib.trial_batch_sharded(mesh)
-  one = _step_fn(cfg)
-
-  def step(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT, hmms):
-    return map_trials(lambda a: one(*a), (states, inputs_KxBxT, tokens_KxBxT,
-                                          weights_KxBxT, hmms),
-                      cfg.trials_per_vmap)
-
-  jitted = jax.jit(step, in_shardings=(rep, bat, bat, bat, rep),
-                   out_shardings=(rep, rep), donate_argnums=0)
+  jitted = _jitted_step(cfg, mesh)
 
   def train_step(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT,
                  hmms=None):
