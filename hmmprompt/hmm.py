@@ -21,7 +21,8 @@ only dtypes and shapes: :func:`check_tokens` a batch first if unsure).
 
 Messages are rescaled at every step (Rabiner's scaling): float32 is stable
 on 10^4 tokens of Appendix D's HMMs. An impossible sequence gives
-log-likelihood ``-inf`` and all-zero posteriors/conditionals, never NaN.
+log-likelihood ``-inf``, all-zero posteriors, and all-zero conditionals
+where a context is impossible (Appendix B's convention), never NaN.
 """
 
 from __future__ import annotations
@@ -301,8 +302,7 @@ def forward_backward(hmm: HMM, evidence_TxH: jax.Array) -> Smoothed:
     filt_H, c = _normalize(pred_H * ev_H)
     return filt_H @ trans_HxH, (pred_H, c)
 
-  _, (pred_TxH, c_T) = jax.lax.scan(forward, hmm.initial.astype(dtype),
-                                    ev_TxH)
+  _, (pred_TxH, c_T) = jax.lax.scan(forward, hmm.initial.astype(dtype), ev_TxH)
 
   def backward(back_H, pred_ev):
     pred_H, ev_H = pred_ev

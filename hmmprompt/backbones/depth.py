@@ -11,6 +11,10 @@ import jax
 import jax.numpy as jnp
 
 
+def _num_blocks(inner) -> int:
+  return sum(1 for name in inner if name.startswith("block_"))
+
+
 def pad_layers(params, num_layers: int):
   """``params`` (an ``MLM``'s, any leading axes such as a trial stack)
   with identity blocks appended up to ``num_layers``: the deeper model
@@ -23,7 +27,7 @@ def pad_layers(params, num_layers: int):
   width (:func:`~hmmprompt.pretrain.workdir.load_trials`' fallbacks).
   """
   inner = params["params"]
-  have = sum(1 for name in inner if name.startswith("block_"))
+  have = _num_blocks(inner)
   if num_layers < have:
     raise ValueError(f"pad_layers: the params have {have} layers, more than "
                      f"num_layers = {num_layers}")
@@ -42,8 +46,7 @@ def grow_layers(params, fresh):
   weights keep their init, so its gradients do not vanish and training
   grows it (a fallback warm-started, ``PretrainConfig.fallback_init``)."""
   inner, deep = params["params"], fresh["params"]
-  have = sum(1 for name in inner if name.startswith("block_"))
-  want = sum(1 for name in deep if name.startswith("block_"))
+  have, want = _num_blocks(inner), _num_blocks(deep)
   if want <= have:
     raise ValueError(f"grow_layers: fresh has {want} layers, not more than "
                      f"the {have} of params")
@@ -62,7 +65,7 @@ def take_layers(params, num_layers: int):
   blocks: :func:`pad_layers` undone, the padded model's own params back
   (tuned at their own depth, the padding's backward costs nothing)."""
   inner = params["params"]
-  have = sum(1 for name in inner if name.startswith("block_"))
+  have = _num_blocks(inner)
   if not 0 < num_layers <= have:
     raise ValueError(f"take_layers: num_layers = {num_layers} not in "
                      f"[1, {have}] (the params' layers)")

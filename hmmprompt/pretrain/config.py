@@ -104,7 +104,7 @@ class PretrainConfig:
   fallback_gaps: tuple[float, ...] = _added(())
   # fallback_init: FALLBACK_INITS; the deeper model from its own init, or
   # "warm" from the trial as it stopped (depth.grow_layers; the fallback's
-  # config keeps it). Same steps but one on the protocol's ten fallbacks.
+  # config keeps it). It saved one cycle on one of the protocol's 10.
   fallback_init: str = _added("scratch")
   # Runtime settings (config_flags.RUNTIME): how a run goes, not what it
   # computes, so no directory name, fingerprint or resume check reads them.
