@@ -46,6 +46,9 @@ import pytest
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import glibc
 
+# --cpu-profile=DIR: each test's CPU seconds (tests/cpu_profile.py).
+pytest_plugins = ["cpu_profile"]
+
 # As the binaries do: XLA:CPU's per-step temporaries are then reused, not
 # faulted in afresh (tests/test_glibc.py).
 glibc.retain_freed_memory()
