@@ -373,6 +373,11 @@ def test_step_memory_counts_the_state_and_scales_with_what_steps_at_once(
   assert mem(trials_per_vmap=0)["temp_bytes"] > one_at_a_time["temp_bytes"]
   assert mem(trials_per_vmap=1, batch_size=32)["temp_bytes"] > (
       one_at_a_time["temp_bytes"])
+  # One model with sampled targets (the tokens): half the stack's state.
+  one = pretrain.step_memory(
+      TINY.with_overrides(targets="sampled", trials_per_vmap=1),
+      jax.tree.map(lambda x: x[None], model), mesh)
+  assert 2 * one["state_bytes"] == one_at_a_time["state_bytes"]
 
 
 RUNTIME_FIELDS = {"log_every": 7, "ckpt_every": 5, "keep": 5,

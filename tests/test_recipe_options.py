@@ -90,3 +90,35 @@ def test_state_loss_steps_and_needs_a_readout():
   assert np.isfinite(np.asarray(loss)).all()
   post = corpus_lib.exact_state_posterior(hmm, inputs[0], weights[0])
   np.testing.assert_allclose(post.sum(-1), 1.0, rtol=1e-5)
+
+
+def test_state_loss_is_the_mlm_loss_plus_its_weight_times_the_readout_ce():
+  """``(total, mlm)``: ``mlm`` is :func:`train.mlm_loss` on the same
+  distributions (its mean over the weighted positions: one weighted
+  position gives that position's CE), and ``total - mlm`` is
+  ``state_weight`` times the readout's CE to the posterior, averaged over
+  every position, computed here in float64 from the model's own logits."""
+  cfg = dataclasses.replace(TINY.model, state_readout=3)
+  params = transformer.init_params(jax.random.PRNGKey(0), cfg)
+  rng = np.random.default_rng(0)
+  b, t = 2, 6
+  inputs = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t)), jnp.int32)
+  targets = rng.dirichlet(np.ones(cfg.vocab_size), (b, t)).astype(np.float32)
+  posterior = rng.dirichlet(np.ones(3), (b, t)).astype(np.float32)
+  logits, states = transformer.MLM(cfg).apply(
+      params, inputs, method=transformer.MLM.logits_and_states)
+  log_softmax = lambda x: x - np.log(np.exp(x).sum(-1, keepdims=True))
+  ce = lambda z, p: -(p * log_softmax(np.asarray(z, np.float64))).sum(-1)
+  one = np.zeros((b, t), np.float32)
+  one[1, 4] = 1.0
+  for weights in ((rng.random((b, t)) < 0.5).astype(np.float32), one):
+    total, mlm = train.mlm_and_state_loss(params, cfg, inputs, targets,
+                                          weights, posterior, 0.3)
+    np.testing.assert_allclose(
+        mlm, train.mlm_loss(params, cfg, inputs, targets, weights), rtol=1e-6)
+    want = (ce(logits, targets) * weights).sum() / weights.sum()
+    np.testing.assert_allclose(mlm, want, rtol=1e-5)
+    # float32 sums of O(1) terms (~1e-7 each), then the difference of two
+    # float32 values ~10x the aux term: ~1e-6 of it; 1e-4 leaves room.
+    np.testing.assert_allclose(total - mlm, 0.3 * ce(states, posterior).mean(),
+                               rtol=1e-4)
