@@ -370,6 +370,8 @@ def test_step_memory_counts_the_state_and_scales_with_what_steps_at_once(
   assert one_at_a_time["state_bytes"] == sum(
       x.nbytes for x in jax.tree.leaves(states))
   assert one_at_a_time["argument_bytes"] >= one_at_a_time["state_bytes"]
+  # The step returns the new state (and the losses).
+  assert one_at_a_time["output_bytes"] >= one_at_a_time["state_bytes"]
   assert mem(trials_per_vmap=0)["temp_bytes"] > one_at_a_time["temp_bytes"]
   assert mem(trials_per_vmap=1, batch_size=32)["temp_bytes"] > (
       one_at_a_time["temp_bytes"])
