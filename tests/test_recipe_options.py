@@ -105,17 +105,19 @@ def test_state_loss_is_the_mlm_loss_plus_its_weight_times_the_readout_ce():
   inputs = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t)), jnp.int32)
   targets = rng.dirichlet(np.ones(cfg.vocab_size), (b, t)).astype(np.float32)
   posterior = rng.dirichlet(np.ones(3), (b, t)).astype(np.float32)
-  logits, states = transformer.MLM(cfg).apply(
-      params, inputs, method=transformer.MLM.logits_and_states)
+  # Jitted: one program each, not a compile per op.
+  logits, states = jax.jit(lambda p: transformer.MLM(cfg).apply(
+      p, inputs, method=transformer.MLM.logits_and_states))(params)
+  both = jax.jit(train.mlm_and_state_loss, static_argnums=1)
+  mlm_loss = jax.jit(train.mlm_loss, static_argnums=1)
   log_softmax = lambda x: x - np.log(np.exp(x).sum(-1, keepdims=True))
   ce = lambda z, p: -(p * log_softmax(np.asarray(z, np.float64))).sum(-1)
   one = np.zeros((b, t), np.float32)
   one[1, 4] = 1.0
   for weights in ((rng.random((b, t)) < 0.5).astype(np.float32), one):
-    total, mlm = train.mlm_and_state_loss(params, cfg, inputs, targets,
-                                          weights, posterior, 0.3)
+    total, mlm = both(params, cfg, inputs, targets, weights, posterior, 0.3)
     np.testing.assert_allclose(
-        mlm, train.mlm_loss(params, cfg, inputs, targets, weights), rtol=1e-6)
+        mlm, mlm_loss(params, cfg, inputs, targets, weights), rtol=1e-6)
     want = (ce(logits, targets) * weights).sum() / weights.sum()
     np.testing.assert_allclose(mlm, want, rtol=1e-5)
     # float32 sums of O(1) terms (~1e-7 each), then the difference of two
