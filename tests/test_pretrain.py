@@ -364,6 +364,8 @@ def test_step_memory_counts_the_state_and_scales_with_what_steps_at_once(
   hmms = jax.tree.map(lambda x: jnp.stack([x, x]), model)  # K = 2
   states = pretrain.init_states(jax.random.split(jax.random.PRNGKey(0), 2),
                                 cfg)
+  # Each trial's step counter: an int32 0 (checkpoints store it so).
+  assert states.step.dtype == jnp.int32 and states.step.tolist() == [0, 0]
   mem = lambda **kw: pretrain.step_memory(cfg.with_overrides(**kw), hmms,
                                           mesh)
   one_at_a_time = mem(trials_per_vmap=1)

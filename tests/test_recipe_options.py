@@ -76,7 +76,9 @@ def test_train_mask_rate_masks_training_batches_only():
 def test_state_loss_steps_and_needs_a_readout():
   hmm = hmm_lib.random_hmm(jax.random.PRNGKey(0), 4, 10)
   cfg = TINY.with_overrides(state_loss=1.0, targets="exact")
-  with pytest.raises(ValueError, match="state_readout"):
+  with pytest.raises(ValueError, match="^PretrainConfig.state_loss needs "
+                     "model.state_readout = the generating HMM's number of "
+                     "states$"):
     train.make_train_step(cfg, pretrain.loop.sharding_lib.data_mesh())
   cfg = cfg.with_overrides(model=dataclasses.replace(cfg.model,
                                                      state_readout=4))
