@@ -126,3 +126,38 @@ def test_state_loss_is_the_mlm_loss_plus_its_weight_times_the_readout_ce():
     # float32 values ~10x the aux term: ~1e-6 of it; 1e-4 leaves room.
     np.testing.assert_allclose(total - mlm, 0.3 * ce(states, posterior).mean(),
                                rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_the_state_loss_moves_the_step_until_state_loss_steps():
+  """Two steps from the same state: a state loss (weight 0.5) moves the
+  params otherwise than none does (the readout learns only from it), and
+  with ``state_loss_steps = S`` its weight has ramped to 0 from step
+  ``S``: the steps are then those without it (float rounding: the two
+  programs compute the logits through different methods)."""
+  hmm = hmm_lib.random_hmm(jax.random.PRNGKey(0), 4, 10)
+  base = TINY.with_overrides(targets="exact", model=dataclasses.replace(
+      TINY.model, state_readout=4))
+  inputs, tokens, weights = corpus_lib.batch_at(
+      jax.random.PRNGKey(2), 0, hmm, None, base.corpus, base.batch_size, 10)
+  hmms = jax.tree.map(lambda x: x[None], hmm)
+
+  def params_after(at_step, **overrides):
+    # A fresh state each time: the step donates (consumes) its input.
+    start = train.init_states(jax.random.split(jax.random.PRNGKey(0), 1),
+                              base)
+    start = dataclasses.replace(start, step=start.step + at_step)
+    step = train.make_train_step(base.with_overrides(**overrides),
+                                 pretrain.loop.sharding_lib.data_mesh())
+    for _ in range(2):  # the warmup's first learning rate is 0
+      start, _ = step(start, inputs[None], tokens[None], weights[None], hmms)
+    return start.params
+
+  without = params_after(0)
+  moved = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != b)),
+                       params_after(0, state_loss=0.5), without)
+  assert all(jax.tree.leaves(moved["params"]["state_head"])), moved
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
+                                                       atol=1e-7),
+               params_after(7, state_loss=0.5, state_loss_steps=7),
+               params_after(7))
