@@ -132,7 +132,7 @@ def test_state_loss_is_the_mlm_loss_plus_its_weight_times_the_readout_ce():
 def test_the_state_loss_moves_the_step_until_state_loss_steps():
   """Two steps from the same state: a state loss (weight 0.5) moves the
   params otherwise than none does (the readout learns only from it), and
-  with ``state_loss_steps = S`` its weight has ramped to 0 from step
+  with ``state_loss_steps = S`` its weight falls linearly to 0 at step
   ``S``: the steps are then those without it (float rounding: the two
   programs compute the logits through different methods)."""
   hmm = hmm_lib.random_hmm(jax.random.PRNGKey(0), 4, 10)
@@ -142,22 +142,29 @@ def test_the_state_loss_moves_the_step_until_state_loss_steps():
       jax.random.PRNGKey(2), 0, hmm, None, base.corpus, base.batch_size, 10)
   hmms = jax.tree.map(lambda x: x[None], hmm)
 
-  def params_after(at_step, **overrides):
+  def state_after(at_step, steps, **overrides):
     # A fresh state each time: the step donates (consumes) its input.
     start = train.init_states(jax.random.split(jax.random.PRNGKey(0), 1),
                               base)
     start = dataclasses.replace(start, step=start.step + at_step)
     step = train.make_train_step(base.with_overrides(**overrides),
                                  pretrain.loop.sharding_lib.data_mesh())
-    for _ in range(2):  # the warmup's first learning rate is 0
+    for _ in range(steps):
       start, _ = step(start, inputs[None], tokens[None], weights[None], hmms)
-    return start.params
+    return start
+
+  # Two steps: the warmup's first learning rate is 0.
+  params_after = lambda at, **kw: state_after(at, 2, **kw).params
 
   without = params_after(0)
   moved = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != b)),
                        params_after(0, state_loss=0.5), without)
   assert all(jax.tree.leaves(moved["params"]["state_head"])), moved
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
-                                                       atol=1e-7),
-               params_after(7, state_loss=0.5, state_loss_steps=7),
-               params_after(7))
+  close = lambda a, b: jax.tree.map(
+      lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7),
+      a, b)
+  close(params_after(7, state_loss=0.5, state_loss_steps=7), params_after(7))
+  # Mid-ramp, at step 3 of 7, the weight is 0.5 * 4 / 7: the first step's
+  # gradients (in the optimizer's moments) are those of that constant.
+  close(state_after(3, 1, state_loss=0.5, state_loss_steps=7).opt_state,
+        state_after(3, 1, state_loss=0.5 * 4 / 7).opt_state)
