@@ -209,11 +209,19 @@ def test_exact_targets_train_and_beat_sampled_at_equal_steps(
   assert final["bayes_ce"] == sampled["bayes_ce"]  # same validation set
   assert final["ce_gap"] < sampled["ce_gap"]
   step = pretrain.make_train_step(cfg, sharding.data_mesh())
-  with pytest.raises(ValueError, match="needs the generating HMM"):
+  with pytest.raises(ValueError, match="^PretrainConfig.targets='exact' "
+                     "needs the generating HMMs: pass hmms="):
     step(pretrain.init_states(jax.random.PRNGKey(0)[None], cfg),
          *jax.tree.map(lambda x: x[None], corpus.batch_at(
              jax.random.PRNGKey(1), 0, model, None, cfg.corpus,
              cfg.batch_size, 10)))
+  # Sampled targets need none.
+  _, losses = pretrain.make_train_step(TINY, sharding.data_mesh())(
+      pretrain.init_states(jax.random.PRNGKey(0)[None], TINY),
+      *jax.tree.map(lambda x: x[None], corpus.batch_at(
+          jax.random.PRNGKey(1), 0, model, None, TINY.corpus,
+          TINY.batch_size, 10)))
+  assert np.isfinite(np.asarray(losses)).all()
   with pytest.raises(ValueError, match="targets must be one of"):
     TINY.with_overrides(targets="soft")
   with pytest.raises(ValueError, match="corruption must be one of"):
@@ -375,11 +383,14 @@ def test_step_memory_counts_the_state_and_scales_with_what_steps_at_once(
   # The step returns the new state (and the losses).
   assert one_at_a_time["output_bytes"] >= one_at_a_time["state_bytes"]
   assert mem(trials_per_vmap=0)["temp_bytes"] > one_at_a_time["temp_bytes"]
+  # Groups of 2 of the 2: the one vmap's temporaries.
+  assert mem(trials_per_vmap=2)["temp_bytes"] > one_at_a_time["temp_bytes"]
   assert mem(trials_per_vmap=1, batch_size=32)["temp_bytes"] > (
       one_at_a_time["temp_bytes"])
-  # One model with sampled targets (the tokens): half the stack's state.
+  # One model with sampled targets (the tokens): half the stack's state
+  # (a stack of one runs unbatched, whatever trials_per_vmap says).
   one = pretrain.step_memory(
-      TINY.with_overrides(targets="sampled", trials_per_vmap=1),
+      TINY.with_overrides(targets="sampled", trials_per_vmap=0),
       jax.tree.map(lambda x: x[None], model), mesh)
   assert 2 * one["state_bytes"] == one_at_a_time["state_bytes"]
 

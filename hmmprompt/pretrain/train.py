@@ -60,13 +60,9 @@ def make_optimizer(cfg: PretrainConfig) -> optax.GradientTransformation:
   return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), opt)
 
 
-def mlm_loss(params, model_cfg, inputs_BxT, targets, weights_BxT):
-  """Mean cross-entropy over the weighted (masked) positions.
-
-  ``targets``: the true tokens ``int [B, T]``, or distributions
-  ``[B, T, V]`` (exact conditionals).
-  """
-  logits_BxTxV = transformer.MLM(model_cfg).apply(params, inputs_BxT)
+def _masked_ce(logits_BxTxV, targets, weights_BxT):
+  """Mean cross-entropy over the weighted positions, to the true tokens
+  ``int [B, T]`` or to distributions ``[B, T, V]``."""
   if targets.ndim == logits_BxTxV.ndim:
     # float32: soft targets would lose their small probabilities in bf16.
     ce_BxT = optax.softmax_cross_entropy(
@@ -78,17 +74,24 @@ def mlm_loss(params, model_cfg, inputs_BxT, targets, weights_BxT):
                                                      1.0)
 
 
+def mlm_loss(params, model_cfg, inputs_BxT, targets, weights_BxT):
+  """Mean cross-entropy over the weighted (masked) positions.
+
+  ``targets``: the true tokens ``int [B, T]``, or distributions
+  ``[B, T, V]`` (exact conditionals).
+  """
+  return _masked_ce(transformer.MLM(model_cfg).apply(params, inputs_BxT),
+                    targets, weights_BxT)
+
+
 def mlm_and_state_loss(params, model_cfg, inputs_BxT, targets, weights_BxT,
                        posterior_BxTxH, state_weight):
-  """:func:`mlm_loss` plus ``state_weight`` times the mean cross-entropy
-  from the model's state readout to the exact posterior ``[B, T, H]`` at
-  every position; returns ``(total, mlm)``."""
+  """:func:`mlm_loss` (either kind of ``targets``) plus ``state_weight``
+  times the mean cross-entropy from the model's state readout to the exact
+  posterior ``[B, T, H]`` at every position; returns ``(total, mlm)``."""
   logits_BxTxV, states_BxTxH = transformer.MLM(model_cfg).apply(
       params, inputs_BxT, method=transformer.MLM.logits_and_states)
-  ce_BxT = optax.softmax_cross_entropy(logits_BxTxV,
-                                       targets.astype(jnp.float32))
-  mlm = jnp.sum(ce_BxT * weights_BxT) / jnp.maximum(jnp.sum(weights_BxT),
-                                                    1.0)
+  mlm = _masked_ce(logits_BxTxV, targets, weights_BxT)
   aux = jnp.mean(optax.softmax_cross_entropy(states_BxTxH, posterior_BxTxH))
   return mlm + state_weight * aux, mlm
 
