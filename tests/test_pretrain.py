@@ -209,8 +209,9 @@ def test_exact_targets_train_and_beat_sampled_at_equal_steps(
   assert final["bayes_ce"] == sampled["bayes_ce"]  # same validation set
   assert final["ce_gap"] < sampled["ce_gap"]
   step = pretrain.make_train_step(cfg, sharding.data_mesh())
-  with pytest.raises(ValueError, match="^PretrainConfig.targets='exact' "
-                     "needs the generating HMMs: pass hmms="):
+  with pytest.raises(ValueError, match=re.escape(
+      "PretrainConfig.targets='exact' needs the generating HMMs: pass "
+      "hmms=jax.vmap(generative.as_hmm)(models_K) to the step")):
     step(pretrain.init_states(jax.random.PRNGKey(0)[None], cfg),
          *jax.tree.map(lambda x: x[None], corpus.batch_at(
              jax.random.PRNGKey(1), 0, model, None, cfg.corpus,
@@ -250,6 +251,16 @@ def test_lr_cycles_schedule_steps_cap_and_stop_points(tmp_path, model):
       [sched(0), sched(w), sched(1000), sched(1000 + w), sched(3000),
        sched(3000 + w)], [0, cfg.lr, 0, cfg.lr / 2, 0, cfg.lr / 2],
       atol=1e-9)
+  half = (1000 - w) // 2  # the first cycle's decay, half way
+  np.testing.assert_allclose(sched(w + half), cfg.lr * (1 - half / (1000 - w)),
+                             rtol=1e-5)
+  # Cycles no longer than the warmup: it ends a step before the cycle does,
+  # so each reaches its peak (lr, then cycle_lr x lr) on its last step.
+  short = TINY.with_overrides(cycles=(1, 2, 3), steps=6, warmup_steps=100,
+                              lr=1.0)
+  p = short.cycle_lr
+  np.testing.assert_allclose([pretrain.lr_schedule(short)(i) for i in range(6)],
+                             [1.0, 0.0, p, 0.0, p / 2, p], atol=1e-7)
   with pytest.raises(ValueError, match="must equal sum"):
     dataclasses.replace(cfg, steps=100)
   # With cycles, a met target stops the run only at the end of a cycle.
