@@ -170,3 +170,35 @@ def test_the_state_loss_moves_the_step_until_state_loss_steps():
   # gradients (in the optimizer's moments) are those of that constant.
   close(state_after(3, 1, state_loss=0.5, state_loss_steps=7).opt_state,
         state_after(3, 1, state_loss=0.5 * 4 / 7).opt_state)
+
+
+def test_muon_orthogonalises_matrix_updates_and_both_optimizers_decay():
+  """``optimizer="muon"`` (cpu_capped's): a matrix's update is near
+  orthogonal (Newton-Schulz's few iterations: its singular values within
+  1.8x of each other here, AdamW's sign-like first update of the same
+  32 x 64 matrix 4.7x, on jax 0.10 / optax's muon), and with zero
+  gradients every leaf, matrix or not, decays by lr x weight_decay under
+  either optimizer."""
+  params = transformer.init_params(jax.random.PRNGKey(0), TINY.model)
+  grads = jax.tree.map(
+      lambda x: jax.random.normal(jax.random.PRNGKey(1), x.shape), params)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+
+  def second_update(name, g):
+    cfg = TINY.with_overrides(optimizer=name, weight_decay=0.1)
+    opt = train.make_optimizer(cfg)
+    state = opt.init(params)
+    _, state = opt.update(g, state, params)  # the warmup's lr 0
+    update, _ = opt.update(g, state, params)
+    return update, float(train.lr_schedule(cfg)(1)) * 0.1
+
+  spread = {}
+  for name in ("muon", "adamw"):
+    update, _ = second_update(name, grads)
+    s = np.linalg.svd(np.asarray(update["params"]["block_0"]["mlp_in"]
+                                 ["kernel"]), compute_uv=False)
+    spread[name] = s.max() / s.min()
+    decay, lr_wd = second_update(name, zeros)
+    jax.tree.map(lambda u, p: np.testing.assert_allclose(
+        u, -lr_wd * p, rtol=1e-5, atol=1e-9), decay, params)
+  assert spread["muon"] < 3.0 < spread["adamw"], spread
