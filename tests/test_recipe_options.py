@@ -130,11 +130,11 @@ def test_state_loss_is_the_mlm_loss_plus_its_weight_times_the_readout_ce():
 
 @pytest.mark.slow
 def test_the_state_loss_moves_the_step_until_state_loss_steps():
-  """Two steps from the same state: a state loss (weight 0.5) moves the
-  params otherwise than none does (the readout learns only from it), and
-  with ``state_loss_steps = S`` its weight falls linearly to 0 at step
-  ``S``: the steps are then those without it (float rounding: the two
-  programs compute the logits through different methods)."""
+  """Two steps from the same state: a state loss moves the params
+  otherwise than none does (the readout learns only from it), and with
+  ``state_loss_steps = S`` its weight falls linearly to 0 at step ``S``:
+  the steps are then those without it (float rounding: the two programs
+  compute the logits through different methods)."""
   hmm = hmm_lib.random_hmm(jax.random.PRNGKey(0), 4, 10)
   # Sampled targets: the step still needs the HMMs, for the posterior.
   base = TINY.with_overrides(model=dataclasses.replace(TINY.model,
@@ -158,9 +158,9 @@ def test_the_state_loss_moves_the_step_until_state_loss_steps():
   # Two steps: the warmup's first learning rate is 0.
   params_after = lambda at, **kw: state_after(at, 2, **kw).params
 
-  without = params_after(0)
+  constant = 0.5 * 4 / 7  # the ramp's weight at step 3 of 7 (below)
   moved = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != b)),
-                       params_after(0, state_loss=0.5), without)
+                       params_after(0, state_loss=constant), params_after(0))
   assert all(jax.tree.leaves(moved["params"]["state_head"])), moved
   close = lambda a, b: jax.tree.map(
       lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7),
@@ -169,9 +169,10 @@ def test_the_state_loss_moves_the_step_until_state_loss_steps():
   # Mid-ramp, at step 3 of 7, the weight is 0.5 * 4 / 7: the first step's
   # gradients (in the optimizer's moments) are those of that constant.
   close(state_after(3, 1, state_loss=0.5, state_loss_steps=7).opt_state,
-        state_after(3, 1, state_loss=0.5 * 4 / 7).opt_state)
+        state_after(3, 1, state_loss=constant).opt_state)
 
 
+@pytest.mark.slow  # two optimizer programs: ~5 CPU-s cold
 def test_muon_orthogonalises_matrix_updates_and_both_optimizers_decay():
   """``optimizer="muon"`` (cpu_capped's): a matrix's update is near
   orthogonal (Newton-Schulz's few iterations: its singular values within
@@ -184,21 +185,20 @@ def test_muon_orthogonalises_matrix_updates_and_both_optimizers_decay():
       lambda x: jax.random.normal(jax.random.PRNGKey(1), x.shape), params)
   zeros = jax.tree.map(jnp.zeros_like, params)
 
-  def second_update(name, g):
-    cfg = TINY.with_overrides(optimizer=name, weight_decay=0.1)
-    opt = train.make_optimizer(cfg)
-    state = opt.init(params)
-    _, state = opt.update(g, state, params)  # the warmup's lr 0
-    update, _ = opt.update(g, state, params)
-    return update, float(train.lr_schedule(cfg)(1)) * 0.1
-
   spread = {}
   for name in ("muon", "adamw"):
-    update, _ = second_update(name, grads)
-    s = np.linalg.svd(np.asarray(update["params"]["block_0"]["mlp_in"]
-                                 ["kernel"]), compute_uv=False)
+    cfg = TINY.with_overrides(optimizer=name, weight_decay=0.1)
+    opt = train.make_optimizer(cfg)
+
+    @jax.jit  # one program per optimizer, not a compile per op
+    def second_update(g, opt=opt):
+      _, state = opt.update(g, opt.init(params), params)  # warmup's lr 0
+      return opt.update(g, state, params)[0]
+
+    s = np.linalg.svd(np.asarray(second_update(grads)["params"]["block_0"]
+                                 ["mlp_in"]["kernel"]), compute_uv=False)
     spread[name] = s.max() / s.min()
-    decay, lr_wd = second_update(name, zeros)
+    lr_wd = float(train.lr_schedule(cfg)(1)) * 0.1
     jax.tree.map(lambda u, p: np.testing.assert_allclose(
-        u, -lr_wd * p, rtol=1e-5, atol=1e-9), decay, params)
+        u, -lr_wd * p, rtol=1e-5, atol=1e-9), second_update(zeros), params)
   assert spread["muon"] < 3.0 < spread["adamw"], spread
