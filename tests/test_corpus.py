@@ -170,3 +170,76 @@ def test_exact_targets_of_an_impossible_input_are_zero_rows():
   possible = corpus_lib.exact_targets(
       hmm, jnp.array([0, hmm_lib.MASK, 1, 1]), selected)
   np.testing.assert_allclose(np.asarray(possible).sum(-1), 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("corruption", "drop", r"^CorpusConfig.corruption must be one of "
+     r"\('bert', 'mask'\), got 'drop'$"),
+    ("num_seqs", 0, r"^CorpusConfig.num_seqs must be >= 1, got 0$"),
+    ("seq_len", 0, r"^CorpusConfig.seq_len must be >= 1, got 0$"),
+    ("chunk_len", 0, r"^CorpusConfig.chunk_len must be >= 1, got 0$"),
+    ("val_seqs", 0, r"^CorpusConfig.val_seqs must be >= 1, got 0$"),
+    ("mask_rate", 0.0, r"^CorpusConfig.mask_rate must be in \(0, 1\), "
+     r"got 0.0$"),
+    ("mask_rate", 1.0, r"^CorpusConfig.mask_rate must be in \(0, 1\), "
+     r"got 1.0$"),
+    ("train_mask_rate", -0.1, r"^CorpusConfig.train_mask_rate must be in "
+     r"\[0, 1\), got -0.1$"),
+    ("train_mask_rate", 1.0, r"^CorpusConfig.train_mask_rate must be in "
+     r"\[0, 1\), got 1.0$"),
+    ("seq_len", 16, r"^CorpusConfig.seq_len = 16 is shorter than "
+     r"chunk_len = 32$"),
+])
+def test_malformed_corpus_config_is_named(field, value, match):
+  base = corpus_lib.CorpusConfig(num_seqs=4, seq_len=64, chunk_len=32)
+  with pytest.raises(ValueError, match=match):
+    dataclasses.replace(base, **{field: value})
+
+
+def test_corpus_config_edges_are_accepted():
+  base = corpus_lib.CorpusConfig(num_seqs=3, seq_len=100, chunk_len=32)
+  assert base.num_chunks == 3 * 3  # whole chunks only: 100 // 32
+  # The rates' open and half-open ends, and one chunk per sequence.
+  for kw in ({"mask_rate": 1e-6}, {"mask_rate": 1 - 1e-6},
+             {"train_mask_rate": 0.0}, {"train_mask_rate": 1 - 1e-6},
+             {"seq_len": 32}, {"corruption": "mask"},
+             {"num_seqs": 1, "val_seqs": 1},
+             # Fresh text has no fixed sequences to chunk.
+             {"fresh": True, "seq_len": 1}):
+    assert dataclasses.replace(base, **kw)
+  assert corpus_lib.CorpusConfig().num_chunks == 5000 * 20  # the paper's
+
+
+def test_bert_replacements_are_uniform_over_every_symbol():
+  # 20 000 selections, 10% of them a uniform symbol: ~200 per symbol.
+  toks = jnp.full((400, 500), 3, jnp.int32)
+  inputs, weights = jax.jit(corpus_lib.mask_tokens, static_argnums=(2, 3))(
+      jax.random.PRNGKey(5), toks, 0.1, 10)
+  sel = np.asarray(inputs)[np.asarray(weights) > 0]
+  counts = np.bincount(sel[sel != hmm_lib.MASK], minlength=10)
+  assert len(counts) == 10  # nothing outside [0, V) but MASK
+  n = counts[np.arange(10) != 3].sum() * 10 / 9  # the random ones, all V
+  # Each symbol ~ Binomial(n, 1/10): within 5 SDs (symbol 3 also gets the
+  # kept tenth, ~n).
+  sd = np.sqrt(n * 0.1 * 0.9)
+  others = np.delete(counts, 3)
+  assert np.all(np.abs(others - n / 10) < 5 * sd), counts
+  assert abs(counts[3] - n / 10 - n) < 5 * np.sqrt(2 * n), counts
+
+
+@pytest.mark.parametrize("corruption", ["bert", "mask"])
+def test_training_batches_use_the_configured_corruption(corruption):
+  model = hmm_lib.random_hmm(jax.random.PRNGKey(3), 4, 10)
+  cfg = dataclasses.replace(TINY.corpus, corruption=corruption, fresh=True)
+  inputs, targets, weights = jax.jit(
+      corpus_lib.batch_at, static_argnums=(4, 5, 6))(
+          jax.random.PRNGKey(2), jnp.int32(0), model, None, cfg, 64, 10)
+  sel = np.asarray(weights) > 0
+  shown = np.asarray(inputs)[sel] != hmm_lib.MASK
+  assert sel.sum() > 200
+  if corruption == "mask":
+    assert not shown.any()
+  else:  # 20% of the selected show a symbol: far from 0 at this count
+    assert 0.1 < shown.mean() < 0.3
+  np.testing.assert_array_equal(np.asarray(inputs)[~sel],
+                                np.asarray(targets)[~sel])
