@@ -7,10 +7,11 @@
 #                         runs/figure3 (resumes if rerun)
 #   ./launch.sh test      set up .venv if needed, run the whole test suite
 #                         (./launch.sh test -m "not slow": the fast tier)
-#   ./launch.sh isa [ISA ...]   the fast tier once per CPU instruction set
-#                         (XLA's --xla_cpu_max_isa; default SSE4_2 AVX2 and
-#                         this CPU's own): a numerical test must pass on
-#                         every CPU CI may run on (docs/performance.md)
+#   ./launch.sh isa [ISA ...] [-- PYTEST_ARGS]   the fast tier once per CPU
+#                         instruction set (XLA's --xla_cpu_max_isa; default
+#                         SSE4_2 AVX2 and this CPU's own): a numerical test
+#                         must pass on every CPU CI may run on
+#                         (docs/performance.md)
 #   ./launch.sh demo      a one-minute tour of the HMM core
 #   ./launch.sh mutants [module ...]   mutation testing (mutmut; installs
 #                         the `mutants` extra): e.g. `mutants tuning heads`,
@@ -79,14 +80,28 @@ case "$mode" in
   test)  exec "$VENV/bin/python" -m pytest tests -n auto --dist worksteal \
            "$@" ;;
   # Each ISA compiles its own programs (XLA_FLAGS is in jax's cache key).
-  isa)   isas=("$@"); [ ${#isas[@]} -gt 0 ] || isas=(SSE4_2 AVX2 native)
+  # XLA only logs an unknown ISA (below jax's default log level) and then
+  # runs natively, so a misspelt name would pass as a check: refuse it.
+  # pytest's own arguments follow a `--`: ./launch.sh isa AVX2 -- -k head.
+  isa)   isas=()
+         while [ $# -gt 0 ] && [ "$1" != -- ]; do isas+=("$1"); shift; done
+         [ $# -gt 0 ] && shift
+         [ ${#isas[@]} -gt 0 ] || isas=(SSE4_2 AVX2 native)
+         for isa in "${isas[@]}"; do
+           case "$isa" in
+             SSE4_2|AVX|AVX2|AVX512|AVX512_VNNI|AVX512_BF16|AMX|AMX_FP16|native) ;;
+             *) echo "launch.sh isa: unknown ISA '$isa' (XLA's names: SSE4_2" \
+                  "AVX AVX2 AVX512 AVX512_VNNI AVX512_BF16 AMX AMX_FP16, or" \
+                  "native; pytest's arguments go after --)" >&2; exit 2 ;;
+           esac
+         done
          status=0
          for isa in "${isas[@]}"; do
            flags="${XLA_FLAGS:-}"
            [ "$isa" = native ] || flags="$flags --xla_cpu_max_isa=$isa"
            echo "== the fast tier, ISA $isa" >&2
            XLA_FLAGS="$flags" "$VENV/bin/python" -m pytest tests -n auto \
-             --dist worksteal -m "not slow" ||
+             --dist worksteal -m "not slow" "$@" ||
              { status=1; echo "== FAILED under $isa" >&2; }
          done
          exit $status ;;
