@@ -27,11 +27,16 @@ import numpy as np
 _SUM_ATOL = 1e-4
 
 
-def require_positive(config, *names: str) -> None:
-  """Raises ``ValueError`` naming the first field below 1 (``None`` skips)."""
-  for name in names:
+def require_positive(config, *names: str,
+                     optional: tuple[str, ...] = ()) -> None:
+  """Raises ``ValueError`` naming the first field below 1 or ``None``
+  (``None`` is accepted for the ``optional`` names only: a ``keep=None``
+  would otherwise pass here and fail mid-run)."""
+  for name in (*names, *optional):
     value = getattr(config, name)
-    if value is not None and value < 1:
+    if value is None and name in optional:
+      continue
+    if value is None or value < 1:
       raise ValueError(f"{type(config).__name__}.{name} must be >= 1, got "
                        f"{value}")
 

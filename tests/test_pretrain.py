@@ -290,6 +290,41 @@ def test_config_overrides_build_configs_and_name_bad_items():
       config_flags.apply(base, item)
 
 
+@pytest.mark.parametrize("name", ["batch_size", "epochs", "log_every",
+                                  "eval_every", "ckpt_every", "keep",
+                                  "eval_batch", "steps"])
+def test_pretrain_config_counts_are_named_when_below_one_or_none(name):
+  """Every count is an int >= 1, each refusal naming its field; ``None``
+  only for ``steps`` (then the epochs set the length). A ``keep=None``
+  once passed here and would have failed at the first checkpoint."""
+  paper = pretrain.preset_config("paper")  # not fresh: steps may be None
+  for bad in (0, -3) if name == "steps" else (0, None):
+    with pytest.raises(ValueError, match=rf"^PretrainConfig\.{name} must be "
+                       rf">= 1, got {bad}$"):
+      dataclasses.replace(paper, **{name: bad})
+  assert getattr(dataclasses.replace(paper, **{name: 1}), name) == 1
+  assert dataclasses.replace(paper, steps=None).total_steps == 37500
+
+
+def test_the_paper_preset_is_appendix_d():
+  """Appendix D (and the authors' run_pretrain.sh): 5000 sequences of
+  10240 tokens, 5% masked LM on chunks of 512, batch 8, lr 1e-5 with 500
+  warmup steps then linear decay, 3 epochs, BERT-base width with 6
+  layers, the ordinary (sampled-target) MLM with no early stop."""
+  cfg = pretrain.preset_config("paper")
+  m, c = cfg.model, cfg.corpus
+  assert (m.vocab_size, m.d_model, m.num_heads, m.d_ff, m.num_layers,
+          m.max_len) == (10, 768, 12, 3072, 6, 512)
+  assert (c.num_seqs, c.seq_len, c.chunk_len, c.mask_rate) == (
+      5000, 10240, 512, 0.05)
+  assert (cfg.lr, cfg.warmup_steps, cfg.batch_size, cfg.epochs, cfg.steps,
+          cfg.cycles, cfg.target_gap, cfg.targets, cfg.optimizer) == (
+              1e-5, 500, 8, 3, None, None, None, "sampled", "adamw")
+  # 3 epochs of 5000 x 20 chunks in batches of 8.
+  assert cfg.total_steps == 37500
+  assert pretrain.preset_config("paper", vocab_size=7).model.vocab_size == 7
+
+
 @pytest.mark.slow
 def test_stacked_step_equals_separate_steps_and_drops_stopped_trials():
   """K = 2 models (own HMMs, inits and batches) in one vmapped step give

@@ -154,7 +154,7 @@ class PretrainConfig:
                        f"model context max_len {self.model.max_len}")
     validation.require_positive(self, "batch_size", "epochs", "log_every",
                                 "eval_every", "ckpt_every", "keep",
-                                "eval_batch", "steps")
+                                "eval_batch", optional=("steps",))
     if not self.lr > 0:
       raise ValueError(f"PretrainConfig.lr must be > 0, got {self.lr}")
     if not self.cycle_lr > 0:
