@@ -131,6 +131,9 @@ def _serve(tests: list[str]) -> None:
   """A worker of ``--in_process``: reads mutant names from stdin, writes
   ``<code> <name>`` lines (pytest's exit code) to stdout; pytest's own
   output goes to stderr."""
+  # As `python -m pytest` in mutants/: its copies (hmmprompt, experiments)
+  # come first, not this script's folder.
+  sys.path[0] = os.getcwd()
   import pytest  # pylint: disable=g-import-not-at-top
   out = os.fdopen(os.dup(1), "w")
   os.dup2(2, 1)
@@ -143,8 +146,8 @@ def _serve(tests: list[str]) -> None:
   if clean() != 0:
     raise SystemExit("the tests fail without a mutant")
   for line in sys.stdin:
-    name = line.strip()
-    print(run(name), name, file=out, flush=True)
+    if name := line.strip():
+      print(run(name), name, file=out, flush=True)
   if clean() != 0:
     raise SystemExit("the tests fail without a mutant after the mutants: a "
                      "mutant left a cache behind; rerun without --in_process")

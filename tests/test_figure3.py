@@ -265,7 +265,8 @@ def test_pretraining_plot_has_a_panel_per_size_and_is_linked(tmp_path):
                     "bayes_ce": 2.0, "ce_gap": g, "tv": 0.1,
                     "wall_s": 1.0}) + "\n"
         for k in range(2) for step, g in zip((20, 40), (1.0, gaps[k]))))
-  table = pretrain_report.report(str(tmp_path))
+  table = pretrain_report.write_report(str(tmp_path))
+  assert (tmp_path / "pretraining.md").read_text() == table
   assert "vanilla-h4-abc | 1 | 40" in table
   assert f"]({pretrain_report.PLOT})" in table
   assert "Ended above the target gap: vanilla-h4-abc trial 1." in table

@@ -322,6 +322,9 @@ def test_the_paper_preset_is_appendix_d():
               1e-5, 500, 8, 3, None, None, None, "sampled", "adamw")
   # 3 epochs of 5000 x 20 chunks in batches of 8.
   assert cfg.total_steps == 37500
+  # Ours, not the paper's: the held-out set and the runtime settings.
+  assert (c.val_seqs, cfg.log_every, cfg.eval_every, cfg.ckpt_every,
+          cfg.keep) == (64, 100, 2000, 2000, 3)
   assert pretrain.preset_config("paper", vocab_size=7).model.vocab_size == 7
 
 
