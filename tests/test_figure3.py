@@ -31,6 +31,25 @@ def test_mean_ci():
   v = np.arange(41.0)
   assert figure3.mean_ci(v)[1] == pytest.approx(
       2.0211 * v.std(ddof=1) / np.sqrt(41), rel=1e-4)
+  # One value: no interval, and the table says so rather than "± nan".
+  m, ci = figure3.mean_ci([5.0])
+  assert m == 5.0 and np.isnan(ci)
+  # In float64 whatever the input (float32 accuracies sum to other bits).
+  v32 = np.array([0.1, 0.1, 0.1, 0.7], np.float32)
+  v64 = v32.astype(np.float64)
+  assert figure3.mean_ci(v32) == (v64.mean(), figure3.mean_ci(v64)[1])
+  assert v32.mean() != v64.mean()
+
+
+def test_a_one_trial_cell_has_no_interval(tmp_path):
+  key = ("exact", "left", "vanilla", "head_linear", "raw")
+  path = str(tmp_path / "figure3.md")
+  reporting.write_table({key: {4: (62.5, float("nan"), 1),
+                               8: (50.0, 2.25, 3)}}, path)
+  rows = [l for l in open(path).read().splitlines() if l.startswith("| 4 ")
+          or l.startswith("| 8 ")]
+  assert rows == ["| 4 | ~100 | ~94 | 62.5 (1) |",
+                  "| 8 | ~97 | ~84 | 50.0 ± 2.2 (3) |"]
 
 
 def test_identities_are_the_committed_ones():
@@ -177,7 +196,10 @@ def test_a_workdir_holds_one_setup(tmp_path):
   with pytest.raises(ValueError, match=r"holds result lines of setup "
                      r"\['0123456789ab'\]"):
     sweep.check_workdir(str(mixed), tiny)
-  with pytest.raises(ValueError, match="exact lines of setups"):
+  with pytest.raises(ValueError, match="^" + re.escape(
+      f"{mixed}: exact lines of setups ['0123456789ab', "
+      f"'{tiny.fingerprint()}']; one results directory holds one setup per "
+      f"backbone")):
     reporting.report(str(mixed))
   for bad in ({"trials": 0}, {"right_trials": 0}, {"tasks_per_hmm": 0},
               {"trials": 1.5}):
@@ -219,6 +241,21 @@ def test_summary_is_over_trials_and_splits_the_variance():
   one = [r for r in lines if r.trial == 0]  # one trial: over its tasks
   assert reporting.summarize(one)[key][4][2] == 2
   assert reporting.variance_components(one) == {}
+  assert reporting.components_table(lines) == (
+      "## Variance components (points): SD between trials (HMM draws) / SD "
+      "within a trial (task draws)\n\n| curve | size | between | within |\n"
+      "|---|---|---|---|\n| exact: vanilla + head linear (raw) | 4 | 14.1 | "
+      "10.0 |\n")
+  assert reporting.components_table(one) == ""
+  # A cell whose tuning loss ended non-finite is named, with its accuracy.
+  assert reporting.diverged_table(lines) == ""
+  assert reporting.diverged_table(
+      [lines[0], dataclasses.replace(lines[1], final_loss=float("inf"))]) == (
+          "## Diverged tuning: 1 cell(s) ended with a non-finite loss (their "
+          "accuracies are in the tables)\n\n| backbone | panel | size | trial "
+          "| task | arm | HMM | test acc |\n|---|---|---|---|---|---|---|---|"
+          "\n| exact | left | 4 | 0 | 1 | vanilla head_linear (raw) | f | "
+          "80.0 |\n")
 
 
 def test_wins_count_each_draw_once_with_its_tasks_averaged():
@@ -272,6 +309,130 @@ def test_pretraining_plot_has_a_panel_per_size_and_is_linked(tmp_path):
   assert "Ended above the target gap: vanilla-h4-abc trial 1." in table
   with open(tmp_path / pretrain_report.PLOT, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _captured_figures(monkeypatch) -> dict:
+  """path -> the figure an atomic_write_png call saved there (written as
+  well, then left open to be read)."""
+  figs = {}
+  write = results_lib.atomic_write_png
+
+  def capture(path, fig, dpi=110):
+    figs[os.path.basename(path)] = (fig, dpi)
+    fig.savefig(path, format="png", dpi=dpi)  # the file, figure kept open
+
+  monkeypatch.setattr(results_lib, "atomic_write_png", capture)
+  del write
+  return figs
+
+
+def test_the_pretraining_plot_draws_each_trials_gap_against_its_tokens(
+    tmp_path, monkeypatch):
+  """One panel per run in the table's order (vanilla before memory, sizes
+  numerically), one line per trial: x = step x batch x chunk length, y =
+  the gap floored at 1e-3 on a log axis, the run's own target dashed
+  (0.04 where it sets none); a trial above its target is red, named and
+  returned; the table sums each stack's wall time once."""
+  from hmmprompt import pretrain
+  figs = _captured_figures(monkeypatch)
+  cfg = pretrain.preset_config("tiny")  # batch 8, chunk 32
+  runs = {"vanilla-h12-abc": (None, {0: [0.5, 0.03], 1: [0.5, 1e-5]}),
+          "vanilla-h4-abc": (None, {0: [0.5, 0.039], 1: [0.5, 0.2]}),
+          "memory-h4-m2-abc": (0.1, {0: [0.5, 0.11]})}
+  for name, (target, gaps) in runs.items():
+    run = tmp_path / "pretrain" / name
+    os.makedirs(run)
+    run_cfg = cfg.with_overrides(target_gap=target)
+    (run / "config.json").write_text(json.dumps(
+        {"layout": 2, "pretrain": run_cfg.to_json()}))
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"trial": k, "step": step, "mlm_ce": 2.0 + g,
+                    "bayes_ce": 2.0, "ce_gap": g, "tv": 0.1,
+                    "wall_s": step / 10 + k}) + "\n"
+        for k, gs in gaps.items() for step, g in zip((20, 40), gs)))
+  text = pretrain_report.report(str(tmp_path))
+  fig, _ = figs[pretrain_report.PLOT]
+  axes = [ax for ax in fig.axes if ax.get_visible()]
+  assert [ax.get_title() for ax in axes] == [
+      "vanilla-h4-abc: 1/2 at target", "vanilla-h12-abc: 2/2 at target",
+      "memory-h4-m2-abc: 0/1 at target"]
+  assert len(fig.axes) == 3  # one row of three
+  for ax, (target, gaps) in zip(axes, [runs["vanilla-h4-abc"],
+                                       runs["vanilla-h12-abc"],
+                                       runs["memory-h4-m2-abc"]]):
+    *trials, line = ax.get_lines()
+    assert ax.get_yscale() == "log"
+    assert list(line.get_ydata()) == [target or 0.04] * 2
+    assert line.get_linestyle() == "--"
+    assert ax.get_legend().get_texts()[0].get_text() == (
+        f"target {target or 0.04:g}")
+    assert ax.get_xlabel() == "training tokens per trial"
+    for trial, (k, gs) in zip(trials, sorted(gaps.items())):
+      np.testing.assert_array_equal(trial.get_xdata(), [20 * 256, 40 * 256])
+      np.testing.assert_array_equal(trial.get_ydata(),
+                                    np.maximum(gs, 1e-3))
+      stalled = gs[-1] > (target or 0.04)
+      assert (trial.get_color() == "red") == stalled, (ax.get_title(), k)
+  assert axes[0].get_ylabel() == "held-out CE gap to Bayes (nats)"
+  assert [t.get_text() for ax in axes for t in ax.texts] == ["trial 1",
+                                                             "trial 0"]
+  assert text.endswith("Ended above the target gap: vanilla-h4-abc trial 1, "
+                       "memory-h4-m2-abc trial 0.\n")
+  # Each stack's wall time once (its largest), summed over the stacks.
+  assert re.search(r"\d+ trials; .* s\.", text).group(0) == (
+      "5 trials; gap median 0.0390, max 0.2000; total pretraining wall time "
+      "14 s.")
+  # Five runs: two rows of four, the last three panels hidden.
+  for name in ("vanilla-h8-abc", "vanilla-h30-abc"):
+    shutil.copytree(tmp_path / "pretrain" / "vanilla-h4-abc",
+                    tmp_path / "pretrain" / name)
+  pretrain_report.report(str(tmp_path))
+  fig, _ = figs[pretrain_report.PLOT]
+  assert len(fig.axes) == 8
+  assert [ax.get_visible() for ax in fig.axes] == [True] * 5 + [False] * 3
+
+
+def test_the_figure3_plot_draws_each_curve_with_its_interval(
+    tmp_path, monkeypatch):
+  """Left panel x = |H|, right x = |M||H|, the paper's points beside; a
+  curve's band is its 95% interval clipped to [0, 100] (none with one
+  trial); raw features solid, the other dashed, one colour per arm."""
+  figs = _captured_figures(monkeypatch)
+  summary = {
+      ("exact", "left", "vanilla", "prompt_linear", "raw"): {
+          4: (90.0, 5.0, 3), 8: (80.0, 30.0, 3)},
+      ("exact", "left", "vanilla", "prompt_linear", "features"): {
+          4: (70.0, float("nan"), 1)},
+      ("transformer", "right", "memory", "head_attention", "raw"): {
+          8: (99.0, 4.0, 3)}}
+  reporting.write_plot(summary, str(tmp_path / "figure3.png"))
+  fig, dpi = figs["figure3.png"]
+  assert dpi == 120
+  left, right = fig.axes
+  assert (left.get_xlabel(), right.get_xlabel()) == ("hidden states |H|",
+                                                     "|M||H|")
+  assert left.get_title() == "Head vs prompt tuning"
+  assert right.get_title() == "Memory vs vanilla HMM (head tuning)"
+  assert left.get_ylim()[1] == 101
+  paper = {l.get_label(): l for l in left.get_lines()}
+  prompt = paper["paper: prompt"]
+  assert list(prompt.get_xdata()) == sorted(reporting.PAPER_LEFT["prompt"])
+  assert list(prompt.get_ydata()) == [reporting.PAPER_LEFT["prompt"][x] for x
+                                      in sorted(reporting.PAPER_LEFT["prompt"])]
+  raw = paper["exact: vanilla + prompt linear (raw)"]
+  feats = paper["exact: vanilla + prompt linear (features)"]
+  assert (list(raw.get_xdata()), list(raw.get_ydata())) == ([4, 8],
+                                                            [90.0, 80.0])
+  assert (raw.get_linestyle(), feats.get_linestyle()) == ("-", "--")
+  assert raw.get_color() == feats.get_color()  # one arm, one colour
+  band = left.collections[0].get_paths()[0].vertices
+  assert band[:, 1].min() == 50.0 and band[:, 1].max() == 100.0
+  assert "paper: memory" in [l.get_label() for l in right.get_lines()]
+  prompted = dict(summary)
+  prompted[("exact", "right", "memory", "prompt_attention", "raw")] = {
+      8: (99.0, 1.0, 3)}
+  reporting.write_plot(prompted, str(tmp_path / "figure3.png"))
+  assert figs["figure3.png"][0].axes[1].get_title() == "Memory vs vanilla HMM"
 
 
 def test_fingerprints_survive_the_head_optimum_fields():
@@ -357,6 +518,11 @@ def test_report_shows_the_arms_beyond_the_paper_only_when_present(tmp_path):
   assert "* attention prompt: prompt tuning with the attention head" in right
   assert "head optimum" not in right
   assert reporting.trial_table(make(extra)).count("vanilla: head optimum") == 1
+  # A draw without one arm's line shows an empty cell there.
+  gap = [r for r in make(arms[:2]) if (r.trial, r.method) != (1,
+                                                               "head_linear")]
+  assert reporting.trial_table(gap).splitlines()[-2:] == [
+      "| 4 | 0 | f | 75.0 | 75.0 |", "| 4 | 1 | f |  | 75.0 |"]
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -393,6 +559,8 @@ def test_the_committed_cpu_paper_report_is_rebuilt_from_its_lines(tmp_path):
   summary = reporting.report(str(tmp_path))
   with open(os.path.join(_CPU_PAPER, "figure3.md")) as f:
     assert (tmp_path / "figure3.md").read_text() == f.read()
+  for plot in ("figure3.png", "pretraining.png"):
+    assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   lines = figure3.read_results(_CPU_PAPER)
   models = {(r.hmm, r.size, r.trial) for r in lines
             if r.backbone == "transformer"}
