@@ -46,10 +46,22 @@ def test_a_one_trial_cell_has_no_interval(tmp_path):
   path = str(tmp_path / "figure3.md")
   reporting.write_table({key: {4: (62.5, float("nan"), 1),
                                8: (50.0, 2.25, 3)}}, path)
-  rows = [l for l in open(path).read().splitlines() if l.startswith("| 4 ")
+  text = open(path).read()
+  rows = [l for l in text.splitlines() if l.startswith("| 4 ")
           or l.startswith("| 8 ")]
   assert rows == ["| 4 | ~100 | ~94 | 62.5 (1) |",
                   "| 8 | ~97 | ~84 | 50.0 ± 2.2 (3) |"]
+  assert text.endswith(rows[-1] + "\n")  # no extra, nothing after
+  # A size one curve lacks is an empty cell; a right panel alone is shown.
+  right = ("exact", "right", "memory", "head_attention", "raw")
+  reporting.write_table({key: {4: (62.5, float("nan"), 1)},
+                         ("exact", "left", "vanilla", "prompt_linear",
+                          "raw"): {8: (70.0, float("nan"), 1)}}, path)
+  assert "| 4 | ~100 | ~94 | 62.5 (1) |  |" in open(path).read()
+  reporting.write_table({right: {8: (99.0, 1.0, 5)}}, path, extra="X")
+  text = open(path).read()
+  assert "## Left" not in text
+  assert text.endswith("| 8 | ~100 | ~83 | 99.0 ± 1.0 (5) |\n\nX")
 
 
 def test_identities_are_the_committed_ones():
@@ -281,6 +293,40 @@ def test_wins_count_each_draw_once_with_its_tasks_averaged():
   assert reporting.wins_table(right) == ""
 
 
+def test_the_trial_table_has_a_row_per_draw_and_empty_cells_where_none_ran():
+  """A right-panel-only table (no left lines) still gets its panel; a draw
+  with one HMM's lines and not the other's shows that HMM's fingerprint,
+  gap and arm cells empty; a fallback's depth follows its gap."""
+  base = dict(backbone="transformer", num_states=4, task=0, features="raw",
+              setup="abc", val_accuracy=0.5, train_accuracy=0.5,
+              final_loss=0.1, steps=3, seconds=1.0, task_redraws=0,
+              assumptions={}, tune_config={}, task_config={},
+              test_accuracy=0.75, panel="right", size=8)
+  lines = [records.ResultLine(
+      **base, hmm="memory", memory_size=2, method="head_attention", trial=k,
+      hmm_fingerprint=f"m{k}", pretrain_ce_gap=0.01 * (k + 1))
+           for k in range(2)] + [records.ResultLine(
+               **base, hmm="vanilla", memory_size=0, method="head_linear",
+               trial=0, hmm_fingerprint="v0", pretrain_ce_gap=0.05,
+               pretrain_layers=4)]
+  assert reporting.trial_table(lines).splitlines()[2:] == [
+      "### transformer, right panel", "",
+      "| size | trial | memory HMM | vanilla HMM | memory gap | vanilla gap | "
+      "memory: head attention (raw) | vanilla: head linear (raw) |",
+      "|---|---|---|---|---|---|---|---|",
+      "| 8 | 0 | m0 | v0 | 0.0100 | 0.0500 (4 layers) | 75.0 | 75.0 |",
+      "| 8 | 1 | m1 |  | 0.0200 |  | 75.0 |  |"]
+  assert reporting.trial_table([]) == ""
+  # A size with too few trials to split is skipped, not the sizes after it.
+  two = [dataclasses.replace(r, trial=k, task=t, memory_size=0, size=s,
+                             test_accuracy=a)
+         for r in lines[2:] for s, k, t, a in (
+             (4, 0, 0, 0.5), (4, 0, 1, 0.7), (8, 0, 0, 0.5), (8, 0, 1, 0.7),
+             (8, 1, 0, 0.9), (8, 1, 1, 0.9))]
+  (comps,) = reporting.variance_components(two).values()
+  assert list(comps) == [8]
+
+
 def test_pretraining_plot_has_a_panel_per_size_and_is_linked(tmp_path):
   """DIR/pretraining.png plots every trial's gap against tokens (from each
   run's config.json), linked under the pretraining table; no pretraining
@@ -309,6 +355,42 @@ def test_pretraining_plot_has_a_panel_per_size_and_is_linked(tmp_path):
   assert "Ended above the target gap: vanilla-h4-abc trial 1." in table
   with open(tmp_path / pretrain_report.PLOT, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_fallback_is_reported_in_place_of_the_trial_that_fell_back(
+    tmp_path):
+  """The table's row of a trial that fell back is its deeper run's, named
+  ``<run>/fallback-<k>``; a trial that met its target keeps its own row
+  even where a fallback directory exists beside it; lines written without
+  a trial field (one-model runs) are trial 0."""
+  import json
+  from hmmprompt import pretrain
+  cfg = pretrain.preset_config("tiny").with_overrides(
+      target_gap=0.05, fallback_layers=2)
+
+  def write(where, config, lines):
+    os.makedirs(where)
+    (where / "config.json").write_text(json.dumps(
+        {"layout": 2, "pretrain": config.to_json()}))
+    (where / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": 40, "mlm_ce": 2.0 + g, "bayes_ce": 2.0,
+                    "ce_gap": g, "tv": 0.1, "wall_s": 1.0, **extra}) + "\n"
+        for g, extra in lines))
+  run = tmp_path / "pretrain" / "vanilla-h4-abc"
+  write(run, cfg, [(0.03, {"trial": 0}), (0.2, {"trial": 1})])
+  for k, gap in ((0, 0.01), (1, 0.02)):
+    write(run / f"fallback-{k}", cfg.fallback(k), [(gap, {"trial": 0})])
+  write(tmp_path / "pretrain" / "memory-h4-m2-abc", cfg, [(0.04, {})])
+  names = [(name, sorted(by_trial)) for name, _, by_trial
+           in pretrain_report.runs(str(tmp_path))]
+  assert names == [("vanilla-h4-abc", [0]),
+                   ("vanilla-h4-abc/fallback-1", [1]), ("memory-h4-m2-abc", [0])]
+  rows = [l for l in pretrain_report.table(
+      pretrain_report.runs(str(tmp_path))).splitlines() if "-abc" in l]
+  assert [r.split(" | ")[:2] + [r.split(" | ")[6]] for r in rows] == [
+      ["| vanilla-h4-abc", "0", "0.0300"],
+      ["| vanilla-h4-abc/fallback-1", "1", "0.0200"],
+      ["| memory-h4-m2-abc", "0", "0.0400"]]
 
 
 def _captured_figures(monkeypatch) -> dict:
@@ -392,6 +474,11 @@ def test_the_pretraining_plot_draws_each_trials_gap_against_its_tokens(
   assert [ax.get_visible() for ax in fig.axes] == [True] * 5 + [False] * 3
 
 
+def matplotlib_colors():
+  import matplotlib.colors  # pylint: disable=g-import-not-at-top
+  return matplotlib.colors
+
+
 def test_the_figure3_plot_draws_each_curve_with_its_interval(
     tmp_path, monkeypatch):
   """Left panel x = |H|, right x = |M||H|, the paper's points beside; a
@@ -400,7 +487,7 @@ def test_the_figure3_plot_draws_each_curve_with_its_interval(
   figs = _captured_figures(monkeypatch)
   summary = {
       ("exact", "left", "vanilla", "prompt_linear", "raw"): {
-          4: (90.0, 5.0, 3), 8: (80.0, 30.0, 3)},
+          4: (90.0, 5.0, 3), 8: (80.0, 30.0, 3), 15: (10.0, 30.0, 3)},
       ("exact", "left", "vanilla", "prompt_linear", "features"): {
           4: (70.0, float("nan"), 1)},
       ("transformer", "right", "memory", "head_attention", "raw"): {
@@ -421,12 +508,21 @@ def test_the_figure3_plot_draws_each_curve_with_its_interval(
                                       in sorted(reporting.PAPER_LEFT["prompt"])]
   raw = paper["exact: vanilla + prompt linear (raw)"]
   feats = paper["exact: vanilla + prompt linear (features)"]
-  assert (list(raw.get_xdata()), list(raw.get_ydata())) == ([4, 8],
-                                                            [90.0, 80.0])
+  assert (list(raw.get_xdata()), list(raw.get_ydata())) == (
+      [4, 8, 15], [90.0, 80.0, 10.0])
   assert (raw.get_linestyle(), feats.get_linestyle()) == ("-", "--")
   assert raw.get_color() == feats.get_color()  # one arm, one colour
-  band = left.collections[0].get_paths()[0].vertices
-  assert band[:, 1].min() == 50.0 and band[:, 1].max() == 100.0
+  assert left.get_ylabel() == right.get_ylabel() == "test accuracy (%)"
+  # The band: [m - ci, m + ci] clipped to [0, 100], in its curve's colour;
+  # the one-trial curve (no interval) has a band of width 0.
+  band, flat = left.collections
+  y = band.get_paths()[0].vertices[:, 1]
+  assert (y.min(), y.max()) == (0.0, 100.0)
+  np.testing.assert_allclose(
+      sorted(set(np.round(y, 6))), [0.0, 40.0, 50.0, 85.0, 95.0, 100.0])
+  assert tuple(band.get_facecolor()[0][:3]) == matplotlib_colors().to_rgb(
+      raw.get_color())
+  assert set(flat.get_paths()[0].vertices[:, 1]) == {70.0}
   assert "paper: memory" in [l.get_label() for l in right.get_lines()]
   prompted = dict(summary)
   prompted[("exact", "right", "memory", "prompt_attention", "raw")] = {
@@ -516,6 +612,9 @@ def test_report_shows_the_arms_beyond_the_paper_only_when_present(tmp_path):
   assert "* head optimum: the linear head solved" in left
   assert "| exact: memory + attention prompt (raw) |" in right
   assert "* attention prompt: prompt tuning with the attention head" in right
+  assert "(Theorem 4.6).\n" == right[right.index("(Theorem 4.6)"):]
+  assert "instead of the paper's epochs of Adam.\n\n## Right" in (
+      open(path).read())
   assert "head optimum" not in right
   assert reporting.trial_table(make(extra)).count("vanilla: head optimum") == 1
   # A draw without one arm's line shows an empty cell there.
