@@ -16,8 +16,9 @@ tests are a subset of mutmut's oracle, so a mutant they detect is detected;
 a survivor here may still be killed by a test outside the set: rerun it
 with ``mutmut run <name>`` before calling it a gap.
 
-``--in_process``: a screening pass, ~10x faster where a fresh process per
-mutant costs more than its tests (importing jax, flax and orbax: ~4 s).
+``--in_process``: a screening pass, for modules whose mutants mostly die
+in the first test, where a fresh process per mutant costs more than its
+tests (importing jax, flax and orbax; docs/mutation.md has the timings).
 Each worker imports once and runs ``pytest.main`` for one mutant after
 another, switching mutants as mutmut's trampolines do, at call time. What
 ran before a mutant stays imported and cached: a test module's constants

@@ -374,23 +374,29 @@ def test_a_fallback_is_reported_in_place_of_the_trial_that_fell_back(
         {"layout": 2, "pretrain": config.to_json()}))
     (where / "metrics.jsonl").write_text("".join(
         json.dumps({"step": 40, "mlm_ce": 2.0 + g, "bayes_ce": 2.0,
-                    "ce_gap": g, "tv": 0.1, "wall_s": 1.0, **extra}) + "\n"
+                    "ce_gap": g, "tv": 0.1, **extra}) + "\n"
         for g, extra in lines))
   run = tmp_path / "pretrain" / "vanilla-h4-abc"
-  write(run, cfg, [(0.03, {"trial": 0}), (0.2, {"trial": 1})])
+  write(run, cfg, [(0.03, {"trial": 0, "wall_s": 1.0}),
+                   (0.2, {"trial": 1, "wall_s": 3.0})])
   for k, gap in ((0, 0.01), (1, 0.02)):
-    write(run / f"fallback-{k}", cfg.fallback(k), [(gap, {"trial": 0})])
+    write(run / f"fallback-{k}", cfg.fallback(k),
+          [(gap, {"trial": 0, "wall_s": 5.0})])
+  # Written before lines had a trial or a wall time.
   write(tmp_path / "pretrain" / "memory-h4-m2-abc", cfg, [(0.04, {})])
   names = [(name, sorted(by_trial)) for name, _, by_trial
            in pretrain_report.runs(str(tmp_path))]
   assert names == [("vanilla-h4-abc", [0]),
                    ("vanilla-h4-abc/fallback-1", [1]), ("memory-h4-m2-abc", [0])]
-  rows = [l for l in pretrain_report.table(
-      pretrain_report.runs(str(tmp_path))).splitlines() if "-abc" in l]
-  assert [r.split(" | ")[:2] + [r.split(" | ")[6]] for r in rows] == [
-      ["| vanilla-h4-abc", "0", "0.0300"],
-      ["| vanilla-h4-abc/fallback-1", "1", "0.0200"],
-      ["| memory-h4-m2-abc", "0", "0.0400"]]
+  table = pretrain_report.table(pretrain_report.runs(str(tmp_path)))
+  rows = [l.split(" | ") for l in table.splitlines() if "-abc" in l]
+  assert [r[:4] + [r[6]] for r in rows] == [
+      ["| vanilla-h4-abc", "0", "40", "1", "0.0300"],
+      ["| vanilla-h4-abc/fallback-1", "1", "40", "5", "0.0200"],
+      ["| memory-h4-m2-abc", "0", "40", "nan", "0.0400"]]
+  # Each run's largest wall time, once (the trial that fell back is its
+  # fallback's: 1 + 5, and 0 for lines without one).
+  assert "total pretraining wall time 6 s." in table
 
 
 def _captured_figures(monkeypatch) -> dict:
@@ -418,9 +424,11 @@ def test_the_pretraining_plot_draws_each_trials_gap_against_its_tokens(
   from hmmprompt import pretrain
   figs = _captured_figures(monkeypatch)
   cfg = pretrain.preset_config("tiny")  # batch 8, chunk 32
-  runs = {"vanilla-h12-abc": (None, {0: [0.5, 0.03], 1: [0.5, 1e-5]}),
-          "vanilla-h4-abc": (None, {0: [0.5, 0.039], 1: [0.5, 0.2]}),
-          "memory-h4-m2-abc": (0.1, {0: [0.5, 0.11]})}
+  runs = {"vanilla-h12-abc": (None, {0: [0.5, 0.1, 0.04],
+                                     1: [0.5, 0.1, 1e-5]}),
+          "vanilla-h4-abc": (None, {0: [0.5, 0.1, 0.039],
+                                    1: [0.5, 0.1, 0.2]}),
+          "memory-h4-m2-abc": (0.1, {0: [0.5, 0.3, 0.11]})}
   for name, (target, gaps) in runs.items():
     run = tmp_path / "pretrain" / name
     os.makedirs(run)
@@ -431,7 +439,7 @@ def test_the_pretraining_plot_draws_each_trials_gap_against_its_tokens(
         json.dumps({"trial": k, "step": step, "mlm_ce": 2.0 + g,
                     "bayes_ce": 2.0, "ce_gap": g, "tv": 0.1,
                     "wall_s": step / 10 + k}) + "\n"
-        for k, gs in gaps.items() for step, g in zip((20, 40), gs)))
+        for k, gs in gaps.items() for step, g in zip((20, 40, 60), gs)))
   text = pretrain_report.report(str(tmp_path))
   fig, _ = figs[pretrain_report.PLOT]
   axes = [ax for ax in fig.axes if ax.get_visible()]
@@ -450,20 +458,27 @@ def test_the_pretraining_plot_draws_each_trials_gap_against_its_tokens(
         f"target {target or 0.04:g}")
     assert ax.get_xlabel() == "training tokens per trial"
     for trial, (k, gs) in zip(trials, sorted(gaps.items())):
-      np.testing.assert_array_equal(trial.get_xdata(), [20 * 256, 40 * 256])
+      np.testing.assert_array_equal(trial.get_xdata(),
+                                    [20 * 256, 40 * 256, 60 * 256])
       np.testing.assert_array_equal(trial.get_ydata(),
                                     np.maximum(gs, 1e-3))
-      stalled = gs[-1] > (target or 0.04)
+      stalled = gs[-1] > (target or 0.04)  # at the target is reached
       assert (trial.get_color() == "red") == stalled, (ax.get_title(), k)
+      # The last point marked: a cross where stalled, else a dot.
+      assert (trial.get_marker(), trial.get_markevery()) == (
+          "X" if stalled else "o", [2])
   assert axes[0].get_ylabel() == "held-out CE gap to Bayes (nats)"
-  assert [t.get_text() for ax in axes for t in ax.texts] == ["trial 1",
-                                                             "trial 0"]
+  notes = [t for ax in axes for t in ax.texts]
+  assert [(t.get_text(), t.xy, t.get_color()) for t in notes] == [
+      ("trial 1", (60 * 256, 0.2), "red"), ("trial 0", (60 * 256, 0.11), "red")]
+  # One gap scale across panels.
+  assert all(axes[0].get_shared_y_axes().joined(axes[0], ax) for ax in axes)
   assert text.endswith("Ended above the target gap: vanilla-h4-abc trial 1, "
                        "memory-h4-m2-abc trial 0.\n")
   # Each stack's wall time once (its largest), summed over the stacks.
   assert re.search(r"\d+ trials; .* s\.", text).group(0) == (
-      "5 trials; gap median 0.0390, max 0.2000; total pretraining wall time "
-      "14 s.")
+      "5 trials; gap median 0.0400, max 0.2000; total pretraining wall time "
+      "20 s.")
   # Five runs: two rows of four, the last three panels hidden.
   for name in ("vanilla-h8-abc", "vanilla-h30-abc"):
     shutil.copytree(tmp_path / "pretrain" / "vanilla-h4-abc",
@@ -490,6 +505,7 @@ def test_the_figure3_plot_draws_each_curve_with_its_interval(
           4: (90.0, 5.0, 3), 8: (80.0, 30.0, 3), 15: (10.0, 30.0, 3)},
       ("exact", "left", "vanilla", "prompt_linear", "features"): {
           4: (70.0, float("nan"), 1)},
+      ("exact", "left", "vanilla", "head_linear", "raw"): {4: (60.0, 1.0, 3)},
       ("transformer", "right", "memory", "head_attention", "raw"): {
           8: (99.0, 4.0, 3)}}
   reporting.write_plot(summary, str(tmp_path / "figure3.png"))
@@ -512,10 +528,17 @@ def test_the_figure3_plot_draws_each_curve_with_its_interval(
       [4, 8, 15], [90.0, 80.0, 10.0])
   assert (raw.get_linestyle(), feats.get_linestyle()) == ("-", "--")
   assert raw.get_color() == feats.get_color()  # one arm, one colour
+  assert paper["exact: vanilla + head linear (raw)"].get_color() != (
+      raw.get_color())
+  assert (prompt.get_linestyle(), prompt.get_marker()) == (":", "x")
+  # A marker per backbone: exact squares, transformer dots.
+  ours = {l.get_label(): l for l in right.get_lines()}
+  assert raw.get_marker() == "s"
+  assert ours["transformer: memory + head attention (raw)"].get_marker() == "o"
   assert left.get_ylabel() == right.get_ylabel() == "test accuracy (%)"
   # The band: [m - ci, m + ci] clipped to [0, 100], in its curve's colour;
   # the one-trial curve (no interval) has a band of width 0.
-  band, flat = left.collections
+  band, flat, _ = left.collections
   y = band.get_paths()[0].vertices[:, 1]
   assert (y.min(), y.max()) == (0.0, 100.0)
   np.testing.assert_allclose(
