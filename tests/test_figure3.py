@@ -538,7 +538,7 @@ def test_the_figure3_plot_draws_each_curve_with_its_interval(
   assert left.get_ylabel() == right.get_ylabel() == "test accuracy (%)"
   # The band: [m - ci, m + ci] clipped to [0, 100], in its curve's colour;
   # the one-trial curve (no interval) has a band of width 0.
-  band, flat, _ = left.collections
+  band, flat, head_band = left.collections
   y = band.get_paths()[0].vertices[:, 1]
   assert (y.min(), y.max()) == (0.0, 100.0)
   np.testing.assert_allclose(
@@ -546,6 +546,9 @@ def test_the_figure3_plot_draws_each_curve_with_its_interval(
   assert tuple(band.get_facecolor()[0][:3]) == matplotlib_colors().to_rgb(
       raw.get_color())
   assert set(flat.get_paths()[0].vertices[:, 1]) == {70.0}
+  head = paper["exact: vanilla + head linear (raw)"]
+  assert tuple(head_band.get_facecolor()[0][:3]) == (
+      matplotlib_colors().to_rgb(head.get_color()))
   assert "paper: memory" in [l.get_label() for l in right.get_lines()]
   prompted = dict(summary)
   prompted[("exact", "right", "memory", "prompt_attention", "raw")] = {
