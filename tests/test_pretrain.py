@@ -545,8 +545,17 @@ def test_layout1_one_model_run_is_refused_by_name(tmp_path, model):
   generative.save(os.path.join(old, "hmm.npz"), model)
   for call in (lambda: pretrain.run(old, TINY, model),
                lambda: pretrain.load_backbone(old)):
-    with pytest.raises(ValueError, match="one-model run of layout 1"):
+    with pytest.raises(ValueError, match="^" + re.escape(
+        f"{old} holds a one-model run of layout 1")):
       call()
+
+
+def test_a_fallback_line_is_the_deeper_runs_with_both_wall_times():
+  shallow = {"trial": 1, "step": 40, "ce_gap": 0.3, "wall_s": 2.5}
+  deep = {"trial": 0, "step": 30, "ce_gap": 0.02, "wall_s": 4.0, "tv": 0.1}
+  assert pretrain_workdir.fallback_line(shallow, deep, 1, 4) == {
+      "trial": 1, "step": 30, "ce_gap": 0.02, "wall_s": 6.5, "tv": 0.1,
+      "layers": 4}
 
 
 @pytest.mark.slow
@@ -771,6 +780,11 @@ def test_a_warm_fallback_starts_from_the_trial_as_it_stopped(tmp_path):
   workdir = str(tmp_path / "stack")
   final = pretrain.run_trials(workdir, cfg, stacked, log=lambda s: None)
   assert "layers" not in final[0] and final[1]["layers"] == deeper
+  # The stack's retained states are not trial 1's tuned model: refused.
+  with pytest.raises(ValueError, match="^" + re.escape(
+      f"trials [1] of {workdir} fell back to {deeper} layers: load_retained "
+      f"reads the stack's own checkpoints only") + "$"):
+    pretrain_workdir.load_retained(workdir)
   shallow_bb, shallow_k, _ = pretrain.load_trials(
       _copy_without_fallbacks(workdir, str(tmp_path / "plain")))
   stopped = jax.tree.map(lambda x: x[1], shallow_k)
