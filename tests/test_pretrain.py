@@ -550,6 +550,35 @@ def test_layout1_one_model_run_is_refused_by_name(tmp_path, model):
       call()
 
 
+@pytest.mark.slow
+def test_load_retained_stacks_every_retained_step_of_every_trial(tmp_path):
+  """``retain=(0, 20)`` of a 2-stack: ``params_QxK[1, k]`` is trial ``k``'s
+  state at step 20 (what the same run killed there holds), step 0's
+  another, and each trial's info names its config, model and steps."""
+  stacked = generative.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6,
+                                     10)
+  cfg = dataclasses.replace(TINY, retain=(0, 20))
+  workdir = str(tmp_path / "run")
+  pretrain.run_trials(workdir, cfg, stacked, log=lambda s: None)
+  _, params_QxK, steps, infos = pretrain_workdir.load_retained(workdir)
+  assert steps == [0, 20]
+  # The same run killed after step 20 (a checkpoint step) holds step 20.
+  crashed = str(tmp_path / "crashed")
+  with pytest.raises(_Crash):
+    pretrain.run_trials(crashed, dataclasses.replace(cfg, retain=()),
+                        stacked, log=lambda s: None,
+                        after_step=_crash_after(20))
+  at_20 = pretrain.load_trials(crashed)[1]
+  equal = lambda a, b: np.testing.assert_array_equal(np.asarray(a),
+                                                     np.asarray(b))
+  jax.tree.map(lambda a, b: equal(a[1], b), params_QxK, at_20)
+  assert not all(np.array_equal(np.asarray(a[0]), np.asarray(a[1]))
+                 for a in jax.tree.leaves(params_QxK))
+  for k, info in enumerate(infos):
+    assert info["config"] == cfg and info["steps"] == [0, 20]
+    assert generative.same(info["model"], generative.trial(stacked, k))
+
+
 def test_a_fallback_line_is_the_deeper_runs_with_both_wall_times():
   shallow = {"trial": 1, "step": 40, "ce_gap": 0.3, "wall_s": 2.5}
   deep = {"trial": 0, "step": 30, "ce_gap": 0.02, "wall_s": 4.0, "tv": 0.1}
