@@ -579,6 +579,18 @@ def test_load_retained_stacks_every_retained_step_of_every_trial(tmp_path):
     assert generative.same(info["model"], generative.trial(stacked, k))
 
 
+def test_a_run_killed_before_its_first_checkpoint_loads_nothing(tmp_path,
+                                                               model):
+  crashed = str(tmp_path / "crashed")
+  with pytest.raises(_Crash):
+    pretrain.run(crashed, TINY, model, log=lambda s: None,
+                 after_step=_crash_after(TINY.ckpt_every - 1))
+  ckpt = pretrain_workdir.Paths.of(crashed).ckpt
+  with pytest.raises(FileNotFoundError, match="^" + re.escape(
+      f"no checkpoints in {ckpt}") + "$"):
+    pretrain.load_trials(crashed)
+
+
 def test_a_fallback_line_is_the_deeper_runs_with_both_wall_times():
   shallow = {"trial": 1, "step": 40, "ce_gap": 0.3, "wall_s": 2.5}
   deep = {"trial": 0, "step": 30, "ce_gap": 0.02, "wall_s": 4.0, "tv": 0.1}
