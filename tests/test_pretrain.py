@@ -781,6 +781,9 @@ def test_a_trial_short_of_the_target_at_the_cap_falls_back_to_depth(
 
   backbone, params_k, infos = pretrain.load_trials(workdir)
   assert infos[1]["metrics"]["layers"] == deeper
+  assert infos[1]["metrics"]["trial"] == 1  # the stack's trial, not 0
+  assert generative.same(infos[1]["model"], generative.trial(stacked, 1))
+  assert infos[1]["config"] == cfg.fallback(1)
   assert infos[1]["step"] == alone["step"] and "layers" not in infos[0][
       "metrics"]
   _, alone_params = pretrain.load_backbone(str(tmp_path / "alone"))[:2]
