@@ -162,8 +162,16 @@ def test_load_backbone_missing(tmp_path):
 @pytest.mark.slow
 def test_other_config_in_same_workdir_is_refused(trained, model):
   workdir, _ = trained
-  with pytest.raises(ValueError, match="different config"):
-    pretrain.run(workdir, dataclasses.replace(TINY, lr=1e-3), model)
+  with pytest.raises(ValueError, match="^" + re.escape(
+      f"{workdir} holds a run with a different config (lr: 0.003 -> 0.001; "
+      f"warmup_steps: 5 -> 6); use a new --workdir (or delete it) to start "
+      f"another") + "$"):
+    pretrain.run(workdir, dataclasses.replace(TINY, lr=1e-3, warmup_steps=6),
+                 model)
+  with pytest.raises(ValueError, match="^" + re.escape(
+      f"{workdir} was pretrained on a different HMM") + "$"):
+    pretrain.run(workdir, TINY, hmm_lib.random_hmm(jax.random.PRNGKey(4), 6,
+                                                   10))
 
 
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(
