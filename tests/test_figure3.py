@@ -403,14 +403,12 @@ def _captured_figures(monkeypatch) -> dict:
   """path -> the figure an atomic_write_png call saved there (written as
   well, then left open to be read)."""
   figs = {}
-  write = results_lib.atomic_write_png
 
   def capture(path, fig, dpi=110):
     figs[os.path.basename(path)] = (fig, dpi)
     fig.savefig(path, format="png", dpi=dpi)  # the file, figure kept open
 
   monkeypatch.setattr(results_lib, "atomic_write_png", capture)
-  del write
   return figs
 
 
