@@ -916,3 +916,90 @@ def test_a_trial_far_from_the_target_falls_back_before_the_cap(tmp_path):
               dict(fallback_gap=0.01)):
     with pytest.raises(ValueError, match="fallback_gap"):
       cfg.with_overrides(**bad)
+
+
+def _stack_checkpointed_at_0(workdir, cfg, models_K):
+  """A run's directory as the loop leaves it after checkpointing step 0
+  and before its first metrics line (no training: the refusals below read
+  only the directory)."""
+  paths = pretrain_workdir.prepare(workdir, cfg, models_K)
+  num = generative.num_trials(models_K)
+  ckpts = ckpt_lib.Checkpoints(paths.ckpt)
+  ckpts.save(0, pretrain_train.init_states(
+      jax.random.split(jax.random.PRNGKey(0), num), cfg))
+  ckpts.close()
+  return paths
+
+
+def test_the_workdir_layout_is_the_documented_one(tmp_path):
+  """The file names the module and the binary document, and the layout
+  read_config reports: 1 for a bare config, else the file's own."""
+  paths = pretrain_workdir.Paths.of("run")
+  assert dataclasses.asdict(paths) == dict(
+      config="run/config.json", model="run/hmm.npz", ckpt="run/checkpoints",
+      metrics="run/metrics.jsonl", retained="run/retained")
+  bare = pretrain_workdir.Paths.of(str(tmp_path))
+  with open(bare.config, "w") as f:
+    json.dump(TINY.to_json(), f)
+  assert pretrain_workdir.read_config(bare) == (1, TINY)
+  stacked = generative.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6,
+                                     10)
+  new = pretrain_workdir.prepare(str(tmp_path / "new"), TINY, stacked)
+  assert pretrain_workdir.read_config(new) == (pretrain_workdir.LAYOUT, TINY)
+  assert pretrain_workdir.LAYOUT == 2
+
+
+def test_a_stack_is_refused_where_one_model_or_other_trials_are_expected(
+    tmp_path):
+  stacked = generative.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6,
+                                     10)
+  workdir = str(tmp_path / "run")
+  _stack_checkpointed_at_0(workdir, TINY, stacked)
+  with pytest.raises(ValueError, match="^" + re.escape(
+      f"{workdir} holds a run of 2 stacked trials, this run has 3 stacked "
+      f"trials: use a new workdir (or delete it) to change the trial count")
+      + "$"):
+    pretrain_workdir.prepare(workdir, TINY, generative.random_models(
+        jax.random.PRNGKey(5), 3, "vanilla", 6, 10))
+  with pytest.raises(ValueError, match="^" + re.escape(
+      f"{workdir} holds 2 stacked trials: load it with load_trials") + "$"):
+    pretrain.load_backbone(workdir)
+  # Without a metrics line yet, a trial loads with empty metrics.
+  _, params_K, infos = pretrain.load_trials(workdir)
+  assert [(i["step"], i["metrics"]) for i in infos] == [(0, {}), (0, {})]
+  assert {x.shape[0] for x in jax.tree.leaves(params_K)} == {2}
+
+
+def test_load_retained_names_a_missing_or_empty_retained_folder(tmp_path):
+  stacked = generative.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6,
+                                     10)
+  workdir = str(tmp_path / "run")
+  paths = _stack_checkpointed_at_0(workdir, TINY, stacked)
+  with pytest.raises(FileNotFoundError, match="^" + re.escape(
+      f"no retained checkpoints in {workdir} ({paths.retained} missing): "
+      f"pretrain with PretrainConfig.retain set") + "$"):
+    pretrain_workdir.load_retained(workdir)
+  os.makedirs(paths.retained)
+  with pytest.raises(FileNotFoundError, match="^" + re.escape(
+      f"no retained checkpoints in {paths.retained}: pretrain with "
+      f"PretrainConfig.retain set (a runtime field: the steps already "
+      f"trained past are not retained by a rerun)") + "$"):
+    pretrain_workdir.load_retained(workdir)
+
+
+def test_a_trial_that_fell_back_without_its_fallback_run_is_named(tmp_path):
+  """Trial 1's line at the cap is above the target and no fallback-1/
+  exists (a run killed between the stack and its fallback)."""
+  cfg = dataclasses.replace(TINY, target_gap=0.5, fallback_layers=3)
+  stacked = generative.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6,
+                                     10)
+  workdir = str(tmp_path / "run")
+  paths = _stack_checkpointed_at_0(workdir, cfg, stacked)
+  pretrain_workdir.write_metrics(paths, [
+      {"trial": 0, "step": cfg.total_steps, "ce_gap": 0.4},
+      {"trial": 1, "step": cfg.total_steps, "ce_gap": 0.6}])
+  where = pretrain_workdir.fallback_dir(workdir, 1)
+  with pytest.raises(FileNotFoundError, match="^" + re.escape(
+      f"trial 1 of {workdir} is above the target gap at the cap and its "
+      f"fallback run {where} is missing: run run_trials to train it") + "$"):
+    pretrain.load_trials(workdir)

@@ -6,8 +6,10 @@ import dataclasses
 import re
 
 import jax
+import numpy as np
 import pytest
 
+from hmmprompt import generative
 from hmmprompt import pretrain
 
 TINY = pretrain.preset_config("tiny")
@@ -180,3 +182,53 @@ def test_the_cpu_presets_are_the_recipes_their_results_were_measured_with():
   assert (TINY.steps, TINY.lr, TINY.warmup_steps, TINY.batch_size,
           TINY.log_every, TINY.eval_every, TINY.ckpt_every, TINY.keep,
           TINY.trials_per_vmap) == (40, 3e-3, 5, 8, 10, 20, 10, 2, 1)
+
+
+# The binary's config tree (hmmprompt/pretrain/job.py).
+
+
+def _leaves(model):
+  return [np.asarray(x) for x in jax.tree_util.tree_leaves(model)]
+
+
+def test_a_job_refuses_an_unknown_kind_and_a_bad_trial_count_by_name():
+  with pytest.raises(ValueError, match=r"^model_kind must be one of "
+                     r"\('vanilla', 'memory'\), got 'mixed'$"):
+    pretrain.Job(pretrain=TINY, model_kind="mixed")
+  for bad in (0, -1, 1.0, "2"):
+    with pytest.raises(ValueError, match="^" + re.escape(
+        f"trials must be an int >= 1, got {bad!r}") + "$"):
+      pretrain.Job(pretrain=TINY, trials=bad)
+  assert pretrain.Job(pretrain=TINY, model_kind="memory", trials=1).trials == 1
+
+
+def test_a_job_is_its_preset_with_flag_strings_parsed():
+  assert pretrain.Job.of() == pretrain.Job(pretrain=CPU)
+  job = pretrain.Job.of("tiny", **{"num_states": "7", "pretrain.lr": "0.02",
+                                   "model_kind": "memory", "trials": 3})
+  assert job == pretrain.Job(pretrain=TINY.with_overrides(lr=0.02),
+                             model_kind="memory", num_states=7, trials=3)
+  with pytest.raises(ValueError, match=r"^unknown config key 'states'; "
+                     r"known keys: hmm_seed, memory_size, model_kind, "):
+    pretrain.Job.of("tiny", states=7)
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "memory"])
+def test_a_jobs_trial_k_is_the_model_drawn_from_its_seed_folded_with_k(kind):
+  job = pretrain.Job(pretrain=TINY, model_kind=kind, num_states=5,
+                     memory_size=2, hmm_seed=3)
+  vocab = TINY.model.vocab_size
+  one = generative.random_model(jax.random.PRNGKey(3), kind, 5, vocab, 2)
+  for got, want in zip(_leaves(job.make_model()), _leaves(one)):
+    np.testing.assert_array_equal(got, want[None])
+  stacked = dataclasses.replace(job, trials=3).make_model()
+  for k in range(3):
+    drawn = generative.random_model(
+        jax.random.fold_in(jax.random.PRNGKey(3), k), kind, 5, vocab, 2)
+    for got, want in zip(_leaves(stacked), _leaves(drawn)):
+      assert got.shape[0] == 3
+      np.testing.assert_array_equal(got[k], want)
+  # The draws differ between trials and between seeds.
+  assert not np.array_equal(_leaves(stacked)[0][0], _leaves(stacked)[0][1])
+  other = dataclasses.replace(job, hmm_seed=4).make_model()
+  assert not np.array_equal(_leaves(other)[0], _leaves(job.make_model())[0])
