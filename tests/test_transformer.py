@@ -285,3 +285,100 @@ def test_attention_is_left_out_of_the_pretraining_identity():
   assert len({str(c.identity()) for c in ids.values()}) == 1
   assert "attention" not in cfg.identity()["model"]
   assert ids["dot_product"].to_json()["model"]["attention"] == "dot_product"
+
+
+# --- An independent forward pass: the textbook pre-LN encoder in float64.
+
+
+def _layer_norm(x, p):
+  mu = x.mean(-1, keepdims=True)
+  var = ((x - mu) ** 2).mean(-1, keepdims=True)
+  return (x - mu) / np.sqrt(var + 1e-6) * p["scale"] + p["bias"]
+
+
+def _dense(x, p):
+  return x @ p["kernel"] + p["bias"]
+
+
+def _gelu(x):  # flax's default, the tanh approximation
+  return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _reference_forward(params, cfg, tokens_BxT):
+  """``(logits [B, T, V], features [B, T, D])`` in float64 numpy, from the
+  paper's description (Appendix D, BERT): the MASK id ``V`` for ``-1``,
+  token plus absolute position embeddings, pre-LayerNorm blocks of
+  softmax(Q K^T / sqrt(E) + relative term) V and a GELU MLP, each added to
+  its input, a final LayerNorm, a linear output layer."""
+  p = jax.tree.map(lambda x: np.asarray(x, np.float64), params)["params"]
+  b, t = tokens_BxT.shape
+  d, a = cfg.d_model, cfg.num_heads
+  e = d // a
+  ids = np.where(tokens_BxT == hmm_lib.MASK, cfg.vocab_size, tokens_BxT)
+  x = p["tok_embed"]["embedding"][ids] + p["pos_embed"][:t]
+  offset_TxT = np.arange(t)[None, :] - np.arange(t)[:, None]  # j - i
+  for i in range(cfg.num_layers):
+    blk = p[f"block_{i}"]
+    qkv = _dense(_layer_norm(x, blk["ln_attn"]), blk["qkv"])
+    q, k, v = (qkv[..., s * d:(s + 1) * d].reshape(b, t, a, e)
+               for s in range(3))
+    logits_BxAxTxT = np.einsum("bqae,bkae->baqk", q, k) / np.sqrt(e)
+    if cfg.rel_pos == "bias":
+      logits_BxAxTxT += blk["rel_bias"][:, offset_TxT + cfg.max_len - 1]
+    elif cfg.rel_pos == "alibi":
+      slope_A = 2.0 ** (-8.0 * np.arange(1, a + 1) / a)
+      logits_BxAxTxT -= slope_A[:, None, None] * np.abs(offset_TxT)
+    w = np.exp(logits_BxAxTxT - logits_BxAxTxT.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    out = np.einsum("baqk,bkae->bqae", w, v).reshape(b, t, d)
+    x = x + _dense(out, blk["attn_out"])
+    h = _gelu(_dense(_layer_norm(x, blk["ln_mlp"]), blk["mlp_in"]))
+    x = x + _dense(h, blk["mlp_out"])
+  features = _layer_norm(x, p["ln_final"])
+  return _dense(features, p["head"]), features
+
+
+@pytest.mark.parametrize("rel_pos,attention,readout", [
+    ("none", "manual", 0), ("none", "dot_product", 0), ("bias", "manual", 3),
+    ("alibi", "manual", 0)])
+def test_the_forward_pass_is_the_textbook_encoder(rel_pos, attention,
+                                                  readout):
+  """The model's float32 logits against :func:`_reference_forward` in
+  float64, on weights far from their init (every LayerNorm, bias and
+  offset term counts) and a batch with MASKs. Bound: each of a block's
+  six dot-product stages (qkv, scores, values, out, MLP in, MLP out) and
+  the output layer rounds within ``n * eps`` relative (Higham's
+  gamma_n, ``n`` <= d_ff), so ``(6 L + 1) n eps`` on the output
+  probabilities, which are at most 1; the LayerNorms renormalise what
+  reaches each stage. The state readout reads the same features."""
+  cfg = dataclasses.replace(TINY.model, num_layers=2, rel_pos=rel_pos,
+                            attention=attention, state_readout=readout)
+  params = transformer.init_params(jax.random.PRNGKey(0), cfg)
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
+  params = jax.tree.unflatten(tree, [x + 0.3 * jax.random.normal(k, x.shape)
+                                     for x, k in zip(leaves, keys)])
+  tokens_BxT = np.asarray(jax.random.randint(jax.random.PRNGKey(2), (2, 9),
+                                             -1, cfg.vocab_size))
+  assert (tokens_BxT == hmm_lib.MASK).any()
+  want_logits, features = _reference_forward(params, cfg, tokens_BxT)
+  mlm = transformer.MLM(cfg)
+  got = np.asarray(jax.jit(mlm.apply)(params, tokens_BxT), np.float64)
+  softmax = lambda z: np.exp(z - z.max(-1, keepdims=True)) / np.exp(
+      z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)
+  tol = (6 * cfg.num_layers + 1) * cfg.d_ff * np.finfo(np.float32).eps
+  np.testing.assert_allclose(softmax(got), softmax(want_logits), rtol=0,
+                             atol=tol)
+  assert np.abs(softmax(want_logits) - 1 / cfg.vocab_size).max() > 100 * tol
+  if readout:
+    _, states = jax.jit(lambda p, x: mlm.apply(
+        p, x, method=transformer.MLM.logits_and_states))(params, tokens_BxT)
+    want = _dense(features, jax.tree.map(
+        lambda x: np.asarray(x, np.float64), params)["params"]["state_head"])
+    np.testing.assert_allclose(softmax(np.asarray(states, np.float64)),
+                               softmax(want), rtol=0, atol=tol)
+  # The backbone interface gives the same probabilities, one sequence.
+  bb = transformer.build_backbone(cfg)
+  probs = jax.jit(lambda p, x: bb.apply(p, bb.embed(p, x)))(
+      params, tokens_BxT[1])
+  np.testing.assert_allclose(probs, softmax(want_logits[1]), rtol=0, atol=tol)
