@@ -703,6 +703,83 @@ def test_curves_match_losses_to_trials_and_skip_without_tensorboardx(
     curves.read_scalars(str(tmp_path))
 
 
+def test_event_files_are_tensorboardx_records_both_ways(tmp_path):
+  """Two independent codecs: what tensorboardX's own SummaryWriter writes
+  (the files TensorBoard reads) read_scalars reads, a rewritten step
+  replacing the later points; what Curves writes, re-framed record by
+  record with tensorboardX's RecordWriter, is the same bytes, and decodes
+  to the events named in the module's docstring."""
+  pytest.importorskip("tensorboardX")
+  import struct
+  from tensorboardX import SummaryWriter
+  from tensorboardX import record_writer
+  from tensorboardX.proto import event_pb2
+  from hmmprompt.pretrain import curves
+  theirs = str(tmp_path / "theirs")
+  writer = SummaryWriter(theirs)
+  for value, step in ((1.0, 1), (2.0, 5), (0.5, 9), (3.0, 3)):
+    writer.add_scalar("by_step/tv", value, step)
+  writer.close()
+  assert curves.read_scalars(theirs) == {"by_step/tv": [(1, 1.0), (3, 3.0)]}
+
+  ours = curves.Curves(str(tmp_path / "ours"), tokens_per_step=7)
+  ours.add_losses(np.array([2]), jnp.array([0.75]))
+  ours.train(4, tokens_per_s=12.5)
+  ours.eval({"trial": 2, "step": 4, "mlm_ce": 1.5, "bayes_ce": 1.25,
+             "ce_gap": 0.25, "tv": 0.125, "wall_s": 3.0})
+  logdir = curves.trial_logdir(str(tmp_path / "ours"), 2)
+  assert logdir == str(tmp_path / "ours" / "tb" / "trial_2")
+  (name,) = os.listdir(logdir)
+  assert name.startswith("events.out.tfevents.")
+  with open(os.path.join(logdir, name), "rb") as f:
+    blob = f.read()
+  records, at = [], 0
+  while at < len(blob):
+    (size,) = struct.unpack("<Q", blob[at:at + 8])
+    records.append(blob[at + 12:at + 12 + size])
+    at += 12 + size + 4
+  assert at == len(blob)
+  again = str(tmp_path / "again")
+  rw = record_writer.RecordWriter(again)
+  for data in records:
+    rw.write(data)
+  rw.close()
+  with open(again, "rb") as f:
+    assert f.read() == blob
+  events = [event_pb2.Event.FromString(d) for d in records]
+  assert events[0].file_version == "brain.Event:2"
+  got = [(e.step, {v.tag: v.simple_value for v in e.summary.value})
+         for e in events[1:]]
+  train = {"train_loss": 0.75, "tokens_per_s": 12.5}
+  evals = {"mlm_ce": 1.5, "bayes_ce": 1.25, "ce_gap": 0.25, "tv": 0.125}
+  assert got == [(4, {f"by_step/{k}": v for k, v in train.items()}),
+                 (28, {f"by_tokens/{k}": v for k, v in train.items()}),
+                 (4, {f"by_step/{k}": v for k, v in evals.items()}),
+                 (28, {f"by_tokens/{k}": v for k, v in evals.items()})]
+
+
+def test_curves_say_where_they_go_and_only_process_0_writes(tmp_path,
+                                                            monkeypatch):
+  pytest.importorskip("tensorboardX")
+  from hmmprompt.pretrain import curves
+  on = curves.Curves(str(tmp_path / "run"), tokens_per_step=1)
+  assert on.enabled and on.status == (
+      f"TensorBoard curves: tensorboard --logdir {tmp_path}/run/tb")
+  monkeypatch.setattr(curves.jax, "process_index", lambda: 1)
+  other = curves.Curves(str(tmp_path / "other"), tokens_per_step=1)
+  assert not other.enabled and other.status is None
+  other.add_losses(np.array([0]), jnp.array([1.0]))
+  other.train(1, 1.0)
+  other.eval({"step": 1, "mlm_ce": 1.0, "bayes_ce": 1.0, "ce_gap": 0.0,
+              "tv": 0.0})
+  assert not os.path.exists(tmp_path / "other")
+  monkeypatch.setattr(curves.jax, "process_index", lambda: 0)
+  monkeypatch.setattr(curves, "event_pb2", None)
+  assert curves.Curves(str(tmp_path), 1).status == (
+      "no TensorBoard curves: tensorboardX is not installed (pip install "
+      "'hmmprompt[tensorboard]')")
+
+
 @pytest.mark.parametrize("retain", [(5, 5), (10, 3), (-1, 4), (0, 41),
                                     (0, 2.5), (True,), [0, 10]])
 def test_retain_schedule_is_validated_by_name(retain):
