@@ -1,6 +1,7 @@
 """hmmprompt.backbones.transformer: the Flax masked LM and its backbone."""
 
 import dataclasses
+import re
 
 import chex
 import jax
@@ -377,8 +378,106 @@ def test_the_forward_pass_is_the_textbook_encoder(rel_pos, attention,
         lambda x: np.asarray(x, np.float64), params)["params"]["state_head"])
     np.testing.assert_allclose(softmax(np.asarray(states, np.float64)),
                                softmax(want), rtol=0, atol=tol)
-  # The backbone interface gives the same probabilities, one sequence.
+  # The backbone interface gives the same probabilities, one sequence,
+  # every row or one.
   bb = transformer.build_backbone(cfg)
-  probs = jax.jit(lambda p, x: bb.apply(p, bb.embed(p, x)))(
-      params, tokens_BxT[1])
-  np.testing.assert_allclose(probs, softmax(want_logits[1]), rtol=0, atol=tol)
+  emb = jax.jit(bb.embed)(params, tokens_BxT[1])
+  np.testing.assert_allclose(jax.jit(bb.apply)(params, emb),
+                             softmax(want_logits[1]), rtol=0, atol=tol)
+  for index in (0, 4, 8):
+    np.testing.assert_allclose(
+        jax.jit(bb.apply_at, static_argnums=2)(params, emb, index),
+        softmax(want_logits[1, index]), rtol=0, atol=tol)
+
+
+def test_relative_positions_on_short_inputs_are_the_textbook_ones():
+  """The offset bias's two code paths (one position; a Toeplitz build for
+  more) against the reference, at every length up to 5."""
+  cfg = dataclasses.replace(TINY.model, num_layers=1, rel_pos="bias")
+  params = transformer.init_params(jax.random.PRNGKey(0), cfg)
+  table = jax.random.normal(jax.random.PRNGKey(4), (cfg.num_heads,
+                                                   2 * cfg.max_len - 1))
+  params["params"]["block_0"]["rel_bias"] = table
+  for t in range(1, 6):
+    got = np.asarray(transformer.rel_bias(cfg, t, table))
+    offsets = np.arange(t)[None, :] - np.arange(t)[:, None]
+    np.testing.assert_array_equal(
+        got, np.asarray(table)[:, offsets + cfg.max_len - 1])
+    tokens = np.arange(t)[None] % cfg.vocab_size
+    want, _ = _reference_forward(params, cfg, tokens)
+    got_logits = np.asarray(jax.jit(transformer.MLM(cfg).apply)(
+        params, tokens), np.float64)
+    # The bound of the test above, one block.
+    np.testing.assert_allclose(
+        jax.nn.softmax(got_logits), jax.nn.softmax(want), rtol=0,
+        atol=7 * cfg.d_ff * np.finfo(np.float32).eps)
+
+
+def test_the_backbone_interface_describes_the_model():
+  cfg = dataclasses.replace(TINY.model, dtype="bfloat16")
+  bb = transformer.build_backbone(cfg)
+  assert (bb.name, bb.embed_dim, bb.vocab_size, bb.finetunable) == (
+      "transformer", cfg.d_model, cfg.vocab_size, True)
+  assert transformer.make_backbone(cfg) is transformer.make_backbone(
+      dataclasses.replace(cfg, dtype="float32"))  # tuning computes in fp32
+  raw = jnp.ones((2, cfg.d_model))
+  assert bb.prompt_embedding(raw) is raw
+  params = transformer.init_params(jax.random.PRNGKey(0), TINY.model)
+  # The context: max_len positions are accepted, one more is refused.
+  bb.apply(params, jnp.zeros((cfg.max_len, cfg.d_model)))
+  for call in (lambda e: bb.apply(params, e),
+               lambda e: bb.apply_at(params, e, 0)):
+    with pytest.raises(ValueError, match="^" + re.escape(
+        f"input of {cfg.max_len + 1} positions exceeds the model's context "
+        f"max_len = {cfg.max_len}") + "$"):
+      call(jnp.zeros((cfg.max_len + 1, cfg.d_model)))
+  with pytest.raises(ValueError, match="out of range"):
+    bb.embed(params, jnp.array([0, cfg.vocab_size]))
+  bb.embed(params, jnp.array([hmm_lib.MASK, cfg.vocab_size - 1]))
+
+
+def test_the_paper_model_is_bert_base_width_with_six_layers():
+  cfg = transformer.paper_config()
+  assert (cfg.vocab_size, cfg.d_model, cfg.num_heads, cfg.d_ff,
+          cfg.num_layers, cfg.max_len) == (10, 768, 12, 3072, 6, 512)
+  assert transformer.paper_config(7, rel_pos="alibi") == dataclasses.replace(
+      cfg, vocab_size=7, rel_pos="alibi")
+
+
+def test_param_and_flop_counts_read_the_params_tree():
+  """num_params is every leaf's size; the FLOPs per token are 6 x the
+  matmul kernels' sizes (counted from the params, not from the formula's
+  terms) plus 12 L T d for the score and value products."""
+  cfg = dataclasses.replace(TINY.model, num_layers=2, vocab_size=7)
+  params = transformer.init_params(jax.random.PRNGKey(0), cfg)
+  flat = {jax.tree_util.keystr(p): x.size for p, x in
+          jax.tree_util.tree_leaves_with_path(params)}
+  assert transformer.num_params(params) == sum(flat.values())
+  kernels = sum(n for name, n in flat.items() if name.endswith("['kernel']"))
+  t = 20
+  assert transformer.train_flops_per_token(cfg, t) == (
+      6 * kernels + 12 * cfg.num_layers * t * cfg.d_model)
+
+
+@pytest.mark.parametrize("field", ["vocab_size", "d_model", "num_heads",
+                                   "d_ff", "num_layers", "max_len"])
+def test_every_size_is_refused_below_one_by_name(field):
+  with pytest.raises(ValueError, match="^" + re.escape(
+      f"MLMConfig.{field} must be >= 1, got 0") + "$"):
+    transformer.MLMConfig(**{field: 0})
+
+
+def test_the_config_refuses_unknown_choices_whole():
+  for kwargs, message in (
+      (dict(rel_pos="rope"), "MLMConfig.rel_pos must be one of ('none', "
+       "'bias', 'alibi'), got 'rope'"),
+      (dict(state_readout=-1), "MLMConfig.state_readout must be an int >= "
+       "0, got -1"),
+      (dict(state_readout=1.5), "MLMConfig.state_readout must be an int >= "
+       "0, got 1.5"),
+      (dict(dtype="float16"), "MLMConfig.dtype must be float32 or bfloat16, "
+       "got 'float16'")):
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+      transformer.MLMConfig(**kwargs)
+  assert transformer.MLMConfig(dtype="bfloat16").compute_dtype == jnp.bfloat16
+  assert transformer.MLMConfig(state_readout=0).state_readout == 0
