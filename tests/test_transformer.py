@@ -481,3 +481,50 @@ def test_the_config_refuses_unknown_choices_whole():
       transformer.MLMConfig(**kwargs)
   assert transformer.MLMConfig(dtype="bfloat16").compute_dtype == jnp.bfloat16
   assert transformer.MLMConfig(state_readout=0).state_readout == 0
+
+
+def test_bfloat16_computes_in_bfloat16_and_returns_float32():
+  """``dtype="bfloat16"`` (accelerators): every matmul reads bf16 operands
+  (an fp32 one would run at a fraction of the MXU's rate), the residual
+  stream and the final LayerNorm are bf16, and the logits (and state
+  logits) come back fp32, whichever entry point; the backbone interface
+  computes in fp32 (tuning), as a float32 model does."""
+  cfg = dataclasses.replace(TINY.model, num_layers=2, dtype="bfloat16",
+                            state_readout=3)
+  params = transformer.init_params(jax.random.PRNGKey(0), cfg)
+  tokens = jnp.array([[hmm_lib.MASK, 1, 2, 9]], jnp.int32)
+  mlm = transformer.MLM(cfg)
+
+  def dot_operand_dtypes(jaxpr):
+    found = set()
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general":
+        found |= {str(v.aval.dtype) for v in eqn.invars}
+      for value in eqn.params.values():
+        sub = getattr(value, "jaxpr", value)
+        if hasattr(sub, "eqns"):
+          found |= dot_operand_dtypes(sub)
+    return found
+
+  for method in (None, transformer.MLM.logits_and_states):
+    jaxpr = jax.make_jaxpr(lambda p: mlm.apply(p, tokens, method=method))(
+        params)
+    assert dot_operand_dtypes(jaxpr.jaxpr) == {"bfloat16"}
+  logits, inter = mlm.apply(params, tokens, capture_intermediates=True)
+  assert logits.dtype == jnp.float32
+  inter = inter["intermediates"]
+  for i in range(cfg.num_layers):
+    assert inter[f"block_{i}"]["__call__"][0].dtype == jnp.bfloat16
+  assert inter["ln_final"]["__call__"][0].dtype == jnp.bfloat16
+  both = mlm.apply(params, tokens, method=transformer.MLM.logits_and_states)
+  assert [x.dtype for x in both] == [jnp.float32, jnp.float32]
+  emb = mlm.apply(params, tokens, method=transformer.MLM.embed)
+  assert mlm.apply(params, emb, 2, method=transformer.MLM.encode_at
+                   ).dtype == jnp.float32
+  assert mlm.apply(params, emb, method=transformer.MLM.encode
+                   ).dtype == jnp.float32
+  fp32 = dataclasses.replace(cfg, dtype="float32")
+  for build in (transformer.build_backbone, transformer.make_backbone):
+    got = build(cfg).apply(params, emb[0])
+    np.testing.assert_array_equal(got, transformer.build_backbone(fp32).apply(
+        params, emb[0]))
