@@ -5,6 +5,8 @@ import json
 import os
 import re
 import shutil
+import socket
+import time
 
 import jax
 import jax.numpy as jnp
@@ -699,7 +701,9 @@ def test_curves_match_losses_to_trials_and_skip_without_tensorboardx(
   off.eval({"trial": 0, "step": 1, "mlm_ce": 1.0, "bayes_ce": 1.0,
             "ce_gap": 0.0, "tv": 0.0})
   assert not os.path.exists(tmp_path / "off")
-  with pytest.raises(ImportError, match="hmmprompt\\[tensorboard\\]"):
+  with pytest.raises(ImportError, match="^" + re.escape(
+      "reading event files needs tensorboardX: pip install "
+      "'hmmprompt[tensorboard]'") + "$"):
     curves.read_scalars(str(tmp_path))
 
 
@@ -723,14 +727,23 @@ def test_event_files_are_tensorboardx_records_both_ways(tmp_path):
   assert curves.read_scalars(theirs) == {"by_step/tv": [(1, 1.0), (3, 3.0)]}
 
   ours = curves.Curves(str(tmp_path / "ours"), tokens_per_step=7)
+  before = time.time()
   ours.add_losses(np.array([2]), jnp.array([0.75]))
   ours.train(4, tokens_per_s=12.5)
   ours.eval({"trial": 2, "step": 4, "mlm_ce": 1.5, "bayes_ce": 1.25,
              "ce_gap": 0.25, "tv": 0.125, "wall_s": 3.0})
+  after = time.time()
   logdir = curves.trial_logdir(str(tmp_path / "ours"), 2)
   assert logdir == str(tmp_path / "ours" / "tb" / "trial_2")
   (name,) = os.listdir(logdir)
-  assert name.startswith("events.out.tfevents.")
+  # TensorBoard's name, seconds first (files sort by them), then the
+  # nanoseconds that order two files of one second.
+  prefix, seconds, rest = re.fullmatch(
+      r"(events\.out\.tfevents)\.(\d+)\.(.*)", name).groups()
+  host, ns, pid = rest.rsplit(".", 2)
+  assert (host, int(pid)) == (socket.gethostname(), os.getpid())
+  assert int(seconds) == int(ns) // 10**9
+  assert int(before) <= int(seconds) <= after
   with open(os.path.join(logdir, name), "rb") as f:
     blob = f.read()
   records, at = [], 0
@@ -748,6 +761,8 @@ def test_event_files_are_tensorboardx_records_both_ways(tmp_path):
     assert f.read() == blob
   events = [event_pb2.Event.FromString(d) for d in records]
   assert events[0].file_version == "brain.Event:2"
+  assert events[0].wall_time == int(ns) / 1e9
+  assert all(before <= e.wall_time <= after for e in events)
   got = [(e.step, {v.tag: v.simple_value for v in e.summary.value})
          for e in events[1:]]
   train = {"train_loss": 0.75, "tokens_per_s": 12.5}
@@ -756,6 +771,23 @@ def test_event_files_are_tensorboardx_records_both_ways(tmp_path):
                  (28, {f"by_tokens/{k}": v for k, v in train.items()}),
                  (4, {f"by_step/{k}": v for k, v in evals.items()}),
                  (28, {f"by_tokens/{k}": v for k, v in evals.items()})]
+
+  # A flipped byte in a record's data or in a length's checksum is named.
+  path = os.path.join(logdir, name)
+  second = 12 + len(records[0]) + 4  # where record 1 starts
+  for at in (second + 12 + 3, second + 9):
+    bad = bytearray(blob)
+    bad[at] ^= 1
+    with open(path, "wb") as f:
+      f.write(bytes(bad))
+    with pytest.raises(ValueError, match="^" + re.escape(
+        f"{path}: corrupted record at byte {second}") + "$"):
+      curves.read_scalars(logdir)
+  # A line without a trial (a one-model run's) is trial 0's.
+  ours.eval({"step": 5, "mlm_ce": 1.0, "bayes_ce": 1.0, "ce_gap": 0.0,
+             "tv": 0.0})
+  assert curves.read_scalars(curves.trial_logdir(
+      str(tmp_path / "ours"), 0))["by_step/tv"] == [(5, 0.0)]
 
 
 def test_curves_say_where_they_go_and_only_process_0_writes(tmp_path,
