@@ -1,0 +1,214 @@
+"""hmmprompt.figure3.sweep in process, tuning stood in for: which cells a
+sweep tunes, in which programs, what each result line records, and how a
+rerun, a shard, a claim and a deadline divide the work. (The real tuning
+end to end: tests/integration/test_figure3_sweep.py.)"""
+
+import dataclasses
+import os
+import re
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from hmmprompt import figure3
+from hmmprompt import generative
+from hmmprompt import protocol
+from hmmprompt import results as results_lib
+from hmmprompt.figure3 import records
+from hmmprompt.figure3 import sweep
+
+# Two left sizes, the second (8 = 4 x 2) also the right panel's vanilla
+# twin, so one stack serves both panels with their own trial counts.
+SETUP = figure3.get_setup("tiny", trials=2, right_trials=1, tasks_per_hmm=2,
+                          left_sizes=(4, 8), memory_sizes=(2,),
+                          features=("raw",))
+H4, H8, M2 = protocol.vanilla(4), protocol.vanilla(8), protocol.memory(2)
+
+
+def _fields(cfg, k, s):
+  """The stand-in's result fields: distinct per arm, trial and task."""
+  arm = {"head": 0.0, "prompt": 0.5}[cfg.method] + (
+      0.25 if cfg.head == "attention" else 0.0)
+  return dict(test_accuracy=arm + k / 10 + s / 100, val_accuracy=0.5,
+              train_accuracy=0.25, final_loss=1.0 + s, steps=7 + k,
+              seconds=0.5)
+
+
+@pytest.fixture
+def tuned(monkeypatch):
+  """Replaces ``protocol.tune_lanes``; its calls: ``(method, head,
+  optimizer, lanes, trials in params, stack's trials)``."""
+  calls = []
+
+  def tune_lanes(setup, cfg, backbone, params_L, lanes, stack):
+    assert setup is SETUP or setup == SETUP
+    calls.append((cfg.method, cfg.head, cfg.optimizer,
+                  [(k, list(ss)) for k, ss in lanes],
+                  jax.tree.leaves(params_L)[0].shape[0],
+                  generative.num_trials(stack.models_K)))
+    return [[_fields(cfg, k, s) for s in ss] for k, ss in lanes]
+
+  monkeypatch.setattr(protocol, "tune_lanes", tune_lanes)
+  return calls
+
+
+def test_a_sweep_files_each_cell_once_with_its_draw(tmp_path, tuned):
+  workdir = str(tmp_path)
+  assert sweep.run(SETUP, workdir, "both", "exact") == []
+  # One program per group, over the rectangle of its trials x tasks; the
+  # stack holds the most trials any panel reads.
+  assert tuned == [
+      ("head", "linear", "adam", [(0, [0, 1]), (1, [0, 1])], 2, 2),
+      ("prompt", "linear", "adam", [(0, [0, 1]), (1, [0, 1])], 2, 2),
+      ("head", "linear", "adam", [(0, [0, 1]), (1, [0, 1])], 2, 2),
+      ("prompt", "linear", "adam", [(0, [0, 1]), (1, [0, 1])], 2, 2),
+      ("head", "linear", "adam", [(0, [0, 1])], 1, 2),
+      ("head", "attention", "adam", [(0, [0, 1])], 1, 1)]
+  lines = records.read_results(workdir)
+  assert len(lines) == len({r.key() for r in lines}) == 20
+  cells = {(r.panel, r.hmm, r.size, r.method): set() for r in lines}
+  for r in lines:
+    cells[r.panel, r.hmm, r.size, r.method].add((r.trial, r.task))
+  both, one = {(0, 0), (0, 1), (1, 0), (1, 1)}, {(0, 0), (0, 1)}
+  assert cells == {("left", "vanilla", 4, "head_linear"): both,
+                   ("left", "vanilla", 4, "prompt_linear"): both,
+                   ("left", "vanilla", 8, "head_linear"): both,
+                   ("left", "vanilla", 8, "prompt_linear"): both,
+                   ("right", "vanilla", 8, "head_linear"): one,
+                   ("right", "memory", 8, "head_attention"): one}
+  for mid in (H4, H8, M2):
+    stack = protocol.draw_stack(SETUP, mid, sweep.stack_size(SETUP, mid),
+                                SETUP.tasks_per_hmm, verdicts=True)
+    for r in lines:
+      if (r.hmm, r.num_states, r.memory_size) != (mid.hmm, mid.num_states,
+                                                 mid.memory_size):
+        continue
+      group, = [g for g in sweep.plan(SETUP)[mid]
+                if (g.panel, g.method_name) == (r.panel, r.method)]
+      cfg = group.tune_config(SETUP.tune)
+      want = dict(
+          backbone="exact", features="raw", setup=SETUP.fingerprint("exact"),
+          hmm_fingerprint=stack.fingerprints[r.trial],
+          task_redraws=stack.tasks[r.trial][r.task].redraws,
+          assumptions=stack.verdicts[r.trial][r.task],
+          tune_config=dataclasses.asdict(cfg),
+          task_config=dataclasses.asdict(SETUP.task), pretrain_steps=None,
+          pretrain_ce_gap=None, **_fields(cfg, r.trial, r.task))
+      assert {f: getattr(r, f) for f in want} == want
+  assert {r.size for r in lines if r.hmm == "memory"} == {8}
+  assert {r.memory_size for r in lines} == {0, 2}
+
+  # A rerun tunes nothing; a lost cell is tuned alone, in its own program.
+  tuned.clear()
+  assert sweep.run(SETUP, workdir, "both", "exact") == []
+  assert tuned == []
+  path = records.results_path(workdir)
+  kept = [r for r in lines if not (r.method == "prompt_linear" and r.size == 4
+                                   and (r.trial, r.task) == (1, 0))]
+  results_lib.atomic_write_text(path, "".join(
+      results_lib.json.dumps(r.to_json()) + "\n" for r in kept))
+  sweep.run(SETUP, workdir, "both", "exact")
+  assert tuned == [("prompt", "linear", "adam", [(1, [0])], 1, 2)]
+  assert sorted(r.key() for r in records.read_results(workdir)) == sorted(
+      r.key() for r in lines)
+
+
+def test_missing_cells_are_the_plans_cells_without_a_line(tmp_path, tuned):
+  workdir = str(tmp_path)
+  missing = sweep.missing_cells(SETUP, workdir, "both", "exact")
+  assert list(missing) == [H4, H8, M2]
+  assert [(g.panel, g.method_name, len(c)) for g, c in missing[H8].items()
+          ] == [("left", "head_linear", 4), ("left", "prompt_linear", 4),
+                ("right", "head_linear", 2)]
+  assert [(g.panel, c) for g, c in missing[H8].items()][-1] == (
+      "right", {(0, 0), (0, 1)})
+  sweep.run(SETUP, workdir, "left", "exact")
+  left_done = sweep.missing_cells(SETUP, workdir, "both", "exact")
+  assert left_done[H4] == {}
+  assert [g.panel for g in left_done[H8]] == ["right"]
+  assert list(left_done[M2]) == [g for g in sweep.plan(SETUP)[M2]]
+  # Lines of another backbone or setup are another sweep's cells.
+  assert sweep.missing_cells(SETUP, workdir, "left", "transformer")[H4]
+  other = dataclasses.replace(SETUP, seed=SETUP.seed + 1)
+  assert sweep.missing_cells(other, workdir, "left", "exact")[H4]
+  assert sweep.missing_cells(SETUP, workdir, "left", "exact") == {
+      H4: {}, H8: {}}
+
+
+def test_shards_claims_and_deadlines_divide_whole_stacks(tmp_path, tuned):
+  order = list(sweep.plan(SETUP))
+  assert order == [H4, H8, M2]
+  for i in range(2):
+    workdir = str(tmp_path / "sharded")
+    tuned.clear()
+    sweep.run(SETUP, workdir, "both", "exact", num_tasks=2, task_index=i)
+    lines = results_lib.read_jsonl(records.results_path(workdir, 2, i))
+    assert os.path.basename(records.results_path(workdir, 2, i)) == (
+        f"results-0000{i}-of-00002.jsonl")
+    mine = {(m["hmm"], m["num_states"]) for m in lines}
+    assert mine == ({("vanilla", 4), ("memory", 4)} if i == 0
+                    else {("vanilla", 8)})
+  assert len(records.read_results(str(tmp_path / "sharded"))) == 20
+
+  asked = []
+  claimed = str(tmp_path / "claimed")
+  sweep.run(SETUP, claimed, "both", "exact",
+            claim=lambda mid: asked.append(mid) or mid != H4,
+            results_file=os.path.join(claimed, "mine.jsonl"))
+  # The costliest first: the largest stacks, then |H| x max(|M|, 1).
+  assert asked == [H8, H4, M2]
+  assert {(m["hmm"], m["num_states"]) for m in results_lib.read_jsonl(
+      os.path.join(claimed, "mine.jsonl"))} == {("vanilla", 8),
+                                                ("memory", 4)}
+
+  tuned.clear()
+  late = str(tmp_path / "late")
+  assert sweep.run(SETUP, late, "both", "exact",
+                   deadline=time.monotonic() - 1) == [m.tag for m in order]
+  assert tuned == [] and records.read_results(late) == []
+  # pretrain_only makes the backbones and tunes nothing.
+  assert sweep.run(SETUP, late, "both", "exact", pretrain_only=True) == []
+  assert tuned == []
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(backbone_name="bert"), "backbone must be one of ('exact', "
+     "'transformer'), got 'bert'"),
+    (dict(panel="top"), "panel must be left, right or both, got 'top'"),
+    (dict(num_tasks=2, task_index=2), "task_index 2 not in [0, 2)"),
+    (dict(num_tasks=2, task_index=-1), "task_index -1 not in [0, 2)"),
+    (dict(num_tasks=0, task_index=0), "task_index 0 not in [0, 0)")])
+def test_a_bad_run_is_refused_by_name_before_any_work(tmp_path, tuned,
+                                                      kwargs, message):
+  args = {**dict(setup=SETUP, workdir=str(tmp_path / "w"), panel="both",
+                 backbone_name="exact"), **kwargs}
+  with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+    sweep.run(**args)
+  assert not os.path.exists(tmp_path / "w") and tuned == []
+
+
+def test_exact_backbones_are_the_stacks_hmms(tmp_path):
+  models = sweep.make_models(SETUP, H8)
+  assert generative.num_trials(models) == 2
+  bb, params_K, fields, configs = sweep.backbones(str(tmp_path), SETUP, H8,
+                                                  models, "exact")
+  assert bb.name == "exact" and fields == [{}, {}] and configs == [None] * 2
+  for k in range(2):
+    want = generative.as_hmm(generative.trial(models, k))
+    for a, b in zip(jax.tree.leaves(params_K), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(a[k], b)
+  assert not os.listdir(tmp_path)  # nothing pretrained
+
+
+def test_a_stack_without_verdicts_is_refused_by_name(tuned):
+  mid = M2
+  stack = protocol.draw_stack(SETUP, mid, 1, 1)
+  models = stack.models_K
+  trials = sweep.Trials(stack, *sweep.backbones("unused", SETUP, mid, models,
+                                                "exact"))
+  group = sweep.plan(SETUP)[mid][0]
+  with pytest.raises(ValueError, match="^" + re.escape(
+      f"{mid}: the stack has no assumption verdicts") + "$"):
+    sweep.tune_group(SETUP, "exact", group, trials, {(0, 0)})
