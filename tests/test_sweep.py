@@ -18,6 +18,7 @@ from hmmprompt import protocol
 from hmmprompt import results as results_lib
 from hmmprompt.figure3 import records
 from hmmprompt.figure3 import sweep
+from hmmprompt.backbones import transformer
 
 # Two left sizes, the second (8 = 4 x 2) also the right panel's vanilla
 # twin, so one stack serves both panels with their own trial counts.
@@ -29,7 +30,7 @@ H4, H8, M2 = protocol.vanilla(4), protocol.vanilla(8), protocol.memory(2)
 
 def _fields(cfg, k, s):
   """The stand-in's result fields: distinct per arm, trial and task."""
-  arm = {"head": 0.0, "prompt": 0.5}[cfg.method] + (
+  arm = {"head": 0.0, "prompt": 0.5, "finetune": 0.125}[cfg.method] + (
       0.25 if cfg.head == "attention" else 0.0)
   return dict(test_accuracy=arm + k / 10 + s / 100, val_accuracy=0.5,
               train_accuracy=0.25, final_loss=1.0 + s, steps=7 + k,
@@ -43,7 +44,7 @@ def tuned(monkeypatch):
   calls = []
 
   def tune_lanes(setup, cfg, backbone, params_L, lanes, stack):
-    assert setup is SETUP or setup == SETUP
+    assert backbone.name in ("exact", "transformer")
     calls.append((cfg.method, cfg.head, cfg.optimizer,
                   [(k, list(ss)) for k, ss in lanes],
                   jax.tree.leaves(params_L)[0].shape[0],
@@ -212,3 +213,135 @@ def test_a_stack_without_verdicts_is_refused_by_name(tuned):
   with pytest.raises(ValueError, match="^" + re.escape(
       f"{mid}: the stack has no assumption verdicts") + "$"):
     sweep.tune_group(SETUP, "exact", group, trials, {(0, 0)})
+
+
+def test_claims_take_the_costliest_stack_first(tmp_path, tuned):
+  """Equal stack sizes: ``|H| x max(|M|, 1)`` orders them, the plan's order
+  breaking ties."""
+  setup = dataclasses.replace(SETUP, right_trials=2)
+  asked = []
+  sweep.run(setup, str(tmp_path), "both", "exact",
+            claim=lambda mid: asked.append(mid) or False)
+  assert asked == [H8, M2, H4] and tuned == []
+
+
+def test_each_panel_alone_plans_and_runs_its_own_groups(tmp_path, tuned):
+  """The right panel alone, the features of each group, and the L-BFGS
+  twin on its head's panel."""
+  assert {m: [(g.panel, g.method_name) for g in gs] for m, gs in
+          sweep.plan(SETUP, "right").items()} == {
+              H8: [("right", "head_linear")], M2: [("right", "head_attention")]}
+  sweep.run(SETUP, str(tmp_path), "right", "exact")
+  assert {(r.panel, r.hmm) for r in records.read_results(str(tmp_path))} == {
+      ("right", "vanilla"), ("right", "memory")}
+  two = dataclasses.replace(SETUP, features=("raw", "log"), head_optimum=True)
+  groups = [g for gs in sweep.plan(two).values() for g in gs]
+  assert {(g.panel, g.method_name, g.features) for g in groups} == {
+      (panel, method, f) for f in ("raw", "log") for panel, method in (
+          ("left", "head_linear"), ("left", "head_linear_lbfgs"),
+          ("left", "prompt_linear"), ("right", "head_linear"),
+          ("right", "head_linear_lbfgs"), ("right", "head_attention"))}
+  assert len(groups) == 2 * (2 * 3 + 3)  # two left sizes
+
+
+def test_the_stamp_is_written_once_by_whoever_may_write(tmp_path,
+                                                         monkeypatch):
+  """``write=False`` (a chunk's results directory) and processes other
+  than 0 check without writing; an earlier version's stamp of other
+  counts is refused whole."""
+  fresh = tmp_path / "fresh"
+  fresh.mkdir()
+  sweep.check_workdir(str(fresh), SETUP, write=False)
+  assert not (fresh / "sweep.json").exists()
+  monkeypatch.setattr(sweep.jax, "process_index", lambda: 1)
+  sweep.check_workdir(str(fresh), SETUP)
+  assert not (fresh / "sweep.json").exists()
+  monkeypatch.setattr(sweep.jax, "process_index", lambda: 0)
+  sweep.stamp(str(fresh), SETUP.identity())
+  assert (results_lib.json.loads((fresh / "sweep.json").read_text())
+          == results_lib.json.loads(results_lib.json.dumps(SETUP.identity())))
+  old = tmp_path / "old"
+  old.mkdir()
+  (old / "sweep.json").write_text('{"trials": 2, "right_trials": 1}')
+  sweep.check_workdir(str(old), SETUP, write=False)  # checked, kept
+  assert (old / "sweep.json").read_text() == '{"trials": 2, "right_trials": 1}'
+  (old / "sweep.json").write_text('{"trials": 3, "right_trials": 3}')
+  with pytest.raises(ValueError, match="^" + re.escape(
+      f"{old} holds results of another setup (right_trials: 3 -> 1; "
+      f"trials: 3 -> 2); use a new --workdir (or the same config) to "
+      f"resume") + "$"):
+    sweep.check_workdir(str(old), SETUP)
+  (old / "sweep.json").write_text('{"trials": 2, "right_trials": 1}')
+  other = dataclasses.replace(SETUP, seed=SETUP.seed + 1)
+  sweep.check_workdir(str(old), SETUP)  # upgraded to the whole identity
+  with pytest.raises(ValueError, match="^" + re.escape(
+      f"{old} holds results of another setup (seed: {SETUP.seed} -> "
+      f"{other.seed}); use a new --workdir (or the same config) to resume")
+      + "$"):
+    sweep.check_workdir(str(old), other)
+
+
+@pytest.fixture
+def pretrained(monkeypatch):
+  """Stands in for pretraining and loading a stack of transformers: each
+  trial's info as ``pretrain.load_trials`` gives it; the calls
+  ``(pdir, recipe, models)``."""
+  calls = []
+
+  def pretrain(pdir, cfg, models_K):
+    calls.append((pdir, cfg, models_K))
+
+  def load_trials(pdir):
+    (_, cfg, models_K), = [c for c in calls if c[0] == pdir][-1:]
+    num = generative.num_trials(models_K)
+    infos = [{"config": cfg, "step": 30 + k, "metrics": {
+        "ce_gap": 0.01 * (k + 1), "tv": 0.1, "mlm_ce": 1.5, "bayes_ce": 1.4,
+        "wall_s": 2.0 + k, "layers": None}} for k in range(num)]
+    return (transformer.make_backbone(cfg.model), {"w": np.zeros((num, 3))},
+            infos)
+
+  monkeypatch.setattr(protocol, "pretrain", pretrain)
+  monkeypatch.setattr(sweep.pretrain_lib, "load_trials", load_trials)
+  return calls
+
+
+def test_a_transformer_sweep_pretrains_each_stack_in_its_own_directory(
+    tmp_path, tuned, pretrained):
+  setup = dataclasses.replace(SETUP, finetune=True)
+  workdir = str(tmp_path)
+  sweep.run(setup, workdir, "left", "transformer")
+  assert [(pdir, cfg) for pdir, cfg, _ in pretrained] == [
+      (protocol.pretrain_dir(workdir, setup, mid), setup.pretrain)
+      for mid in (H4, H8)]
+  for (_, _, models), mid in zip(pretrained, (H4, H8)):
+    assert generative.same(models, sweep.make_models(setup, mid))
+  assert [c[:3] for c in tuned] == [
+      ("head", "linear", "adam"), ("prompt", "linear", "adam"),
+      ("finetune", "linear", "adam")] * 2
+  lines = records.read_results(workdir)
+  assert len(lines) == 2 * 3 * 4
+  for r in lines:
+    assert (r.backbone, r.setup) == ("transformer",
+                                     setup.fingerprint("transformer"))
+    assert (r.pretrain_ce_gap, r.pretrain_steps, r.pretrain_wall_s) == (
+        0.01 * (r.trial + 1), 30 + r.trial, 2.0 + r.trial)
+  assert setup.fingerprint("transformer") != setup.fingerprint("exact")
+  assert not sweep.missing_cells(setup, workdir, "left", "transformer")[H4]
+  # pretrain_only pretrains the claimed stacks and tunes nothing.
+  pretrained.clear()
+  tuned.clear()
+  asked = []
+  sweep.run(setup, str(tmp_path / "p"), "both", "transformer",
+            pretrain_only=True,
+            claim=lambda mid: asked.append(mid) or mid != H4)
+  assert asked == [H8, H4, M2] and tuned == []
+  assert [(pdir, cfg) for pdir, cfg, _ in pretrained] == [
+      (protocol.pretrain_dir(str(tmp_path / "p"), setup, mid), setup.pretrain)
+      for mid in (H8, M2)]
+  # The transformer's context bounds its inputs, before any work.
+  long = figure3.get_setup("tiny", overrides={"task.seq_len": "40"})
+  with pytest.raises(ValueError, match="^" + re.escape(
+      f"prompt_len + 1 + seq_len = {long.input_len} positions exceed the "
+      f"pretrained context of {long.pretrain.model.max_len}")):
+    sweep.run(long, str(tmp_path / "long"), "left", "transformer")
+  sweep.run(long, str(tmp_path / "long"), "left", "exact")  # no context
