@@ -169,9 +169,10 @@ def test_shards_claims_and_deadlines_divide_whole_stacks(tmp_path, tuned):
   assert sweep.run(SETUP, late, "both", "exact",
                    deadline=time.monotonic() - 1) == [m.tag for m in order]
   assert tuned == [] and records.read_results(late) == []
-  # pretrain_only makes the backbones and tunes nothing.
+  # pretrain_only makes the backbones (exact: nothing to make) and tunes
+  # nothing.
   assert sweep.run(SETUP, late, "both", "exact", pretrain_only=True) == []
-  assert tuned == []
+  assert tuned == [] and sorted(os.listdir(late)) == ["sweep.json"]
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -327,6 +328,14 @@ def test_a_transformer_sweep_pretrains_each_stack_in_its_own_directory(
         0.01 * (r.trial + 1), 30 + r.trial, 2.0 + r.trial)
   assert setup.fingerprint("transformer") != setup.fingerprint("exact")
   assert not sweep.missing_cells(setup, workdir, "left", "transformer")[H4]
+  tuned.clear()
+  sweep.run(setup, workdir, "left", "transformer")  # its own lines: done
+  assert tuned == []
+  # Fine-tuning is an arm of the transformer's only when asked for.
+  assert [g.method_name for g in sweep.plan(SETUP, "left", "transformer")[
+      H4]] == ["head_linear", "prompt_linear"]
+  assert [g.method_name for g in sweep.plan(setup, "left", "exact")[H4]] == [
+      "head_linear", "prompt_linear"]
   # pretrain_only pretrains the claimed stacks and tunes nothing.
   pretrained.clear()
   tuned.clear()
