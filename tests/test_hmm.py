@@ -1,6 +1,7 @@
 import ast
 import inspect
 import itertools
+import re
 
 import chex
 import jax
@@ -488,3 +489,32 @@ def test_an_out_of_range_token_under_jit_makes_its_context_impossible():
   np.testing.assert_allclose(
       got[1], hmm_lib.conditionals(hmm, jnp.array([0, MASK, 1]))[1],
       rtol=1e-6)
+
+
+def test_a_stack_of_hmms_validates_with_its_batch_shape():
+  """``[K]`` stacked parameters are an HMM of batch shape ``(K,)``; an
+  emission whose state axis disagrees within the batch is named."""
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  stacked = jax.vmap(lambda k: hmm_lib.random_hmm(k, 4, 6))(keys)
+  arrays = [np.asarray(x) for x in stacked]
+  again = hmm_lib.HMM(*arrays)  # concrete: validated
+  assert again.initial.shape == (3, 4) and again.emission.shape == (3, 4, 6)
+  with pytest.raises(ValueError, match="^" + re.escape(
+      "HMM.emission must have shape [H, V] with H = 4 (and the batch shape "
+      "(3,) of HMM.initial), got (3, 5, 6)") + "$"):
+    hmm_lib.HMM(arrays[0], arrays[1], np.full((3, 5, 6), 1 / 6, np.float32))
+
+
+def test_safe_log_is_minus_infinity_with_a_zero_gradient_at_zero():
+  """The log-likelihood of an impossible sequence is ``-inf``; its
+  gradient is zero there, not ``inf`` or NaN (nothing downstream of a
+  ``where`` can then turn NaN)."""
+  x = jnp.array([0.0, 2.0, -1.0])
+  # XLA's float32 log is within a few ulp of the rounded value.
+  np.testing.assert_allclose(hmm_lib.safe_log(x),
+                             [-np.inf, np.log(2.0), -np.inf],
+                             rtol=4 * np.finfo(np.float32).eps)
+  for i, want in enumerate(([0.0, 0.0, 0.0], [0.0, 0.5, 0.0],
+                            [0.0, 0.0, 0.0])):
+    np.testing.assert_array_equal(
+        jax.grad(lambda v, i=i: hmm_lib.safe_log(v)[i])(x), want)
