@@ -124,6 +124,53 @@ def test_exact_targets_equal_brute_force(tiny_hmm):
                              atol=1e-6)
 
 
+def _brute_force_states(model, inputs, selected, bert):
+  """``[T, H]``: ``P[H_t | x~, S]``, enumerating every state path and true
+  sequence jointly (float64)."""
+  init, trans, emit = (np.asarray(a, np.float64) for a in model)
+  h, v = emit.shape
+  t = len(inputs)
+  post = np.zeros((t, h))
+  for xs in itertools.product(range(v), repeat=t):
+    lik = 1.0
+    for i in range(t):
+      if not selected[i]:
+        lik *= float(inputs[i] == xs[i])
+      elif inputs[i] == hmm_lib.MASK:
+        lik *= 0.8 if bert else 1.0
+      else:
+        lik *= 0.1 / v + 0.1 * (inputs[i] == xs[i])
+    if lik == 0:
+      continue
+    for path in itertools.product(range(h), repeat=t):
+      p = init[path[0]] * emit[path[0], xs[0]]
+      for i in range(1, t):
+        p *= trans[path[i - 1], path[i]] * emit[path[i], xs[i]]
+      for i in range(t):
+        post[i, path[i]] += p * lik
+  return post / post.sum(-1, keepdims=True)
+
+
+def test_exact_state_posterior_equals_brute_force(tiny_hmm):
+  """The state loss's target, with a kept-or-replaced symbol, MASKs and
+  unselected tokens; MASK-only corruption is the smoothing posterior of
+  the masked input."""
+  got = corpus_lib.exact_state_posterior(tiny_hmm, jnp.asarray(_INPUTS),
+                                         jnp.asarray(_SELECTED))
+  want = _brute_force_states(tiny_hmm, _INPUTS, _SELECTED, bert=True)
+  np.testing.assert_allclose(got, want, atol=2e-6)
+  masked = _INPUTS.copy()
+  masked[2] = hmm_lib.MASK
+  got_masked = corpus_lib.exact_state_posterior(
+      tiny_hmm, jnp.asarray(masked), jnp.asarray(_SELECTED))
+  np.testing.assert_allclose(
+      got_masked, _brute_force_states(tiny_hmm, masked, _SELECTED, False),
+      atol=2e-6)
+  assert np.abs(np.asarray(got_masked[2]) - np.asarray(got[2])).max() > 0.01
+  np.testing.assert_allclose(got_masked, hmm_lib.posterior(
+      tiny_hmm, jnp.asarray(masked)), atol=1e-6)
+
+
 def test_exact_target_gradient_is_mean_of_sampled_gradients(tiny_hmm):
   """Cross-entropy to the exact targets has the expected gradient of the
   sampled-target loss over draws of the true tokens given the corrupted
