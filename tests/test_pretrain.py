@@ -1112,3 +1112,46 @@ def test_a_trial_that_fell_back_without_its_fallback_run_is_named(tmp_path):
       f"trial 1 of {workdir} is above the target gap at the cap and its "
       f"fallback run {where} is missing: run run_trials to train it") + "$"):
     pretrain.load_trials(workdir)
+
+
+def test_progress_logs_rate_and_eta_without_compilation(monkeypatch):
+  """The log line's tokens/s is the window's (all trials stepping), and
+  its ETA extrapolates the time per step since the first window, which
+  holds the compilation; a non-finite loss is named by its step."""
+  from hmmprompt.pretrain import loop
+  clock = iter([100.0, 102.0, 103.0, 104.0])
+  monkeypatch.setattr(loop.time, "perf_counter", lambda: next(clock))
+  cfg = dataclasses.replace(TINY, steps=100)
+  tokens = cfg.batch_size * cfg.corpus.chunk_len
+  logs = []
+  progress = loop._Progress(cfg, 0, logs.append, trials=2)  # at 100 s
+  for loss in (1.0, 3.0):
+    progress.add(jnp.float32(loss))
+  assert progress.flush(10, 10, "ck") == 2 * tokens * 10 / 2  # at 102 s
+  # Two steps a second, 90 steps left.
+  assert logs[-1] == (f"step 10/100 loss 2.0000 {2 * tokens * 5 / 1e3:.1f}k "
+                      f"tokens/s ETA 18s")
+  progress.trials = 1
+  progress.add(jnp.float32(0.5))
+  assert progress.flush(30, 20, "ck") == tokens * 20 / 1  # at 103 s
+  # Since the first window: 20 steps in 1 s; 70 left.
+  assert logs[-1] == (f"step 30/100 loss 0.5000 {tokens * 20 / 1e3:.1f}k "
+                      f"tokens/s ETA 4s")
+  for loss in (0.5, np.nan, 0.5):
+    progress.add(jnp.float32(loss))
+  with pytest.raises(FloatingPointError, match="^" + re.escape(
+      "non-finite loss at step 32; stopping. The last good checkpoint "
+      "(step 30) is in ck; lower --lr or raise --warmup_steps") + "$"):
+    progress.flush(33, 30, "ck")
+  assert len(logs) == 2
+
+
+def test_trial_k_draws_from_its_seed_plus_k():
+  from hmmprompt.pretrain import loop
+  keys = loop.Keys.of(7, 3)
+  for k in range(3):
+    want = jax.random.split(jax.random.PRNGKey(7 + k), 4)
+    for i, field in enumerate(loop.Keys._fields):
+      np.testing.assert_array_equal(getattr(keys, field)[k], want[i])
+  assert loop.Keys._fields == ("init", "data", "corpus", "val")
+  np.testing.assert_array_equal(loop.Keys.of(8).init[0], keys.init[1])
