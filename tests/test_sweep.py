@@ -4,6 +4,7 @@ rerun, a shard, a claim and a deadline divide the work. (The real tuning
 end to end: tests/integration/test_figure3_sweep.py.)"""
 
 import dataclasses
+import json
 import os
 import re
 import time
@@ -109,7 +110,7 @@ def test_a_sweep_files_each_cell_once_with_its_draw(tmp_path, tuned):
   kept = [r for r in lines if not (r.method == "prompt_linear" and r.size == 4
                                    and (r.trial, r.task) == (1, 0))]
   results_lib.atomic_write_text(path, "".join(
-      results_lib.json.dumps(r.to_json()) + "\n" for r in kept))
+      json.dumps(r.to_json()) + "\n" for r in kept))
   sweep.run(SETUP, workdir, "both", "exact")
   assert tuned == [("prompt", "linear", "adam", [(1, [0])], 1, 2)]
   assert sorted(r.key() for r in records.read_results(workdir)) == sorted(
@@ -259,8 +260,8 @@ def test_the_stamp_is_written_once_by_whoever_may_write(tmp_path,
   assert not (fresh / "sweep.json").exists()
   monkeypatch.setattr(sweep.jax, "process_index", lambda: 0)
   sweep.stamp(str(fresh), SETUP.identity())
-  assert (results_lib.json.loads((fresh / "sweep.json").read_text())
-          == results_lib.json.loads(results_lib.json.dumps(SETUP.identity())))
+  assert (json.loads((fresh / "sweep.json").read_text())
+          == json.loads(json.dumps(SETUP.identity())))
   old = tmp_path / "old"
   old.mkdir()
   (old / "sweep.json").write_text('{"trials": 2, "right_trials": 1}')
