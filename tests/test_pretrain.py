@@ -1155,3 +1155,35 @@ def test_trial_k_draws_from_its_seed_plus_k():
       np.testing.assert_array_equal(getattr(keys, field)[k], want[i])
   assert loop.Keys._fields == ("init", "data", "corpus", "val")
   np.testing.assert_array_equal(loop.Keys.of(8).init[0], keys.init[1])
+
+
+def test_a_crash_between_a_checkpoint_and_its_evaluation_redoes_it(
+    tmp_path, trained, model, monkeypatch):
+  """Killed inside step 20's evaluation (its checkpoint written, its line
+  not), the rerun resumes from 20, evaluates it first, and ends with the
+  uninterrupted run's lines."""
+  from hmmprompt.pretrain import loop
+  real = loop.evaluate_lib.evaluate
+
+  def crash(*args, **kwargs):
+    raise _Crash
+
+  monkeypatch.setattr(loop.evaluate_lib, "evaluate", crash)
+  workdir = str(tmp_path)
+  with pytest.raises(_Crash):
+    pretrain.run(workdir, TINY, model, log=lambda s: None)
+  assert pretrain_workdir.read_metrics(pretrain_workdir.Paths.of(
+      workdir)) == []
+  monkeypatch.setattr(loop.evaluate_lib, "evaluate", real)
+  logs = []
+  final = pretrain.run(workdir, TINY, model, log=logs.append)
+  assert logs[0] == "resumed from step 20"
+  # Step 20's evaluation comes before any training step is logged.
+  first = [l for l in logs if l.startswith("step ")][0]
+  assert first.startswith("step 20: mlm_ce ")
+  drop = lambda m: {a: b for a, b in m.items() if a != "wall_s"}
+  whole = [json.loads(l) for l in open(os.path.join(trained[0],
+                                                    "metrics.jsonl"))]
+  got = pretrain_workdir.read_metrics(pretrain_workdir.Paths.of(workdir))
+  assert [drop(m) for m in got] == [drop(m) for m in whole]
+  assert drop(final) == drop(trained[1])
