@@ -1196,7 +1196,7 @@ def test_a_fixed_corpus_stack_trains_each_trial_on_its_own_corpus(tmp_path):
   cfg = TINY.with_overrides(
       corpus=dataclasses.replace(TINY.corpus, fresh=False, num_seqs=4,
                                  seq_len=2 * TINY.corpus.chunk_len),
-      steps=10, eval_every=10, ckpt_every=10, log_every=10)
+      steps=10, eval_every=10, ckpt_every=10, log_every=10, target_gap=10.0)
   stacked = generative.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6,
                                      10)
   logs = []
@@ -1204,5 +1204,23 @@ def test_a_fixed_corpus_stack_trains_each_trial_on_its_own_corpus(tmp_path):
   assert [(m["trial"], m["step"]) for m in final] == [(0, 10), (1, 10)]
   assert all(np.isfinite(m["mlm_ce"]) for m in final)
   assert final[0]["mlm_ce"] != final[1]["mlm_ce"]
-  for k in range(2):
+  for k, m in enumerate(final):
     assert any(l.startswith(f"trial {k} step 10: mlm_ce ") for l in logs)
+    assert (f"trial {k} CE gap {m['ce_gap']:.4f} <= target 10.0 at step "
+            f"10: stopping it") in logs
+
+
+def test_a_resumed_runs_wall_time_adds_the_killed_runs(tmp_path, model):
+  """``wall_s`` is the training time summed over the runs: a rerun starts
+  from its checkpoint's line's (set to 1000 s here) and adds its own."""
+  workdir = str(tmp_path)
+  with pytest.raises(_Crash):
+    pretrain.run(workdir, TINY, model, log=lambda s: None,
+                 after_step=_crash_after(20))
+  paths = pretrain_workdir.Paths.of(workdir)
+  (line,) = pretrain_workdir.read_metrics(paths)
+  assert 0 < line["wall_s"] < 1000
+  pretrain_workdir.write_metrics(paths, [{**line, "wall_s": 1000.0}])
+  t0 = time.perf_counter()
+  final = pretrain.run(workdir, TINY, model, log=lambda s: None)
+  assert 1000.0 < final["wall_s"] <= 1000.0 + time.perf_counter() - t0
