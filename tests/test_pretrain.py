@@ -242,11 +242,15 @@ def test_exact_targets_train_and_beat_sampled_at_equal_steps(
 def test_target_gap_stops_early_and_rerun_is_a_no_op(tmp_path, model):
   cfg = dataclasses.replace(TINY, steps=400, eval_every=20, ckpt_every=20,
                             target_gap=10.0)  # met at the first evaluation
-  first = pretrain.run(str(tmp_path), cfg, model, log=lambda s: None)
+  logs = []
+  first = pretrain.run(str(tmp_path), cfg, model, log=logs.append)
   assert first["step"] == 20 and first["ce_gap"] <= 10.0
+  assert (f"CE gap {first['ce_gap']:.4f} <= target 10.0 at step 20: "
+          f"stopping") in logs
   logs = []
   again = pretrain.run(str(tmp_path), cfg, model, log=logs.append)
-  assert again == first and any("already reached" in l for l in logs)
+  assert again == first and logs == [
+      "resumed from step 20", "already reached the target gap at step 20"]
   with pytest.raises(ValueError, match="target_gap must be > 0"):
     dataclasses.replace(TINY, target_gap=0.0)
 
