@@ -56,6 +56,19 @@ def test_masking_statistics_and_determinism():
 
 
 
+def _corruption_lik(inputs, selected, xs, v, bert):
+  """``P(x~ | x, S)`` of one true sequence ``xs``, position by position."""
+  lik = 1.0
+  for i, x in enumerate(xs):
+    if not selected[i]:
+      lik *= float(inputs[i] == x)
+    elif inputs[i] == hmm_lib.MASK:
+      lik *= 0.8 if bert else 1.0
+    else:  # BERT's random (10%, any symbol) or kept (10%) token
+      lik *= 0.1 / v + 0.1 * (inputs[i] == x)
+  return lik
+
+
 def _sequence_posterior(model, inputs, selected, bert):
   """Every true sequence ``[N, T]`` and ``P(x | x~, S)``, by enumerating
   state paths (float64)."""
@@ -70,15 +83,8 @@ def _sequence_posterior(model, inputs, selected, bert):
     for i in range(1, t):
       p_paths = p_paths * trans[paths[:, i - 1], paths[:, i]] * emit[
           paths[:, i], xs[i]]
-    lik = 1.0
-    for i in range(t):
-      if not selected[i]:
-        lik *= float(inputs[i] == xs[i])
-      elif inputs[i] == hmm_lib.MASK:
-        lik *= 0.8 if bert else 1.0
-      else:  # BERT's random (10%, any symbol) or kept (10%) token
-        lik *= 0.1 / v + 0.1 * (inputs[i] == xs[i])
-    weights.append(p_paths.sum() * lik)
+    weights.append(p_paths.sum() * _corruption_lik(inputs, selected, xs, v,
+                                                   bert))
   weights = np.array(weights)
   return seqs, weights / weights.sum()
 
@@ -132,14 +138,7 @@ def _brute_force_states(model, inputs, selected, bert):
   t = len(inputs)
   post = np.zeros((t, h))
   for xs in itertools.product(range(v), repeat=t):
-    lik = 1.0
-    for i in range(t):
-      if not selected[i]:
-        lik *= float(inputs[i] == xs[i])
-      elif inputs[i] == hmm_lib.MASK:
-        lik *= 0.8 if bert else 1.0
-      else:
-        lik *= 0.1 / v + 0.1 * (inputs[i] == xs[i])
+    lik = _corruption_lik(inputs, selected, xs, v, bert)
     if lik == 0:
       continue
     for path in itertools.product(range(h), repeat=t):
