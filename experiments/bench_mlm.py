@@ -38,10 +38,7 @@ from hmmprompt import pretrain
 from hmmprompt import sharding
 from hmmprompt.backbones import transformer
 
-# Dense peak TFLOP/s by (device kind substring, dtype), from vendor specs.
-PEAK_TFLOPS = {("H100", "bfloat16"): 989.0, ("H100", "float32"): 494.5,
-               ("H200", "bfloat16"): 989.0, ("H200", "float32"): 494.5,
-               ("A100", "bfloat16"): 312.0, ("A100", "float32"): 156.0}
+from experiments import mfu
 
 _PRESET = flags.DEFINE_enum("preset", "cpu", list(pretrain.PRESETS),
                             "pretraining preset whose step is timed")
@@ -87,18 +84,6 @@ def model_config(shape: dict, vocab: int) -> transformer.MLMConfig:
                                num_layers=shape["num_layers"],
                                max_len=shape["seq_len"], dtype=shape["dtype"],
                                attention=shape.get("attention", "auto"))
-
-
-def peak_tflops(dtype: str) -> float | None:
-  if _PEAK.value is not None:
-    return _PEAK.value
-  if jax.default_backend() != "gpu":
-    return None
-  kind = jax.devices()[0].device_kind
-  for (name, dt), peak in PEAK_TFLOPS.items():
-    if name in kind and dt == dtype:
-      return peak
-  return None
 
 
 def _time(step_fn, sync):
@@ -201,7 +186,7 @@ def main(argv):
   tokens = shape["batch_size"] * shape["seq_len"]
   flops = (transformer.train_flops_per_token(model_config(shape, vocab),
                                              shape["seq_len"]) * tokens)
-  peak = peak_tflops(shape["dtype"])
+  peak = mfu.peak_tflops(shape["dtype"], _PEAK.value)
   print(f"MLM train step, d={shape['d_model']} layers={shape['num_layers']} "
         f"heads={shape['num_heads']} T={shape['seq_len']} "
         f"B={shape['batch_size']} {shape['dtype']}; jax {jax.__version__} on "
@@ -209,11 +194,9 @@ def main(argv):
         + (f"; peak {peak:.0f} TFLOP/s" if peak else ""))
 
   def report(name, sec, n_params, extra=""):
-    tflops = flops / sec / 1e12
-    mfu = f", MFU {100 * tflops / peak:.1f}%" if peak else ""
     print(f"  {name:22s} {tokens / sec / 1e3:9.1f}k tokens/s "
           f"({n_params} params, {1e3 * sec:.2f} ms/step, "
-          f"{tflops:.2f} TFLOP/s{mfu}{extra})")
+          f"{mfu.describe(flops, sec, peak)}{extra})")
 
   t_ours, n_ours = bench_ours(shape, vocab)
   attention = model_config(shape, vocab).resolved_attention
