@@ -7,6 +7,7 @@ import re
 import shutil
 import socket
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -239,18 +240,37 @@ def test_exact_targets_train_and_beat_sampled_at_equal_steps(
     dataclasses.replace(TINY.corpus, corruption="drop")
 
 
-def test_target_gap_stops_early_and_rerun_is_a_no_op(tmp_path, model):
+def test_target_gap_stops_early_and_rerun_is_a_no_op(tmp_path, model,
+                                                      monkeypatch):
+  """Also: every checkpoint manager the loop opens (the rotation and
+  ``retained/``) is closed on each way out, the early return included."""
+  opened = []
+
+  class Tracked(ckpt_lib.Checkpoints):
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **kwargs)
+      self.closed = False
+      opened.append(self)
+
+    def close(self):
+      self.closed = True
+      super().close()
+
+  monkeypatch.setattr(ckpt_lib, "Checkpoints", Tracked)
   cfg = dataclasses.replace(TINY, steps=400, eval_every=20, ckpt_every=20,
-                            target_gap=10.0)  # met at the first evaluation
+                            target_gap=10.0,  # met at the first evaluation
+                            retain=(0, 20))
   logs = []
   first = pretrain.run(str(tmp_path), cfg, model, log=logs.append)
   assert first["step"] == 20 and first["ce_gap"] <= 10.0
   assert (f"CE gap {first['ce_gap']:.4f} <= target 10.0 at step 20: "
           f"stopping") in logs
+  assert len(opened) == 2 and all(m.closed for m in opened)
   logs = []
   again = pretrain.run(str(tmp_path), cfg, model, log=logs.append)
   assert again == first and logs == [
       "resumed from step 20", "already reached the target gap at step 20"]
+  assert len(opened) == 4 and all(m.closed for m in opened)
   with pytest.raises(ValueError, match="target_gap must be > 0"):
     dataclasses.replace(TINY, target_gap=0.0)
 
@@ -1214,17 +1234,39 @@ def test_a_fixed_corpus_stack_trains_each_trial_on_its_own_corpus(tmp_path):
             f"10: stopping it") in logs
 
 
-def test_a_resumed_runs_wall_time_adds_the_killed_runs(tmp_path, model):
+def test_a_resumed_runs_wall_time_adds_the_killed_runs(tmp_path, model,
+                                                       monkeypatch):
   """``wall_s`` is the training time summed over the runs: a rerun starts
   from its checkpoint's line's (set to 1000 s here) and adds its own."""
+  from hmmprompt.pretrain import loop
   workdir = str(tmp_path)
-  with pytest.raises(_Crash):
-    pretrain.run(workdir, TINY, model, log=lambda s: None,
-                 after_step=_crash_after(20))
+  # The first run on a stopped clock: a fresh run's wall time starts at 0.
+  with monkeypatch.context() as patch:
+    patch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: 7.0))
+    with pytest.raises(_Crash):
+      pretrain.run(workdir, TINY, model, log=lambda s: None,
+                   after_step=_crash_after(20))
   paths = pretrain_workdir.Paths.of(workdir)
   (line,) = pretrain_workdir.read_metrics(paths)
-  assert 0 < line["wall_s"] < 1000
+  assert line["wall_s"] == 0.0
   pretrain_workdir.write_metrics(paths, [{**line, "wall_s": 1000.0}])
   t0 = time.perf_counter()
   final = pretrain.run(workdir, TINY, model, log=lambda s: None)
   assert 1000.0 < final["wall_s"] <= 1000.0 + time.perf_counter() - t0
+
+
+def test_evaluations_fall_on_every_multiple_cycle_end_and_the_last_step():
+  """``_is_eval``: a multiple of ``eval_every``, the last step, or the end
+  of a cycle (where an early stop may happen), whichever; ``_reached``: a
+  gap at the target counts."""
+  from hmmprompt.pretrain import loop
+  cfg = dataclasses.replace(TINY, steps=43, cycles=(25, 18), eval_every=10,
+                            target_gap=0.5)
+  assert cfg.cycle_ends == (25, 43)
+  assert [d for d in range(1, 44) if loop._is_eval(cfg, d)] == [
+      10, 20, 25, 30, 40, 43]
+  assert [d for d in range(1, 44) if loop._may_stop(cfg, d)] == [25, 43]
+  assert loop._reached(cfg, {"ce_gap": 0.5})
+  assert not loop._reached(cfg, {"ce_gap": float(np.nextafter(0.5, 1.0))})
+  assert not loop._reached(dataclasses.replace(cfg, target_gap=None),
+                           {"ce_gap": 0.0})
