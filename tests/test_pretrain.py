@@ -586,16 +586,29 @@ def test_layout1_one_model_run_is_refused_by_name(tmp_path, model):
 
 @pytest.mark.slow
 def test_load_retained_stacks_every_retained_step_of_every_trial(tmp_path):
-  """``retain=(0, 20)`` of a 2-stack: ``params_QxK[1, k]`` is trial ``k``'s
-  state at step 20 (what the same run killed there holds), step 0's
+  """``retain=(0, 10, 20)`` of a 2-stack: ``params_QxK[2, k]`` is trial
+  ``k``'s state at step 20 (what the same run killed there holds), step 0's
   another, and each trial's info names its config, model and steps."""
   stacked = generative.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6,
                                      10)
-  cfg = dataclasses.replace(TINY, retain=(0, 20))
+  cfg = dataclasses.replace(TINY, retain=(0, 10, 20))
   workdir = str(tmp_path / "run")
   pretrain.run_trials(workdir, cfg, stacked, log=lambda s: None)
   _, params_QxK, steps, infos = pretrain_workdir.load_retained(workdir)
-  assert steps == [0, 20]
+  assert steps == [0, 10, 20]
+  # evaluate_checkpoints: at an evaluation step (20), trial k's line of
+  # metrics.jsonl (the same params and validation set); at the others, the
+  # same measure of that step's state.
+  metrics_QxK = pretrain.evaluate_checkpoints(cfg, stacked, params_QxK)
+  assert [len(row) for row in metrics_QxK] == [2, 2, 2]
+  lines = pretrain_workdir.read_metrics(pretrain_workdir.Paths.of(workdir))
+  for k in range(2):
+    (line,) = [m for m in lines if (m["trial"], m["step"]) == (k, 20)]
+    assert metrics_QxK[2][k] == {a: b for a, b in line.items()
+                                 if a not in ("trial", "step", "wall_s")}
+    gaps = [metrics_QxK[q][k]["ce_gap"] for q in range(3)]
+    assert gaps[0] > gaps[1] > gaps[2] > 0, gaps  # training closes the gap
+  assert metrics_QxK[0][0] != metrics_QxK[0][1]  # each trial's own HMM
   # The same run killed after step 20 (a checkpoint step) holds step 20.
   crashed = str(tmp_path / "crashed")
   with pytest.raises(_Crash):
@@ -605,11 +618,11 @@ def test_load_retained_stacks_every_retained_step_of_every_trial(tmp_path):
   at_20 = pretrain.load_trials(crashed)[1]
   equal = lambda a, b: np.testing.assert_array_equal(np.asarray(a),
                                                      np.asarray(b))
-  jax.tree.map(lambda a, b: equal(a[1], b), params_QxK, at_20)
-  assert not all(np.array_equal(np.asarray(a[0]), np.asarray(a[1]))
+  jax.tree.map(lambda a, b: equal(a[2], b), params_QxK, at_20)
+  assert not all(np.array_equal(np.asarray(a[0]), np.asarray(a[2]))
                  for a in jax.tree.leaves(params_QxK))
   for k, info in enumerate(infos):
-    assert info["config"] == cfg and info["steps"] == [0, 20]
+    assert info["config"] == cfg and info["steps"] == [0, 10, 20]
     assert generative.same(info["model"], generative.trial(stacked, k))
 
 
@@ -681,10 +694,16 @@ def test_tensorboard_curves_per_trial_read_back_across_a_resume(tmp_path):
     assert got["by_step/ce_gap"][:1] == before[k]["by_step/ce_gap"]
     assert all(v > 0 for _, v in got["by_step/tokens_per_s"])
     losses.append(dict(got["by_step/train_loss"]))
-  # The log line's loss is the mean over both trials.
+  # The log line's loss is the mean over both trials; its tokens/s counts
+  # both, each trial's curve its share (the line rounds to 0.1k: 50).
   logged = [l for l in logs if l.startswith("step 40/40 loss ")][0]
   assert float(logged.split()[3]) == pytest.approx(
       (losses[0][40] + losses[1][40]) / 2, abs=1e-4)
+  rate = float(logged.split()[4].removesuffix("k")) * 1e3
+  for k in range(2):
+    got = dict(curves.read_scalars(curves.trial_logdir(
+        workdir, k))["by_step/tokens_per_s"])
+    assert 2 * got[40] == pytest.approx(rate, abs=51)
 
 
 def test_curves_match_losses_to_trials_and_skip_without_tensorboardx(
@@ -893,6 +912,16 @@ def test_fallback_gaps_check_the_earlier_cycle_ends():
       cfg.with_overrides(**bad)
 
 
+def _fallback_line(logs, deeper: int, warm: bool) -> str:
+  """The log line announcing trial 1's fallback at the cap (step 40), with
+  the gap its own evaluation logged."""
+  (gap,) = [s.split()[-3] for s in logs if s.startswith("trial 1 step 40: ")]
+  return (f"trial 1: CE gap {gap} at step 40, above that step's fallback "
+          f"check (target_gap at the cap, fallback_gap(s) before it); "
+          f"pretraining it again with {deeper} layers"
+          f"{' from it' if warm else ''}")
+
+
 @pytest.mark.slow
 def test_a_trial_short_of_the_target_at_the_cap_falls_back_to_depth(
     tmp_path):
@@ -911,8 +940,8 @@ def test_a_trial_short_of_the_target_at_the_cap_falls_back_to_depth(
   # Trial 0 stops at step 20 (gap 0.29); trial 1 ends the cap above 0.5.
   assert [m["step"] for m in final] == [20, final[1]["step"]]
   assert "layers" not in final[0] and final[1]["layers"] == deeper
-  assert any("trial 1: CE gap" in s and f"with {deeper} layers" in s
-             for s in logs)
+  assert [s for s in logs if s.startswith("trial 1: CE gap")] == [
+      _fallback_line(logs, deeper, warm=False)]
   alone = pretrain.run_trials(str(tmp_path / "alone"), cfg.fallback(1),
                               generative.stack([generative.trial(stacked, 1)]),
                               log=lambda s: None)[0]
@@ -963,8 +992,11 @@ def test_a_warm_fallback_starts_from_the_trial_as_it_stopped(tmp_path):
   stacked = generative.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6,
                                      10)
   workdir = str(tmp_path / "stack")
-  final = pretrain.run_trials(workdir, cfg, stacked, log=lambda s: None)
+  logs = []
+  final = pretrain.run_trials(workdir, cfg, stacked, log=logs.append)
   assert "layers" not in final[0] and final[1]["layers"] == deeper
+  assert [s for s in logs if s.startswith("trial 1: CE gap")] == [
+      _fallback_line(logs, deeper, warm=True)]
   # The stack's retained states are not trial 1's tuned model: refused.
   with pytest.raises(ValueError, match="^" + re.escape(
       f"trials [1] of {workdir} fell back to {deeper} layers: load_retained "
@@ -1270,3 +1302,59 @@ def test_evaluations_fall_on_every_multiple_cycle_end_and_the_last_step():
   assert not loop._reached(cfg, {"ce_gap": float(np.nextafter(0.5, 1.0))})
   assert not loop._reached(dataclasses.replace(cfg, target_gap=None),
                            {"ce_gap": 0.0})
+
+
+def test_run_trials_names_an_unstacked_model(tmp_path, model):
+  with pytest.raises(ValueError, match="^" + re.escape(
+      "run_trials needs [K] stacked models (generative.random_models or "
+      "generative.stack); use run for one model") + "$"):
+    pretrain.run_trials(str(tmp_path), TINY, model, log=lambda s: None)
+  assert not os.listdir(tmp_path)  # refused before writing anything
+
+
+def test_a_run_resumed_with_retain_keeps_every_step_from_its_resume(
+    tmp_path, model):
+  """``retain`` is a runtime field: a run started without it and resumed
+  with it retains its resume step and every later one (however many:
+  ``retained/`` rotates nothing), and names the steps it trained past."""
+  workdir = str(tmp_path)
+  with pytest.raises(_Crash):
+    pretrain.run(workdir, TINY, model, log=lambda s: None,
+                 after_step=_crash_after(10))
+  logs = []
+  pretrain.run(workdir, dataclasses.replace(
+      TINY, retain=(0, 5, 10, 15, 25, 30, 35)), model, log=logs.append)
+  assert logs[:2] == [
+      "resumed from step 10",
+      "retain: steps [0, 5] were trained past without being retained "
+      "(resumed from step 10); a new workdir retains them"]
+  assert pretrain_workdir.load_retained(workdir)[2] == [10, 15, 25, 30, 35]
+
+
+def test_a_stopped_trial_keeps_its_state_while_the_others_train(
+    tmp_path, monkeypatch):
+  """Trial 0 stops at its first evaluation (step 20) while trial 1 trains
+  on, with exact targets (each trial's own HMM in the step): the stack's
+  checkpoints hold trial 0 as it stopped; the progress line comes every
+  ``log_every`` steps."""
+  from hmmprompt.pretrain import loop
+  monkeypatch.setattr(loop, "_reached",
+                      lambda cfg, m: m.get("trial") == 0)
+  cfg = dataclasses.replace(TINY, targets="exact", retain=(20, 40))
+  stacked = generative.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6,
+                                     10)
+  workdir = str(tmp_path)
+  logs = []
+  final = pretrain.run_trials(workdir, cfg, stacked, log=logs.append)
+  assert [(m["trial"], m["step"]) for m in final] == [(0, 20), (1, 40)]
+  assert [int(s.split()[1].split("/")[0]) for s in logs
+          if re.match(r"step \d+/40 loss ", s)] == [10, 20, 30, 40]
+  params_QxK = pretrain_workdir.load_retained(workdir)[1]
+  for leaf in jax.tree.leaves(params_QxK):
+    np.testing.assert_array_equal(leaf[1, 0], leaf[0, 0])  # as it stopped
+  assert not all(np.array_equal(leaf[1, 1], leaf[0, 1])
+                 for leaf in jax.tree.leaves(params_QxK))
+  # And the last checkpoint (step 40): trial 0 at 20, trial 1 at 40.
+  params_K = pretrain.load_trials(workdir)[1]
+  for leaf, at in zip(jax.tree.leaves(params_K), jax.tree.leaves(params_QxK)):
+    np.testing.assert_array_equal(leaf, at[1])
