@@ -569,6 +569,24 @@ def test_damaged_newest_checkpoint_falls_back_and_ends_as_uninterrupted(
     pretrain.run(crashed, TINY, model, log=lambda s: None)
 
 
+def test_evaluations_past_the_restored_checkpoint_are_redone_once(
+    tmp_path, trained, model):
+  """A finished run (checkpoints 30 and 40, lines at 20 and 40) whose
+  newest checkpoint is lost resumes from 30: step 40's line, past it, is
+  dropped and redone, so the lines are the uninterrupted run's, once."""
+  workdir = str(tmp_path / "copy")
+  shutil.copytree(trained[0], workdir)
+  _damage(os.path.join(workdir, "checkpoints", "40"), "item folder missing")
+  logs = []
+  final = pretrain.run(workdir, TINY, model, log=logs.append)
+  assert "resumed from step 30" in logs
+  drop = lambda m: {a: b for a, b in m.items() if a != "wall_s"}
+  got = pretrain_workdir.read_metrics(pretrain_workdir.Paths.of(workdir))
+  want = pretrain_workdir.read_metrics(pretrain_workdir.Paths.of(trained[0]))
+  assert [drop(m) for m in got] == [drop(m) for m in want]
+  assert drop(final) == drop(trained[1])
+
+
 def test_layout1_one_model_run_is_refused_by_name(tmp_path, model):
   """A one-model workdir written before layout 2 (bare config.json, an
   unstacked model and checkpoint) is refused by name, resume and load."""
