@@ -966,6 +966,23 @@ def test_a_trial_short_of_the_target_at_the_cap_falls_back_to_depth(
   drop = lambda d: {a: b for a, b in d.items()
                     if a not in ("wall_s", "trial", "layers")}
   assert drop(final[1]) == drop(alone)
+  # Killed inside the fallback run (its step 10, the second step 10 seen),
+  # the rerun finds the stack done and resumes the fallback run.
+  seen = []
+
+  def crash_in_fallback(step):
+    seen.append(step)
+    if seen.count(10) == 2:
+      raise _Crash
+
+  crashed = str(tmp_path / "crashed")
+  with pytest.raises(_Crash):
+    pretrain.run_trials(crashed, cfg, stacked, log=lambda s: None,
+                        after_step=crash_in_fallback)
+  logs = []
+  again = pretrain.run_trials(crashed, cfg, stacked, log=logs.append)
+  assert "resumed from step 10" in logs
+  assert [drop(m) for m in again] == [drop(m) for m in final]
 
   backbone, params_k, infos = pretrain.load_trials(workdir)
   assert infos[1]["metrics"]["layers"] == deeper
