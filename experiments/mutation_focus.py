@@ -146,7 +146,10 @@ def _serve(tests: list[str]) -> None:
   clean = lambda: run("")
   if clean() != 0:
     raise SystemExit("the tests fail without a mutant")
-  for line in sys.stdin:
+  print("ready", file=out, flush=True)
+  # One name at a time, each sent after the last verdict: readline, since
+  # iterating over stdin could wait for more than one line.
+  for line in iter(sys.stdin.readline, ""):
     if name := line.strip():
       print(run(name), name, file=out, flush=True)
   if clean() != 0:
@@ -157,29 +160,37 @@ def _serve(tests: list[str]) -> None:
 def _in_process(todo: list[str], tests: list[str]):
   """Yields ``(name, verdict)`` as the ``--in_process`` workers report."""
   verdicts: queue.Queue = queue.Queue()
+  # A shared queue, not fixed shares: a mutant that survives runs every
+  # test (minutes), one that dies may stop at the first; fixed shares left
+  # one worker idle while the other had half its list to go.
+  names: queue.SimpleQueue = queue.SimpleQueue()
+  for name in todo:
+    names.put(name)
 
-  def work(share: list[str]) -> None:
+  def work() -> None:
     try:
       proc = subprocess.Popen(
           [sys.executable, os.path.abspath(__file__), "--serve",
            "--module=-", "--tests=" + ",".join(tests)], cwd=_MUTANTS_DIR,
           text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
           stderr=subprocess.DEVNULL)
-      proc.stdin.write("".join(n + "\n" for n in share))
-      proc.stdin.close()
-      for line in proc.stdout:
-        code, name = line.split()
-        verdicts.put((name, {0: _SURVIVED, 1: _KILLED}.get(int(code),
-                                                           _CRASHED)))
+      for line in iter(proc.stdout.readline, ""):
+        if line.split() != ["ready"]:
+          code, name = line.split()
+          verdicts.put((name, {0: _SURVIVED, 1: _KILLED}.get(int(code),
+                                                             _CRASHED)))
+        try:
+          proc.stdin.write(names.get_nowait() + "\n")
+          proc.stdin.flush()
+        except queue.Empty:
+          proc.stdin.close()
       verdicts.put(proc.wait())
     except Exception as e:  # pylint: disable=broad-except
       verdicts.put(e)
 
-  shares = [s for s in (todo[i::_WORKERS.value]
-                        for i in range(_WORKERS.value)) if s]
-  for share in shares:
-    threading.Thread(target=work, args=(share,), daemon=True).start()
-  running = len(shares)
+  running = min(_WORKERS.value, len(todo))
+  for _ in range(running):
+    threading.Thread(target=work, daemon=True).start()
   while running:
     item = verdicts.get()
     if isinstance(item, tuple):
