@@ -196,8 +196,11 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(
 
   monkeypatch.setattr(pretrain_train, "make_train_step", diverging)
   cfg = dataclasses.replace(TINY, log_every=5, ckpt_every=10, eval_every=10)
-  with pytest.raises(FloatingPointError,
-                     match=r"non-finite loss at step 16.*step 10"):
+  ckpt_dir = os.path.join(str(tmp_path), "checkpoints")
+  with pytest.raises(FloatingPointError, match="^" + re.escape(
+      f"non-finite loss at step 16; stopping. The last good checkpoint "
+      f"(step 10) is in {ckpt_dir}; lower --lr or raise --warmup_steps")
+                     + "$"):
     pretrain.run(str(tmp_path), cfg, model, log=lambda s: None)
   ck = ckpt_lib.Checkpoints(os.path.join(str(tmp_path), "checkpoints"))
   assert ck.latest_step() == 10
