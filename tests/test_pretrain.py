@@ -961,6 +961,7 @@ def test_a_trial_short_of_the_target_at_the_cap_falls_back_to_depth(
   # Trial 0 stops at step 20 (gap 0.29); trial 1 ends the cap above 0.5.
   assert [m["step"] for m in final] == [20, final[1]["step"]]
   assert "layers" not in final[0] and final[1]["layers"] == deeper
+  assert final[1]["trial"] == 1  # the stack's trial (the deeper run's 0)
   assert [s for s in logs if s.startswith("trial 1: CE gap")] == [
       _fallback_line(logs, deeper, warm=False)]
   alone = pretrain.run_trials(str(tmp_path / "alone"), cfg.fallback(1),
@@ -1231,6 +1232,13 @@ def test_progress_logs_rate_and_eta_without_compilation(monkeypatch):
   # Since the first window: 20 steps in 1 s; 70 left.
   assert logs[-1] == (f"step 30/100 loss 0.5000 {tokens * 20 / 1e3:.1f}k "
                       f"tokens/s ETA 4s")
+  # A resumed run's first window counts from its resume step (20 here).
+  clock = iter([200.0, 204.0])
+  resumed = loop._Progress(cfg, 20, logs.append)  # at 200 s
+  resumed.add(jnp.float32(1.0))
+  assert resumed.flush(30, 20, "ck") == tokens * 10 / 4  # at 204 s
+  assert logs.pop() == (f"step 30/100 loss 1.0000 {tokens * 2.5 / 1e3:.1f}k "
+                        f"tokens/s ETA 28s")  # 0.4 s a step, 70 left
   for loss in (0.5, np.nan, 0.5):
     progress.add(jnp.float32(loss))
   with pytest.raises(FloatingPointError, match="^" + re.escape(
@@ -1249,6 +1257,7 @@ def test_trial_k_draws_from_its_seed_plus_k():
       np.testing.assert_array_equal(getattr(keys, field)[k], want[i])
   assert loop.Keys._fields == ("init", "data", "corpus", "val")
   np.testing.assert_array_equal(loop.Keys.of(8).init[0], keys.init[1])
+  assert loop.Keys.of(8).init.shape == (1, 2)  # one run by default
 
 
 def test_a_crash_between_a_checkpoint_and_its_evaluation_redoes_it(
