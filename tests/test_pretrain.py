@@ -689,6 +689,7 @@ def test_tensorboard_curves_per_trial_read_back_across_a_resume(tmp_path):
   assert [s for s, _ in before[1]["by_step/train_loss"]] == [10, 20, 30]
   logs = []
   pretrain.run_trials(workdir, cfg, stacked, log=logs.append)
+  assert logs[0] == "resumed 2 trials from step 20"
   assert f"TensorBoard curves: tensorboard --logdir {workdir}/tb" in logs
   assert sorted(os.listdir(os.path.join(workdir, "tb"))) == ["trial_0",
                                                              "trial_1"]
@@ -1214,7 +1215,7 @@ def test_progress_logs_rate_and_eta_without_compilation(monkeypatch):
   its ETA extrapolates the time per step since the first window, which
   holds the compilation; a non-finite loss is named by its step."""
   from hmmprompt.pretrain import loop
-  clock = iter([100.0, 102.0, 103.0, 104.0])
+  clock = iter([100.0, 102.0, 103.0, 105.0])
   monkeypatch.setattr(loop.time, "perf_counter", lambda: next(clock))
   cfg = dataclasses.replace(TINY, steps=100)
   tokens = cfg.batch_size * cfg.corpus.chunk_len
@@ -1232,20 +1233,26 @@ def test_progress_logs_rate_and_eta_without_compilation(monkeypatch):
   # Since the first window: 20 steps in 1 s; 70 left.
   assert logs[-1] == (f"step 30/100 loss 0.5000 {tokens * 20 / 1e3:.1f}k "
                       f"tokens/s ETA 4s")
-  # A resumed run's first window counts from its resume step (20 here).
+  progress.add(jnp.float32(0.5))
+  assert progress.flush(50, 30, "ck") == tokens * 20 / 2  # at 105 s
+  # Still since the first window: 40 steps in 3 s; 50 left.
+  assert logs[-1] == (f"step 50/100 loss 0.5000 {tokens * 10 / 1e3:.1f}k "
+                      f"tokens/s ETA 4s")
+  # A resumed run's first window counts from its resume step (20 here),
+  # one step long.
   clock = iter([200.0, 204.0])
   resumed = loop._Progress(cfg, 20, logs.append)  # at 200 s
   resumed.add(jnp.float32(1.0))
-  assert resumed.flush(30, 20, "ck") == tokens * 10 / 4  # at 204 s
-  assert logs.pop() == (f"step 30/100 loss 1.0000 {tokens * 2.5 / 1e3:.1f}k "
-                        f"tokens/s ETA 28s")  # 0.4 s a step, 70 left
+  assert resumed.flush(21, 20, "ck") == tokens / 4  # at 204 s
+  assert logs.pop() == (f"step 21/100 loss 1.0000 {tokens / 4 / 1e3:.1f}k "
+                        f"tokens/s ETA 316s")  # 4 s a step, 79 left
   for loss in (0.5, np.nan, 0.5):
     progress.add(jnp.float32(loss))
   with pytest.raises(FloatingPointError, match="^" + re.escape(
-      "non-finite loss at step 32; stopping. The last good checkpoint "
-      "(step 30) is in ck; lower --lr or raise --warmup_steps") + "$"):
-    progress.flush(33, 30, "ck")
-  assert len(logs) == 2
+      "non-finite loss at step 52; stopping. The last good checkpoint "
+      "(step 50) is in ck; lower --lr or raise --warmup_steps") + "$"):
+    progress.flush(53, 50, "ck")
+  assert len(logs) == 3
 
 
 def test_trial_k_draws_from_its_seed_plus_k():
@@ -1328,6 +1335,7 @@ def test_a_resumed_runs_wall_time_adds_the_killed_runs(tmp_path, model,
   paths = pretrain_workdir.Paths.of(workdir)
   (line,) = pretrain_workdir.read_metrics(paths)
   assert line["wall_s"] == 0.0
+  assert not os.path.exists(paths.retained)  # nothing to retain: no folder
   pretrain_workdir.write_metrics(paths, [{**line, "wall_s": 1000.0}])
   t0 = time.perf_counter()
   final = pretrain.run(workdir, TINY, model, log=lambda s: None)
