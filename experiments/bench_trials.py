@@ -61,14 +61,14 @@ def _time(step_fn, batch_fn, state, hmm, steps):
 def main(argv):
   del argv
   glibc.retain_freed_memory()
-  # Batches are drawn fresh whatever the preset's corpus: the step's cost
-  # does not depend on where its tokens come from (a fixed corpus, the
-  # paper's, would need each trial's chunks built first).
   try:
     per_vmap = [int(m) for m in _PER_VMAP.value]
   except ValueError as e:
     raise app.UsageError(f"--trials_per_vmap takes ints: {e}") from None
   base = pretrain.configure(_PRESET.value)
+  # Batches are drawn fresh whatever the preset's corpus: the step's cost
+  # does not depend on where its tokens come from (a fixed corpus, the
+  # paper's, would need each trial's chunks built first).
   cfg = base.with_overrides(
       corpus=dataclasses.replace(base.corpus, fresh=True),
       steps=base.total_steps, batch_size=_BATCH.value or base.batch_size)
