@@ -90,8 +90,11 @@ def test_identities_are_the_committed_ones():
       "paper": ("80bfbca971f2", "2a26c840f84c",
                 "W/pretrain/vanilla-h4-bb7e9b01",
                 "W/pretrain/memory-h4-m7-bb7e9b01"),
-      "gpu": ("80bfbca971f2", "735153be1f8a", "W/pretrain/vanilla-h4-91433979",
-              "W/pretrain/memory-h4-m7-91433979")}
+      # gpu re-keyed by issue 49 (recipe A, cpu_paper's 59-token tasks;
+      # was 80bfbca971f2, 735153be1f8a, vanilla-h4-91433979): no line had
+      # been committed. Its tasks are cpu_paper's, so its exact lines are.
+      "gpu": ("a6f38f8be942", "b3af386250ad", "W/pretrain/vanilla-h4-3a8d53d1",
+              "W/pretrain/memory-h4-m7-3a8d53d1")}
   assert [pretraining_curve.get_setup(p).fingerprint()
           for p in ("tiny", "cpu")] == ["4f5ebe9484e0", "af5034630d2c"]
   # The committed curve: its stamp is the cpu preset's identity.

@@ -315,20 +315,22 @@ def train_flops_per_token(cfg: MLMConfig, seq_len: int) -> float:
   return float(6 * matmul_params + 12 * cfg.num_layers * seq_len * d)
 
 
-def make_backbone(cfg: MLMConfig) -> Backbone:
-  """The backbone interface over ``MLM`` params (fp32 compute for tuning).
+def make_backbone(cfg: MLMConfig, dtype: str = "float32") -> Backbone:
+  """The backbone interface over ``MLM`` params, computing in ``dtype``
+  (``TuneConfig.backbone_dtype``; float32 by default, whatever ``cfg``
+  was pretrained in).
 
   Cached per config: a ``Backbone`` is a static jit argument of tuning, so
   two pretrained models of one config must give the *same* object (its
   functions are closures) to share compiled tuning programs
   (``experiments/bench_compiles.py`` measures what that saves).
   """
-  return _cached_backbone(dataclasses.replace(cfg, dtype="float32"))
+  return _cached_backbone(dataclasses.replace(cfg, dtype=dtype))
 
 
-def build_backbone(cfg: MLMConfig) -> Backbone:
+def build_backbone(cfg: MLMConfig, dtype: str = "float32") -> Backbone:
   """A new, uncached :func:`make_backbone` (new closures every call)."""
-  cfg = dataclasses.replace(cfg, dtype="float32")
+  cfg = dataclasses.replace(cfg, dtype=dtype)
   model = MLM(cfg)
 
   def embed(params, tokens_T):

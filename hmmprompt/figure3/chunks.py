@@ -25,6 +25,7 @@ from hmmprompt import protocol
 from hmmprompt.figure3 import configs
 from hmmprompt.figure3 import records
 from hmmprompt.figure3 import reporting
+from hmmprompt.figure3 import signals
 from hmmprompt.figure3 import sweep
 from hmmprompt import generative
 from hmmprompt import pretrain as pretrain_lib
@@ -125,11 +126,12 @@ def start_workdir(results_dir: str, workdir: str,
 
 
 def write_archive(workdir: str, path: str, run_info: dict) -> list[str]:
-  """Renders the report in ``workdir`` and writes ``path`` (atomically):
-  the results, ``sweep.json``, the pretraining metrics and configs, the
-  report and ``run_info`` as ``run.json``. Returns the member names."""
-  reporting.report(workdir)
-  members = [n for n in ("results.jsonl", sweep.STAMP, *_REPORT_FILES)
+  """Writes ``path`` (atomically): the results, ``sweep.json``, the
+  pretraining metrics and configs and ``run_info`` as ``run.json``.
+  Returns the member names. No report: :func:`merge` renders it, so that
+  nothing slow (matplotlib's first import takes seconds on a fresh
+  machine) stands between the last cell and its archive."""
+  members = [n for n in ("results.jsonl", sweep.STAMP)
              if os.path.exists(os.path.join(workdir, n))]
   for run_dir in sorted(glob.glob(os.path.join(workdir, "pretrain", "*"))
                         + glob.glob(os.path.join(workdir, "pretrain", "*",
@@ -170,6 +172,17 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
   sweep.check_workdir(results_dir, setup, write=False)
   keep = workdir is not None
   workdir = workdir or tempfile.mkdtemp(prefix="figure3-chunk-")
+  path = os.path.join(out_dir, ARCHIVE)
+  at_start = 0
+  run_info: dict = {}
+
+  def archive(**more) -> None:
+    run_info.update(more)
+    run_info["cells_computed"] = (len(records.read_results(workdir))
+                                  - at_start)
+    run_info["wall_s"] = round(time.monotonic() - t0, 1)
+    write_archive(workdir, path, run_info)
+
   try:
     at_start = start_workdir(results_dir, workdir, setup)
     run_info = {"preset": preset, "chunk": chunk, "backbone": backbone,
@@ -180,23 +193,26 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
                 "device_kind": jax.devices()[0].device_kind,
                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 **(info or {})}
-    try:
-      if compute is None:
-        run_info["skipped_stacks"] = sweep.run(chunk_cfg, workdir, "both",
-                                               backbone, deadline=deadline)
-      else:
-        run_info["skipped_stacks"] = compute(chunk_cfg, workdir, deadline)
-    except Exception as e:
-      run_info["error"] = f"{type(e).__name__}: {e}"
-      raise
-    finally:
-      run_info["cells_computed"] = (len(records.read_results(workdir))
-                                    - at_start)
-      run_info["wall_s"] = round(time.monotonic() - t0, 1)
-      path = os.path.join(out_dir, ARCHIVE)
-      write_archive(workdir, path, run_info)
-      logging.info("%d cells computed in %.0f s; archive %s",
-                   run_info["cells_computed"], run_info["wall_s"], path)
+    with signals.archive_on_signal(
+        lambda name: archive(error=f"stopped by {name}"),
+        workdir=None if keep else workdir,
+        resume=(f"{path} holds every finished cell; rerun the same "
+                f"command to resume" + (f" from {workdir}" if keep else "")
+                + f" (merge the archive with --merge={path} first when "
+                f"{workdir if keep else 'this machine'} is gone)")):
+      try:
+        if compute is None:
+          run_info["skipped_stacks"] = sweep.run(
+              chunk_cfg, workdir, "both", backbone, deadline=deadline)
+        else:
+          run_info["skipped_stacks"] = compute(chunk_cfg, workdir, deadline)
+      except Exception as e:
+        run_info["error"] = f"{type(e).__name__}: {e}"
+        raise
+      finally:
+        signals.locked(archive)
+        logging.info("%d cells computed in %.0f s; archive %s",
+                     run_info["cells_computed"], run_info["wall_s"], path)
   finally:
     if not keep:
       shutil.rmtree(workdir, ignore_errors=True)

@@ -112,6 +112,10 @@ def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
   pdir = protocol.pretrain_dir(workdir, setup, mid)
   protocol.pretrain(pdir, setup.pretrain, models_K)
   bb, params_K, infos = pretrain_lib.load_trials(pdir)
+  if setup.tune.backbone_dtype != "float32":  # the same deepest config
+    bb = transformer.make_backbone(
+        max((info["config"].model for info in infos),
+            key=lambda m: m.num_layers), setup.tune.backbone_dtype)
   return (bb, params_K, [protocol.pretrain_fields(info) for info in infos],
           [info["config"].model for info in infos])
 
@@ -125,7 +129,8 @@ class Trials(NamedTuple):
   pretrain: list[dict]  # [K] the pretrain_* fields of the trial's lines
   models: list[transformer.MLMConfig | None]  # [K] own config (or exact)
 
-  def by_depth(self, trial_ids: list[int]) -> list[tuple[Backbone, Any,
+  def by_depth(self, trial_ids: list[int],
+               dtype: str = "float32") -> list[tuple[Backbone, Any,
                                                        list[int]]]:
     """``(backbone, params_G, ids)`` per depth among ``trial_ids``: each
     trial tuned at its own depth, not padded to its stack's deepest (a
@@ -147,7 +152,7 @@ class Trials(NamedTuple):
       if d != deepest:  # shallow models inside a padded stack
         params = depth_lib.take_layers(params, d)
         backbone = transformer.make_backbone(
-            cast(transformer.MLMConfig, self.models[ids[0]]))
+            cast(transformer.MLMConfig, self.models[ids[0]]), dtype)
       out.append((backbone, params, ids))
     return out
 
@@ -171,7 +176,8 @@ def tune_group(setup: configs.Setup, backbone_name: str, g: Group,
   task_ids = sorted({s for _, s in cells})
   cfg = g.tune_config(setup.tune)
   fields: dict[int, list[dict]] = {}
-  for backbone, params, ids in trials.by_depth(trial_ids):
+  for backbone, params, ids in trials.by_depth(trial_ids,
+                                               cfg.backbone_dtype):
     fields.update(zip(ids, protocol.tune_lanes(
         setup, cfg, backbone, params, [(k, task_ids) for k in ids],
         trials.stack)))

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from hmmprompt import config_flags
 from hmmprompt import heads
 from hmmprompt import tasks as tasks_lib
 from hmmprompt import validation
@@ -19,6 +20,8 @@ from hmmprompt.backbones import Backbone
 SPLITS = ("train", "val", "test")
 OPTIMIZERS = ("adam", "lbfgs")
 """Values of :attr:`TuneConfig.optimizer`."""
+BACKBONE_DTYPES = ("float32", "bfloat16")
+"""Values of :attr:`TuneConfig.backbone_dtype`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +105,13 @@ class TuneConfig:
       L2 makes the optimum unique and finite. 0 is allowed (then on
       separable data the weights grow until float32's rounding or
       ``lbfgs_max_steps`` stops them). Adam stays unregularised.
+    backbone_dtype: the compute dtype of a pretrained transformer's
+      forward (and backward, for prompt tuning) while tuning:
+      ``"float32"`` (the default, every CPU preset) or ``"bfloat16"``
+      (the ``gpu`` preset on an accelerator: bf16 matmuls and cuDNN's
+      fused attention, as in pretraining; outputs are cast to float32
+      before the softmax). The exact backbone ignores it. Parameters, the
+      prompt, the head and the optimizer stay float32.
   """
 
   method: str = "head"
@@ -121,8 +131,14 @@ class TuneConfig:
   lbfgs_tol: float = 1e-6
   lbfgs_max_steps: int = 500
   lbfgs_l2: float = 1e-4
+  # Added after results were keyed: out of identities at its default.
+  backbone_dtype: str = dataclasses.field(default="float32",
+                                          metadata=config_flags.ADDED)
 
   def __post_init__(self):
+    if self.backbone_dtype not in BACKBONE_DTYPES:
+      raise ValueError(f"TuneConfig.backbone_dtype must be one of "
+                       f"{BACKBONE_DTYPES}, got {self.backbone_dtype!r}")
     for field, registry in (("method", METHODS), ("head", heads.HEADS),
                             ("features", heads.TRANSFORMS),
                             ("optimizer", OPTIMIZERS)):

@@ -92,8 +92,8 @@ def test_chunks_in_two_processes_merge_to_the_whole_run(tmp_path,
   chunks.run_chunk(SETUP, "right:2", "exact", empty, outs[1],
                         preset="tiny")
   assert os.listdir(empty) == []  # a run never writes to --results
-  assert _members(outs[0]) == ["figure3.md", "figure3.png", "results.jsonl",
-                               "run.json", "sweep.json"]
+  # No report: the merge renders it (nothing slow before the archive).
+  assert _members(outs[0]) == ["results.jsonl", "run.json", "sweep.json"]
   runs = [_run_json(out) for out in outs]
   # left:4 is one stack (4 cells); right:2 runs the shared |H| = 8 stack
   # whole (left 4 cells, right 2) and the memory one (2).
@@ -188,7 +188,8 @@ def test_transformer_chunk_archives_pretraining_metrics(tmp_path,
   tag = pretrain[0].split("/")[1]
   assert tag.startswith("vanilla-h4-") and pretrain == [
       f"pretrain/{tag}/config.json", f"pretrain/{tag}/metrics.jsonl"]
-  assert "pretraining.png" in names  # no checkpoints, no hmm.npz
+  # No checkpoints, no hmm.npz, no report (the merge renders it).
+  assert not {"pretraining.png", "figure3.md"} & set(names)
   chunks.merge(os.path.join(out, chunks.ARCHIVE), results)
   metrics = results_lib.read_jsonl(os.path.join(results, "pretrain", tag,
                                                 "metrics.jsonl"))
