@@ -8,12 +8,19 @@
 # mfu: the stacked step of the gpu preset's shape (Appendix D's model,
 #   batch 64 x 512, |H| = 30) at trials_per_vmap 1, 4 and 8 beside one
 #   model measured in the same run, then a profile of the last's top ops.
+# chunk CHUNK SECONDS: the gpu preset's chunk (in_chunks --chunk=CHUNK)
+#   from the committed results, SIGTERM after SECONDS (the runner then
+#   writes its archive at once), $OUT/figure3-chunk.tar.gz and the log
+#   back; merge it here with in_chunks --merge.
 set -uo pipefail
-step=${1:?usage: accelerator_session.sh first_minute|mfu}
+step=${1:?usage: accelerator_session.sh first_minute|mfu|chunk CHUNK SECONDS}
 OUT=${OUT:-/tmp/accelerator}
 mkdir -p "$OUT"
 log="$OUT/$step.log"
-export PYTHONPATH=. JAX_DEFAULT_MATMUL_PRECISION=highest
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+# The tests' precision, never the runs' (the chunk step).
+[ "$step" = chunk ] || export JAX_DEFAULT_MATMUL_PRECISION=highest
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
 {
   date -u; nvidia-smi --query-gpu=name,memory.total --format=csv
   python -c "import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())"
@@ -35,6 +42,13 @@ export PYTHONPATH=. JAX_DEFAULT_MATMUL_PRECISION=highest
       timeout 400 python -m experiments.bench_trials --preset=paper \
         --batch_size=64 --num_states=30 --trials=8 --steps=20 \
         --trials_per_vmap=1,4,8 --profile_dir="$OUT/profile" ;;
+    chunk)
+      chunk=${2:?chunk CHUNK SECONDS}; seconds=${3:?chunk CHUNK SECONDS}
+      echo "== in_chunks --preset=gpu --chunk=$chunk, SIGTERM after ${seconds} s"
+      timeout -s TERM "$seconds" python -m experiments.in_chunks \
+        --preset=gpu --chunk="$chunk" --out="$OUT" \
+        --workdir="${WORKDIR:-/tmp/figure3-gpu}"
+      echo "rc=$?"; ls -la "$OUT" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   date -u

@@ -262,6 +262,21 @@ def pretrain(pdir: str, cfg: pretrain_lib.PretrainConfig,
   pretrain_lib.run_trials(pdir, cfg, models_K, log=logging.info)
 
 
+def pretrained(pdir: str, cfg: pretrain_lib.PretrainConfig,
+               models_K: generative.Model, checkpoints: bool = True):
+  """``(backbone, params_K, infos)`` of ``models_K``'s transformers
+  (:func:`pretrain.load_trials`), pretrained in ``pdir`` first (or reused,
+  or resumed). ``checkpoints=False``: none written or read, the params
+  handed over in memory (:func:`pretrain.train_trials`; for a workdir
+  nothing resumes)."""
+  if not checkpoints:
+    logging.info("pretraining %d trials in %s (no checkpoints)",
+                 generative.num_trials(models_K), pdir)
+    return pretrain_lib.train_trials(pdir, cfg, models_K, log=logging.info)
+  pretrain(pdir, cfg, models_K)
+  return pretrain_lib.load_trials(pdir)
+
+
 def pretrain_fields(info: dict) -> dict:
   """The ``pretrain_*`` fields of a result line from its trial's ``info``
   (:func:`pretrain.load_trials`)."""

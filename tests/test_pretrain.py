@@ -1,6 +1,7 @@
 """hmmprompt.pretrain: config, train step, evaluation, loop, workdir."""
 
 import dataclasses
+import glob
 import json
 import os
 import re
@@ -946,7 +947,7 @@ def _fallback_line(logs, deeper: int, warm: bool) -> str:
 
 @pytest.mark.slow
 def test_a_trial_short_of_the_target_at_the_cap_falls_back_to_depth(
-    tmp_path):
+    tmp_path, monkeypatch):
   """``fallback_layers``: the trial above the target at the cap trains
   again alone, as trial ``k`` with the deeper model (its line is that
   run's); the stack loads at the deeper depth, the trial that stopped in
@@ -992,6 +993,26 @@ def test_a_trial_short_of_the_target_at_the_cap_falls_back_to_depth(
   backbone, params_k, infos = pretrain.load_trials(workdir)
   assert infos[1]["metrics"]["layers"] == deeper
   assert infos[1]["metrics"]["trial"] == 1  # the stack's trial, not 0
+  # In memory (a chunk's temporary workdir): no checkpoint written, the
+  # same params, infos and metrics files as the checkpointed run's.
+  memory = str(tmp_path / "memory")
+  saves = []
+  monkeypatch.setattr(ckpt_lib.Checkpoints, "save",
+                      lambda self, *a, **k: saves.append(a[0]))
+  mem_bb, mem_k, mem_infos = pretrain.train_trials(memory, cfg, stacked,
+                                                   log=lambda s: None)
+  monkeypatch.undo()
+  assert saves == [] and mem_bb is backbone
+  assert not glob.glob(os.path.join(memory, "**", "checkpoints", "*"),
+                       recursive=True)
+  jax.tree.map(np.testing.assert_array_equal, mem_k, params_k)
+  assert [drop(i["metrics"]) for i in mem_infos] == [
+      drop(i["metrics"]) for i in infos]
+  assert [(i["step"], i["config"]) for i in mem_infos] == [
+      (i["step"], i["config"]) for i in infos]
+  assert mem_infos[1]["metrics"]["layers"] == deeper
+  assert all(generative.same(a["model"], b["model"])
+             for a, b in zip(mem_infos, infos))
   assert generative.same(infos[1]["model"], generative.trial(stacked, 1))
   assert infos[1]["config"] == cfg.fallback(1)
   assert infos[1]["step"] == alone["step"] and "layers" not in infos[0][

@@ -202,8 +202,11 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
                 f"{workdir if keep else 'this machine'} is gone)")):
       try:
         if compute is None:
+          # A temporary workdir is never resumed: no checkpoints (a
+          # 20-trial BERT-width stack's are ~10 GB an evaluation).
           run_info["skipped_stacks"] = sweep.run(
-              chunk_cfg, workdir, "both", backbone, deadline=deadline)
+              chunk_cfg, workdir, "both", backbone, deadline=deadline,
+              checkpoints=keep)
         else:
           run_info["skipped_stacks"] = compute(chunk_cfg, workdir, deadline)
       except Exception as e:

@@ -28,7 +28,6 @@ from hmmprompt.protocol import ModelId
 from hmmprompt.figure3 import configs
 from hmmprompt.figure3 import records
 from hmmprompt import generative
-from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import results as results_lib
 from hmmprompt.backbones import Backbone
 from hmmprompt.backbones import depth as depth_lib
@@ -94,7 +93,8 @@ def make_models(setup: configs.Setup, mid: ModelId) -> generative.Model:
 
 
 def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
-              models_K: generative.Model, backbone_name: str):
+              models_K: generative.Model, backbone_name: str,
+              checkpoints: bool = True):
   """``(backbone, params_K, pretrain_K, configs_K)`` of ``mid``'s trials;
   a transformer is pretrained first (or reused, or resumed).
 
@@ -102,7 +102,9 @@ def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
   ``pretrain_*`` fields of trial ``k``'s result lines (none for exact);
   ``configs_K[k]``: trial ``k``'s own transformer config (None for exact):
   a stack with fallbacks is padded to the deepest
-  (:func:`~hmmprompt.pretrain.load_trials`).
+  (:func:`~hmmprompt.pretrain.load_trials`). ``checkpoints=False``: the
+  transformers are pretrained without checkpoints and handed over in
+  memory (a workdir nothing will resume; :func:`protocol.pretrained`).
   """
   if backbone_name == "exact":
     bb, _ = exact.make(generative.trial(models_K, 0))
@@ -110,8 +112,8 @@ def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
     return (bb, jax.vmap(generative.as_hmm)(models_K), [{}] * num,
             [None] * num)
   pdir = protocol.pretrain_dir(workdir, setup, mid)
-  protocol.pretrain(pdir, setup.pretrain, models_K)
-  bb, params_K, infos = pretrain_lib.load_trials(pdir)
+  bb, params_K, infos = protocol.pretrained(pdir, setup.pretrain, models_K,
+                                            checkpoints)
   if setup.tune.backbone_dtype != "float32":  # the same deepest config
     bb = transformer.make_backbone(
         max((info["config"].model for info in infos),
@@ -158,13 +160,13 @@ class Trials(NamedTuple):
 
 
 def prepare(workdir: str, setup: configs.Setup, mid: ModelId,
-            backbone_name: str) -> Trials:
+            backbone_name: str, checkpoints: bool = True) -> Trials:
   """Draws ``mid``'s trials and their tasks, and pretrains their
-  backbones (transformer)."""
+  backbones (transformer; ``checkpoints`` as :func:`backbones`)."""
   stack = protocol.draw_stack(setup, mid, stack_size(setup, mid),
                             setup.tasks_per_hmm, verdicts=True)
   return Trials(stack, *backbones(workdir, setup, mid, stack.models_K,
-                                  backbone_name))
+                                  backbone_name, checkpoints))
 
 
 def tune_group(setup: configs.Setup, backbone_name: str, g: Group,
@@ -262,12 +264,15 @@ def run(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
         pretrain_only: bool = False,
         deadline: float | None = None,
         claim: Callable[[protocol.ModelId], bool] | None = None,
-        results_file: str | None = None) -> list[str]:
+        results_file: str | None = None,
+        checkpoints: bool = True) -> list[str]:
   """Runs this host's share of the sweep (whole models: a stack of trials
   per host); finished lines are skipped. ``deadline``: as
   :func:`protocol.run_stacks`. ``claim`` (:mod:`.workers`): every stack is
   this process's to claim, the costliest first, instead of every
-  ``num_tasks``-th; ``results_file``: where its lines go.
+  ``num_tasks``-th; ``results_file``: where its lines go;
+  ``checkpoints=False``: pretraining writes none (:func:`backbones`; a
+  workdir nothing will resume).
 
   Returns:
     The tags of the stacks skipped for the deadline (``[]``: none).
@@ -302,7 +307,8 @@ def run(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
   missing = missing_cells(setup, workdir, panel, backbone_name)
   todo = {mid: missing[mid] for mid in mine}
   return protocol.run_stacks(
-      todo, lambda mid, _: prepare(workdir, setup, mid, backbone_name),
+      todo, lambda mid, _: prepare(workdir, setup, mid, backbone_name,
+                                   checkpoints),
       lambda g, trials: tune_group(setup, backbone_name, g, trials,
                                    todo[g.model_id][g]),
       results_file or records.results_path(workdir, num_tasks, task_index),

@@ -40,6 +40,7 @@ from hmmprompt.pretrain.loop import Keys
 from hmmprompt.pretrain.loop import evaluate_checkpoints
 from hmmprompt.pretrain.loop import run
 from hmmprompt.pretrain.loop import run_trials
+from hmmprompt.pretrain.loop import train_trials
 from hmmprompt.pretrain.train import TrainState
 from hmmprompt.pretrain.train import init_states
 from hmmprompt.pretrain.train import lr_schedule

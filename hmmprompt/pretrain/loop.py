@@ -20,6 +20,7 @@ from hmmprompt import checkpoints as ckpt_lib
 from hmmprompt import corpus as corpus_lib
 from hmmprompt import generative
 from hmmprompt import sharding as sharding_lib
+from hmmprompt.backbones import Backbone
 from hmmprompt.pretrain import curves as curves_lib
 from hmmprompt.pretrain import evaluation as evaluate_lib
 from hmmprompt.pretrain import train
@@ -165,13 +166,51 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   (:func:`~hmmprompt.pretrain.train.grown_states`); its returned line is
   :func:`~hmmprompt.pretrain.workdir.fallback_line`.
   """
+  return _run_trials(workdir, cfg, models_K, log, after_step)[0]
+
+
+def train_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
+                 log: Callable[[str], Any] = print
+                 ) -> tuple[Backbone, Any, list[dict]]:
+  """:func:`run_trials` then :func:`~hmmprompt.pretrain.workdir.load_trials`
+  without a checkpoint: the trained params are handed over in memory.
+
+  For a workdir nothing will resume (a chunk's temporary one): a
+  checkpoint of 20 BERT-width trials is ~10 GB, written at every
+  evaluation and read back once for tuning, ~1 minute of a stack's ~7 on
+  an H200 (issue 49). The metrics and configs are written as by
+  :func:`run_trials`; the values are the same (tested).
+
+  Returns:
+    ``(backbone, params_K, infos)`` as ``load_trials`` would return them.
+  """
+  finals, states, deeps = _run_trials(workdir, cfg, models_K, log, None,
+                                      checkpoints=False)
+  infos = [{"config": cfg, "model": generative.trial(models_K, k),
+            "metrics": deeps[k][0] if k in deeps else finals[k],
+            "step": int(states.step[k])} for k in range(len(finals))]
+  return workdir_lib.with_fallbacks(
+      cfg, states.params, infos,
+      {k: (deep_states.params, {"config": cfg.fallback(k),
+                                "metrics": deep_line,
+                                "step": int(deep_states.step[0])})
+       for k, (_, deep_line, deep_states) in deeps.items()})
+
+
+def _run_trials(workdir, cfg, models_K, log, after_step,
+                checkpoints: bool = True):
+  """``(finals, states, deeps)``: :func:`run_trials`' lines, the stack's
+  train states and ``{k: (its own last line, the deep run's, the deep
+  run's states)}`` of the trials that fell back (their ``finals[k]`` is
+  the :func:`~hmmprompt.pretrain.workdir.fallback_line`)."""
   num = generative.num_trials(models_K)
   if num is None:
     raise ValueError("run_trials needs [K] stacked models "
                      "(generative.random_models or generative.stack); use "
                      "run for one model")
   finals, states = _train_stack(workdir, cfg, models_K, num, log,
-                                after_step)
+                                after_step, checkpoints=checkpoints)
+  deeps = {}
   for k, line in enumerate(finals):
     if cfg.falls_back(line):
       log(f"trial {k}: CE gap {line['ce_gap']:.4f} at step {line['step']}, "
@@ -184,12 +223,14 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
       init = (None if cfg.fallback_init == "scratch" else
               lambda keys, k=k, deep_cfg=deep_cfg: train.grown_states(
                   _take(states, np.asarray([k])), keys, deep_cfg))
-      deep = _train_stack(workdir_lib.fallback_dir(workdir, k), deep_cfg,
-                          generative.stack([generative.trial(models_K, k)]),
-                          1, log, after_step, init=init)[0][0]
+      (deep,), deep_states = _train_stack(
+          workdir_lib.fallback_dir(workdir, k), deep_cfg,
+          generative.stack([generative.trial(models_K, k)]), 1, log,
+          after_step, init=init, checkpoints=checkpoints)
+      deeps[k] = (line, deep, deep_states)
       finals[k] = workdir_lib.fallback_line(line, deep, k,
                                             cfg.fallback_layers)
-  return finals
+  return finals, states, deeps
 
 
 @functools.lru_cache(maxsize=16)
@@ -208,11 +249,12 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
                  models_K: generative.Model, num: int,
                  log: Callable[[str], Any],
                  after_step: Callable[[int], Any] | None,
-                 init: Callable[[jax.Array], Any] | None = None
-                 ) -> tuple[list[dict], Any]:
+                 init: Callable[[jax.Array], Any] | None = None,
+                 checkpoints: bool = True) -> tuple[list[dict], Any]:
   """:func:`run_trials` without the fallback; also returns the train
   states (all K, a stopped trial's as it stopped). ``init(keys_K)``, if
-  given, makes the step-0 states in place of :func:`train.init_states`."""
+  given, makes the step-0 states in place of :func:`train.init_states`.
+  ``checkpoints=False``: none saved or restored (:func:`train_trials`)."""
   mesh = sharding_lib.data_mesh()
   sharding_lib.check_batch(cfg.batch_size, mesh)  # before writing anything
   paths = workdir_lib.prepare(workdir, cfg, models_K)
@@ -221,8 +263,10 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
   tag = (lambda k: "") if num == 1 else (lambda k: f"trial {k} ")
 
   # Resume: the newest readable checkpoint and the evaluations up to it.
-  ckpts = ckpt_lib.Checkpoints(paths.ckpt, keep=cfg.keep)
-  start, states = workdir_lib.restore(ckpts, cfg, num, log=log)
+  ckpts = (ckpt_lib.Checkpoints(paths.ckpt, keep=cfg.keep) if checkpoints
+           else None)
+  start, states = (workdir_lib.restore(ckpts, cfg, num, log=log)
+                   if ckpts is not None else (None, None))
   if start is None:
     start, states = 0, (train.init_states(keys.init, cfg) if init is None
                         else init(keys.init))
@@ -327,13 +371,14 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
       curves.add_losses(idx, losses)
       done = step + 1
       if done % cfg.log_every == 0 or done == total:
-        rate = progress.flush(done, ckpts.latest_step(), paths.ckpt)
+        rate = progress.flush(
+            done, None if ckpts is None else ckpts.latest_step(), paths.ckpt)
         curves.train(done, rate / len(idx))  # one trial's share
       is_eval = _is_eval(cfg, done)
       is_ckpt = is_eval or done % cfg.ckpt_every == 0
       if is_ckpt or done in cfg.retain:
         states = _put(states, idx, sub)
-        if is_ckpt:
+        if is_ckpt and ckpts is not None:
           ckpts.save(done, states)
         retain(done, states)
         if is_eval:

@@ -190,12 +190,7 @@ def load_trials(workdir: str) -> tuple[Backbone, Any, list[dict]]:
                   "metrics": mine[-1] if mine else {},
                   "step": int(state.step[k])})
   fell = [k for k, info in enumerate(infos) if cfg.falls_back(info["metrics"])]
-  if not fell:
-    return transformer.make_backbone(cfg.model), state.params, infos
-  # The trials that fell back: their deeper models, the rest padded to
-  # that depth with identity blocks, so the K still stack.
-  deep_cfg = cfg.fallback(0).model
-  params_K = depth.pad_layers(state.params, deep_cfg.num_layers)
+  deeps = {}
   for k in fell:
     where = fallback_dir(workdir, k)
     if not os.path.exists(Paths.of(where).config):
@@ -203,6 +198,24 @@ def load_trials(workdir: str) -> tuple[Backbone, Any, list[dict]]:
           f"trial {k} of {workdir} is above the target gap at the cap and "
           f"its fallback run {where} is missing: run run_trials to train it")
     _, deep_K, (deep,) = load_trials(where)
+    deeps[k] = (deep_K, deep)
+  return with_fallbacks(cfg, state.params, infos, deeps)
+
+
+def with_fallbacks(cfg, params_K, infos: list[dict],
+                   deeps: dict[int, tuple[Any, dict]]
+                   ) -> tuple[Backbone, Any, list[dict]]:
+  """``(backbone, params_K, infos)`` of a stack whose trials ``deeps``
+  (``{k: (its fallback run's params [1, ...], that run's info)}``) fell
+  back: their deeper models, the rest padded to that depth with identity
+  blocks, so the K still stack; ``infos[k]["metrics"]`` of a trial that
+  fell back becomes its :func:`fallback_line`."""
+  if not deeps:
+    return transformer.make_backbone(cfg.model), params_K, infos
+  deep_cfg = cfg.fallback(0).model
+  params_K = depth.pad_layers(params_K, deep_cfg.num_layers)
+  infos = list(infos)
+  for k, (deep_K, deep) in sorted(deeps.items()):
     params_K = jax.tree.map(lambda a, b, k=k: a.at[k].set(b[0]), params_K,
                             deep_K)
     infos[k] = {**deep, "model": infos[k]["model"],

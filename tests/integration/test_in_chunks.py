@@ -6,9 +6,11 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 
 import pytest
 
@@ -223,3 +225,64 @@ def test_step_memory_per_stack_of_the_chunk():
   m = got[0]
   assert m["temp_bytes"] > 0 and m["state_bytes"] > 0
   assert m["device_bytes"] is None  # the CPU reports no memory limit
+
+
+def test_sigterm_mid_tuning_archives_every_finished_cell(tmp_path):
+  """A lent machine's time limit (SIGTERM) in the middle of tuning: the
+  run ends within seconds with an archive of every finished cell and one
+  line saying how to resume, its temporary workdir removed; the archive
+  merges. The tuning program runs in XLA the while, where a Python signal
+  handler would wait for it (issue 49 lost cells that way)."""
+  results, out = tmp_path / "results", tmp_path / "out"
+  os.makedirs(results)
+  flags = [f for f in FLAGS if f != "--backbone=exact"]
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "experiments.in_chunks", *flags,
+       "--backbone=transformer", "--chunk=left:4", f"--results={results}",
+       f"--out={out}", "--config.tune.epochs=20"],
+      stderr=subprocess.PIPE, text=True, cwd=ROOT)
+  log, workdir = [], None
+  for line in proc.stderr:  # up to the first finished group
+    log.append(line)
+    if "(no checkpoints)" in line:  # a temporary workdir writes none
+      workdir = line.split(" in ")[-1].split("/pretrain/")[0]
+    if "[1/" in line and "groups]" in line:
+      break
+  assert workdir and os.path.isdir(workdir), "".join(log)[-3000:]
+  time.sleep(0.5)  # into the second group's tuning program
+  proc.send_signal(signal.SIGTERM)
+  t0 = time.monotonic()
+  rest = proc.stderr.read()
+  proc.wait(timeout=30)
+  assert time.monotonic() - t0 < 5
+  assert proc.returncode == 128 + signal.SIGTERM, rest[-3000:]
+  archive = os.path.join(out, chunks.ARCHIVE)
+  assert rest.splitlines()[-1] == (
+      f"stopped by SIGTERM: archive written; {archive} holds every finished "
+      f"cell; rerun the same command to resume (merge the archive with "
+      f"--merge={archive} first when this machine is gone)")
+  assert not os.path.exists(workdir)
+  run = _run_json(out)
+  assert run["error"] == "stopped by SIGTERM"
+  # Group 1 (head tuning, 2 trials) finished; the prompt groups did not.
+  assert run["cells_computed"] == 2, rest[-3000:]
+  assert chunks.merge(archive, str(results))["added"] == 2
+  lines = records.read_results(str(results))
+  assert {(r.method, r.trial) for r in lines} == {("head_linear", 0),
+                                                  ("head_linear", 1)}
+  assert all(r.pretrain_ce_gap is not None for r in lines)
+
+
+def test_only_a_kept_workdir_checkpoints(tmp_path, monkeypatch):
+  """A temporary workdir is never resumed: its stacks pretrain without
+  checkpoints (~10 GB an evaluation for 20 BERT-width trials); a kept
+  --workdir keeps them, so a stack cut short resumes."""
+  seen = []
+  monkeypatch.setattr(sweep, "run", lambda *a, **k: seen.append(
+      (k["checkpoints"], os.path.basename(a[1]))) or [])
+  os.makedirs(tmp_path / "results")
+  for workdir in (None, str(tmp_path / "kept")):
+    chunks.run_chunk(SETUP, "left:4", "transformer", str(tmp_path / "results"),
+                     str(tmp_path / "out"), workdir=workdir)
+  assert seen[0][0] is False and seen[0][1].startswith("figure3-chunk-")
+  assert seen[1] == (True, "kept")
