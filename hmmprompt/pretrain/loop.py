@@ -245,6 +245,31 @@ def _batch_fn(corpus_cfg, batch_size: int, vocab_size: int, fresh: bool,
                  out_shardings=sharding_lib.trial_batch_sharded(mesh))
 
 
+def _groups(running: list[int], trials_per_vmap: int
+            ) -> list[tuple[np.ndarray, int]]:
+  """``(rows, n)`` per train-step call over the ``running`` trials: all of
+  them in one call (``trials_per_vmap`` 0 or 1: one vmap, or a scan over
+  them), or, above 1, groups of ``trials_per_vmap`` and a last group of
+  the rest padded up to a power of two with copies of its first trial
+  (their results are dropped; the first ``n`` rows are real).
+
+  So a stack's step has at most ``log2(trials_per_vmap) + 1`` shapes,
+  each compiled once, whichever trials stop when: at BERT width a step
+  compiles in ~35 s, and a stack of 20 that re-formed at every stop (20,
+  6, 2, 1 trials) compiled four; a padded trial costs its compute (at
+  most the last group's size again), a lone hard draw runs alone.
+  """
+  if trials_per_vmap <= 1:
+    return [(np.asarray(running), len(running))]
+  out = []
+  for i in range(0, len(running), trials_per_vmap):
+    rows = running[i:i + trials_per_vmap]
+    size = min(1 << (len(rows) - 1).bit_length(), trials_per_vmap)
+    out.append((np.asarray(rows + [rows[0]] * (size - len(rows))),
+                len(rows)))
+  return out
+
+
 def _train_stack(workdir: str, cfg: PretrainConfig,
                  models_K: generative.Model, num: int,
                  log: Callable[[str], Any],
@@ -359,14 +384,20 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
 
   while running and start < total:
     idx = np.asarray(running)
-    sub = _take(states, idx)
-    sub_batch = (keys.data[idx], _take(models_K, idx),
-                 None if chunks is None else chunks[idx])
-    sub_hmms = _take(hmms, idx)
+    groups = _groups(running, cfg.trials_per_vmap)
+    subs = [_take(states, rows) for rows, _ in groups]
+    data = [(keys.data[rows], _take(models_K, rows),
+             None if chunks is None else chunks[rows], _take(hmms, rows))
+            for rows, _ in groups]
     progress.trials = len(running)
     for step in range(start, total):
-      batch = get_batch(sub_batch[0], step, *sub_batch[1:])
-      sub, losses = train_step(sub, *batch, sub_hmms)
+      parts = []
+      for g, ((_, n), (data_keys, models, chunk, group_hmms)) in enumerate(
+          zip(groups, data)):
+        batch = get_batch(data_keys, step, models, chunk)
+        subs[g], losses = train_step(subs[g], *batch, group_hmms)
+        parts.append(losses[:n])  # a padded group's copies are dropped
+      losses = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
       progress.add(jnp.mean(losses))
       curves.add_losses(idx, losses)
       done = step + 1
@@ -377,18 +408,20 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
       is_eval = _is_eval(cfg, done)
       is_ckpt = is_eval or done % cfg.ckpt_every == 0
       if is_ckpt or done in cfg.retain:
-        states = _put(states, idx, sub)
+        for (rows, n), sub in zip(groups, subs):
+          states = _put(states, rows[:n], _take(sub, np.arange(n)))
         if is_ckpt and ckpts is not None:
           ckpts.save(done, states)
         retain(done, states)
         if is_eval:
-          evaluate(done, sub, running)
+          for (rows, n), sub in zip(groups, subs):
+            evaluate(done, sub, [int(k) for k in rows[:n]])
       if after_step is not None:
         after_step(done)
       before = len(running)
       stop_reached(done)
       if len(running) < before:
-        break  # re-form the stack without the stopped trials
+        break  # re-form the groups without the stopped trials
     start = done
   _close(ckpts, retained)
   return [last.get(k, {}) for k in range(num)], states
