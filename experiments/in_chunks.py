@@ -3,8 +3,8 @@ results: on a lent accelerator (``gpu``, docs/figure3_gpu.md) or on the
 2-core CPU (``cpu_paper``, docs/figure3.md); the library is
 :mod:`hmmprompt.figure3.chunks`.
 
-  python -m experiments.in_chunks --preset=gpu --chunk=left:4,8 \
-      --budget_s=540 --out=$OUT [--results=docs/results/figure3-gpu] \
+  python -m experiments.in_chunks --preset=gpu --chunk=all \
+      --deadline_s=540 --out=$OUT [--results=docs/results/figure3-gpu] \
       [--backbone=transformer] [--workdir=DIR] [--workers=0] \
       [--config.<path>=...]
   python -m experiments.in_chunks --preset=gpu --merge=A.tar.gz[,B.tar.gz]
@@ -15,9 +15,13 @@ results: on a lent accelerator (``gpu``, docs/figure3_gpu.md) or on the
 
 A run starts from ``--results``' lines (another setup's are refused, what
 differs named), computes the chunk's missing cells, starts no stack after
-``--budget_s`` and writes ``OUT/figure3-chunk.tar.gz`` (results, stamp,
-pretraining metrics, report, ``run.json``), also after the budget or an
-error. ``--merge`` adds archives to ``--results`` by key and renders the
+``--budget_s``, keeps ``--deadline_s`` itself (no stack started that its
+estimate does not finish, the cheapest first, a stop between steps or
+groups at the deadline) and writes ``OUT/figure3-chunk.tar.gz`` (results,
+stamp, pretraining metrics, ``run.json``; no report: ``--merge`` renders
+it), also after the deadline, an error, SIGTERM or SIGINT (within
+seconds, from a thread of its own). A temporary workdir (no
+``--workdir``) pretrains without checkpoints. ``--merge`` adds archives to ``--results`` by key and renders the
 report again. ``--step_memory`` prints each stack's pretraining-step
 memory (XLA's buffer assignment, shapes only) against the device's.
 ``--workers=N`` (CPU; 0: one per core) computes the chunk in N processes
@@ -55,6 +59,11 @@ _CHUNK = flags.DEFINE_string(
 _BUDGET = flags.DEFINE_float(
     "budget_s", None, "start no stack after this many seconds (a stack "
     "started is finished); default: no limit")
+_DEADLINE_S = flags.DEFINE_float(
+    "deadline_s", None, "a hard deadline, seconds from the start: no stack "
+    "starts that the run's estimate does not finish by then, the cheapest "
+    "stacks run first, and at the deadline the run stops between training "
+    "steps or tuning groups and writes its archive; default: none")
 _OUT = flags.DEFINE_string("out", None, f"where {ARCHIVE} is written")
 _RESULTS = flags.DEFINE_string(
     "results", None, "the committed results directory (default: "
@@ -98,8 +107,11 @@ def main(argv):
       return _work(setup)
     if not _OUT.value and not _STEP_MEMORY.value:
       raise ValueError("--out is required (or --merge, --step_memory)")
-    if _BUDGET.value is not None and _BUDGET.value < 0:
-      raise ValueError(f"--budget_s must be >= 0, got {_BUDGET.value}")
+    for name, flag in (("budget_s", _BUDGET), ("deadline_s", _DEADLINE_S)):
+      if flag.value is not None and flag.value < 0:
+        raise ValueError(f"--{name} must be >= 0, got {flag.value}")
+    if _DEADLINE_S.value is not None and _WORKERS.value != 1:
+      raise ValueError("--deadline_s runs in this process: drop --workers")
     chunks.check_chunk(setup, _CHUNK.value, _BACKBONE.value, results,
                        _WORKDIR.value)
   if _STEP_MEMORY.value:
@@ -110,9 +122,11 @@ def main(argv):
       setup, _CHUNK.value, _BACKBONE.value, results, _OUT.value,
       _BUDGET.value, _WORKDIR.value, _PRESET.value,
       compute=None if count == 1 else workers.chunk_compute(
-          sys.argv, count, _BACKBONE.value), info={"workers": count})
+          sys.argv, count, _BACKBONE.value), info={"workers": count},
+      deadline_s=_DEADLINE_S.value)
   print(f"{info['cells_computed']} cells, skipped stacks "
-        f"{info['skipped_stacks']}")
+        f"{info.get('skipped_stacks')}"
+        + (f"; stopped: {info['stopped']}" if "stopped" in info else ""))
   cli.done(t0, archive=os.path.join(_OUT.value, ARCHIVE))
 
 

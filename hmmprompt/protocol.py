@@ -263,17 +263,22 @@ def pretrain(pdir: str, cfg: pretrain_lib.PretrainConfig,
 
 
 def pretrained(pdir: str, cfg: pretrain_lib.PretrainConfig,
-               models_K: generative.Model, checkpoints: bool = True):
+               models_K: generative.Model, checkpoints: bool = True,
+               stop_at: float | None = None):
   """``(backbone, params_K, infos)`` of ``models_K``'s transformers
   (:func:`pretrain.load_trials`), pretrained in ``pdir`` first (or reused,
   or resumed). ``checkpoints=False``: none written or read, the params
   handed over in memory (:func:`pretrain.train_trials`; for a workdir
-  nothing resumes)."""
+  nothing resumes). ``stop_at``: :func:`pretrain.run_trials`'."""
   if not checkpoints:
     logging.info("pretraining %d trials in %s (no checkpoints)",
                  generative.num_trials(models_K), pdir)
-    return pretrain_lib.train_trials(pdir, cfg, models_K, log=logging.info)
-  pretrain(pdir, cfg, models_K)
+    return pretrain_lib.train_trials(pdir, cfg, models_K, log=logging.info,
+                                     stop_at=stop_at)
+  logging.info("pretraining %d trials in %s", generative.num_trials(models_K),
+               pdir)
+  pretrain_lib.run_trials(pdir, cfg, models_K, log=logging.info,
+                          stop_at=stop_at)
   return pretrain_lib.load_trials(pdir)
 
 
@@ -318,9 +323,15 @@ def tune_lanes(setup: TrialsConfig, cfg: tuning.TuneConfig, backbone,
            for j in range(len(ss))] for i, (_, ss) in enumerate(lanes)]
 
 
+DeadlineReached = pretrain_lib.DeadlineReached
+
+
 def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
                deadline: float | None = None,
-               claim: Callable[[ModelId], bool] | None = None) -> list[str]:
+               claim: Callable[[ModelId], bool] | None = None,
+               stop_at: float | None = None,
+               weight: Callable[[ModelId], float] | None = None,
+               seconds_per_weight: float | None = None) -> list[str]:
   """The resume loop: for each stack of ``todo`` (``{ModelId: [group]}``,
   the groups still missing lines, in order), ``prepare(mid, groups)``
   makes it, then each group's ``tune(group, stack)`` lines are appended to
@@ -329,26 +340,50 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
 
   ``deadline`` (a ``time.monotonic()`` value) bounds a run on a machine
   lent for a fixed time: no stack starts after it, and a stack started is
-  finished (its checkpoints live in a workdir such a run does not keep).
-  ``claim(mid)``, asked just before a stack starts, lets processes that
-  share ``todo`` split it: a stack whose claim is refused is another's.
+  finished. ``stop_at`` (also monotonic) is a hard deadline: no stack
+  starts that its estimate does not finish by then (the estimate is
+  ``weight(mid)`` times the seconds per unit of weight of the stacks this
+  run finished, or ``seconds_per_weight`` before any), and at ``stop_at``
+  the run stops between two tuning groups (:class:`DeadlineReached`; the
+  ``prepare`` it was given stops between training steps). ``claim(mid)``,
+  asked just before a stack starts, lets processes that share ``todo``
+  split it: a stack whose claim is refused is another's.
 
   Returns:
     The tags of the stacks skipped for the deadline (``[]``: none).
+
+  Raises:
+    DeadlineReached: ``stop_at`` came inside a stack.
   """
   total = sum(len(gs) for gs in todo.values())
   done, t0, skipped = 0, time.perf_counter(), []
+  spent: list[tuple[float, float]] = []  # (seconds, weight) of whole stacks
   for mid, groups in todo.items():
     if not groups:
       continue
-    if deadline is not None and time.monotonic() >= deadline:
+    now = time.monotonic()
+    rate = (sum(s for s, _ in spent) / sum(w for _, w in spent) if spent
+            else seconds_per_weight)
+    need = (None if stop_at is None or weight is None or rate is None
+            else rate * weight(mid))
+    if ((deadline is not None and now >= deadline)
+        or (stop_at is not None and now >= stop_at)
+        or (need is not None and now + need > stop_at)):
+      if need is not None and now < stop_at:
+        logging.info("%s: ~%.0f s by this run's estimate, %.0f s left: not "
+                     "started", mid.tag, need, stop_at - now)
       skipped.append((mid.tag, len(groups)))
       continue
     if claim is not None and not claim(mid):
       total -= len(groups)
       continue
+    started = time.monotonic()
     stack = prepare(mid, groups)
-    for g in groups:
+    for i, g in enumerate(groups):
+      if i and stop_at is not None and time.monotonic() >= stop_at:
+        raise DeadlineReached(
+            f"the deadline came in {mid.tag}'s tuning after {i} of its "
+            f"{len(groups)} groups")
       lines = tune(g, stack)
       results_lib.append_lines(path, lines)
       done += 1
@@ -361,6 +396,8 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
           g, np.mean(accs), np.std(accs), len(lines), lines[0].seconds,
           f"; {bad} with a non-finite tuning loss" if bad else "", elapsed,
           elapsed / done * (total - done))
+    if weight is not None:
+      spent.append((time.monotonic() - started, weight(mid)))
     del stack  # before the next stack is made: one in memory
   if skipped:
     logging.warning("deadline passed: skipped %d stacks (%d groups): %s",

@@ -26,6 +26,7 @@ from hmmprompt import tasks
 from hmmprompt import tuning
 from hmmprompt.backbones import depth
 from hmmprompt.backbones import transformer
+from hmmprompt.pretrain import loop as pretrain_loop
 from hmmprompt.pretrain import train as pretrain_train
 from hmmprompt.pretrain import workdir as pretrain_workdir
 TINY = pretrain.preset_config("tiny")
@@ -483,6 +484,43 @@ def test_groups_of_trials_per_vmap_step_in_fixed_shapes_and_equal_one_stack(
   for a, b in zip(grouped, one):
     assert (a["trial"], a["step"]) == (b["trial"], b["step"])
     assert a["ce_gap"] == pytest.approx(b["ce_gap"], rel=1e-3, abs=1e-4)
+
+
+def test_a_deadline_stops_between_steps_with_a_checkpoint_to_resume(
+    tmp_path, monkeypatch):
+  """``stop_at``: past it the stack stops after the step in hand, saves
+  that step (not an evaluation or checkpoint step) and raises; the rerun
+  resumes there and ends as the run never stopped, bit for bit."""
+  cfg = dataclasses.replace(TINY, target_gap=0.5)
+  stacked = generative.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6,
+                                     10)
+  whole = pretrain.run_trials(str(tmp_path / "whole"), cfg, stacked,
+                              log=lambda s: None)
+  now = [0.0]
+  monkeypatch.setattr(pretrain_loop, "_clock", lambda: now[0])
+
+  def late_after_7(step):
+    if step == 7:
+      now[0] = 100.0
+
+  workdir = str(tmp_path / "cut")
+  with pytest.raises(pretrain.DeadlineReached, match="^" + re.escape(
+      f"the deadline came at pretraining step 7 of {workdir} (checkpointed: "
+      f"a rerun resumes there)") + "$"):
+    pretrain.run_trials(workdir, cfg, stacked, log=lambda s: None,
+                        after_step=late_after_7, stop_at=50.0)
+  assert 7 % cfg.ckpt_every and 7 % cfg.eval_every  # an ordinary step
+  ckpts = ckpt_lib.Checkpoints(os.path.join(workdir, "checkpoints"))
+  assert ckpts.latest_step() == 7
+  ckpts.close()
+  logs = []
+  again = pretrain.run_trials(workdir, cfg, stacked, log=logs.append)
+  assert "resumed 2 trials from step 7" in logs
+  drop = lambda d: {a: b for a, b in d.items() if a != "wall_s"}
+  assert [drop(m) for m in again] == [drop(m) for m in whole]
+  jax.tree.map(np.testing.assert_array_equal,
+               pretrain.load_trials(workdir)[1],
+               pretrain.load_trials(str(tmp_path / "whole"))[1])
 
 
 @pytest.mark.slow

@@ -355,3 +355,52 @@ def test_a_transformer_sweep_pretrains_each_stack_in_its_own_directory(
       f"pretrained context of {long.pretrain.model.max_len}")):
     sweep.run(long, str(tmp_path / "long"), "left", "transformer")
   sweep.run(long, str(tmp_path / "long"), "left", "exact")  # no context
+
+
+def test_a_hard_deadline_skips_stacks_it_cannot_finish_and_stops_between_groups(
+    tmp_path, monkeypatch):
+  """``stop_at``: a stack starts only if its estimate (its weight times the
+  seconds per weight of the stacks finished, or the prior before any) ends
+  by the deadline; at the deadline the run stops between two groups, the
+  finished groups' lines on disk. A fake clock: each tuned group takes 10
+  seconds, each stack's prepare 5."""
+  clock = [0.0]
+  monkeypatch.setattr(protocol.time, "monotonic", lambda: clock[0])
+  a, b, c = (protocol.vanilla(h) for h in (4, 8, 12))
+  made, path = [], str(tmp_path / "results.jsonl")
+  line = lambda mid, g: records.ResultLine(
+      backbone="exact", panel="left", hmm="vanilla", num_states=mid.num_states,
+      memory_size=0, trial=0, task=g, method="head_linear", features="raw",
+      setup="s", hmm_fingerprint="f", size=mid.num_states, test_accuracy=1.0,
+      val_accuracy=1.0, train_accuracy=1.0, final_loss=0.0, steps=1,
+      seconds=10.0, task_redraws=0, assumptions={}, tune_config={},
+      task_config={})
+
+  def prepare(mid, groups):
+    made.append(mid)
+    clock[0] += 5
+    return mid
+
+  def tune(g, mid):
+    clock[0] += 10
+    return [line(mid, g)]
+
+  weights = {a: 1, b: 2, c: 1}
+  run = lambda todo, **kw: protocol.run_stacks(
+      todo, prepare, tune, path, weight=weights.get, **kw)
+  # a: 25 s by the prior (25 per weight); after it, 25 s per weight: b
+  # (50 s) would end at 75 > 60, c (25 s) at 50: a and c run.
+  assert run({a: [0, 1], b: [0, 1], c: [0, 1]}, stop_at=60.0,
+             seconds_per_weight=25.0) == [b.tag]
+  assert made == [a, c] and clock[0] == 50
+  # Without an estimate, a stack starts; the deadline stops it between
+  # groups (here after the first, at t = 65 > 60).
+  clock[0], made[:] = 50.0, []
+  with pytest.raises(protocol.DeadlineReached, match=re.escape(
+      "the deadline came in vanilla-h8's tuning after 1 of its 3 groups")):
+    run({b: [0, 1, 2]}, stop_at=60.0)
+  assert made == [b]
+  assert [(r.num_states, r.task) for r in records.read_results(
+      str(tmp_path))] == [(4, 0), (4, 1), (12, 0), (12, 1), (8, 0)]
+  # Past the deadline nothing starts.
+  assert run({c: [2]}, stop_at=60.0) == [c.tag] and made == [b]

@@ -148,7 +148,8 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
               results_dir: str, out_dir: str, budget_s: float | None = None,
               workdir: str | None = None, preset: str = "",
               compute: Callable | None = None,
-              info: dict | None = None) -> dict:
+              info: dict | None = None,
+              deadline_s: float | None = None) -> dict:
   """Computes ``chunk``'s missing cells from ``results_dir`` and writes
   ``out_dir/figure3-chunk.tar.gz`` (also after the budget or an error);
   returns the archive's ``run.json``.
@@ -160,6 +161,12 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
   for the deadline; default: :func:`sweep.run` in this process (the
   binary's ``--workers`` passes one that runs a process per core).
   ``info``: more fields for ``run.json`` (the binary's ``workers``).
+  ``deadline_s``: the run's own hard deadline, seconds from its start: it
+  starts no stack that its estimate (:func:`seconds_per_trial` of
+  ``results_dir``, then of the stacks it finished) does not finish in
+  time, runs the cheapest stacks first and stops between training steps
+  or tuning groups when the deadline comes (``run.json``'s ``stopped``
+  says where); the archive holds every cell finished.
 
   Raises:
     ValueError: a bad chunk, or ``results_dir`` or ``workdir`` holding
@@ -167,6 +174,7 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
   """
   t0 = time.monotonic()
   deadline = None if budget_s is None else t0 + budget_s
+  stop_at = None if deadline_s is None else t0 + deadline_s
   chunk_cfg = chunk_setup(setup, chunk)
   configs.check_run(setup, [backbone])
   sweep.check_workdir(results_dir, setup, write=False)
@@ -186,7 +194,7 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
   try:
     at_start = start_workdir(results_dir, workdir, setup)
     run_info = {"preset": preset, "chunk": chunk, "backbone": backbone,
-                "budget_s": budget_s, "setup": setup.fingerprint(backbone),
+                "budget_s": budget_s, "deadline_s": deadline_s, "setup": setup.fingerprint(backbone),
                 "left_sizes": list(chunk_cfg.left_sizes),
                 "memory_sizes": list(chunk_cfg.memory_sizes),
                 "device": [str(d) for d in jax.devices()],
@@ -206,9 +214,13 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
           # 20-trial BERT-width stack's are ~10 GB an evaluation).
           run_info["skipped_stacks"] = sweep.run(
               chunk_cfg, workdir, "both", backbone, deadline=deadline,
-              checkpoints=keep)
+              checkpoints=keep, stop_at=stop_at,
+              seconds_per_trial=seconds_per_trial(results_dir))
         else:
           run_info["skipped_stacks"] = compute(chunk_cfg, workdir, deadline)
+      except protocol.DeadlineReached as e:
+        run_info["stopped"] = str(e)
+        logging.warning("%s; the archive holds every finished cell", e)
       except Exception as e:
         run_info["error"] = f"{type(e).__name__}: {e}"
         raise
@@ -220,6 +232,28 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
     if not keep:
       shutil.rmtree(workdir, ignore_errors=True)
   return run_info
+
+
+def seconds_per_trial(results_dir: str, margin: float = 1.2
+                      ) -> float | None:
+  """The seconds a trial took in ``results_dir``'s transformer stacks (their
+  pretraining wall time plus each tuning group's program time, over their
+  trials) times ``margin`` (draws, compiles and evaluations are not in
+  those times); ``None`` where it has none."""
+  stacks: dict[tuple, dict] = {}
+  for r in records.read_results(results_dir):
+    if r.backbone != "transformer" or r.pretrain_wall_s is None:
+      continue
+    st = stacks.setdefault((r.hmm, r.num_states, r.memory_size),
+                           {"wall": 0.0, "groups": {}, "trials": set()})
+    st["wall"] = max(st["wall"], r.pretrain_wall_s)
+    st["groups"][(r.panel, r.method, r.features)] = r.seconds
+    st["trials"].add(r.trial)
+  trials = sum(len(st["trials"]) for st in stacks.values())
+  if not trials:
+    return None
+  return margin * sum(st["wall"] + sum(st["groups"].values())
+                      for st in stacks.values()) / trials
 
 
 def step_memory(setup: configs.Setup, chunk: str) -> list[dict]:

@@ -94,7 +94,7 @@ def make_models(setup: configs.Setup, mid: ModelId) -> generative.Model:
 
 def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
               models_K: generative.Model, backbone_name: str,
-              checkpoints: bool = True):
+              checkpoints: bool = True, stop_at: float | None = None):
   """``(backbone, params_K, pretrain_K, configs_K)`` of ``mid``'s trials;
   a transformer is pretrained first (or reused, or resumed).
 
@@ -105,6 +105,7 @@ def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
   (:func:`~hmmprompt.pretrain.load_trials`). ``checkpoints=False``: the
   transformers are pretrained without checkpoints and handed over in
   memory (a workdir nothing will resume; :func:`protocol.pretrained`).
+  ``stop_at``: pretraining stops there (:func:`pretrain.run_trials`).
   """
   if backbone_name == "exact":
     bb, _ = exact.make(generative.trial(models_K, 0))
@@ -113,7 +114,7 @@ def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
             [None] * num)
   pdir = protocol.pretrain_dir(workdir, setup, mid)
   bb, params_K, infos = protocol.pretrained(pdir, setup.pretrain, models_K,
-                                            checkpoints)
+                                            checkpoints, stop_at)
   if setup.tune.backbone_dtype != "float32":  # the same deepest config
     bb = transformer.make_backbone(
         max((info["config"].model for info in infos),
@@ -160,13 +161,14 @@ class Trials(NamedTuple):
 
 
 def prepare(workdir: str, setup: configs.Setup, mid: ModelId,
-            backbone_name: str, checkpoints: bool = True) -> Trials:
+            backbone_name: str, checkpoints: bool = True,
+            stop_at: float | None = None) -> Trials:
   """Draws ``mid``'s trials and their tasks, and pretrains their
   backbones (transformer; ``checkpoints`` as :func:`backbones`)."""
   stack = protocol.draw_stack(setup, mid, stack_size(setup, mid),
                             setup.tasks_per_hmm, verdicts=True)
   return Trials(stack, *backbones(workdir, setup, mid, stack.models_K,
-                                  backbone_name, checkpoints))
+                                  backbone_name, checkpoints, stop_at))
 
 
 def tune_group(setup: configs.Setup, backbone_name: str, g: Group,
@@ -265,19 +267,25 @@ def run(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
         deadline: float | None = None,
         claim: Callable[[protocol.ModelId], bool] | None = None,
         results_file: str | None = None,
-        checkpoints: bool = True) -> list[str]:
+        checkpoints: bool = True, stop_at: float | None = None,
+        seconds_per_trial: float | None = None) -> list[str]:
   """Runs this host's share of the sweep (whole models: a stack of trials
   per host); finished lines are skipped. ``deadline``: as
   :func:`protocol.run_stacks`. ``claim`` (:mod:`.workers`): every stack is
   this process's to claim, the costliest first, instead of every
   ``num_tasks``-th; ``results_file``: where its lines go;
   ``checkpoints=False``: pretraining writes none (:func:`backbones`; a
-  workdir nothing will resume).
+  workdir nothing will resume). ``stop_at``: the hard deadline of
+  :func:`protocol.run_stacks` (stacks estimated at ``seconds_per_trial``
+  per trial until this run has timed one), also inside pretraining; with
+  it, the cheapest stacks (fewest trials, then smallest) run first, so
+  that a short stretch of machine time still lands whole stacks.
 
   Returns:
     The tags of the stacks skipped for the deadline (``[]``: none).
 
   Raises:
+    protocol.DeadlineReached: ``stop_at`` came inside a stack.
     ValueError: a bad backbone, panel or shard, a workdir of another
       setup, or (transformer) inputs longer than the pretrained context.
   """
@@ -293,9 +301,12 @@ def run(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
   os.makedirs(workdir, exist_ok=True)
   check_workdir(workdir, setup)
   stacks = list(plan(setup, panel, backbone_name))
+  cost = lambda mid: (stack_size(setup, mid),
+                      mid.num_states * max(mid.memory_size, 1))
   if claim is not None:  # the long stacks first: no long one starts last
-    stacks.sort(key=lambda mid: (-stack_size(setup, mid),
-                                 -mid.num_states * max(mid.memory_size, 1)))
+    stacks.sort(key=cost, reverse=True)
+  elif stop_at is not None:
+    stacks.sort(key=cost)
   mine = [mid for i, mid in enumerate(stacks)
           if claim is not None or i % num_tasks == task_index]
   if pretrain_only:
@@ -308,8 +319,10 @@ def run(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
   todo = {mid: missing[mid] for mid in mine}
   return protocol.run_stacks(
       todo, lambda mid, _: prepare(workdir, setup, mid, backbone_name,
-                                   checkpoints),
+                                   checkpoints, stop_at),
       lambda g, trials: tune_group(setup, backbone_name, g, trials,
                                    todo[g.model_id][g]),
       results_file or records.results_path(workdir, num_tasks, task_index),
-      deadline, claim)
+      deadline, claim, stop_at=stop_at,
+      weight=lambda mid: stack_size(setup, mid),
+      seconds_per_weight=seconds_per_trial)

@@ -43,6 +43,17 @@ class Keys(NamedTuple):
                            for k in range(num)], axis=1))
 
 
+def _clock() -> float:
+  """``time.monotonic()``, the clock of ``stop_at`` (tests replace it)."""
+  return time.monotonic()
+
+
+class DeadlineReached(Exception):
+  """A run's hard deadline (``stop_at``) came between two training steps or
+  two tuning groups; everything finished before it is on disk (a kept
+  workdir holds a checkpoint of the step it stopped at)."""
+
+
 class _Progress:
   """Collects per-step losses; logs rate and ETA every ``log_every`` steps
   and raises on a non-finite loss (naming the last good checkpoint)."""
@@ -124,7 +135,8 @@ def run(workdir: str, cfg: PretrainConfig, model: generative.Model,
 
 def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
                log: Callable[[str], Any] = print,
-               after_step: Callable[[int], Any] | None = None) -> list[dict]:
+               after_step: Callable[[int], Any] | None = None,
+               stop_at: float | None = None) -> list[dict]:
   """Pretrains (or resumes) K transformers of one config in ``workdir``, one
   per trial of ``models_K`` (:func:`generative.random_models`,
   :func:`generative.stack`), in one jitted step; returns each trial's final
@@ -139,6 +151,9 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   for bit from the newest readable checkpoint: the trials still running
   follow from the evaluations up to it. ``after_step(step)`` is called
   after each step's bookkeeping (tests use it to crash at a chosen point).
+  ``stop_at`` (a ``time.monotonic()`` value): past it, the run stops
+  after the step in hand, saves a checkpoint of it and raises
+  :class:`DeadlineReached` (a rerun resumes from that step).
 
   The states of ``cfg.retain``'s steps (all K trials; a stopped trial's as
   it stopped) are saved under ``retained/`` as they pass, step 0 the
@@ -166,11 +181,13 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   (:func:`~hmmprompt.pretrain.train.grown_states`); its returned line is
   :func:`~hmmprompt.pretrain.workdir.fallback_line`.
   """
-  return _run_trials(workdir, cfg, models_K, log, after_step)[0]
+  return _run_trials(workdir, cfg, models_K, log, after_step,
+                     stop_at=stop_at)[0]
 
 
 def train_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
-                 log: Callable[[str], Any] = print
+                 log: Callable[[str], Any] = print,
+                 stop_at: float | None = None
                  ) -> tuple[Backbone, Any, list[dict]]:
   """:func:`run_trials` then :func:`~hmmprompt.pretrain.workdir.load_trials`
   without a checkpoint: the trained params are handed over in memory.
@@ -185,7 +202,7 @@ def train_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
     ``(backbone, params_K, infos)`` as ``load_trials`` would return them.
   """
   finals, states, deeps = _run_trials(workdir, cfg, models_K, log, None,
-                                      checkpoints=False)
+                                      checkpoints=False, stop_at=stop_at)
   infos = [{"config": cfg, "model": generative.trial(models_K, k),
             "metrics": deeps[k][0] if k in deeps else finals[k],
             "step": int(states.step[k])} for k in range(len(finals))]
@@ -198,7 +215,7 @@ def train_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
 
 
 def _run_trials(workdir, cfg, models_K, log, after_step,
-                checkpoints: bool = True):
+                checkpoints: bool = True, stop_at: float | None = None):
   """``(finals, states, deeps)``: :func:`run_trials`' lines, the stack's
   train states and ``{k: (its own last line, the deep run's, the deep
   run's states)}`` of the trials that fell back (their ``finals[k]`` is
@@ -209,7 +226,8 @@ def _run_trials(workdir, cfg, models_K, log, after_step,
                      "(generative.random_models or generative.stack); use "
                      "run for one model")
   finals, states = _train_stack(workdir, cfg, models_K, num, log,
-                                after_step, checkpoints=checkpoints)
+                                after_step, checkpoints=checkpoints,
+                                stop_at=stop_at)
   deeps = {}
   for k, line in enumerate(finals):
     if cfg.falls_back(line):
@@ -226,7 +244,7 @@ def _run_trials(workdir, cfg, models_K, log, after_step,
       (deep,), deep_states = _train_stack(
           workdir_lib.fallback_dir(workdir, k), deep_cfg,
           generative.stack([generative.trial(models_K, k)]), 1, log,
-          after_step, init=init, checkpoints=checkpoints)
+          after_step, init=init, checkpoints=checkpoints, stop_at=stop_at)
       deeps[k] = (line, deep, deep_states)
       finals[k] = workdir_lib.fallback_line(line, deep, k,
                                             cfg.fallback_layers)
@@ -275,7 +293,8 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
                  log: Callable[[str], Any],
                  after_step: Callable[[int], Any] | None,
                  init: Callable[[jax.Array], Any] | None = None,
-                 checkpoints: bool = True) -> tuple[list[dict], Any]:
+                 checkpoints: bool = True,
+                 stop_at: float | None = None) -> tuple[list[dict], Any]:
   """:func:`run_trials` without the fallback; also returns the train
   states (all K, a stopped trial's as it stopped). ``init(keys_K)``, if
   given, makes the step-0 states in place of :func:`train.init_states`.
@@ -418,6 +437,16 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
             evaluate(done, sub, [int(k) for k in rows[:n]])
       if after_step is not None:
         after_step(done)
+      if stop_at is not None and _clock() >= stop_at:
+        for (rows, n), sub in zip(groups, subs):
+          states = _put(states, rows[:n], _take(sub, np.arange(n)))
+        if ckpts is not None and not is_ckpt:
+          ckpts.save(done, states)
+        _close(ckpts, retained)
+        raise DeadlineReached(
+            f"the deadline came at pretraining step {done} of {workdir}"
+            + ("" if ckpts is None else " (checkpointed: a rerun resumes "
+               "there)"))
       before = len(running)
       stop_reached(done)
       if len(running) < before:
