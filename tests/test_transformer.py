@@ -44,7 +44,7 @@ def test_model_shapes_and_split_forward():
 
 @pytest.mark.parametrize("rel_pos,attention,layers", [
     ("none", "manual", 2), ("bias", "manual", 2), ("alibi", "manual", 1),
-    ("none", "dot_product", 2)])
+    ("none", "dot_product", 2), ("alibi", "dot_product", 1)])
 def test_output_at_one_position_is_that_row_of_all(rel_pos, attention,
                                                    layers):
   """The linear head's path: the last block computes the MASK's row alone
@@ -341,7 +341,7 @@ def _reference_forward(params, cfg, tokens_BxT):
 
 @pytest.mark.parametrize("rel_pos,attention,readout", [
     ("none", "manual", 0), ("none", "dot_product", 0), ("bias", "manual", 3),
-    ("alibi", "manual", 0)])
+    ("alibi", "manual", 0), ("bias", "dot_product", 0)])
 def test_the_forward_pass_is_the_textbook_encoder(rel_pos, attention,
                                                   readout):
   """The model's float32 logits against :func:`_reference_forward` in

@@ -43,7 +43,8 @@ per layer, head and offset ``j - i``, initialised at 0: attending at a
 fixed offset is one parameter; Shaw et al. 2018, T5 without buckets) or
 ``"alibi"`` (a fixed ``-m_a |i - j|`` with ALiBi's slopes ``m_a =
 2^(-8 (a + 1) / A)``, symmetric for a bidirectional model; Press et al.
-2022). Either makes attention take the manual path."""
+2022). Either path of ``ATTENTIONS`` adds it (``"dot_product"`` passes
+it to :func:`dot_product_attention` as a ``[1, A, T, T]`` bias)."""
 
 
 ATTENTIONS = ("auto", "manual", "dot_product")
@@ -137,8 +138,6 @@ class MLMConfig:
   def resolved_attention(self) -> str:
     """``"manual"`` or ``"dot_product"`` (``"auto"`` resolved by the
     default backend: call at trace time)."""
-    if self.rel_pos != "none":
-      return "manual"  # the logits take a bias
     if self.attention == "auto":
       return "manual" if jax.default_backend() == "cpu" else "dot_product"
     return self.attention
@@ -180,12 +179,16 @@ class Block(nn.Module):
     a, e = cfg.num_heads, cfg.d_model // cfg.num_heads
     y = nn.LayerNorm(dtype=dt, name="ln_attn")(x_BxTxD)
     if cfg.resolved_attention == "dot_product":
-      # [B, T, A, E], dot_product_attention's layout (vmaps fold into B).
+      # [B, T, A, E], dot_product_attention's layout (vmaps fold into B,
+      # or into A where the relative-position bias is vmapped).
       qkv_BxTx3xAxE = TokenDense(3 * d, dtype=dt, name="qkv")(y).reshape(
           b, t, 3, a, e)
+      bias_1xAxTxT = (None if cfg.rel_pos == "none"
+                      else rel_bias(cfg, t, self._rel_table())[None])
       out_BxTxAxE = dot_product_attention(qkv_BxTx3xAxE[:, :, 0],
                                           qkv_BxTx3xAxE[:, :, 1],
-                                          qkv_BxTx3xAxE[:, :, 2])
+                                          qkv_BxTx3xAxE[:, :, 2],
+                                          bias_1xAxTxT)
       x_BxTxD = x_BxTxD + TokenDense(d, dtype=dt, name="attn_out")(
           out_BxTxAxE.reshape(b, t, d))
       if query is not None:
@@ -202,11 +205,8 @@ class Block(nn.Module):
       logits_BxAxQxT = jnp.matmul(q, jnp.swapaxes(k, -1, -2)) / jnp.sqrt(
           jnp.asarray(e, dt))
       if cfg.rel_pos != "none":
-        table = (self.param("rel_bias", nn.initializers.zeros,
-                            (a, 2 * cfg.max_len - 1))
-                 if cfg.rel_pos == "bias" else None)
-        logits_BxAxQxT = logits_BxAxQxT + rel_bias(cfg, t, table)[
-            :, rows].astype(dt)
+        logits_BxAxQxT = logits_BxAxQxT + rel_bias(
+            cfg, t, self._rel_table())[:, rows].astype(dt)
       attn = jax.nn.softmax(logits_BxAxQxT.astype(jnp.float32),
                             -1).astype(dt)
       out_BxAxQxE = jnp.matmul(attn, v)
@@ -217,6 +217,14 @@ class Block(nn.Module):
     y = TokenDense(d, dtype=dt, name="mlp_out")(nn.gelu(y))
     return x_BxTxD + y
 
+  def _rel_table(self):
+    """The learned ``[A, 2 max_len - 1]`` offset table (``"bias"``; the
+    param ``rel_bias``), or None (``"alibi"``)."""
+    cfg = self.cfg
+    if cfg.rel_pos != "bias":
+      return None
+    return self.param("rel_bias", nn.initializers.zeros,
+                      (cfg.num_heads, 2 * cfg.max_len - 1))
 
 
 def rel_bias(cfg: MLMConfig, t: int, table_AxO=None):
