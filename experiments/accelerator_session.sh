@@ -8,18 +8,24 @@
 # mfu: the stacked step of the gpu preset's shape (Appendix D's model,
 #   batch 64 x 512, |H| = 30) at trials_per_vmap 1, 4 and 8 beside one
 #   model measured in the same run, then a profile of the last's top ops.
-# chunk CHUNK SECONDS: the gpu preset's chunk (in_chunks --chunk=CHUNK)
-#   from the committed results, SIGTERM after SECONDS (the runner then
-#   writes its archive at once), $OUT/figure3-chunk.tar.gz and the log
-#   back; merge it here with in_chunks --merge.
+# protocol SECONDS [CHUNK ...]: issue 49's protocol command, at most
+#   SECONDS long: the cuDNN bias check (experiments/check_cudnn_bias.py;
+#   on failure the chunks run the manual attention, a runtime field), then
+#   each CHUNK (default: all, the cheapest stacks first) through
+#   in_chunks with its own --deadline_s and a SIGTERM backstop, each
+#   starting from the committed results plus the chunks before it, each
+#   writing $OUT/<i>/figure3-chunk.tar.gz. WORKDIR=DIR keeps a workdir
+#   (checkpoints: a later command on the same machine resumes a stack cut
+#   short); by default each chunk computes in a temporary one without
+#   checkpoints. Merge here: in_chunks --preset=gpu --merge=A,B.
 set -uo pipefail
-step=${1:?usage: accelerator_session.sh first_minute|mfu|chunk CHUNK SECONDS}
+step=${1:?usage: accelerator_session.sh first_minute|mfu|protocol SECONDS [CHUNK ...]}
 OUT=${OUT:-/tmp/accelerator}
 mkdir -p "$OUT"
 log="$OUT/$step.log"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 # The tests' precision, never the runs' (the chunk step).
-[ "$step" = chunk ] || export JAX_DEFAULT_MATMUL_PRECISION=highest
+[ "$step" = protocol ] || export JAX_DEFAULT_MATMUL_PRECISION=highest
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
 {
   date -u; nvidia-smi --query-gpu=name,memory.total --format=csv
@@ -42,13 +48,34 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
       timeout 400 python -m experiments.bench_trials --preset=paper \
         --batch_size=64 --num_states=30 --trials=8 --steps=20 \
         --trials_per_vmap=1,4,8 --profile_dir="$OUT/profile" ;;
-    chunk)
-      chunk=${2:?chunk CHUNK SECONDS}; seconds=${3:?chunk CHUNK SECONDS}
-      echo "== in_chunks --preset=gpu --chunk=$chunk, SIGTERM after ${seconds} s"
-      timeout -s TERM "$seconds" python -m experiments.in_chunks \
-        --preset=gpu --chunk="$chunk" --out="$OUT" \
-        --workdir="${WORKDIR:-/tmp/figure3-gpu}"
-      echo "rc=$?"; ls -la "$OUT" ;;
+    protocol)
+      seconds=${2:?protocol SECONDS [CHUNK ...]}; shift 2
+      end=$(( $(date +%s) + seconds )); chunks=("${@:-all}"); attn=""
+      echo "== the relative bias through cuDNN (check_cudnn_bias)"
+      # PRESET=tiny CHECK=0 (the flags of a tiny preset in EXTRA) try the
+      # loop on a CPU.
+      preset=${PRESET:-gpu}
+      [ "${CHECK:-1}" = 0 ] || timeout 100 python -m \
+        experiments.check_cudnn_bias --also_xla \
+        || attn="--config.pretrain.model.attention=manual"
+      results=${RESULTS:-docs/results/figure3-gpu}; i=0
+      for chunk in "${chunks[@]}"; do
+        left=$(( end - $(date +%s) ))
+        [ "$left" -lt 90 ] && { echo "== ${left} s left: $chunk not run"; break; }
+        i=$((i + 1)); mkdir -p "$OUT/$i"
+        echo "== chunk $chunk: deadline $((left - 25)) s, SIGTERM at $((left - 5)) s ${attn}"
+        timeout -s TERM $((left - 5)) python -m experiments.in_chunks \
+          --preset="$preset" --chunk="$chunk" --deadline_s=$((left - 25)) \
+          --out="$OUT/$i" --results="$results" \
+          ${WORKDIR:+--workdir="$WORKDIR"} $attn ${EXTRA:-}
+        echo "rc=$?"
+        archive="$OUT/$i/figure3-chunk.tar.gz"
+        [ -f "$archive" ] || continue
+        # The next chunk starts from this one's lines (and its estimates).
+        results=/tmp/figure3-gpu-results-$i
+        rm -rf "$results"; mkdir -p "$results"; tar xzf "$archive" -C "$results"
+      done
+      ls -laR "$OUT" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   date -u
