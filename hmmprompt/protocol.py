@@ -254,12 +254,14 @@ def pretrain_dir(workdir: str, setup: TrialsConfig, mid: ModelId) -> str:
 
 
 def pretrain(pdir: str, cfg: pretrain_lib.PretrainConfig,
-             models_K: generative.Model) -> None:
+             models_K: generative.Model, stop_at: float | None = None
+             ) -> None:
   """Pretrains ``models_K``'s transformers in ``pdir`` (or reuses them, or
-  resumes an interrupted run)."""
+  resumes an interrupted run); ``stop_at``: :func:`pretrain.run_trials`'."""
   logging.info("pretraining %d trials in %s", generative.num_trials(models_K),
                pdir)
-  pretrain_lib.run_trials(pdir, cfg, models_K, log=logging.info)
+  pretrain_lib.run_trials(pdir, cfg, models_K, log=logging.info,
+                          stop_at=stop_at)
 
 
 def pretrained(pdir: str, cfg: pretrain_lib.PretrainConfig,
@@ -275,10 +277,7 @@ def pretrained(pdir: str, cfg: pretrain_lib.PretrainConfig,
                  generative.num_trials(models_K), pdir)
     return pretrain_lib.train_trials(pdir, cfg, models_K, log=logging.info,
                                      stop_at=stop_at)
-  logging.info("pretraining %d trials in %s", generative.num_trials(models_K),
-               pdir)
-  pretrain_lib.run_trials(pdir, cfg, models_K, log=logging.info,
-                          stop_at=stop_at)
+  pretrain(pdir, cfg, models_K, stop_at)
   return pretrain_lib.load_trials(pdir)
 
 

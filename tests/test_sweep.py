@@ -290,7 +290,8 @@ def pretrained(monkeypatch):
   ``(pdir, recipe, models)``."""
   calls = []
 
-  def pretrain(pdir, cfg, models_K):
+  def pretrain(pdir, cfg, models_K, stop_at=None):
+    assert stop_at is None
     calls.append((pdir, cfg, models_K))
 
   def load_trials(pdir):
@@ -303,7 +304,7 @@ def pretrained(monkeypatch):
             infos)
 
   monkeypatch.setattr(protocol, "pretrain", pretrain)
-  monkeypatch.setattr(sweep.pretrain_lib, "load_trials", load_trials)
+  monkeypatch.setattr(protocol.pretrain_lib, "load_trials", load_trials)
   return calls
 
 
