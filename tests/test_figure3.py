@@ -64,6 +64,21 @@ def test_a_one_trial_cell_has_no_interval(tmp_path):
   assert text.endswith("| 8 | ~100 | ~83 | 99.0 ± 1.0 (5) |\n\nX")
 
 
+def test_the_tuning_dtype_keys_the_transformers_lines_only():
+  """``tune.backbone_dtype`` (the gpu preset's bf16 on an accelerator)
+  moves the transformer's fingerprint, not the exact backbone's: its lines
+  computed on a CPU are the accelerator's setup's too."""
+  cpu = figure3.get_setup("gpu")
+  bf16 = figure3.get_setup("gpu", overrides={"tune.backbone_dtype":
+                                             "bfloat16"})
+  assert cpu.tune.backbone_dtype == "float32"  # this CPU's "auto"
+  assert bf16.fingerprint("exact") == cpu.fingerprint("exact")
+  assert bf16.fingerprint("transformer") != cpu.fingerprint("transformer")
+  with pytest.raises(ValueError, match="backbone_dtype must be one of "
+                     r"\('float32', 'bfloat16'\), got 'fp16'"):
+    figure3.get_setup("gpu", overrides={"tune.backbone_dtype": "fp16"})
+
+
 def test_identities_are_the_committed_ones():
   """Result lines and pretraining directories are found again by these
   digits: the refactors of issue 29 keep them byte for byte (values from

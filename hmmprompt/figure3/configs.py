@@ -95,7 +95,10 @@ class Setup(protocol.TrialsConfig):
     blob = self.identity()
     del blob["trials"], blob["right_trials"]
     if backbone != "transformer":
+      # Nothing pretrained, nothing computed in the backbone's dtype: the
+      # exact backbone's lines key alike on every backend.
       del blob["pretrain"]
+      blob["tune"].pop("backbone_dtype", None)
     return results_lib.fingerprint(blob)
 
   def identity(self) -> dict:
