@@ -363,14 +363,15 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
     now = time.monotonic()
     rate = (sum(s for s, _ in spent) / sum(w for _, w in spent) if spent
             else seconds_per_weight)
-    need = (None if stop_at is None or weight is None or rate is None
+    left = None if stop_at is None else stop_at - now
+    need = (None if left is None or weight is None or rate is None
             else rate * weight(mid))
     if ((deadline is not None and now >= deadline)
-        or (stop_at is not None and now >= stop_at)
-        or (need is not None and now + need > stop_at)):
-      if need is not None and now < stop_at:
+        or (left is not None and left <= 0)
+        or (need is not None and left is not None and need > left)):
+      if need is not None and left is not None and left > 0:
         logging.info("%s: ~%.0f s by this run's estimate, %.0f s left: not "
-                     "started", mid.tag, need, stop_at - now)
+                     "started", mid.tag, need, left)
       skipped.append((mid.tag, len(groups)))
       continue
     if claim is not None and not claim(mid):
