@@ -281,14 +281,14 @@ def pretrained(pdir: str, cfg: pretrain_lib.PretrainConfig,
   return pretrain_lib.load_trials(pdir)
 
 
-def pretrain_fields(info: dict) -> dict:
+def pretrain_fields(info: pretrain_lib.TrialInfo) -> dict:
   """The ``pretrain_*`` fields of a result line from its trial's ``info``
   (:func:`pretrain.load_trials`)."""
-  m = info["metrics"]
+  m = info.metrics
   return {"pretrain_ce_gap": m.get("ce_gap"), "pretrain_tv": m.get("tv"),
           "pretrain_mlm_ce": m.get("mlm_ce"),
           "pretrain_bayes_ce": m.get("bayes_ce"),
-          "pretrain_steps": info["step"], "pretrain_wall_s": m.get("wall_s"),
+          "pretrain_steps": info.step, "pretrain_wall_s": m.get("wall_s"),
           "pretrain_layers": m.get("layers")}
 
 

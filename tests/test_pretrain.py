@@ -119,7 +119,7 @@ def test_loaded_backbone_tunes_frozen_unless_finetuning(trained, model):
   arm does, on its own copy."""
   workdir, _ = trained
   bb, params, info = pretrain.load_backbone(workdir)
-  assert info["step"] == 40 and info["config"] == TINY
+  assert info.step == 40 and info.config == TINY
   flag = {"traced": False}
 
   @jax.custom_vjp
@@ -208,7 +208,7 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(
   assert ck.latest_step() == 10
   ck.close()
   _, params, info = pretrain.load_backbone(str(tmp_path))
-  assert info["step"] == 10
+  assert info.step == 10
   assert all(np.isfinite(np.asarray(x)).all()
              for x in jax.tree.leaves(params))
 
@@ -426,7 +426,7 @@ def test_run_trials_equals_separate_runs_and_stops_each(tmp_path):
   # Trial 0 (gap 0.29 at step 20) stops there; trial 1 (1.02) runs on.
   assert [(m["trial"], m["step"]) for m in final] == [(0, 20), (1, 40)]
   _, params_k, infos = pretrain.load_trials(workdir)
-  assert [i["step"] for i in infos] == [20, 40]
+  assert [i.step for i in infos] == [20, 40]
   for k in range(2):
     alone = str(tmp_path / f"alone{k}")
     m = pretrain.run(alone, dataclasses.replace(cfg, seed=cfg.seed + k),
@@ -1066,8 +1066,8 @@ def test_a_trial_short_of_the_target_at_the_cap_falls_back_to_depth(
   assert [drop(m) for m in again] == [drop(m) for m in final]
 
   backbone, params_k, infos = pretrain.load_trials(workdir)
-  assert infos[1]["metrics"]["layers"] == deeper
-  assert infos[1]["metrics"]["trial"] == 1  # the stack's trial, not 0
+  assert infos[1].metrics["layers"] == deeper
+  assert infos[1].metrics["trial"] == 1  # the stack's trial, not 0
   # In memory (a chunk's temporary workdir): no checkpoint written, the
   # same params, infos and metrics files as the checkpointed run's.
   memory = str(tmp_path / "memory")
@@ -1081,17 +1081,16 @@ def test_a_trial_short_of_the_target_at_the_cap_falls_back_to_depth(
   assert not glob.glob(os.path.join(memory, "**", "checkpoints", "*"),
                        recursive=True)
   jax.tree.map(np.testing.assert_array_equal, mem_k, params_k)
-  assert [drop(i["metrics"]) for i in mem_infos] == [
-      drop(i["metrics"]) for i in infos]
-  assert [(i["step"], i["config"]) for i in mem_infos] == [
-      (i["step"], i["config"]) for i in infos]
-  assert mem_infos[1]["metrics"]["layers"] == deeper
-  assert all(generative.same(a["model"], b["model"])
+  assert [drop(i.metrics) for i in mem_infos] == [
+      drop(i.metrics) for i in infos]
+  assert [(i.step, i.config) for i in mem_infos] == [
+      (i.step, i.config) for i in infos]
+  assert mem_infos[1].metrics["layers"] == deeper
+  assert all(generative.same(a.model, b.model)
              for a, b in zip(mem_infos, infos))
-  assert generative.same(infos[1]["model"], generative.trial(stacked, 1))
-  assert infos[1]["config"] == cfg.fallback(1)
-  assert infos[1]["step"] == alone["step"] and "layers" not in infos[0][
-      "metrics"]
+  assert generative.same(infos[1].model, generative.trial(stacked, 1))
+  assert infos[1].config == cfg.fallback(1)
+  assert infos[1].step == alone["step"] and "layers" not in infos[0].metrics
   _, alone_params = pretrain.load_backbone(str(tmp_path / "alone"))[:2]
   equal = lambda a, b: np.testing.assert_array_equal(np.asarray(a),
                                                      np.asarray(b))
@@ -1267,7 +1266,7 @@ def test_a_stack_is_refused_where_one_model_or_other_trials_are_expected(
     pretrain.load_backbone(workdir)
   # Without a metrics line yet, a trial loads with empty metrics.
   _, params_K, infos = pretrain.load_trials(workdir)
-  assert [(i["step"], i["metrics"]) for i in infos] == [(0, {}), (0, {})]
+  assert [(i.step, i.metrics) for i in infos] == [(0, {}), (0, {})]
   assert {x.shape[0] for x in jax.tree.leaves(params_K)} == {2}
 
 

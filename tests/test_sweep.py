@@ -15,6 +15,7 @@ import pytest
 
 from hmmprompt import figure3
 from hmmprompt import generative
+from hmmprompt.pretrain import TrialInfo
 from hmmprompt import protocol
 from hmmprompt import results as results_lib
 from hmmprompt.figure3 import records
@@ -297,9 +298,9 @@ def pretrained(monkeypatch):
   def load_trials(pdir):
     (_, cfg, models_K), = [c for c in calls if c[0] == pdir][-1:]
     num = generative.num_trials(models_K)
-    infos = [{"config": cfg, "step": 30 + k, "metrics": {
+    infos = [TrialInfo(cfg, generative.trial(models_K, k), {
         "ce_gap": 0.01 * (k + 1), "tv": 0.1, "mlm_ce": 1.5, "bayes_ce": 1.4,
-        "wall_s": 2.0 + k, "layers": None}} for k in range(num)]
+        "wall_s": 2.0 + k, "layers": None}, 30 + k) for k in range(num)]
     return (transformer.make_backbone(cfg.model), {"w": np.zeros((num, 3))},
             infos)
 

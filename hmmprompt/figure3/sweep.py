@@ -117,10 +117,10 @@ def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
                                             checkpoints, stop_at)
   if setup.tune.backbone_dtype != "float32":  # the same deepest config
     bb = transformer.make_backbone(
-        max((info["config"].model for info in infos),
+        max((info.config.model for info in infos),
             key=lambda m: m.num_layers), setup.tune.backbone_dtype)
   return (bb, params_K, [protocol.pretrain_fields(info) for info in infos],
-          [info["config"].model for info in infos])
+          [info.config.model for info in infos])
 
 
 class Trials(NamedTuple):

@@ -49,6 +49,7 @@ from hmmprompt.pretrain.train import make_optimizer
 from hmmprompt.pretrain.train import make_train_step
 from hmmprompt.pretrain.train import mlm_loss
 from hmmprompt.pretrain.train import step_memory
+from hmmprompt.pretrain.workdir import TrialInfo
 from hmmprompt.pretrain.workdir import load_backbone
 from hmmprompt.pretrain.workdir import load_retained
 from hmmprompt.pretrain.workdir import load_trials

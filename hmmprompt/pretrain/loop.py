@@ -188,7 +188,7 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
 def train_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
                  log: Callable[[str], Any] = print,
                  stop_at: float | None = None
-                 ) -> tuple[Backbone, Any, list[dict]]:
+                 ) -> tuple[Backbone, Any, list[workdir_lib.TrialInfo]]:
   """:func:`run_trials` then :func:`~hmmprompt.pretrain.workdir.load_trials`
   without a checkpoint: the trained params are handed over in memory.
 
@@ -203,14 +203,15 @@ def train_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   """
   finals, states, deeps = _run_trials(workdir, cfg, models_K, log, None,
                                       checkpoints=False, stop_at=stop_at)
-  infos = [{"config": cfg, "model": generative.trial(models_K, k),
-            "metrics": deeps[k][0] if k in deeps else finals[k],
-            "step": int(states.step[k])} for k in range(len(finals))]
+  infos = [workdir_lib.TrialInfo(
+      cfg, generative.trial(models_K, k),
+      deeps[k][0] if k in deeps else finals[k], int(states.step[k]))
+           for k in range(len(finals))]
   return workdir_lib.with_fallbacks(
       cfg, states.params, infos,
-      {k: (deep_states.params, {"config": cfg.fallback(k),
-                                "metrics": deep_line,
-                                "step": int(deep_states.step[0])})
+      {k: (deep_states.params, workdir_lib.TrialInfo(
+          cfg.fallback(k), infos[k].model, deep_line,
+          int(deep_states.step[0])))
        for k, (_, deep_line, deep_states) in deeps.items()})
 
 

@@ -19,7 +19,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -161,13 +161,34 @@ def fallback_line(shallow: dict, deep: dict, k: int, layers: int) -> dict:
           "wall_s": shallow["wall_s"] + deep["wall_s"]}
 
 
-def load_trials(workdir: str) -> tuple[Backbone, Any, list[dict]]:
+class TrialInfo(NamedTuple):
+  """What a pretrained trial is beside its params (:func:`load_trials`,
+  :func:`load_backbone`).
+
+  Attributes:
+    config: its ``PretrainConfig`` (a fallback's deeper one where it fell
+      back).
+    model: its generating HMM or memory HMM, unstacked (``hmm.HMM`` or
+      ``memory.MemoryHMM``: feed it to ``exact.make`` or
+      ``tasks.make_task``).
+    metrics: its last ``metrics.jsonl`` line (``ce_gap``, ``bayes_ce``,
+      ``mlm_ce``, ``tv``, ``step``, ``wall_s``; ``{}`` before any
+      evaluation).
+    step: the step it stopped at.
+  """
+
+  config: PretrainConfig
+  model: generative.Model
+  metrics: dict
+  step: int
+
+
+def load_trials(workdir: str) -> tuple[Backbone, Any, list[TrialInfo]]:
   """``(backbone, params_K, infos)`` of a pretraining run, for tuning.
 
   ``params_K``: the K transformers' params stacked ``[K, ...]`` (feed them
-  to :func:`tuning.tune_trials`); ``infos[k]`` holds trial ``k``'s
-  ``PretrainConfig`` (``config``), its generating ``model`` (unstacked),
-  its last ``metrics`` line and its ``step`` (where it stopped).
+  to :func:`tuning.tune_trials`); ``infos[k]``: trial ``k``'s
+  :class:`TrialInfo`.
 
   Raises:
     FileNotFoundError: ``workdir`` is not a pretraining workdir, or holds
@@ -183,13 +204,12 @@ def load_trials(workdir: str) -> tuple[Backbone, Any, list[dict]]:
   if step is None:
     raise FileNotFoundError(f"no checkpoints in {paths.ckpt}")
   metrics = read_metrics(paths)
-  infos: list[dict[str, Any]] = []
+  infos = []
   for k in range(cast(int, generative.num_trials(models_K))):
     mine = [m for m in metrics if m.get("trial", 0) == k]
-    infos.append({"config": cfg, "model": generative.trial(models_K, k),
-                  "metrics": mine[-1] if mine else {},
-                  "step": int(state.step[k])})
-  fell = [k for k, info in enumerate(infos) if cfg.falls_back(info["metrics"])]
+    infos.append(TrialInfo(cfg, generative.trial(models_K, k),
+                           mine[-1] if mine else {}, int(state.step[k])))
+  fell = [k for k, info in enumerate(infos) if cfg.falls_back(info.metrics)]
   deeps = {}
   for k in fell:
     where = fallback_dir(workdir, k)
@@ -202,9 +222,9 @@ def load_trials(workdir: str) -> tuple[Backbone, Any, list[dict]]:
   return with_fallbacks(cfg, state.params, infos, deeps)
 
 
-def with_fallbacks(cfg, params_K, infos: list[dict],
-                   deeps: dict[int, tuple[Any, dict]]
-                   ) -> tuple[Backbone, Any, list[dict]]:
+def with_fallbacks(cfg, params_K, infos: list[TrialInfo],
+                   deeps: dict[int, tuple[Any, TrialInfo]]
+                   ) -> tuple[Backbone, Any, list[TrialInfo]]:
   """``(backbone, params_K, infos)`` of a stack whose trials ``deeps``
   (``{k: (its fallback run's params [1, ...], that run's info)}``) fell
   back: their deeper models, the rest padded to that depth with identity
@@ -218,15 +238,16 @@ def with_fallbacks(cfg, params_K, infos: list[dict],
   for k, (deep_K, deep) in sorted(deeps.items()):
     params_K = jax.tree.map(lambda a, b, k=k: a.at[k].set(b[0]), params_K,
                             deep_K)
-    infos[k] = {**deep, "model": infos[k]["model"],
-                "metrics": fallback_line(infos[k]["metrics"], deep["metrics"],
-                                         k, deep_cfg.num_layers)}
+    infos[k] = deep._replace(
+        model=infos[k].model,
+        metrics=fallback_line(infos[k].metrics, deep.metrics, k,
+                              deep_cfg.num_layers))
   return transformer.make_backbone(deep_cfg), params_K, infos
 
 
-def load_backbone(workdir: str) -> tuple[Backbone, Any, dict]:
+def load_backbone(workdir: str) -> tuple[Backbone, Any, TrialInfo]:
   """``(backbone, params, info)`` of a one-model run: :func:`load_trials`'
-  only trial, unstacked.
+  only trial, unstacked; ``info.model`` is the HMM it was pretrained on.
 
   Raises ``FileNotFoundError`` as :func:`load_trials`, ``ValueError`` for a
   run of several trials.
