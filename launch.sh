@@ -12,7 +12,8 @@
 #                         SSE4_2 AVX2 and this CPU's own): a numerical test
 #                         must pass on every CPU CI may run on
 #                         (docs/performance.md)
-#   ./launch.sh demo      a one-minute tour of the HMM core
+#   ./launch.sh demo      a one-minute tour of the HMM core (installs the
+#                         library alone)
 #   ./launch.sh mutants [module ...]   mutation testing (mutmut; installs
 #                         the `mutants` extra): e.g. `mutants tuning heads`,
 #                         then a score table per module (docs/mutation.md)
@@ -39,16 +40,19 @@ case "${1:-}" in
 esac
 
 extras="test"
+[ "$mode" = demo ] && extras=""  # the library alone: a first run in seconds
 [ "$mode" = bench ] && extras="test,bench"
 [ "$mode" = mutants ] && extras="test,mutants"
-[ -n "${HMMPROMPT_EXTRAS:-}" ] && extras="$extras,$HMMPROMPT_EXTRAS"
+[ -n "${HMMPROMPT_EXTRAS:-}" ] && extras="${extras:+$extras,}$HMMPROMPT_EXTRAS"
+spec="."
+[ -n "$extras" ] && spec=".[$extras]"
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "creating $VENV with $($PY --version)" >&2
   # Without pip: ensurepip's 5 s buy nothing when uv installs (below).
   "$PY" -m venv --without-pip "$VENV"
 fi
-stamp="$VENV/.hmmprompt-installed-$extras"
+stamp="$VENV/.hmmprompt-installed-${extras:-library}"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # Byte-compiled at install: with PYTHONDONTWRITEBYTECODE set, as on CI,
   # Python would recompile every module on every import (importing jax,
@@ -64,10 +68,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
         { "$VENV/bin/python" -m ensurepip -q &&
           "$VENV/bin/python" -m pip install -q "uv>=0.9"; }; } &&
       "$VENV/bin/uv" pip install -q --compile-bytecode \
-        --python "$VENV/bin/python" -e ".[$extras]"; }; then
+        --python "$VENV/bin/python" -e "$spec"; }; then
     "$VENV/bin/python" -m ensurepip -q
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q -e ".[$extras]"
+    "$VENV/bin/python" -m pip install -q -e "$spec"
   fi
   touch "$stamp"
 fi

@@ -3,14 +3,13 @@
 XLA:CPU allocates each execution's temporaries afresh, and glibc serves
 large blocks with ``mmap`` and gives them back with ``munmap`` when freed.
 Every step of a jitted training loop then faults its working set in again,
-page by page, zero-filled by the kernel: on the 2-core machine the cpu
-pretraining step took 8.8 M minor page faults and 30 s of system time per
-600 steps, about 40% of its CPU time (docs/performance.md, "Where the system
-time went").
+page by page, zero-filled by the kernel: on the 2-core machine that was
+about 40% of the cpu pretraining step's CPU time (docs/performance.md,
+"Where the system time went", has the counts).
 
 :func:`retain_freed_memory` tells glibc to keep freed memory for reuse
-(no ``mmap`` for large blocks, no trimming of the heap top): the same run
-takes 0.2 M faults and 3 s of system time and 1.6x fewer seconds per step.
+(no ``mmap`` for large blocks, no trimming of the heap top), which removes
+nearly all of those faults.
 The price is that the process's resident size stays at its peak.
 
 It changes the process's allocator, so the library never calls it on its

@@ -75,8 +75,8 @@ class TrialsConfig:
     seed: root of every random stream (:func:`model_key` and friends).
     lanes_per_vmap: runtime (speed and memory only): lanes tuned at a time
       (``lax.map`` over vmapped groups, one program); 0 all at once;
-      ``None`` (auto) 1 on CPU (fastest there: 32 vs 59 s for 20
-      prompt-tuning trials at ``|H|`` = 30), all on accelerators.
+      ``None`` (auto) 1 on CPU (the fastest there: docs/performance.md),
+      all on accelerators.
     task_memory_mb: runtime: the MiB drawing a size's tasks may hold at
       once (:data:`tasks.MEMORY_BUDGET`); 0 unbounded.
   """

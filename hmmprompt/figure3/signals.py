@@ -3,9 +3,8 @@ writes a chunk's archive within seconds of either signal, even while the
 main thread waits inside a compiled program that runs for minutes.
 
 A Python signal handler runs only when the main thread returns to the
-interpreter, which a tuning program of 20 trials does not for ~100 s: a
-lent machine's time limit then kills the run before any handler runs (it
-happened, issue 49). So the signal is taken from
+interpreter, which a tuning program of 20 trials does not for minutes: a
+lent machine's time limit then kills the run before any handler runs. So the signal is taken from
 :func:`signal.set_wakeup_fd` by a thread of its own, which the C-level
 handler wakes at once; that thread writes the archive from what is on
 disk (result lines are appended by atomic rewrites, so a concurrent read

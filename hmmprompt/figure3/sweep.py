@@ -138,8 +138,7 @@ class Trials(NamedTuple):
     """``(backbone, params_G, ids)`` per depth among ``trial_ids``: each
     trial tuned at its own depth, not padded to its stack's deepest (a
     2-layer model padded to 4 pays the 4-layer backward in prompt
-    tuning: 491 s against 153 s for ``|H|`` = 25's 20 draws,
-    docs/figure3.md)."""
+    tuning; docs/figure3.md has the cost)."""
     def depth(k: int) -> int:
       model = self.models[k]
       return 0 if model is None else model.num_layers

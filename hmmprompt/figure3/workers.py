@@ -1,10 +1,10 @@
 """The sweep in one process per core, on one machine.
 
-XLA:CPU spreads the small matmuls of these models poorly over cores: on
-the 2-core machine one process steps the ``cpu_capped`` transformer in
-~44 ms on both cores and ~55 ms on one, so two processes, one per core,
-train 1.6x the steps (``experiments/bench_trials.py`` run on both cores,
-then two at once under ``taskset``; docs/performance.md). The binary's
+XLA:CPU spreads the small matmuls of these models poorly over cores, so
+two processes, one per core, train more steps than one process on both
+(``experiments/bench_trials.py`` run on both cores, then two at once under
+``taskset``; the numbers are in docs/performance.md, "One process per
+core"). The binary's
 ``--workers=N`` starts N copies of itself (:func:`spawn`), each pinned to
 one core; each takes the next stack nobody has claimed, the
 costliest first (:func:`claims`), into its own results file, and the

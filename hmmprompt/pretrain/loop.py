@@ -194,8 +194,8 @@ def train_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
 
   For a workdir nothing will resume (a chunk's temporary one): a
   checkpoint of 20 BERT-width trials is ~10 GB, written at every
-  evaluation and read back once for tuning, ~1 minute of a stack's ~7 on
-  an H200 (issue 49). The metrics and configs are written as by
+  evaluation and read back once for tuning (what that cost a stack:
+  docs/performance.md). The metrics and configs are written as by
   :func:`run_trials`; the values are the same (tested).
 
   Returns:
@@ -273,9 +273,9 @@ def _groups(running: list[int], trials_per_vmap: int
   (their results are dropped; the first ``n`` rows are real).
 
   So a stack's step has at most ``log2(trials_per_vmap) + 1`` shapes,
-  each compiled once, whichever trials stop when: at BERT width a step
-  compiles in ~35 s, and a stack of 20 that re-formed at every stop (20,
-  6, 2, 1 trials) compiled four; a padded trial costs its compute (at
+  each compiled once, whichever trials stop when (a BERT-width step's
+  compile is tens of seconds; a stack that re-formed at every stop, 20,
+  6, 2, 1 trials, compiled four); a padded trial costs its compute (at
   most the last group's size again), a lone hard draw runs alone.
   """
   if trials_per_vmap <= 1:

@@ -245,8 +245,8 @@ def tune(key_L, backbone: Backbone, bparams, data_L: Data, cfg: TuneConfig,
   Each lane gets what :func:`run` gives it alone. ``lane_group``: the
   first lane axis runs this many at a time (``lax.map`` over vmapped
   groups, still one program), which bounds memory and on CPU runs faster
-  (1: 32 vs 59 s for 20 prompt-tuning lanes at ``|H|`` = 30); values move
-  only by float rounding (batched matmuls of another batch size).
+  (1 there: docs/performance.md); values move only by float rounding
+  (batched matmuls of another batch size).
 
   Returns:
     ``(Result, tunable)``, the tunable params stacked ``[*L, ...]``.
