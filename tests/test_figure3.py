@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import types
 
 import numpy as np
 import pytest
@@ -77,6 +78,23 @@ def test_the_tuning_dtype_keys_the_transformers_lines_only():
   with pytest.raises(ValueError, match="backbone_dtype must be one of "
                      r"\('float32', 'bfloat16'\), got 'fp16'"):
     figure3.get_setup("gpu", overrides={"tune.backbone_dtype": "fp16"})
+
+
+def test_the_report_states_the_tuning_inputs_beside_the_papers():
+  line = lambda seq_len, max_len, method="prompt_linear": types.SimpleNamespace(
+      method=method, task_config={"seq_len": seq_len},
+      tune_config={"prompt_len": 20, "max_len": max_len})
+  paper = (" The paper's: 128 tokens (Appendix D; the authors' scripts "
+           "truncated every input to 80 positions, prompt included).")
+  assert reporting.inputs_note([line(59, None), line(59, None)]) == (
+      "Tuning inputs here: 59 tokens after the MASK, 80 positions with 20 "
+      "prompt vectors." + paper)
+  # Truncated to 80 positions, prompt included: 59 of the 128 tokens.
+  assert reporting.inputs_note([line(128, 80), line(128, None)]) == (
+      "Tuning inputs here: 59 tokens after the MASK, 80 positions with 20 "
+      "prompt vectors; 128 tokens after the MASK, 149 positions with 20 "
+      "prompt vectors." + paper)
+  assert reporting.inputs_note([line(59, None, "head_linear")]) == ""
 
 
 def test_identities_are_the_committed_ones():

@@ -215,13 +215,33 @@ def _cell(m: float, ci: float, n: int) -> str:
   return f"{m:.1f} ± {ci:.1f} ({n})" if np.isfinite(ci) else f"{m:.1f} ({n})"
 
 
-def write_table(summary: dict, path: str, extra: str = "") -> None:
+def inputs_note(lines) -> str:
+  """One sentence: the tuning inputs of ``lines`` (tokens after the
+  ``MASK``, and positions with the prompt) beside the paper's, which the
+  report's paper columns were measured on."""
+  shapes = set()
+  for r in lines:
+    if r.method.startswith("prompt"):
+      t, p = r.task_config["seq_len"], r.tune_config["prompt_len"]
+      m = r.tune_config.get("max_len")  # truncation, prompt included
+      shapes.add((t if m is None else min(t, m - p - 1), p))
+  if not shapes:
+    return ""
+  ours = "; ".join(f"{t} tokens after the MASK, {p + 1 + t} positions with "
+                   f"{p} prompt vectors" for t, p in sorted(shapes))
+  return (f"Tuning inputs here: {ours}. The paper's: 128 tokens (Appendix "
+          f"D; the authors' scripts truncated every input to 80 positions, "
+          f"prompt included).")
+
+
+def write_table(summary: dict, path: str, extra: str = "",
+                inputs: str = "") -> None:
   out = ["# Figure 3: test accuracy (%)", "",
          "Mean ± 95% t-interval over trials (n): a trial is an HMM draw "
          "with its own backbone and tasks, its tasks averaged first (with "
          "one trial, the interval is over its tasks). Paper values (20 "
          "trials left, 5 right) read off the authors' Figure 3 "
-         "(approximate).", ""]
+         "(approximate)." + (" " + inputs if inputs else ""), ""]
   for panel, title in (("left", "Left: head vs prompt tuning, vanilla HMM, "
                         "|X| = 10, x = |H|"),
                        ("right", "Right: memory HMM + attention head vs "
@@ -292,6 +312,7 @@ def report(workdir: str) -> dict:
   extra = [diverged_table(lines), wins_table(lines), components_table(lines),
            trial_table(lines), pretrain_report.report(workdir)]
   write_table(summary, os.path.join(workdir, "figure3.md"),
-              extra="\n".join(e for e in extra if e))
+              extra="\n".join(e for e in extra if e),
+              inputs=inputs_note(lines))
   write_plot(summary, os.path.join(workdir, "figure3.png"))
   return summary
