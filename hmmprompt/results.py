@@ -26,12 +26,30 @@ from typing import Any
 from collections.abc import Iterable, Sequence
 
 
+def _file_mode() -> int:
+  """The mode ``open()`` gives a new file: 0o666 less the umask. mkstemp
+  makes its file 0o600, so results, reports and plots written through it
+  would be unreadable to the people they are shared with. The umask is
+  read by setting it (the only portable way), which is process-wide: once,
+  at import, before any thread of ours runs."""
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return 0o666 & ~mask
+
+
+_FILE_MODE = _file_mode()
+
+
 def atomic_write_bytes(path: str, data: bytes) -> None:
+  """Writes ``data`` to ``path`` through a temporary file and a rename (a
+  crash leaves the old file or the new one, never half of one), with the
+  mode a plain ``open()`` would give it."""
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-",
                              suffix=os.path.basename(path))
   try:
+    os.fchmod(fd, _FILE_MODE)
     with os.fdopen(fd, "wb") as f:
       f.write(data)
       f.flush()

@@ -102,3 +102,33 @@ def test_archives_round_trip_and_refuse_foreign_members(tmp_path):
         f"unexpected member {bad[0]!r}")):
       results.read_archive(archive, str(dest), allowed)
     assert not dest.exists()
+
+
+def test_written_files_have_the_mode_open_would_give(tmp_path):
+  """Results, reports and archives are shared: 0o666 less the umask (0644
+  under the usual 022), not mkstemp's 0600."""
+  mask = os.umask(0o022)
+  os.umask(mask)
+  want = 0o666 & ~mask
+  assert want & 0o044 or mask & 0o044  # readable by others unless masked
+  paths = [str(tmp_path / "a.txt"), str(tmp_path / "b.bin"),
+           str(tmp_path / "c.jsonl"), str(tmp_path / "d.tar.gz")]
+  results.atomic_write_text(paths[0], "x")
+  results.atomic_write_bytes(paths[1], b"x")
+  results.append_jsonl(paths[2], [{"a": 1}])
+  results.write_archive(paths[3], str(tmp_path), ["a.txt"])
+  for path in paths:
+    assert os.stat(path).st_mode & 0o777 == want, path
+
+
+def test_the_package_is_typed_and_versioned():
+  import tomllib
+  import hmmprompt
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+    project = tomllib.load(f)
+  assert hmmprompt.__version__ == project["project"]["version"]
+  assert os.path.isfile(os.path.join(os.path.dirname(hmmprompt.__file__),
+                                     "py.typed"))
+  assert "py.typed" in project["tool"]["setuptools"]["package-data"][
+      "hmmprompt"]
