@@ -6,14 +6,48 @@ where the outputs are."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 import time
 from collections.abc import Callable
 
 from absl import app
 from absl import flags
 
+from hmmprompt import config_flags
 from hmmprompt import glibc
 from hmmprompt import sharding
+
+
+def one_line_errors(main: Callable) -> Callable:
+  """``main`` whose usage errors end the binary with one line on stderr,
+  ``error: <what is wrong>``, and status 2: absl's own handling prints the
+  whole module help (~34 lines) before the one line that matters. Errors
+  absl raises while parsing flags, before ``main``, stay absl's two
+  lines."""
+  @functools.wraps(main)
+  def main_with_one_line_errors(argv):
+    try:
+      return main(argv)
+    except app.UsageError as e:
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(2)
+  return main_with_one_line_errors
+
+
+def define_print_config():
+  """``--print_config``: the binary prints the resolved configuration
+  (:func:`print_config`) and runs nothing."""
+  return flags.DEFINE_bool(
+      "print_config", False, "print the resolved configuration (the "
+      "--preset with every --config.<path> override applied; --help shows "
+      "the default preset's values), one `path = value` line a leaf, and "
+      "run nothing")
+
+
+def print_config(cfg) -> None:
+  """Prints :func:`config_flags.describe` of ``cfg``."""
+  print("\n".join(config_flags.describe(cfg)))
 
 
 def start(argv, **required) -> float:

@@ -79,6 +79,9 @@ _STEP_MEMORY = flags.DEFINE_bool(
     "buffer assignment, compiled on shapes only) and stop")
 _MERGE = flags.DEFINE_list(
     "merge", None, "archives to merge into --results (computes nothing)")
+_PRINT_CONFIG = cli.define_print_config()
+# --help lists the --config.* keys (absl shows only a module's key flags).
+flags.adopt_module_key_flags(config_flags)
 _WORKERS, _WORKER, _CLAIMS = workers.define_flags("the chunk")
 flags.adopt_module_key_flags(workers)
 _DEADLINE = flags.DEFINE_float("deadline", None, "internal: the parent's "
@@ -94,6 +97,7 @@ def _work(setup) -> None:
             results_file=workers.results_path(_WORKDIR.value, _WORKER.value))
 
 
+@cli.one_line_errors
 def main(argv):
   t0 = cli.start(argv)
   results = _RESULTS.value or chunks.results_dir(_PRESET.value)
@@ -103,6 +107,8 @@ def main(argv):
         raise ValueError("--merge computes nothing: drop --out")
       return print(*chunks.merge_all(_MERGE.value, results), sep="\n")
     setup = configs.get_setup(_PRESET.value, _CONFIG.value())
+    if _PRINT_CONFIG.value:
+      return cli.print_config(setup)
     if _WORKER.value is not None:
       return _work(setup)
     if not _OUT.value and not _STEP_MEMORY.value:

@@ -45,7 +45,11 @@ _PRESET = flags.DEFINE_enum("preset", "cpu", list(pretrain.PRESETS),
                             "pretraining preset")
 _CONFIG = config_flags.define(pretrain.Job(
     pretrain=pretrain.preset_config("cpu")))
-_WORKDIR = flags.DEFINE_string("workdir", None, "output directory")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "output directory (required; a rerun with it resumes)")
+_PRINT_CONFIG = cli.define_print_config()
+# --help lists the --config.* keys (absl shows only a module's key flags).
+flags.adopt_module_key_flags(config_flags)
 _CRASH_AT = flags.DEFINE_integer(
     "crash_at_step", None, "testing: SIGKILL this process after this step "
     "(checks that a rerun resumes exactly)")
@@ -53,11 +57,16 @@ _INIT_DISTRIBUTED = cli.define_distributed_flags()
 flags.adopt_module_key_flags(cli)
 
 
+@cli.one_line_errors
 def main(argv):
-  t0 = cli.start(argv, workdir=_WORKDIR.value)
+  t0 = cli.start(argv, **({} if _PRINT_CONFIG.value else
+                          {"workdir": _WORKDIR.value}))
   # Usage errors (flags, config, a workdir holding another run) are found
   # here, before any work; whatever fails later keeps its traceback.
   with cli.usage_errors():
+    if _PRINT_CONFIG.value:
+      return cli.print_config(pretrain.Job.of(_PRESET.value,
+                                              **_CONFIG.value()))
     _INIT_DISTRIBUTED()
     job = pretrain.Job.of(_PRESET.value, **_CONFIG.value())
     sharding.check_batch(job.pretrain.batch_size, sharding.data_mesh())

@@ -81,6 +81,14 @@ def leaves(cfg, prefix: str = "") -> dict[str, Any]:
   return out
 
 
+def describe(cfg) -> list[str]:
+  """``"path = value"`` for every leaf of ``cfg`` (runtime fields too), in
+  field order: what ``--print_config`` prints, each ``path`` a
+  ``--config.<path>`` flag."""
+  return [f"{path} = {functools.reduce(getattr, path.split('.'), cfg)!r}"
+          for path in leaves(cfg)]
+
+
 def parse(text: str, hint, path: str = "value"):
   """Parses ``text`` as ``hint``; ``ValueError`` naming ``path``."""
   text = text.strip()
@@ -170,8 +178,9 @@ def define(default_cfg, flag_values=flags.FLAGS) -> Overrides:
   for path, hint in leaves(default_cfg).items():
     value = functools.reduce(getattr, path.split("."), default_cfg)
     flags.DEFINE_string(f"{PREFIX}.{path}", None,
-                        f"{getattr(hint, '__name__', hint)}; preset default "
-                        f"{value!r}", flag_values=flag_values)
+                        f"{getattr(hint, '__name__', hint)}; the default "
+                        f"preset's {value!r} (--print_config shows the "
+                        f"chosen --preset's)", flag_values=flag_values)
   return Overrides(tuple(leaves(default_cfg)), flag_values)
 
 

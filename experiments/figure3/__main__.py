@@ -27,7 +27,8 @@ _BACKBONE = flags.DEFINE_list(
     "(perfect pretraining: Appendix B's message passing) and/or transformer "
     "(the masked LM, pretrained once per HMM and cached under "
     "DIR/pretrain/)")
-_WORKDIR = flags.DEFINE_string("workdir", None, "output directory")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "output directory (required; a rerun with it resumes)")
 _PANEL = flags.DEFINE_enum("panel", "both", ["left", "right", "both"],
                            "which panel(s)")
 _PRETRAIN_ONLY = flags.DEFINE_bool(
@@ -38,6 +39,9 @@ _NUM_TASKS = flags.DEFINE_integer(
     "TPU VMs); each HMM's cells go to one host")
 _TASK_INDEX = flags.DEFINE_integer("task_index", 0,
                                    "this host's index in [0, num_tasks)")
+_PRINT_CONFIG = cli.define_print_config()
+# --help lists the --config.* keys (absl shows only a module's key flags).
+flags.adopt_module_key_flags(config_flags)
 _WORKERS, _WORKER, _CLAIMS = workers.define_flags("the sweep")
 flags.adopt_module_key_flags(workers)
 
@@ -61,11 +65,15 @@ def _run(setup, workdir: str, names: list[str]) -> None:
                 workers.results_path(workdir, worker))
 
 
+@cli.one_line_errors
 def main(argv):
-  t0 = cli.start(argv, workdir=_WORKDIR.value)
+  t0 = cli.start(argv, **({} if _PRINT_CONFIG.value else
+                          {"workdir": _WORKDIR.value}))
   workdir, names = _WORKDIR.value, _BACKBONE.value
   with cli.usage_errors():
     setup = configs.get_setup(_PRESET.value, _CONFIG.value())
+    if _PRINT_CONFIG.value:
+      return cli.print_config(setup)
     configs.check_run(setup, names, _PRETRAIN_ONLY.value, _NUM_TASKS.value,
                       _TASK_INDEX.value)
     count = (1 if _WORKER.value is not None else

@@ -15,14 +15,22 @@ from hmmprompt import config_flags
 _PRESET = flags.DEFINE_enum("preset", "cpu", list(curve.PRESETS),
                             "config preset; --config.<path> overrides it")
 _CONFIG = config_flags.define(curve.PRESETS["cpu"]())
-_WORKDIR = flags.DEFINE_string("workdir", None, "output directory")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "output directory (required; a rerun with it resumes)")
+_PRINT_CONFIG = cli.define_print_config()
+# --help lists the --config.* keys (absl shows only a module's key flags).
+flags.adopt_module_key_flags(config_flags)
 
 
+@cli.one_line_errors
 def main(argv):
-  t0 = cli.start(argv, workdir=_WORKDIR.value)
+  t0 = cli.start(argv, **({} if _PRINT_CONFIG.value else
+                          {"workdir": _WORKDIR.value}))
   workdir = _WORKDIR.value
   with cli.usage_errors():
     setup = curve.get_setup(_PRESET.value, _CONFIG.value())
+    if _PRINT_CONFIG.value:
+      return cli.print_config(setup)
     curve.check_workdir(workdir, setup)
   curve.run(setup, workdir)
   print(report.report(workdir))

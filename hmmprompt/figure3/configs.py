@@ -278,5 +278,21 @@ PRESETS = {"tiny": _tiny, "cpu": _cpu, "cpu_paper": _cpu_paper,
 def get_setup(preset: str = "cpu",
               overrides: Mapping[str, Any] | None = None,
               **fields) -> Setup:
-  """The named preset with overrides (:func:`config_flags.from_preset`)."""
+  """The named preset with overrides (:func:`config_flags.from_preset`).
+
+  Raises:
+    ValueError: a bad preset or override, or an override that empties a
+      panel's sizes: ``--config.left_sizes=`` once ran the right panel
+      alone and exited 0 without a left panel, where ``--panel`` is the
+      way to choose panels (a chunk of one panel empties the other's
+      sizes in code, through ``dataclasses.replace``, which stays free).
+  """
+  for name in ("left_sizes", "memory_sizes"):
+    given = (overrides or {}).get(name, fields.get(name))
+    if given is not None and not str(given).strip("(), "):
+      panel = "right" if name == "left_sizes" else "left"
+      raise ValueError(
+          f"--config.{name} is empty: name at least one size (e.g. "
+          f"{','.join(map(str, getattr(PRESETS['tiny'](), name)))}); "
+          f"--panel={panel} runs the {panel} panel alone")
   return config_flags.from_preset(PRESETS, preset, overrides, **fields)

@@ -219,6 +219,10 @@ def check_workdir(workdir: str, setup: configs.Setup,
   """
   mine = {setup.fingerprint(b) for b in BACKBONES}
   others = sorted({r.setup for r in records.read_results(workdir)} - mine)
+  if others and os.path.exists(os.path.join(workdir, STAMP)):
+    # The stamp names what differs (old -> new); the lines' digits alone
+    # name nothing a user can act on.
+    stamp(workdir, setup.identity(), write=False)
   if others:
     raise ValueError(
         f"{workdir} holds result lines of setup {others}, this run's are "

@@ -32,8 +32,9 @@ for args in argvs:
       try:
         app.run(main, argv=[module] + args)
         code = 0
-      except SystemExit as x:
-        code = x.code if isinstance(x.code, int) else 1
+      except SystemExit as x:  # app.run exits with main's return value
+        code = (0 if x.code is None else
+                x.code if isinstance(x.code, int) else 1)
       except BaseException:  # a traceback: printed, as python -m would
         import traceback
         traceback.print_exc()

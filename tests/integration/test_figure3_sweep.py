@@ -227,6 +227,12 @@ _BAD_FLAGS = [
     (["--preset=tiny", "--workdir=TINY", "--config.tune.epochs=1",
       "--config.tune.prompt_len=1"], "holds results of another setup "
      "(tune.epochs: 2 -> 1; tune.prompt_len: 4 -> 1)"),
+    # The same with result lines there: the fields, not the lines' digits.
+    (["--preset=cpu", "--workdir=LINES"], "holds results of another setup "
+     "(pretrain."),
+    (["--preset=tiny", "--workdir=W", "--config.left_sizes="],
+     "--config.left_sizes is empty: name at least one size (e.g. 4,12); "
+     "--panel=right runs the right panel alone"),
 ]
 
 
@@ -238,14 +244,29 @@ def test_bad_flags_fail_clearly(tmp_path):
   tiny = tmp_path / "tiny"
   tiny.mkdir()
   sweep.check_workdir(str(tiny), figure3.get_setup("tiny"))
+  lines = tmp_path / "lines"  # a tiny sweep's stamp and one of its lines
+  lines.mkdir()
+  sweep.check_workdir(str(lines), figure3.get_setup("tiny"))
+  results_lib.append_lines(records.results_path(str(lines)), [
+      records.ResultLine(
+          backbone="exact", panel="left", hmm="vanilla", num_states=4,
+          memory_size=0, trial=0, task=0, method="head_linear",
+          features="raw", setup=figure3.get_setup("tiny").fingerprint(),
+          hmm_fingerprint="f", size=4, test_accuracy=1.0, val_accuracy=1.0,
+          train_accuracy=1.0, final_loss=0.0, steps=1, seconds=1.0,
+          task_redraws=0, assumptions={}, tune_config={}, task_config={})])
   argvs = [[a.replace("=W", f"={tmp_path}").replace("=OTHER", f"={other}")
-            .replace("=TINY", f"={tiny}") for a in args]
-           for args, _ in _BAD_FLAGS]
+            .replace("=TINY", f"={tiny}").replace("=LINES", f"={lines}")
+            for a in args] for args, _ in _BAD_FLAGS]
   ends = binaries.usage_errors("experiments.figure3.__main__", argvs)
   for (args, match), end in zip(_BAD_FLAGS, ends):
     assert end["returncode"] != 0, args
     assert match in end["stderr"] + end["stdout"], (args, end["stderr"])
     assert "Traceback" not in end["stderr"], (args, end["stderr"])
+    # One line; absl's own flag parsing, before main, prints its two.
+    absl = end["stderr"].startswith("FATAL Flags parsing error")
+    assert len(end["stderr"].strip().splitlines()) == (
+        2 if absl else 1), (args, end["stderr"])
 
 
 def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,

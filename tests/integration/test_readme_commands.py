@@ -1,0 +1,47 @@
+"""Every `python -m experiments.<binary> FLAGS` the README gives parses (its
+flags exist and its config resolves: the binary's --print_config, which
+runs nothing), and --print_config shows the chosen preset's values."""
+
+import os
+import re
+
+import binaries  # tests/integration/binaries.py
+
+ROOT = binaries.ROOT
+# The binaries that take --config.* flags (and so --print_config).
+_CONFIGURED = {"figure3": "experiments.figure3.__main__",
+               "pretraining_curve": "experiments.pretraining_curve.__main__",
+               "in_chunks": "experiments.in_chunks",
+               "pretrain": "experiments.pretrain"}
+
+
+def _readme_commands() -> list[tuple[str, list[str]]]:
+  with open(os.path.join(ROOT, "README.md")) as f:
+    text = f.read()
+  out = []
+  for m in re.finditer(r"python -m experiments\.(\w+)((?:\s+--[^\s`#]+)*)",
+                       text):
+    out.append((m.group(1), m.group(2).split()))
+  return out
+
+
+def test_the_readmes_commands_parse():
+  commands = _readme_commands()
+  assert {name for name, _ in commands} >= {"figure3", "tour",
+                                            "pretraining_curve"}
+  for name, module in _CONFIGURED.items():
+    argvs = [args + ["--print_config"] for n, args in commands if n == name]
+    for args, end in zip(argvs, binaries.usage_errors(module, argvs)):
+      assert end["returncode"] == 0, (name, args, end["stderr"][-2000:])
+      assert re.search(r"^trials = \d+$", end["stdout"], re.M), (name, args)
+
+
+def test_print_config_shows_the_chosen_preset_with_overrides():
+  (end,) = binaries.usage_errors(
+      "experiments.figure3.__main__",
+      [["--preset=tiny", "--config.trials=3", "--print_config"]])
+  assert end["returncode"] == 0, end["stderr"]
+  lines = end["stdout"].splitlines()
+  assert "trials = 3" in lines and "left_sizes = (4, 12)" in lines
+  assert "task.seq_len = 16" in lines  # tiny's, not the default preset's
+  assert all(" = " in line for line in lines)
