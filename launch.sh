@@ -26,7 +26,9 @@
 # ./launch.sh --preset=paper, or on many hosts
 # ./launch.sh --num_tasks=$SLURM_ARRAY_TASK_COUNT \
 #             --task_index=$SLURM_ARRAY_TASK_ID --workdir=/shared/figure3).
-# HMMPROMPT_EXTRAS=cuda (or tpu) installs jax's accelerator build too.
+# HMMPROMPT_EXTRAS=cuda (or tpu) installs jax's accelerator build too;
+# HMMPROMPT_LOCK=1 installs the runtime dependencies at requirements.lock's
+# versions.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -46,13 +48,18 @@ extras="test"
 [ -n "${HMMPROMPT_EXTRAS:-}" ] && extras="${extras:+$extras,}$HMMPROMPT_EXTRAS"
 spec="."
 [ -n "$extras" ] && spec=".[$extras]"
+# HMMPROMPT_LOCK=1: the runtime dependencies at requirements.lock's
+# versions (those the committed results were produced with), as
+# constraints: the extras' tools stay unpinned.
+lock=()
+[ "${HMMPROMPT_LOCK:-0}" = 1 ] && lock=(-c requirements.lock)
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "creating $VENV with $($PY --version)" >&2
   # Without pip: ensurepip's 5 s buy nothing when uv installs (below).
   "$PY" -m venv --without-pip "$VENV"
 fi
-stamp="$VENV/.hmmprompt-installed-${extras:-library}"
+stamp="$VENV/.hmmprompt-installed-${extras:-library}${lock[0]:+-locked}"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # Byte-compiled at install: with PYTHONDONTWRITEBYTECODE set, as on CI,
   # Python would recompile every module on every import (importing jax,
@@ -68,10 +75,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
         { "$VENV/bin/python" -m ensurepip -q &&
           "$VENV/bin/python" -m pip install -q "uv>=0.9"; }; } &&
       "$VENV/bin/uv" pip install -q --compile-bytecode \
-        --python "$VENV/bin/python" -e "$spec"; }; then
+        --python "$VENV/bin/python" ${lock[@]+"${lock[@]}"} -e "$spec"; }; then
     "$VENV/bin/python" -m ensurepip -q
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q -e "$spec"
+    "$VENV/bin/python" -m pip install -q ${lock[@]+"${lock[@]}"} -e "$spec"
   fi
   touch "$stamp"
 fi

@@ -132,3 +132,24 @@ def test_the_package_is_typed_and_versioned():
                                      "py.typed"))
   assert "py.typed" in project["tool"]["setuptools"]["package-data"][
       "hmmprompt"]
+
+
+def test_the_lock_pins_every_runtime_dependency():
+  """requirements.lock (the versions behind the committed results) pins
+  every dependency pyproject.toml names, and each once."""
+  import tomllib
+  from packaging.requirements import Requirement
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+    deps = tomllib.load(f)["project"]["dependencies"]
+  norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
+  with open(os.path.join(root, "requirements.lock")) as f:
+    pins = [Requirement(l) for l in f.read().splitlines()
+            if l and not l.startswith("#")]
+  names = [norm(p.name) for p in pins]
+  assert len(names) == len(set(names))
+  assert all(str(p.specifier).startswith("==") for p in pins)
+  versions = {norm(p.name): str(p.specifier)[2:] for p in pins}
+  for dep in map(Requirement, deps):
+    assert norm(dep.name) in versions, dep.name
+    assert dep.specifier.contains(versions[norm(dep.name)]), dep
