@@ -98,6 +98,17 @@ def validated_params(fields_cls, validate):
         validate(*fields)
       return tuple.__new__(cls, fields)
 
+    # NamedTuple's own _replace and _make build with tuple.__new__, past
+    # the check: `model._replace(transition=rows_summing_to_3)` would be a
+    # model every entry point then trusts. Both go through __new__ here
+    # (JAX's unflattening stays unchecked: register_unchecked_pytree).
+    def _replace(self, **changes):
+      return type(self)(**{**self._asdict(), **changes})
+
+    @classmethod
+    def _make(cls, iterable):
+      return cls(*iterable)
+
     def __init_subclass__(cls, **kwargs):
       super().__init_subclass__(**kwargs)
       register_unchecked_pytree(cls)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hmmprompt import hmm as hmm_lib
+from hmmprompt import memory as memory_lib
 from hmmprompt.hmm import MASK
 import reference as ref
 from conftest import random_dense_hmm
@@ -518,3 +519,42 @@ def test_safe_log_is_minus_infinity_with_a_zero_gradient_at_zero():
                             [0.0, 0.0, 0.0])):
     np.testing.assert_array_equal(
         jax.grad(lambda v, i=i: hmm_lib.safe_log(v)[i])(x), want)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("transition", lambda m: m.transition * 3,
+     "HMM.transition must sum to 1 along its last axis, but row [0] sums "
+     "to 3"),
+    ("emission", lambda m: m.emission.at[0, 0].set(-0.1),
+     "HMM.emission has a negative entry -0.1 at index [0, 0]"),
+    ("initial", lambda m: m.initial.at[1].set(jnp.nan),
+     "HMM.initial has a non-finite entry at index [1]"),
+    ("transition", lambda m: m.transition[:2],
+     "HMM.transition must have shape [H, H] = (3, 3) to match HMM.initial "
+     "of shape (3,), got (2, 3)")])
+def test_replace_validates_as_the_constructor_does(tiny_hmm, field, value,
+                                                   match):
+  """``_replace`` (and ``_make``) build through the checks: a model with
+  rows summing to 3 never reaches an entry point."""
+  with pytest.raises(ValueError, match="^" + re.escape(match)):
+    tiny_hmm._replace(**{field: value(tiny_hmm)})
+  with pytest.raises(ValueError, match="^" + re.escape(match)):
+    hmm_lib.HMM._make((tiny_hmm._asdict() | {
+        field: value(tiny_hmm)}).values())
+  # A valid change passes, and JAX's own rebuilding (grads) stays free.
+  ok = tiny_hmm._replace(initial=jnp.ones(3) / 3)
+  assert isinstance(ok, hmm_lib.HMM)
+  grads = jax.grad(lambda m: hmm_lib.log_likelihood(m, jnp.array([0, 1])))(
+      tiny_hmm)
+  assert isinstance(grads, hmm_lib.HMM)  # not a distribution, not checked
+
+
+def test_a_memory_hmms_replace_validates():
+  rng = np.random.default_rng(3)
+  dense = lambda shape: (lambda x: x / x.sum(-1, keepdims=True))(
+      rng.random(shape).astype(np.float32) + 0.1)
+  m = memory_lib.MemoryHMM(dense((3,)), dense((2,)), dense((2, 2)),
+                           dense((3, 2, 4)))
+  with pytest.raises(ValueError, match="^" + re.escape(
+      "MemoryHMM.transition must sum to 1")):
+    m._replace(transition=m.transition * 3)
