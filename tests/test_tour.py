@@ -48,7 +48,7 @@ def test_the_tour_runs_and_prints_what_the_readme_says():
   # The README's printout: the same to 10 of the 1000 test examples (the
   # float rounding of another CPU can flip a few predictions in tuning).
   with open(os.path.join(ROOT, "README.md")) as f:
-    shown = dict(re.findall(r"^(exact \w+|transformer \w+) ([\d.]+)$",
+    shown = dict(re.findall(r"^ *(exact \w+|transformer \w+) ([\d.]+)$",
                             f.read(), re.M))
   assert shown.keys() == got.keys()
   for name, value in got.items():

@@ -147,7 +147,8 @@ def test_chunks_in_two_processes_merge_to_the_whole_run(tmp_path,
       "holds results of another setup (right_trials: 5 -> 2; trials: 5 -> 2")):
     chunks.merge(os.path.join(outs[0], chunks.ARCHIVE), bad)
   other = dataclasses.replace(SETUP, seed=1)
-  with pytest.raises(ValueError, match="holds result lines of setup"):
+  with pytest.raises(ValueError, match=re.escape(
+      "holds results of another setup (seed: 0 -> 1)")):
     chunks.run_chunk(other, "left:4", "exact", merged, str(tmp_path))
   os.remove(os.path.join(bad, "sweep.json"))
   results_lib.append_lines(os.path.join(bad, "results.jsonl"), [dataclasses.replace(
