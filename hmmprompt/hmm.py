@@ -16,8 +16,12 @@ Two public layers (docs/hmm.md): traceable **kernels** with documented
 shapes (:func:`forward_backward`, :func:`token_smooth`, ...; traced code
 calls only these), and jitted **entry points** over them (:func:`sample`,
 :func:`posterior`, ...; :func:`validation.entry_point`), one sequence each,
-which raise ``ValueError`` on bad concrete input (under a caller's ``jit``
-only dtypes and shapes: :func:`check_tokens` a batch first if unsure).
+which raise ``ValueError`` on bad concrete input, the model included
+(:func:`check_model`: a model made by ``_replace`` or ``tree.map`` skipped
+its constructor's checks). Under a caller's ``jit`` they check only dtypes
+and shapes: :func:`check_model` and :func:`check_tokens` a batch first if
+unsure, or check inside the traced function with :func:`checkify_model`
+and :func:`checkify_tokens` under ``jax.experimental.checkify``.
 
 Messages are rescaled at every step (Rabiner's scaling): float32 is stable
 on 10^4 tokens of Appendix D's HMMs. An impossible sequence gives
@@ -30,6 +34,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 
@@ -45,8 +50,10 @@ class _HMMFields(NamedTuple):
   emission: jax.Array
 
 
-def _validate_hmm(initial, transition, emission) -> None:
-  chk = validation.check_distribution
+def _validate_hmm(initial, transition, emission,
+                  chk=validation.check_distribution) -> None:
+  """Raises ``ValueError`` naming the field (``chk``: the value checks;
+  :func:`validation.checkify_distribution` for traced arrays)."""
   chk("HMM.initial", initial, 1)
   chk("HMM.transition", transition, 2)
   chk("HMM.emission", emission, 2)
@@ -86,6 +93,48 @@ class HMM(validation.validated_params(  # type: ignore[misc]
 
 
 # Input checks at the API boundary.
+
+
+def check_model(hmm: HMM) -> HMM:
+  """Checks an existing model's arrays as :class:`HMM`'s constructor does
+  (shapes, finite non-negative entries, rows summing to 1) and returns it.
+
+  Every entry point runs it: a model from ``_replace``, ``tree.map`` or a
+  jitted function was never checked. Values are checked only when every
+  field is concrete; under a caller's ``jit``/``vmap`` the fields are
+  tracers and nothing is checked (nor compiled in): call it on the model
+  before the transformed call, or use :func:`checkify_model` inside it.
+
+  Raises:
+    ValueError: naming the field and the first bad entry or shape.
+  """
+  return validation.check_fields(hmm, _validate_hmm)
+
+
+def checkify_model(hmm: HMM) -> None:
+  """:func:`check_model` inside traced code, as ``checkify`` checks.
+
+  For a function run under ``jax.experimental.checkify.checkify``: shapes
+  and dtypes raise ``ValueError`` while tracing; bad values become its
+  error value (``err.throw()``). Elsewhere under ``jit`` a traced
+  ``checkify.check`` is an error, so call it only there.
+  """
+  _validate_hmm(hmm.initial, hmm.transition, hmm.emission,
+                chk=validation.checkify_distribution)
+
+
+def checkify_tokens(tokens, vocab_size: int) -> None:
+  """:func:`check_tokens` inside traced code, as a ``checkify`` check (see
+  :func:`checkify_model`): a token outside ``[0, vocab_size)`` other than
+  ``MASK``, which under ``jit`` would make its sequence impossible."""
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
+  bad = (tokens != MASK) & ((tokens < 0) | (tokens >= vocab_size))
+  checkify.check(~jnp.any(bad),
+                 f"a token is out of range: tokens must lie in "
+                 f"[0, {vocab_size}) or equal MASK ({MASK}); the first bad "
+                 f"one is {{tok}}",
+                 tok=tokens.ravel()[jnp.argmax(bad.ravel())])
 
 
 def check_tokens(tokens, vocab_size: int) -> jax.Array:
@@ -349,37 +398,42 @@ def token_conditionals(hmm: HMM, tokens_T: jax.Array) -> jax.Array:
 @validation.entry_point(draw_sequence, static_argnums=2)
 def sample(key, hmm: HMM, length: int) -> tuple[jax.Array, jax.Array]:
   """Samples ``(tokens int32[T], states int32[T])``; vmappable over ``key``."""
-  return (key, hmm,  # type: ignore[return-value]
+  return (key, check_model(hmm),  # type: ignore[return-value]
           validation.positive_int("length", length))
 
 
 @validation.entry_point(token_evidence)
 def embed(hmm: HMM, tokens) -> jax.Array:
   """Proper embeddings ``[T, H]``: ``e(x)[h] = P(x | h)``; ones for ``MASK``."""
+  hmm = check_model(hmm)
   return hmm, check_sequence(tokens, hmm)  # type: ignore[return-value]
 
 
 @validation.entry_point(forward_backward)
 def smooth(hmm: HMM, evidence) -> Smoothed:
   """Forward-backward on evidence vectors ``[T, H]`` (Appendix B)."""
+  hmm = check_model(hmm)
   return hmm, check_evidence(evidence, hmm)  # type: ignore[return-value]
 
 
 @validation.entry_point(token_smooth, field="log_likelihood")
 def log_likelihood(hmm: HMM, tokens) -> jax.Array:
   """``log P(x)`` of the observed tokens (``MASK`` positions marginalised)."""
+  hmm = check_model(hmm)
   return hmm, check_sequence(tokens, hmm)  # type: ignore[return-value]
 
 
 @validation.entry_point(token_smooth, field="posterior")
 def posterior(hmm: HMM, tokens) -> jax.Array:
   """``[T, H]``: ``P[H_t | observed tokens]``."""
+  hmm = check_model(hmm)
   return hmm, check_sequence(tokens, hmm)  # type: ignore[return-value]
 
 
 @validation.entry_point(token_smooth, field="masked_posterior")
 def masked_posterior(hmm: HMM, tokens) -> jax.Array:
   """``[T, H]``: ``P[H_t | x_{-t}]`` (position ``t`` itself left out)."""
+  hmm = check_model(hmm)
   return hmm, check_sequence(tokens, hmm)  # type: ignore[return-value]
 
 
@@ -390,6 +444,7 @@ def conditionals(hmm: HMM, tokens) -> jax.Array:
   Row ``t`` does not depend on ``tokens[t]``; all-zero where ``x_{-t}`` is
   impossible.
   """
+  hmm = check_model(hmm)
   return hmm, check_sequence(tokens, hmm)  # type: ignore[return-value]
 
 
@@ -397,4 +452,5 @@ def conditionals(hmm: HMM, tokens) -> jax.Array:
 def conditionals_from_evidence(hmm: HMM, evidence) -> jax.Array:
   """``[T, V]``: Appendix B's ``G-bar``: ``W τ_t / ||τ_t||_1`` on evidence
   vectors, ``τ_t ∝ P[H_t, e_{-t}]``; 0 where ``τ_t = 0``."""
+  hmm = check_model(hmm)
   return hmm, check_evidence(evidence, hmm)  # type: ignore[return-value]

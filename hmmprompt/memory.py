@@ -20,7 +20,9 @@ Per-position masked versions come from the product HMM.
 
 As in :mod:`hmm`, each entry point (:func:`sample`, :func:`memory_posterior`,
 ...) is a check over a public kernel (:func:`draw_memory_sequence`,
-:func:`token_memory_posterior`, ...); traced code calls the kernels.
+:func:`token_memory_posterior`, ...); traced code calls the kernels. The
+checks include the model's arrays (:func:`check_model`, for a model that
+bypassed its constructor: ``_replace``, ``tree.map``), when concrete.
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ class _MemoryFields(NamedTuple):
   emission: jax.Array
 
 
-def _validate_memory(memory_prior, initial, transition, emission) -> None:
-  chk = validation.check_distribution
+def _validate_memory(memory_prior, initial, transition, emission,
+                     chk=validation.check_distribution) -> None:
   chk("MemoryHMM.memory_prior", memory_prior, 1)
   chk("MemoryHMM.initial", initial, 1)
   chk("MemoryHMM.transition", transition, 2)
@@ -151,6 +153,29 @@ def vanilla_twin(key, memory_size: int, num_states: int, vocab_size: int,
   return hmm_lib.random_hmm(key, memory_size * num_states, vocab_size, **temps)
 
 
+def _validator(model):
+  return (_validate_multi if isinstance(model, MultiMemoryHMM)
+          else _validate_memory)
+
+
+def check_model(model):
+  """:func:`hmm.check_model` for a :class:`MemoryHMM` or
+  :class:`MultiMemoryHMM`: its constructor's checks on its arrays as they
+  are (values only when every field is concrete); returns it.
+
+  Raises:
+    ValueError: naming the field and the first bad entry or shape.
+  """
+  return validation.check_fields(model, _validator(model))
+
+
+def checkify_model(model) -> None:
+  """:func:`hmm.checkify_model` for a :class:`MemoryHMM` or
+  :class:`MultiMemoryHMM`: under ``jax.experimental.checkify`` only."""
+  _validator(model)(model.memory_prior, model.initial, model.transition,
+                    model.emission, chk=validation.checkify_distribution)
+
+
 def draw_memory_sequence(key, mhmm: MemoryHMM, length: int):
   """Kernel of :func:`sample`, through the product HMM."""
   tokens_T, product_T = hmm_lib.draw_sequence(key, to_hmm(mhmm), length)
@@ -161,7 +186,7 @@ def draw_memory_sequence(key, mhmm: MemoryHMM, length: int):
 @validation.entry_point(draw_memory_sequence, static_argnums=2)
 def sample(key, mhmm: MemoryHMM, length: int):
   """Samples ``(tokens int32[T], syntax_states int32[T], memory int32[])``."""
-  return key, mhmm, validation.positive_int("length", length)
+  return key, check_model(mhmm), validation.positive_int("length", length)
 
 
 def _syntax_hmms(mhmm: MemoryHMM) -> hmm_lib.HMM:
@@ -211,6 +236,7 @@ def memory_posterior(mhmm: MemoryHMM, tokens) -> jax.Array:
 
   All zeros if the observed tokens are impossible.
   """
+  mhmm = check_model(mhmm)
   return (mhmm,  # type: ignore[return-value]
           hmm_lib.check_sequence(tokens, mhmm))
 
@@ -218,13 +244,16 @@ def memory_posterior(mhmm: MemoryHMM, tokens) -> jax.Array:
 @validation.entry_point(token_memory_masked_posterior)
 def memory_masked_posterior(mhmm: MemoryHMM, tokens) -> jax.Array:
   """``[T, M]``: ``P[M | x_{-t}]`` for every position ``t``."""
+  mhmm = check_model(mhmm)
   return (mhmm,  # type: ignore[return-value]
           hmm_lib.check_sequence(tokens, mhmm))
 
 
 def conditionals(mhmm: MemoryHMM, tokens) -> jax.Array:
   """``[T, V]``: the exact masked LM ``P[X_t | x_{-t}]`` of a memory HMM."""
-  return hmm_lib.conditionals(to_hmm(mhmm), tokens)
+  # Checked first so that a bad model is named by its own fields, not the
+  # product HMM's.
+  return hmm_lib.conditionals(to_hmm(check_model(mhmm)), tokens)
 
 
 # ----------------------------------------------------------------------------
@@ -238,8 +267,8 @@ class _MultiFields(NamedTuple):
   emission: jax.Array
 
 
-def _validate_multi(memory_prior, initial, transition, emission) -> None:
-  chk = validation.check_distribution
+def _validate_multi(memory_prior, initial, transition, emission,
+                    chk=validation.check_distribution) -> None:
   chk("MultiMemoryHMM.memory_prior", memory_prior, 2)
   chk("MultiMemoryHMM.initial", initial, 1)
   chk("MultiMemoryHMM.transition", transition, 2)
@@ -367,6 +396,7 @@ def multi_to_hmm(mm: MultiMemoryHMM) -> hmm_lib.HMM:
 
 def multi_sample(key, mm: MultiMemoryHMM, length: int):
   """Samples ``(tokens [T], cells J [T], syntax S [T], memory [N])``."""
+  check_model(mm)
   _check_product_size(mm)
   tokens, states = hmm_lib.sample(key, multi_to_hmm(mm), length)
   ns = mm.num_cells * mm.num_syntax
@@ -395,5 +425,6 @@ def cell_posteriors(mm: MultiMemoryHMM, tokens) -> jax.Array:
 
   Mask one position with ``MASK`` for ``P[M_j | x_{-t}]``.
   """
+  mm = check_model(mm)
   _check_product_size(mm)
   return mm, hmm_lib.check_sequence(tokens, mm)  # type: ignore[return-value]

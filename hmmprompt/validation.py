@@ -6,12 +6,17 @@ The bottom of the import graph (it imports nothing from the package):
 * validated parameter pytrees (:func:`validated_params`,
   :func:`register_unchecked_pytree`, :func:`check_distribution`): built from
   concrete arrays they check themselves; JAX's own rebuilds do not;
+* :func:`check_fields`, the same checks on an existing parameter pytree
+  (one that bypassed construction: ``_replace``, ``tree.map``, a jitted
+  function's output), which every entry point runs on its model;
 * :func:`entry_point`, the one way a validating, jitted entry point is made
   from a pure kernel (``hmm.posterior`` over ``hmm.token_smooth``, ...).
 
 Checks see values only when their input is concrete (:func:`is_concrete`);
 under a caller's ``jit``/``vmap`` they check what tracing knows: dtypes,
-shapes and Python numbers.
+shapes and Python numbers. There :func:`checkify_distribution` checks
+values as ``jax.experimental.checkify`` checks, for a caller that wraps
+its function in ``checkify.checkify``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 
@@ -116,11 +122,23 @@ def validated_params(fields_cls, validate):
   return Validated
 
 
-def check_distribution(name: str, p: jax.Array, ndim: int) -> None:
-  """Validates concrete probability vectors along the last axis.
+def check_fields(params, validate):
+  """Runs a parameter NamedTuple's construction checks on ``params`` as it
+  is, and returns it unchanged.
 
-  ``p`` has ``ndim`` event dimensions, after any leading batch dimensions.
+  ``validate`` is the function :func:`validated_params` was given. Only
+  when every field is concrete (:func:`is_concrete`): under a caller's
+  ``jit``/``vmap``/``grad`` the fields are tracers, nothing is checked, and
+  the caller's compiled program carries no check (the check runs on the
+  host, once per call, and only outside traced code).
   """
+  if all(is_concrete(f) for f in params):
+    validate(*(jnp.asarray(f) for f in params))
+  return params
+
+
+def _check_event_shape(name: str, p: jax.Array, ndim: int) -> None:
+  """What a distribution's checks know without its values."""
   if p.ndim < ndim:
     raise ValueError(f"{name} must have {ndim} dimension(s) (plus optional "
                      f"leading batch dimensions), got shape {p.shape}")
@@ -129,6 +147,40 @@ def check_distribution(name: str, p: jax.Array, ndim: int) -> None:
                      f"{p.dtype}")
   if p.size == 0:
     raise ValueError(f"{name} is empty (shape {p.shape})")
+
+
+def checkify_distribution(name: str, p: jax.Array, ndim: int) -> None:
+  """:func:`check_distribution` for traced ``p``, as ``checkify`` checks.
+
+  Shape and dtype are static, so those raise ``ValueError`` at once; the
+  values become ``checkify.check``s (non-finite, negative, a row sum off 1
+  by more than the same tolerance), which the caller's
+  ``checkify.checkify`` turns into an error value (``err.throw()`` raises
+  ``checkify.JaxRuntimeError``). Outside ``checkify.checkify`` a traced
+  ``checkify.check`` is an error: call this only there.
+  """
+  _check_event_shape(name, p, ndim)
+  checkify.check(jnp.all(jnp.isfinite(p)),
+                 f"{name} has a non-finite entry")
+  checkify.check(jnp.all(p >= 0), f"{name} has a negative entry {{low:.3g}}",
+                 low=jnp.min(p))
+  # Rows summed in at least float32 (the host check sums in float64): the
+  # rounding of a sum of n entries in [0, 1] is at most ~n * 6e-8, below
+  # _SUM_ATOL for rows of up to ~1000 entries, and a bfloat16 sum would not
+  # be.
+  wide = p.astype(jnp.promote_types(p.dtype, jnp.float32))
+  off = jnp.max(jnp.abs(jnp.sum(wide, axis=-1) - 1.0))
+  checkify.check(off <= _SUM_ATOL,
+                 f"{name} must sum to 1 along its last axis, but a row is "
+                 f"off by {{off:.6g}}", off=off)
+
+
+def check_distribution(name: str, p: jax.Array, ndim: int) -> None:
+  """Validates concrete probability vectors along the last axis.
+
+  ``p`` has ``ndim`` event dimensions, after any leading batch dimensions.
+  """
+  _check_event_shape(name, p, ndim)
   p_np = np.asarray(p, dtype=np.float64)
   if not np.all(np.isfinite(p_np)):
     bad = np.argwhere(~np.isfinite(p_np))[0].tolist()

@@ -558,3 +558,145 @@ def test_a_memory_hmms_replace_validates():
   with pytest.raises(ValueError, match="^" + re.escape(
       "MemoryHMM.transition must sum to 1")):
     m._replace(transition=m.transition * 3)
+# ---------------------------------------------------------------------------
+def _bypass(model, **changes):
+  """``model`` with ``changes``, past the constructor's checks, as JAX's
+  own rebuilds (``tree.map``, a jitted function's output) make one:
+  ``_replace`` checks since it goes through the constructor."""
+  return tuple.__new__(type(model),
+                       tuple({**model._asdict(), **changes}.values()))
+
+
+# The model's arrays at every entry point: a model made past the constructor (``_bypass``) (or
+# tree.map, or a jitted function) skipped its constructor's checks.
+
+_TOKENS = [0, MASK, 2, 1]
+_EVIDENCE = np.full((4, 2), 0.5, np.float32)
+
+# Every entry point that takes a model (GOOD's H = 2, V = 3).
+HMM_ENTRY_POINTS = {
+    "sample": lambda m: hmm_lib.sample(jax.random.PRNGKey(0), m, 4),
+    "embed": lambda m: hmm_lib.embed(m, _TOKENS),
+    "smooth": lambda m: hmm_lib.smooth(m, _EVIDENCE),
+    "log_likelihood": lambda m: hmm_lib.log_likelihood(m, _TOKENS),
+    "posterior": lambda m: hmm_lib.posterior(m, _TOKENS),
+    "masked_posterior": lambda m: hmm_lib.masked_posterior(m, _TOKENS),
+    "conditionals": lambda m: hmm_lib.conditionals(m, _TOKENS),
+    "conditionals_from_evidence":
+        lambda m: hmm_lib.conditionals_from_evidence(m, _EVIDENCE),
+}
+
+# (field, value, the whole refusal) on GOOD: rows summing to 3, a negative
+# entry, a NaN, a wrong shape.
+BAD_HMM_FIELDS = [
+    ("transition", np.float32(3) * np.asarray(GOOD["transition"], np.float32),
+     "HMM.transition must sum to 1 along its last axis, but row [0] sums "
+     "to 3"),
+    ("emission", [[0.6, 0.5, -0.1], [0.1, 0.1, 0.8]],
+     "HMM.emission has a negative entry -0.1 at index [0, 2]"),
+    ("initial", [np.nan, 1.0], "HMM.initial has a non-finite entry at index "
+     "[0]"),
+    ("emission", np.full((3, 3), 1 / 3),
+     "HMM.emission must have shape [H, V] with H = 2 (and the batch shape () "
+     "of HMM.initial), got (3, 3)"),
+]
+
+
+def _good():
+  return hmm_lib.HMM(**{k: np.asarray(v, np.float32) for k, v in GOOD.items()})
+
+
+def test_the_entry_point_table_is_every_entry_point():
+  """Every function made by validation.entry_point that takes a model is
+  in the table the next test walks (random_hmm makes one)."""
+  made = {n for n, f in vars(hmm_lib).items()
+          if not n.startswith("_") and hasattr(f, "__wrapped__")}
+  assert made - {"random_hmm"} == set(HMM_ENTRY_POINTS)
+
+
+@pytest.mark.parametrize("entry", sorted(HMM_ENTRY_POINTS))
+@pytest.mark.parametrize("field,value,message", BAD_HMM_FIELDS)
+def test_entry_points_refuse_a_replaced_bad_model(entry, field, value,
+                                                  message):
+  """``_replace`` skips the constructor; each entry point checks the model
+  it is given as the constructor would, naming the field, and accepts the
+  valid model."""
+  good = _good()
+  HMM_ENTRY_POINTS[entry](good)
+  bad = _bypass(good, **{field: jnp.asarray(np.asarray(value, np.float32))})
+  with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+    HMM_ENTRY_POINTS[entry](bad)
+  with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+    hmm_lib.check_model(bad)
+  assert hmm_lib.check_model(good) is good
+
+
+def test_the_model_check_runs_on_concrete_models_only(monkeypatch):
+  """On a concrete model the check runs once per call; under a caller's
+  jit/vmap/grad the fields are tracers and it never runs (a bad model is
+  then not refused: the boundary check is for concrete inputs), and
+  nothing of it is compiled into the caller's program."""
+  calls = []
+  real = hmm_lib._validate_hmm  # pylint: disable=protected-access
+
+  def counting(*args, **kwargs):
+    calls.append(1)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(hmm_lib, "_validate_hmm", counting)
+  good = _good()
+  tokens = jnp.array(_TOKENS, jnp.int32)
+  want = hmm_lib.posterior(good, tokens)
+  assert len(calls) == 1
+  bad = _bypass(good, transition=good.transition * 3)
+  jitted = jax.jit(hmm_lib.posterior)
+  np.testing.assert_array_equal(jitted(good, tokens), want)
+  jitted(bad, tokens)  # traced: not refused
+  jax.jit(jax.vmap(hmm_lib.posterior, in_axes=(None, 0)))(
+      bad, tokens[None])
+  jax.grad(hmm_lib.log_likelihood)(bad, tokens)
+  assert len(calls) == 1
+  jaxpr = str(jax.make_jaxpr(hmm_lib.posterior)(good, tokens))
+  assert "callback" not in jaxpr and "check" not in jaxpr
+
+
+def test_checkify_checks_the_model_and_tokens_inside_jit():
+  """checkify_model and checkify_tokens check traced values under
+  ``checkify.checkify``: a valid call gives the entry point's numbers and
+  no error; each bad model or token comes back as an error naming it;
+  a bad shape is refused while tracing."""
+  from jax.experimental import checkify  # pylint: disable=g-import-not-at-top
+
+  def f(model, tokens):
+    hmm_lib.checkify_model(model)
+    hmm_lib.checkify_tokens(tokens, model.vocab_size)
+    return hmm_lib.posterior(model, tokens)
+
+  checked = jax.jit(checkify.checkify(f))
+  good = _good()
+  tokens = jnp.array(_TOKENS, jnp.int32)
+  err, out = checked(good, tokens)
+  err.throw()
+  np.testing.assert_allclose(out, hmm_lib.posterior(good, tokens), atol=1e-7)
+  cases = [
+      (_bypass(good, transition=good.transition * 3), tokens,
+       "HMM.transition must sum to 1 along its last axis, but a row is off "
+       "by 2"),
+      (_bypass(good, emission=jnp.array([[0.6, 0.5, -0.1], [0.1, 0.1, 0.8]])),
+       tokens, "HMM.emission has a negative entry -0.1"),
+      (_bypass(good, initial=jnp.array([np.nan, 1.0])), tokens,
+       "HMM.initial has a non-finite entry"),
+      (good, jnp.array([0, 7, MASK], jnp.int32),
+       "a token is out of range: tokens must lie in [0, 3) or equal MASK "
+       "(-1); the first bad one is 7"),
+  ]
+  for model, toks, message in cases:
+    err, _ = checked(model, toks)
+    with pytest.raises(checkify.JaxRuntimeError,
+                       match="^" + re.escape(message + " (`check` failed)") + "$"):
+      err.throw()
+  # Raised while tracing: jax adds a note (a line of its own) to it.
+  with pytest.raises(ValueError, match="^" + re.escape(
+      "HMM.emission must have shape [H, V] with H = 2 (and the batch shape "
+      "() of HMM.initial), got (3, 3)") + "(\n|$)"):
+    checked(_bypass(good, emission=jnp.full((3, 3), 1 / 3)), tokens)

@@ -1,4 +1,5 @@
 import itertools
+import re
 
 import chex
 import jax
@@ -318,3 +319,136 @@ def test_vanilla_twin_passes_its_temperatures_on():
   chex.assert_trees_all_equal(twin, want)
   assert not np.array_equal(np.asarray(twin.transition), np.asarray(
       memory_lib.vanilla_twin(key, 2, 3, 5).transition))
+
+
+# ---------------------------------------------------------------------------
+def _bypass(model, **changes):
+  """``model`` with ``changes``, past the constructor's checks, as JAX's
+  own rebuilds (``tree.map``, a jitted function's output) make one:
+  ``_replace`` checks since it goes through the constructor."""
+  return tuple.__new__(type(model),
+                       tuple({**model._asdict(), **changes}.values()))
+
+
+# The model's arrays at every entry point: a model made past the constructor (``_bypass``)
+# skipped its constructor's checks (as for hmm.HMM, tests/test_hmm.py).
+
+_TOKENS = [0, MASK, 2]
+_ROWS = [[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]
+
+
+def _good(kind):
+  """A valid model: M = 2, H = 2, V = 3; multi: N = 2, M = 2, S = 1."""
+  f32 = lambda x: np.asarray(x, np.float32)
+  transition = [[0.9, 0.1], [0.2, 0.8]]
+  if kind == "single":
+    return memory_lib.MemoryHMM(f32([0.5, 0.5]), f32([0.5, 0.5]),
+                                f32(transition), f32([_ROWS, _ROWS[::-1]]))
+  return memory_lib.MultiMemoryHMM(
+      f32([[0.5, 0.5], [0.3, 0.7]]), f32([0.5, 0.5]), f32(transition),
+      f32([[[_ROWS[0]], [_ROWS[1]]], [[_ROWS[1]], [_ROWS[0]]]]))
+
+
+ENTRY_POINTS = {
+    "single": {
+        "sample": lambda m: memory_lib.sample(jax.random.PRNGKey(0), m, 4),
+        "memory_posterior": lambda m: memory_lib.memory_posterior(m, _TOKENS),
+        "memory_masked_posterior":
+            lambda m: memory_lib.memory_masked_posterior(m, _TOKENS),
+        "conditionals": lambda m: memory_lib.conditionals(m, _TOKENS),
+    },
+    "multi": {
+        "cell_posteriors": lambda m: memory_lib.cell_posteriors(m, _TOKENS),
+        "multi_sample":
+            lambda m: memory_lib.multi_sample(jax.random.PRNGKey(0), m, 4),
+    },
+}
+
+
+def _bad_fields(kind):
+  """(field, value of the bad model, the whole refusal): rows summing to 3,
+  a negative entry, a NaN, a wrong shape."""
+  good = _good(kind)
+  name = type(good).__name__
+  negative = np.asarray(good.emission).copy()
+  negative.reshape(-1, 3)[0] = [0.6, 0.5, -0.1]
+  index = [0] * (negative.ndim - 1) + [2]
+  shape = (f"{name}.transition must have shape (2, 2) to match "
+           f"{name}.initial, got (3, 3)" if kind == "single" else
+           f"{name}.initial/transition must have shapes (2,) and (2, 2) for "
+           f"N*S = 2, got (2,) and (3, 3)")
+  nan_field = "memory_prior" if kind == "single" else "initial"
+  nan = np.asarray(getattr(good, nan_field)).copy()
+  nan.reshape(-1)[0] = np.nan
+  return [
+      ("transition", good.transition * 3,
+       f"{name}.transition must sum to 1 along its last axis, but row [0] "
+       f"sums to 3"),
+      ("emission", negative,
+       f"{name}.emission has a negative entry -0.1 at index {index}"),
+      (nan_field, nan, f"{name}.{nan_field} has a non-finite entry at index "
+       f"{[0] * nan.ndim}"),
+      ("transition", np.full((3, 3), 1 / 3, np.float32), shape),
+  ]
+
+
+def test_the_entry_point_table_is_every_entry_point():
+  """Every public function made by validation.entry_point that takes a
+  model is in the table (the random_* ones make one), besides the two
+  public functions over the vanilla entry points."""
+  made = {n for n, f in vars(memory_lib).items()
+          if not n.startswith("_") and hasattr(f, "__wrapped__")}
+  tabled = {n for table in ENTRY_POINTS.values() for n in table}
+  assert {n for n in made if not n.startswith("random_")} | {
+      "conditionals", "multi_sample"} == tabled
+
+
+@pytest.mark.parametrize("kind,entry,case", [
+    (kind, entry, case) for kind, table in ENTRY_POINTS.items()
+    for entry in sorted(table) for case in range(4)])
+def test_entry_points_refuse_a_replaced_bad_model(kind, entry, case):
+  """Each entry point checks the memory model it is given as the
+  constructor would, naming the model's own field, and accepts the valid
+  one."""
+  good = _good(kind)
+  call = ENTRY_POINTS[kind][entry]
+  call(good)
+  field, value, message = _bad_fields(kind)[case]
+  bad = _bypass(good, **{field: jnp.asarray(value, jnp.float32)})
+  with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+    call(bad)
+  with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+    memory_lib.check_model(bad)
+  assert memory_lib.check_model(good) is good
+
+
+def test_the_memory_model_check_skips_tracers(monkeypatch):
+  """Under a caller's jit the check never runs (not refused, not compiled
+  in); on a concrete model it runs once per call. checkify_model checks
+  the traced values under ``checkify.checkify`` instead."""
+  from jax.experimental import checkify  # pylint: disable=g-import-not-at-top
+  calls = []
+  real = memory_lib._validate_memory  # pylint: disable=protected-access
+  monkeypatch.setattr(memory_lib, "_validate_memory",
+                      lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+  good = _good("single")
+  tokens = jnp.array(_TOKENS, jnp.int32)
+  want = memory_lib.memory_posterior(good, tokens)
+  assert len(calls) == 1
+  bad = _bypass(good, transition=good.transition * 3)
+  jax.jit(memory_lib.memory_posterior)(bad, tokens)  # traced: not refused
+  assert len(calls) == 1
+
+  def f(model, toks):
+    memory_lib.checkify_model(model)
+    return memory_lib.memory_posterior(model, toks)
+
+  checked = jax.jit(checkify.checkify(f))
+  err, out = checked(good, tokens)
+  err.throw()
+  np.testing.assert_allclose(out, want, atol=1e-7)
+  err, _ = checked(bad, tokens)
+  with pytest.raises(checkify.JaxRuntimeError, match="^" + re.escape(
+      "MemoryHMM.transition must sum to 1 along its last axis, but a row is "
+      "off by 2 (`check` failed)") + "$"):
+    err.throw()
