@@ -7,7 +7,7 @@ The bottom of the import graph (it imports nothing from the package):
   :func:`register_unchecked_pytree`, :func:`check_distribution`): built from
   concrete arrays they check themselves; JAX's own rebuilds do not;
 * :func:`check_fields`, the same checks on an existing parameter pytree
-  (one that bypassed construction: ``_replace``, ``tree.map``, a jitted
+  (one that bypassed construction: ``tree.map``, a jitted
   function's output), which every entry point runs on its model;
 * :func:`entry_point`, the one way a validating, jitted entry point is made
   from a pure kernel (``hmm.posterior`` over ``hmm.token_smooth``, ...).
