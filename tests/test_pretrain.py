@@ -449,6 +449,7 @@ def test_run_trials_equals_separate_runs_and_stops_each(tmp_path):
     pretrain.run_trials(workdir, cfg, generative.trial(stacked, 0))
 
 
+@pytest.mark.slow  # a pretraining loop (the fast tier's minute)
 def test_groups_of_trials_per_vmap_step_in_fixed_shapes_and_equal_one_stack(
     tmp_path, monkeypatch):
   """trials_per_vmap = 2 over 3 trials: the train step is called on
@@ -491,6 +492,7 @@ def test_groups_of_trials_per_vmap_step_in_fixed_shapes_and_equal_one_stack(
     assert a["ce_gap"] == pytest.approx(b["ce_gap"], rel=1e-3, abs=1e-4)
 
 
+@pytest.mark.slow  # a pretraining loop (the fast tier's minute)
 def test_a_deadline_stops_between_steps_with_a_checkpoint_to_resume(
     tmp_path, monkeypatch):
   """``stop_at``: past it the stack stops after the step in hand, saves
