@@ -700,3 +700,69 @@ def test_checkify_checks_the_model_and_tokens_inside_jit():
       "HMM.emission must have shape [H, V] with H = 2 (and the batch shape "
       "() of HMM.initial), got (3, 3)") + "(\n|$)"):
     checked(_bypass(good, emission=jnp.full((3, 3), 1 / 3)), tokens)
+
+
+# The associative-scan kernel (issue 51's first part): the same Smoothed as
+# the sequential kernel and as enumeration. Tolerance: every combine is one
+# H x H product rescaled to sum 1 (a relative rounding of ~H eps per
+# entry), log2(T) combines deep, so ~H log2(T) eps ~ 30 * 14 * 6e-8 < 3e-5
+# of a probability at T = 10 240, |H| = 30.
+_par = jax.jit(hmm_lib.forward_backward_parallel)
+_seq = jax.jit(hmm_lib.forward_backward)
+
+
+@pytest.mark.parametrize("tokens", TOKEN_CASES)
+def test_parallel_kernel_matches_brute_force(tiny_hmm, tokens):
+  ev = ref.evidence_from_tokens(tiny_hmm.emission, tokens)
+  lik, post, tau = ref.brute_force(tiny_hmm.initial, tiny_hmm.transition, ev)
+  got = _par(tiny_hmm, jnp.asarray(ev, jnp.float32))
+  np.testing.assert_allclose(got.log_likelihood, np.log(lik), rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_allclose(got.posterior, post, atol=2e-6)
+  np.testing.assert_allclose(got.masked_posterior, ref.normalize_rows(tau),
+                             atol=2e-6)
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 64])
+def test_parallel_kernel_equals_sequential_on_sparse_paper_hmms(paper_hmm,
+                                                                length):
+  """Exact zeros (Appendix D's transitions) stay exact: no NaN, the same
+  posteriors, log-likelihood and its gradient; MASKs and an impossible
+  sequence (log-likelihood -inf, all-zero posteriors there) included."""
+  tokens, _ = hmm_lib.sample(jax.random.PRNGKey(length), paper_hmm, length)
+  tokens = np.array(tokens)
+  tokens[::3] = MASK
+  ev = hmm_lib.embed(paper_hmm, tokens)
+  # Impossible evidence: a position no state explains.
+  cases = [ev, ev.at[length // 2].set(0.0)]
+  for ev in cases:
+    a, b = _seq(paper_hmm, ev), _par(paper_hmm, ev)
+    assert np.isfinite(a.log_likelihood) == np.isfinite(b.log_likelihood)
+    np.testing.assert_allclose(b.log_likelihood, a.log_likelihood, rtol=1e-5)
+    for x, y in ((a.posterior, b.posterior),
+                 (a.masked_posterior, b.masked_posterior)):
+      assert not np.isnan(np.asarray(y)).any()
+      np.testing.assert_allclose(y, x, atol=3e-5)
+  assert np.isneginf(float(_par(paper_hmm, cases[1]).log_likelihood))
+  ll = lambda kernel: lambda m: kernel(m, hmm_lib.token_evidence(
+      m, jnp.asarray(tokens))).log_likelihood
+  g_seq = jax.grad(ll(hmm_lib.forward_backward))(paper_hmm)
+  g_par = jax.grad(ll(hmm_lib.forward_backward_parallel))(paper_hmm)
+  for x, y in zip(g_seq, g_par):
+    assert np.isfinite(np.asarray(y)).all()
+    np.testing.assert_allclose(y, x, rtol=1e-3, atol=1e-3)
+
+
+def test_parallel_kernel_holds_float32_at_10240(paper_hmm):
+  """Within the sequential kernel's own error against float64 enumeration
+  in the log domain (the test above it: 1e-4)."""
+  tokens, _ = hmm_lib.sample(jax.random.PRNGKey(3), paper_hmm, 10240)
+  tokens = np.array(tokens)
+  tokens[::97] = MASK
+  ev = ref.evidence_from_tokens(paper_hmm.emission, tokens)
+  ll64, post64, masked64 = ref.log_forward_backward(
+      paper_hmm.initial, paper_hmm.transition, ev)
+  got = _par(paper_hmm, jnp.asarray(ev, jnp.float32))
+  np.testing.assert_allclose(float(got.log_likelihood), ll64, rtol=1e-4)
+  np.testing.assert_allclose(got.posterior, post64, atol=1e-4)
+  np.testing.assert_allclose(got.masked_posterior, masked64, atol=1e-4)
