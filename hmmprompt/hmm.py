@@ -436,21 +436,57 @@ def token_evidence(hmm: HMM, tokens_T: jax.Array) -> jax.Array:
       hmm.emission.dtype)
 
 
-def evidence_conditionals(hmm: HMM, evidence_TxH: jax.Array) -> jax.Array:
+METHODS = ("sequential", "parallel", "auto")
+"""The entry points' ``method``: :func:`forward_backward` (a scan over
+time), :func:`forward_backward_parallel` (associative scans) or ``auto``
+(:func:`resolve_method`)."""
+# auto's threshold: on GPUs an associative scan won from long sequences on
+# (T = 10 240) and lost at T = 512 with batches of hundreds (the H100 probe
+# of 2026-11-26, docs/performance.md); on CPUs the scan is the measured
+# default. Provisional until experiments/bench_hmm.py times our own kernel.
+_AUTO_PARALLEL_FROM = 2048
+
+
+def resolve_method(method: str, length: int) -> str:
+  """``sequential`` or ``parallel`` for ``method`` on a sequence of
+  ``length`` positions (``auto``: parallel on an accelerator from
+  ``_AUTO_PARALLEL_FROM`` positions on, else sequential); ``ValueError``
+  naming a bad one."""
+  if method not in METHODS:
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+  if method == "auto":
+    return ("parallel" if jax.default_backend() != "cpu"
+            and length >= _AUTO_PARALLEL_FROM else "sequential")
+  return method
+
+
+def smooth_by(hmm: HMM, evidence_TxH: jax.Array,
+              method: str = "sequential") -> Smoothed:
+  """:func:`forward_backward` (``sequential``) or
+  :func:`forward_backward_parallel` (``parallel``)."""
+  kernel = (forward_backward_parallel if method == "parallel"
+            else forward_backward)
+  return kernel(hmm, evidence_TxH)
+
+
+def evidence_conditionals(hmm: HMM, evidence_TxH: jax.Array,
+                          method: str = "sequential") -> jax.Array:
   """``[T, V]``: Appendix B's ``G-bar``, ``W τ_t / ||τ_t||_1``."""
-  masked_TxH = forward_backward(hmm, evidence_TxH).masked_posterior
+  masked_TxH = smooth_by(hmm, evidence_TxH, method).masked_posterior
   return masked_TxH @ hmm.emission.astype(masked_TxH.dtype)
 
 
-def token_smooth(hmm: HMM, tokens_T: jax.Array) -> Smoothed:
-  """:func:`forward_backward` on the tokens' proper embeddings."""
-  return forward_backward(hmm, token_evidence(hmm, tokens_T))
+def token_smooth(hmm: HMM, tokens_T: jax.Array,
+                 method: str = "sequential") -> Smoothed:
+  """:func:`smooth_by` on the tokens' proper embeddings."""
+  return smooth_by(hmm, token_evidence(hmm, tokens_T), method)
 
 
-def token_conditionals(hmm: HMM, tokens_T: jax.Array) -> jax.Array:
+def token_conditionals(hmm: HMM, tokens_T: jax.Array,
+                       method: str = "sequential") -> jax.Array:
   """``[T, V]``: ``P[X_t | x_{-t}]``, :func:`evidence_conditionals` on the
   tokens' proper embeddings."""
-  return evidence_conditionals(hmm, token_evidence(hmm, tokens_T))
+  return evidence_conditionals(hmm, token_evidence(hmm, tokens_T), method)
 
 
 # Entry points: each checks its input and runs its kernel, jitted.
@@ -470,48 +506,60 @@ def embed(hmm: HMM, tokens) -> jax.Array:
   return hmm, check_sequence(tokens, hmm)  # type: ignore[return-value]
 
 
-@validation.entry_point(forward_backward)
-def smooth(hmm: HMM, evidence) -> Smoothed:
+@validation.entry_point(smooth_by, static_argnums=2)
+def smooth(hmm: HMM, evidence, method: str = "auto") -> Smoothed:
   """Forward-backward on evidence vectors ``[T, H]`` (Appendix B)."""
   hmm = check_model(hmm)
-  return hmm, check_evidence(evidence, hmm)  # type: ignore[return-value]
+  evidence = check_evidence(evidence, hmm)
+  return (hmm, evidence,  # type: ignore[return-value]
+          resolve_method(method, evidence.shape[0]))
 
 
-@validation.entry_point(token_smooth, field="log_likelihood")
-def log_likelihood(hmm: HMM, tokens) -> jax.Array:
+@validation.entry_point(token_smooth, static_argnums=2, field="log_likelihood")
+def log_likelihood(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``log P(x)`` of the observed tokens (``MASK`` positions marginalised)."""
   hmm = check_model(hmm)
-  return hmm, check_sequence(tokens, hmm)  # type: ignore[return-value]
+  tokens = check_sequence(tokens, hmm)
+  return (hmm, tokens,  # type: ignore[return-value]
+          resolve_method(method, tokens.shape[0]))
 
 
-@validation.entry_point(token_smooth, field="posterior")
-def posterior(hmm: HMM, tokens) -> jax.Array:
+@validation.entry_point(token_smooth, static_argnums=2, field="posterior")
+def posterior(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``[T, H]``: ``P[H_t | observed tokens]``."""
   hmm = check_model(hmm)
-  return hmm, check_sequence(tokens, hmm)  # type: ignore[return-value]
+  tokens = check_sequence(tokens, hmm)
+  return (hmm, tokens,  # type: ignore[return-value]
+          resolve_method(method, tokens.shape[0]))
 
 
-@validation.entry_point(token_smooth, field="masked_posterior")
-def masked_posterior(hmm: HMM, tokens) -> jax.Array:
+@validation.entry_point(token_smooth, static_argnums=2, field="masked_posterior")
+def masked_posterior(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``[T, H]``: ``P[H_t | x_{-t}]`` (position ``t`` itself left out)."""
   hmm = check_model(hmm)
-  return hmm, check_sequence(tokens, hmm)  # type: ignore[return-value]
+  tokens = check_sequence(tokens, hmm)
+  return (hmm, tokens,  # type: ignore[return-value]
+          resolve_method(method, tokens.shape[0]))
 
 
-@validation.entry_point(token_conditionals)
-def conditionals(hmm: HMM, tokens) -> jax.Array:
+@validation.entry_point(token_conditionals, static_argnums=2)
+def conditionals(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``[T, V]``: ``P[X_t | x_{-t}]`` for every ``t``; the exact masked LM ``G``.
 
   Row ``t`` does not depend on ``tokens[t]``; all-zero where ``x_{-t}`` is
   impossible.
   """
   hmm = check_model(hmm)
-  return hmm, check_sequence(tokens, hmm)  # type: ignore[return-value]
+  tokens = check_sequence(tokens, hmm)
+  return (hmm, tokens,  # type: ignore[return-value]
+          resolve_method(method, tokens.shape[0]))
 
 
-@validation.entry_point(evidence_conditionals)
-def conditionals_from_evidence(hmm: HMM, evidence) -> jax.Array:
+@validation.entry_point(evidence_conditionals, static_argnums=2)
+def conditionals_from_evidence(hmm: HMM, evidence, method: str = "auto") -> jax.Array:
   """``[T, V]``: Appendix B's ``G-bar``: ``W τ_t / ||τ_t||_1`` on evidence
   vectors, ``τ_t ∝ P[H_t, e_{-t}]``; 0 where ``τ_t = 0``."""
   hmm = check_model(hmm)
-  return hmm, check_evidence(evidence, hmm)  # type: ignore[return-value]
+  evidence = check_evidence(evidence, hmm)
+  return (hmm, evidence,  # type: ignore[return-value]
+          resolve_method(method, evidence.shape[0]))

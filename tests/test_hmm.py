@@ -766,3 +766,37 @@ def test_parallel_kernel_holds_float32_at_10240(paper_hmm):
   np.testing.assert_allclose(float(got.log_likelihood), ll64, rtol=1e-4)
   np.testing.assert_allclose(got.posterior, post64, atol=1e-4)
   np.testing.assert_allclose(got.masked_posterior, masked64, atol=1e-4)
+
+
+def test_entry_points_take_a_method_and_agree(paper_hmm):
+  """``method="parallel"`` gives every entry point's value to float
+  rounding (the tolerance above); it composes with vmap over a batch, jit
+  and grad; ``auto`` is the scan on a CPU; a bad method is refused."""
+  tokens, _ = hmm_lib.sample(jax.random.PRNGKey(4), paper_hmm, 96)
+  tokens = tokens.at[::5].set(MASK)
+  ev = hmm_lib.embed(paper_hmm, tokens)
+  for fn, arg in ((hmm_lib.posterior, tokens),
+                  (hmm_lib.masked_posterior, tokens),
+                  (hmm_lib.conditionals, tokens),
+                  (hmm_lib.log_likelihood, tokens),
+                  (hmm_lib.conditionals_from_evidence, ev),
+                  (lambda m, e, method: hmm_lib.smooth(m, e, method).posterior,
+                   ev)):
+    seq = fn(paper_hmm, arg, method="sequential")
+    np.testing.assert_allclose(fn(paper_hmm, arg, method="parallel"), seq,
+                               atol=3e-5, rtol=1e-5)
+    np.testing.assert_array_equal(fn(paper_hmm, arg, method="auto"), seq)
+  batch = jnp.stack([tokens, jnp.roll(tokens, 7)])
+  per = lambda method: jax.jit(jax.vmap(
+      lambda t: hmm_lib.posterior(paper_hmm, t, method=method)))(batch)
+  np.testing.assert_allclose(per("parallel"), per("sequential"), atol=3e-5)
+  grad = lambda method: jax.grad(
+      lambda m: hmm_lib.log_likelihood(m, tokens, method=method))(paper_hmm)
+  for x, y in zip(grad("sequential"), grad("parallel")):
+    np.testing.assert_allclose(y, x, rtol=1e-3, atol=1e-3)
+  assert hmm_lib.resolve_method("auto", 10240) == (
+      "sequential" if jax.default_backend() == "cpu" else "parallel")
+  with pytest.raises(ValueError, match="^" + re.escape(
+      "method must be one of ('sequential', 'parallel', 'auto'), got "
+      "'fast'") + "$"):
+    hmm_lib.posterior(paper_hmm, tokens, method="fast")
