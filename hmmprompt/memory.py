@@ -208,52 +208,63 @@ def _normalize_log(logits: jax.Array) -> jax.Array:
   return w / jnp.where(s > 0, s, 1.0)
 
 
-def token_memory_posterior(mhmm: MemoryHMM, tokens_T) -> jax.Array:
+def token_memory_posterior(mhmm: MemoryHMM, tokens_T,
+                           method: str = "sequential") -> jax.Array:
   """Kernel of :func:`memory_posterior`: ``[M]``, one ``|H|``-state
-  likelihood per memory value."""
+  likelihood per memory value (``method``: :func:`hmm.smooth_by`'s)."""
   evidence_MxTxH = jnp.swapaxes(
       jnp.take(mhmm.emission, jnp.where(tokens_T == hmm_lib.MASK, 0, tokens_T),
                axis=-1, mode="fill", fill_value=0), -1, -2)
   evidence_MxTxH = jnp.where((tokens_T == hmm_lib.MASK)[:, None], 1.0,
                              evidence_MxTxH)
   loglik_M = jax.vmap(
-      lambda h, e: hmm_lib.forward_backward(h, e).log_likelihood)(
+      lambda h, e: hmm_lib.smooth_by(h, e, method).log_likelihood)(
           _syntax_hmms(mhmm), evidence_MxTxH)
   return _normalize_log(hmm_lib.safe_log(mhmm.memory_prior) + loglik_M)
 
 
-def token_memory_masked_posterior(mhmm: MemoryHMM, tokens_T) -> jax.Array:
+def token_memory_masked_posterior(mhmm: MemoryHMM, tokens_T,
+                                  method: str = "sequential") -> jax.Array:
   """Kernel of :func:`memory_masked_posterior`: ``[T, M]``, through the
   product HMM."""
-  masked_TxMH = hmm_lib.token_smooth(to_hmm(mhmm), tokens_T).masked_posterior
+  masked_TxMH = hmm_lib.token_smooth(to_hmm(mhmm), tokens_T,
+                                     method).masked_posterior
   return masked_TxMH.reshape(tokens_T.shape[0], mhmm.memory_size,
                             mhmm.num_states).sum(-1)
 
 
-@validation.entry_point(token_memory_posterior)
-def memory_posterior(mhmm: MemoryHMM, tokens) -> jax.Array:
+@validation.entry_point(token_memory_posterior, static_argnums=2)
+def memory_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
+                     ) -> jax.Array:
   """``[M]``: ``P[M | observed tokens]`` (``MASK`` positions marginalised).
 
-  All zeros if the observed tokens are impossible.
+  All zeros if the observed tokens are impossible. ``method``: as
+  :func:`hmm.posterior`'s.
   """
   mhmm = check_model(mhmm)
-  return (mhmm,  # type: ignore[return-value]
-          hmm_lib.check_sequence(tokens, mhmm))
+  tokens = hmm_lib.check_sequence(tokens, mhmm)
+  return (mhmm, tokens,  # type: ignore[return-value]
+          hmm_lib.resolve_method(method, tokens.shape[0]))
 
 
-@validation.entry_point(token_memory_masked_posterior)
-def memory_masked_posterior(mhmm: MemoryHMM, tokens) -> jax.Array:
-  """``[T, M]``: ``P[M | x_{-t}]`` for every position ``t``."""
+@validation.entry_point(token_memory_masked_posterior, static_argnums=2)
+def memory_masked_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
+                            ) -> jax.Array:
+  """``[T, M]``: ``P[M | x_{-t}]`` for every position ``t`` (``method``:
+  as :func:`hmm.posterior`'s)."""
   mhmm = check_model(mhmm)
-  return (mhmm,  # type: ignore[return-value]
-          hmm_lib.check_sequence(tokens, mhmm))
+  tokens = hmm_lib.check_sequence(tokens, mhmm)
+  return (mhmm, tokens,  # type: ignore[return-value]
+          hmm_lib.resolve_method(method, tokens.shape[0]))
 
 
-def conditionals(mhmm: MemoryHMM, tokens) -> jax.Array:
-  """``[T, V]``: the exact masked LM ``P[X_t | x_{-t}]`` of a memory HMM."""
+def conditionals(mhmm: MemoryHMM, tokens, method: str = "auto") -> jax.Array:
+  """``[T, V]``: the exact masked LM ``P[X_t | x_{-t}]`` of a memory HMM
+  (``method``: as :func:`hmm.conditionals`')."""
   # Checked first so that a bad model is named by its own fields, not the
   # product HMM's.
-  return hmm_lib.conditionals(to_hmm(check_model(mhmm)), tokens)
+  return hmm_lib.conditionals(to_hmm(check_model(mhmm)), tokens,
+                              method=method)
 
 
 # ----------------------------------------------------------------------------

@@ -452,3 +452,18 @@ def test_the_memory_model_check_skips_tracers(monkeypatch):
       "MemoryHMM.transition must sum to 1 along its last axis, but a row is "
       "off by 2 (`check` failed)") + "$"):
     err.throw()
+
+
+def test_memory_entry_points_take_a_method_and_agree():
+  """The memory HMM's posteriors and conditionals by associative scans equal
+  the scan's to float rounding (tests/test_hmm.py's tolerance), with MASKs
+  and on the paper's sparse memory HMMs."""
+  mhmm = memory_lib.random_memory_hmm(jax.random.PRNGKey(2), 4, 3, 10)
+  tokens = memory_lib.sample(jax.random.PRNGKey(3), mhmm, 48)[0]
+  tokens = jnp.asarray(tokens).at[::4].set(hmm_lib.MASK)
+  for fn in (memory_lib.memory_posterior, memory_lib.memory_masked_posterior,
+             memory_lib.conditionals):
+    seq = fn(mhmm, tokens, method="sequential")
+    np.testing.assert_allclose(fn(mhmm, tokens, method="parallel"), seq,
+                               atol=3e-5)
+    np.testing.assert_array_equal(fn(mhmm, tokens), seq)  # auto on a CPU
