@@ -118,6 +118,14 @@ def bench_posterior(model):
   t_closed = _median_time(lambda: closed(tokens), _REPEATS.value)
   _report("  same, HMM closed over", b * t, t_closed)
   print(f"    closed over / argument time: {t_closed / t_ours:.2f}")
+  # Our associative-scan kernel in the same run (method="parallel").
+  par = jax.jit(jax.vmap(lambda m, x: hmm_lib.posterior(m, x,
+                                                        method="parallel"),
+                         in_axes=(None, 0)))
+  err = float(jnp.max(jnp.abs(par(model, tokens) - post)))
+  t_par = _median_time(lambda: par(model, tokens), _REPEATS.value)
+  _report("hmmprompt posterior, method=parallel", b * t, t_par, t_ours)
+  print(f"    max |difference| from the scan: {err:.2e}")
 
   try:
     from dynamax.hidden_markov_model import hmm_smoother  # pylint: disable=g-import-not-at-top
