@@ -800,3 +800,36 @@ def test_entry_points_take_a_method_and_agree(paper_hmm):
       "method must be one of ('sequential', 'parallel', 'auto'), got "
       "'fast'") + "$"):
     hmm_lib.posterior(paper_hmm, tokens, method="fast")
+
+
+@pytest.mark.parametrize("method", ["sequential", "parallel"])
+def test_right_padding_with_mask_gives_each_sequence_its_own_posterior(
+    paper_hmm, method):
+  """A batch of sequences of several lengths, right-padded with MASK to one
+  length: at its real positions each row's posterior, masked posterior and
+  conditionals are the unpadded sequence's, and so is its log-likelihood
+  (a MASK's evidence is all ones: the padding marginalises out). Left
+  padding is not the same: it starts the chain earlier (the first real
+  state's prior becomes pi A^k, not pi)."""
+  lengths, width = [5, 17, 32], 32
+  rows = [np.asarray(hmm_lib.sample(jax.random.PRNGKey(n), paper_hmm, n)[0])
+          for n in lengths]
+  padded = np.full((len(rows), width), MASK, np.int32)
+  for i, r in enumerate(rows):
+    padded[i, :len(r)] = r
+  fns = (hmm_lib.posterior, hmm_lib.masked_posterior, hmm_lib.conditionals)
+  batched = [jax.vmap(lambda t, f=f: f(paper_hmm, t, method=method))(padded)
+             for f in fns]
+  lls = jax.vmap(lambda t: hmm_lib.log_likelihood(paper_hmm, t,
+                                                  method=method))(padded)
+  for i, r in enumerate(rows):
+    n = len(r)
+    for f, got in zip(fns, batched):
+      np.testing.assert_allclose(got[i, :n], f(paper_hmm, r, method=method),
+                                 atol=3e-5)
+    np.testing.assert_allclose(lls[i], hmm_lib.log_likelihood(
+        paper_hmm, r, method=method), rtol=1e-5)
+  left = np.concatenate([np.full(width - lengths[0], MASK, np.int32),
+                         rows[0]])
+  assert abs(float(hmm_lib.log_likelihood(paper_hmm, left))
+             - float(hmm_lib.log_likelihood(paper_hmm, rows[0]))) > 1e-3
