@@ -492,6 +492,14 @@ def token_conditionals(hmm: HMM, tokens_T: jax.Array,
 # Entry points: each checks its input and runs its kernel, jitted.
 
 
+def _with_method(hmm: HMM, inputs, method: str, check) -> tuple:
+  """The check of a method-taking entry point: the model, its inputs
+  ``[T, ...]`` checked by ``check`` and ``method`` resolved for ``T``."""
+  hmm = check_model(hmm)
+  inputs = check(inputs, hmm)
+  return hmm, inputs, resolve_method(method, inputs.shape[0])
+
+
 @validation.entry_point(draw_sequence, static_argnums=2)
 def sample(key, hmm: HMM, length: int) -> tuple[jax.Array, jax.Array]:
   """Samples ``(tokens int32[T], states int32[T])``; vmappable over ``key``."""
@@ -509,37 +517,25 @@ def embed(hmm: HMM, tokens) -> jax.Array:
 @validation.entry_point(smooth_by, static_argnums=2)
 def smooth(hmm: HMM, evidence, method: str = "auto") -> Smoothed:
   """Forward-backward on evidence vectors ``[T, H]`` (Appendix B)."""
-  hmm = check_model(hmm)
-  evidence = check_evidence(evidence, hmm)
-  return (hmm, evidence,  # type: ignore[return-value]
-          resolve_method(method, evidence.shape[0]))
+  return _with_method(hmm, evidence, method, check_evidence)  # type: ignore[return-value]
 
 
 @validation.entry_point(token_smooth, static_argnums=2, field="log_likelihood")
 def log_likelihood(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``log P(x)`` of the observed tokens (``MASK`` positions marginalised)."""
-  hmm = check_model(hmm)
-  tokens = check_sequence(tokens, hmm)
-  return (hmm, tokens,  # type: ignore[return-value]
-          resolve_method(method, tokens.shape[0]))
+  return _with_method(hmm, tokens, method, check_sequence)  # type: ignore[return-value]
 
 
 @validation.entry_point(token_smooth, static_argnums=2, field="posterior")
 def posterior(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``[T, H]``: ``P[H_t | observed tokens]``."""
-  hmm = check_model(hmm)
-  tokens = check_sequence(tokens, hmm)
-  return (hmm, tokens,  # type: ignore[return-value]
-          resolve_method(method, tokens.shape[0]))
+  return _with_method(hmm, tokens, method, check_sequence)  # type: ignore[return-value]
 
 
 @validation.entry_point(token_smooth, static_argnums=2, field="masked_posterior")
 def masked_posterior(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``[T, H]``: ``P[H_t | x_{-t}]`` (position ``t`` itself left out)."""
-  hmm = check_model(hmm)
-  tokens = check_sequence(tokens, hmm)
-  return (hmm, tokens,  # type: ignore[return-value]
-          resolve_method(method, tokens.shape[0]))
+  return _with_method(hmm, tokens, method, check_sequence)  # type: ignore[return-value]
 
 
 @validation.entry_point(token_conditionals, static_argnums=2)
@@ -549,17 +545,11 @@ def conditionals(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   Row ``t`` does not depend on ``tokens[t]``; all-zero where ``x_{-t}`` is
   impossible.
   """
-  hmm = check_model(hmm)
-  tokens = check_sequence(tokens, hmm)
-  return (hmm, tokens,  # type: ignore[return-value]
-          resolve_method(method, tokens.shape[0]))
+  return _with_method(hmm, tokens, method, check_sequence)  # type: ignore[return-value]
 
 
 @validation.entry_point(evidence_conditionals, static_argnums=2)
 def conditionals_from_evidence(hmm: HMM, evidence, method: str = "auto") -> jax.Array:
   """``[T, V]``: Appendix B's ``G-bar``: ``W τ_t / ||τ_t||_1`` on evidence
   vectors, ``τ_t ∝ P[H_t, e_{-t}]``; 0 where ``τ_t = 0``."""
-  hmm = check_model(hmm)
-  evidence = check_evidence(evidence, hmm)
-  return (hmm, evidence,  # type: ignore[return-value]
-          resolve_method(method, evidence.shape[0]))
+  return _with_method(hmm, evidence, method, check_evidence)  # type: ignore[return-value]

@@ -243,8 +243,8 @@ def memory_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
   """
   mhmm = check_model(mhmm)
   tokens = hmm_lib.check_sequence(tokens, mhmm)
-  return (mhmm, tokens,  # type: ignore[return-value]
-          hmm_lib.resolve_method(method, tokens.shape[0]))
+  return mhmm, tokens, hmm_lib.resolve_method(  # type: ignore[return-value]
+      method, tokens.shape[0])
 
 
 @validation.entry_point(token_memory_masked_posterior, static_argnums=2)
@@ -254,8 +254,8 @@ def memory_masked_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
   as :func:`hmm.posterior`'s)."""
   mhmm = check_model(mhmm)
   tokens = hmm_lib.check_sequence(tokens, mhmm)
-  return (mhmm, tokens,  # type: ignore[return-value]
-          hmm_lib.resolve_method(method, tokens.shape[0]))
+  return mhmm, tokens, hmm_lib.resolve_method(  # type: ignore[return-value]
+      method, tokens.shape[0])
 
 
 def conditionals(mhmm: MemoryHMM, tokens, method: str = "auto") -> jax.Array:

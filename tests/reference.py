@@ -80,3 +80,23 @@ def log_forward_backward(initial, transition, evidence_TxH):
     return normalize_rows(w)
 
   return log_lik, softmax(pred + log_e + back), softmax(pred + back)
+
+
+def custom_vmap_calls(closed_jaxpr) -> list:
+  """Every ``custom_vmap`` call in a closed jaxpr, sub-jaxprs included: the
+  attention calls left after the fold rules ran (their ``invars`` and
+  ``outvars`` carry the shapes the attention saw)."""
+  calls = []
+
+  def walk(j):
+    for eqn in j.eqns:
+      if eqn.primitive.name == "custom_vmap_call":
+        calls.append(eqn)
+      for value in eqn.params.values():
+        for sub in (value if isinstance(value, (list, tuple)) else [value]):
+          sub = getattr(sub, "jaxpr", sub)
+          if hasattr(sub, "eqns"):
+            walk(sub)
+
+  walk(closed_jaxpr.jaxpr)
+  return calls

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import reference  # tests/reference.py
+
 from hmmprompt.backbones import attention
 from hmmprompt.backbones import transformer
 
@@ -95,20 +97,8 @@ def _tokens(stack):
 def _attention_calls(jaxpr):
   """Input shapes of every ``custom_vmap`` call in ``jaxpr`` (sub-jaxprs
   included): the attention calls left after the fold rules ran."""
-  shapes = []
-
-  def walk(j):
-    for eqn in j.eqns:
-      if eqn.primitive.name == "custom_vmap_call":
-        shapes.append(tuple(v.aval.shape for v in eqn.invars))
-      for value in eqn.params.values():
-        for sub in (value if isinstance(value, (list, tuple)) else [value]):
-          sub = getattr(sub, "jaxpr", sub)
-          if hasattr(sub, "eqns"):
-            walk(sub)
-
-  walk(jaxpr.jaxpr)
-  return shapes
+  return [tuple(v.aval.shape for v in eqn.invars)
+          for eqn in reference.custom_vmap_calls(jaxpr)]
 
 
 def _check_against_manual(rel_pos, stack):

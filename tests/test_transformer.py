@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import reference  # tests/reference.py
+
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import pretrain
 from hmmprompt.backbones import transformer
@@ -161,20 +163,8 @@ _B, _T, _N, _H = 3, 12, 2, 8
 def _folded_attention_shapes(jaxpr):
   """Output shapes of every ``custom_vmap`` call in ``jaxpr`` (sub-jaxprs
   included): the attention calls left after the fold rules ran."""
-  shapes = []
-
-  def walk(j):
-    for eqn in j.eqns:
-      if eqn.primitive.name == "custom_vmap_call":
-        shapes.extend(v.aval.shape for v in eqn.outvars)
-      for value in eqn.params.values():
-        for sub in (value if isinstance(value, (list, tuple)) else [value]):
-          sub = getattr(sub, "jaxpr", sub)
-          if hasattr(sub, "eqns"):
-            walk(sub)
-
-  walk(jaxpr.jaxpr)
-  return shapes
+  return [v.aval.shape for eqn in reference.custom_vmap_calls(jaxpr)
+          for v in eqn.outvars]
 
 
 def _apply(attention):
