@@ -12,6 +12,11 @@ Posterior: ``jax.jit(jax.vmap(hmm.posterior))`` vs dynamax's
 ``hmm_smoother`` vmapped the same way (its default arguments: its jitted signature makes
 ``compute_trans_probs`` a traced value, so it cannot be switched off) and
 hmmlearn's ``predict_proba``.
+Long sequences (issue 51): ``posterior`` with ``method="sequential"`` and
+``"parallel"`` vs dynamax's ``hmm_smoother`` and its associative-scan
+``parallel_hmm_smoother``, each ``jit(vmap)`` over ``--long_batch``
+sequences, on the grid ``--long_lens`` x ``--long_states``; ratios are
+times over our sequential path's in the same cell.
 """
 
 import time
@@ -32,6 +37,16 @@ _SAMPLE_LEN = flags.DEFINE_integer("sample_len", 10240, "tokens per sequence")
 _POST_BATCH = flags.DEFINE_integer("post_batch", 1000, "posterior batch")
 _POST_LEN = flags.DEFINE_integer("post_len", 129, "posterior sequence length")
 _REPEATS = flags.DEFINE_integer("repeats", 7, "timed repeats (median)")
+_LONG_BATCH = flags.DEFINE_integer("long_batch", 8,
+                                   "long-sequence posterior batch")
+_LONG_LENS = flags.DEFINE_list("long_lens", ["512", "10240"],
+                               "long-sequence lengths T")
+_LONG_STATES = flags.DEFINE_list("long_states", ["30", "100"],
+                                 "long-sequence numbers of states |H|")
+_LONG_REPEATS = flags.DEFINE_integer("long_repeats", 3,
+                                     "timed repeats of a long cell (median)")
+_SECTIONS = flags.DEFINE_list("sections", ["sampling", "posterior", "long"],
+                              "which benchmarks to run")
 _HMMLEARN_SEQS = flags.DEFINE_integer(
     "hmmlearn_seqs", 5, "sequences for hmmlearn (it is slow; rates scale)")
 
@@ -153,6 +168,55 @@ def bench_posterior(model):
   print(f"    max |difference| from hmmprompt: {err:.2e}")
 
 
+def _dynamax_smoothers():
+  """``{name: smoother}`` of dynamax's two smoothers (``{}`` without it)."""
+  try:
+    from dynamax.hidden_markov_model import hmm_smoother  # pylint: disable=g-import-not-at-top
+    from dynamax.hidden_markov_model import parallel_hmm_smoother  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return {}
+  return {"dynamax hmm_smoother": hmm_smoother,
+          "dynamax parallel_hmm_smoother": parallel_hmm_smoother}
+
+
+def bench_long(vocab_size):
+  """Our two kernels and dynamax's two smoothers on each (T, |H|) cell."""
+  b = _LONG_BATCH.value
+  dyn = _dynamax_smoothers()
+  if not dyn:
+    print("  dynamax not installed (pip install -e '.[bench]')")
+  for t in map(int, _LONG_LENS.value):
+    for h in map(int, _LONG_STATES.value):
+      model = hmm_lib.random_hmm(jax.random.PRNGKey(h), h, vocab_size)
+      tokens = jax.vmap(lambda k: hmm_lib.sample(k, model, t)[0])(
+          jax.random.split(jax.random.PRNGKey(2), b))
+      print(f"Long posterior: {b} x {t} tokens, |H|={h}")
+      fns = {f"hmmprompt method={m}": jax.jit(jax.vmap(
+          lambda x, m=m: hmm_lib.posterior(model, x, method=m)))
+             for m in ("sequential", "parallel")}
+      for name, smoother in dyn.items():
+        fns[name] = jax.jit(jax.vmap(
+            lambda x, s=smoother: s(model.initial, model.transition,
+                                    jnp.log(model.emission.T[x])
+                                    ).smoothed_probs))
+      base = post = None
+      for name, fn in fns.items():
+        try:
+          got = fn(tokens)
+          secs = _median_time(lambda fn=fn: fn(tokens), _LONG_REPEATS.value)
+        except jax.errors.JaxRuntimeError as e:  # e.g. [B, T, H, H] at 10 240
+          print(f"  {name:<34s} failed: {str(e).splitlines()[0][:80]}")
+          continue
+        line = f"  {name:<34s} {b * t / secs / 1e6:9.3f} M tokens/s"
+        if base is None:
+          base, post = secs, got
+        else:
+          err = float(jnp.max(jnp.abs(got - post)))
+          line += (f"   {secs / base:6.2f}x our sequential time, max "
+                   f"|diff| {err:.1e}")
+        print(line)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -161,8 +225,15 @@ def main(argv):
         f"{jax.device_count()} device(s)")
   model = hmm_lib.random_hmm(jax.random.PRNGKey(0), _STATES.value,
                              _VOCAB.value)
-  bench_sampling(model)
-  bench_posterior(model)
+  sections = {"sampling": lambda: bench_sampling(model),
+              "posterior": lambda: bench_posterior(model),
+              "long": lambda: bench_long(_VOCAB.value)}
+  unknown = set(_SECTIONS.value) - set(sections)
+  if unknown:
+    raise app.UsageError(f"--sections: unknown {sorted(unknown)}; known "
+                         f"{sorted(sections)}")
+  for name in _SECTIONS.value:
+    sections[name]()
 
 
 if __name__ == "__main__":

@@ -150,28 +150,32 @@ def corruption_likelihood(inputs_T, selected_T, vocab_size: int) -> jax.Array:
                    jnp.where(selected, noisy_TxV, onehot_TxV))
 
 
-def exact_state_posterior(hmm: hmm_lib.HMM, inputs_T,
-                          selected_T) -> jax.Array:
+def exact_state_posterior(hmm: hmm_lib.HMM, inputs_T, selected_T,
+                          method: str = "sequential") -> jax.Array:
   """``[T, H]``: ``P[H_t | x~, S]``, the hidden state's posterior given the
-  whole corrupted input (the auxiliary ``state_loss``'s target)."""
+  whole corrupted input (the auxiliary ``state_loss``'s target).
+  ``method``: :func:`hmm.smooth_by`'s kernel (resolved by the caller)."""
   lik_TxV = corruption_likelihood(inputs_T, selected_T, hmm.vocab_size)
   evidence_TxH = lik_TxV @ hmm.emission.astype(lik_TxV.dtype).T
-  return hmm_lib.forward_backward(hmm, evidence_TxH).posterior
+  return hmm_lib.smooth_by(hmm, evidence_TxH, method).posterior
 
 
-def exact_targets(hmm: hmm_lib.HMM, inputs_T, selected_T) -> jax.Array:
+def exact_targets(hmm: hmm_lib.HMM, inputs_T, selected_T,
+                  method: str = "sequential") -> jax.Array:
   """``[T, V]``: ``P[X_t | x~, S]`` under :func:`mask_tokens`' corruption.
 
   ``inputs_T`` is the corrupted sequence, ``selected_T`` marks the selected
   positions (the loss weights). The same formula covers both corruptions
   (with ``"mask"`` no selected position shows a symbol). ``hmm`` is the
   generating model's vanilla form (:func:`generative.as_hmm`). Rows are all zero
-  where ``x~`` is impossible. Traceable; vmap it over a batch.
+  where ``x~`` is impossible. Traceable; vmap it over a batch. ``method``:
+  :func:`hmm.smooth_by`'s kernel, ``sequential`` or ``parallel`` (resolved
+  by the caller, e.g. :func:`hmm.resolve_method`); equal to float rounding.
   """
   lik_TxV = corruption_likelihood(inputs_T, selected_T, hmm.vocab_size)
   emission_HxV = hmm.emission.astype(lik_TxV.dtype)
   evidence_TxH = lik_TxV @ emission_HxV.T
-  prior_TxV = hmm_lib.evidence_conditionals(hmm, evidence_TxH)
+  prior_TxV = hmm_lib.evidence_conditionals(hmm, evidence_TxH, method)
   joint_TxV = prior_TxV * lik_TxV
   total_T = jnp.sum(joint_TxV, -1, keepdims=True)
   return joint_TxV / jnp.where(total_T > 0, total_T, 1.0)

@@ -108,9 +108,15 @@ _INPUTS = np.array([2, hmm_lib.MASK, 1, 3, hmm_lib.MASK])
 _SELECTED = np.array([0, 1, 1, 0, 1], np.float32)
 
 
-def test_exact_targets_equal_brute_force(tiny_hmm):
+# Both kernels (hmm.METHODS): the associative scan agrees with the scan to
+# ~H log2(T) eps (tests/test_hmm.py), far inside the 2e-6 used here.
+_KERNELS = pytest.mark.parametrize("method", ["sequential", "parallel"])
+
+
+@_KERNELS
+def test_exact_targets_equal_brute_force(tiny_hmm, method):
   got = corpus_lib.exact_targets(tiny_hmm, jnp.asarray(_INPUTS),
-                                 jnp.asarray(_SELECTED))
+                                 jnp.asarray(_SELECTED), method)
   want = _brute_force_targets(tiny_hmm, _INPUTS, _SELECTED, bert=True)
   np.testing.assert_allclose(got, want, atol=2e-6)
   # The symbol at position 2 is informative but not certain.
@@ -118,7 +124,7 @@ def test_exact_targets_equal_brute_force(tiny_hmm):
   masked = _INPUTS.copy()
   masked[2] = hmm_lib.MASK
   got_masked = corpus_lib.exact_targets(tiny_hmm, jnp.asarray(masked),
-                                        jnp.asarray(_SELECTED))
+                                        jnp.asarray(_SELECTED), method)
   np.testing.assert_allclose(
       got_masked, _brute_force_targets(tiny_hmm, masked, _SELECTED, False),
       atol=2e-6)
@@ -150,18 +156,19 @@ def _brute_force_states(model, inputs, selected, bert):
   return post / post.sum(-1, keepdims=True)
 
 
-def test_exact_state_posterior_equals_brute_force(tiny_hmm):
+@_KERNELS
+def test_exact_state_posterior_equals_brute_force(tiny_hmm, method):
   """The state loss's target, with a kept-or-replaced symbol, MASKs and
   unselected tokens; MASK-only corruption is the smoothing posterior of
   the masked input."""
   got = corpus_lib.exact_state_posterior(tiny_hmm, jnp.asarray(_INPUTS),
-                                         jnp.asarray(_SELECTED))
+                                         jnp.asarray(_SELECTED), method)
   want = _brute_force_states(tiny_hmm, _INPUTS, _SELECTED, bert=True)
   np.testing.assert_allclose(got, want, atol=2e-6)
   masked = _INPUTS.copy()
   masked[2] = hmm_lib.MASK
   got_masked = corpus_lib.exact_state_posterior(
-      tiny_hmm, jnp.asarray(masked), jnp.asarray(_SELECTED))
+      tiny_hmm, jnp.asarray(masked), jnp.asarray(_SELECTED), method)
   np.testing.assert_allclose(
       got_masked, _brute_force_states(tiny_hmm, masked, _SELECTED, False),
       atol=2e-6)
@@ -202,7 +209,8 @@ def test_exact_target_gradient_is_mean_of_sampled_gradients(tiny_hmm):
   assert err_naive > 3 * err_exact, (err_naive, err_exact)
 
 
-def test_exact_targets_of_an_impossible_input_are_zero_rows():
+@_KERNELS
+def test_exact_targets_of_an_impossible_input_are_zero_rows(method):
   """Symbol 2 is never emitted: an input that shows it has probability 0,
   and its targets are zero rows (no NaN from 0 / 0), while the same input
   with a possible symbol there gets distributions."""
@@ -211,10 +219,10 @@ def test_exact_targets_of_an_impossible_input_are_zero_rows():
                     emission=jnp.array([[0.6, 0.4, 0.0], [0.3, 0.7, 0.0]]))
   selected = jnp.array([0.0, 1.0, 0.0, 0.0])
   got = corpus_lib.exact_targets(hmm, jnp.array([0, hmm_lib.MASK, 2, 1]),
-                                 selected)
+                                 selected, method)
   np.testing.assert_array_equal(np.asarray(got), 0.0)
   possible = corpus_lib.exact_targets(
-      hmm, jnp.array([0, hmm_lib.MASK, 1, 1]), selected)
+      hmm, jnp.array([0, hmm_lib.MASK, 1, 1]), selected, method)
   np.testing.assert_allclose(np.asarray(possible).sum(-1), 1.0, rtol=1e-6)
 
 

@@ -565,7 +565,8 @@ def test_step_memory_counts_the_state_and_scales_with_what_steps_at_once(
 
 
 RUNTIME_FIELDS = {"log_every": 7, "ckpt_every": 5, "keep": 5,
-                  "eval_batch": 3, "trials_per_vmap": 0}
+                  "eval_batch": 3, "trials_per_vmap": 0,
+                  "exact_method": "parallel"}
 
 
 def test_runtime_fields_resume_and_reuse_result_fields_are_refused(

@@ -94,6 +94,40 @@ def test_state_loss_steps_and_needs_a_readout():
   np.testing.assert_allclose(post.sum(-1), 1.0, rtol=1e-5)
 
 
+def test_exact_method_is_runtime_and_the_kernels_give_the_same_step():
+  """``exact_method`` picks the kernel of the exact targets and the state
+  loss's posterior: out of the identity, refused by name when unknown, and
+  one training step's loss is the same with either kernel to the targets'
+  rounding (each target ~H log2(T) eps from the other, tests/test_hmm.py;
+  the CE moves by at most V times that times the largest -log p, < 1e-4)."""
+  hmm = hmm_lib.random_hmm(jax.random.PRNGKey(0), 4, 10)
+  cfg = TINY.with_overrides(state_loss=1.0, targets="exact", model=(
+      dataclasses.replace(TINY.model, state_readout=4)))
+  assert cfg.with_overrides(exact_method="parallel").identity() == (
+      cfg.identity())
+  with pytest.raises(ValueError, match=r"^PretrainConfig.exact_method must "
+                     r"be one of \('sequential', 'parallel', 'auto'\), got "
+                     r"'fast'$"):
+    cfg.with_overrides(exact_method="fast")
+  inputs, tokens, weights = corpus_lib.batch_at(
+      jax.random.PRNGKey(2), 0, hmm, None, cfg.corpus, cfg.batch_size, 10)
+  hmms = jax.tree.map(lambda x: x[None], hmm)
+  losses = {}
+  for method in ("sequential", "parallel", "auto"):
+    step = train.make_train_step(cfg.with_overrides(exact_method=method),
+                                 pretrain.loop.sharding_lib.data_mesh())
+    # A fresh stack each time: the step donates its states.
+    states = train.init_states(jax.random.split(jax.random.PRNGKey(0), 1),
+                               cfg)
+    _, losses[method] = step(states, inputs[None], tokens[None],
+                             weights[None], hmms)
+  np.testing.assert_allclose(losses["parallel"], losses["sequential"],
+                             atol=1e-4)
+  # auto is the scan on a CPU at this length: bit for bit.
+  if jax.default_backend() == "cpu":
+    np.testing.assert_array_equal(losses["auto"], losses["sequential"])
+
+
 def test_state_loss_is_the_mlm_loss_plus_its_weight_times_the_readout_ce():
   """``(total, mlm)``: ``mlm`` is :func:`train.mlm_loss` on the same
   distributions (its mean over the weighted positions: one weighted

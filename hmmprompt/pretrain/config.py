@@ -10,6 +10,7 @@ import numpy as np
 
 from hmmprompt import config_flags
 from hmmprompt import corpus as corpus_lib
+from hmmprompt import hmm as hmm_lib
 from hmmprompt import validation
 from hmmprompt.backbones import transformer
 
@@ -114,10 +115,16 @@ class PretrainConfig:
   eval_batch: int = _runtime(64)
   trials_per_vmap: int = _runtime(0)
   retain: tuple[int, ...] = _runtime(())
+  # exact_method: hmm.METHODS, the kernel of the exact targets, the state
+  # loss's posterior and the validation set's Bayes conditionals ("auto":
+  # hmm.resolve_method for the sequence length and backend). The kernels
+  # agree to float rounding, so this is speed, not identity.
+  exact_method: str = _runtime("auto")
 
   def __post_init__(self):
     for name, known in (("targets", TARGETS), ("optimizer", OPTIMIZERS),
-                        ("fallback_init", FALLBACK_INITS)):
+                        ("fallback_init", FALLBACK_INITS),
+                        ("exact_method", hmm_lib.METHODS)):
       if getattr(self, name) not in known:
         raise ValueError(f"PretrainConfig.{name} must be one of {known}, "
                          f"got {getattr(self, name)!r}")

@@ -32,8 +32,10 @@ class ValidationSet(NamedTuple):
   exact: jax.Array
 
 
-_exact_conditionals = jax.jit(jax.vmap(hmm_lib.token_conditionals,
-                                       in_axes=(None, 0)))
+@functools.partial(jax.jit, static_argnums=2)
+def _exact_conditionals(hmm, inputs_NxT, method: str):
+  return jax.vmap(functools.partial(hmm_lib.token_conditionals, method=method),
+                  in_axes=(None, 0))(hmm, inputs_NxT)
 
 
 def validation_set(key, model: generative.Model,
@@ -44,7 +46,9 @@ def validation_set(key, model: generative.Model,
   inputs, weights = corpus_lib.mask_tokens(
       jax.random.fold_in(key, 1), seqs, cfg.corpus.mask_rate,
       cfg.model.vocab_size, bert=False)
-  exact = _exact_conditionals(generative.as_hmm(model), inputs)
+  exact = _exact_conditionals(
+      generative.as_hmm(model), inputs,
+      hmm_lib.resolve_method(cfg.exact_method, inputs.shape[-1]))
   return ValidationSet(inputs, seqs, weights, exact)
 
 

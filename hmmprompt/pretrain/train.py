@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from hmmprompt import corpus as corpus_lib
+from hmmprompt import hmm as hmm_lib
 from hmmprompt import sharding as sharding_lib
 from hmmprompt.backbones import depth
 from hmmprompt.backbones import transformer
@@ -125,6 +126,12 @@ def grown_states(states_K: TrainState, keys_K, cfg: PretrainConfig
   return jax.vmap(one)(states_K.params, keys_K)
 
 
+def exact_kernel(cfg: PretrainConfig, length: int) -> str:
+  """The forward-backward kernel of ``cfg.exact_method`` for sequences of
+  ``length`` positions on this backend (:func:`hmm.resolve_method`)."""
+  return hmm_lib.resolve_method(cfg.exact_method, length)
+
+
 def loss_targets(cfg: PretrainConfig, hmm, inputs_BxT, tokens_BxT,
                  weights_BxT):
   """What the loss is taken against: the true tokens ``[B, T]``, or with
@@ -132,7 +139,9 @@ def loss_targets(cfg: PretrainConfig, hmm, inputs_BxT, tokens_BxT,
   the corrupted inputs (``hmm``: the generating model's vanilla form)."""
   if cfg.targets == "sampled":
     return tokens_BxT
-  exact_BxTxV = jax.vmap(corpus_lib.exact_targets, in_axes=(None, 0, 0))(
+  exact = functools.partial(corpus_lib.exact_targets,
+                            method=exact_kernel(cfg, inputs_BxT.shape[-1]))
+  exact_BxTxV = jax.vmap(exact, in_axes=(None, 0, 0))(
       hmm, inputs_BxT, weights_BxT)
   return jax.lax.stop_gradient(exact_BxTxV)
 
@@ -148,9 +157,11 @@ def _step_fn(cfg: PretrainConfig):
   def step(state: TrainState, inputs_BxT, tokens_BxT, weights_BxT, hmm):
     targets = loss_targets(cfg, hmm, inputs_BxT, tokens_BxT, weights_BxT)
     if cfg.state_loss > 0:
+      posterior = functools.partial(
+          corpus_lib.exact_state_posterior,
+          method=exact_kernel(cfg, inputs_BxT.shape[-1]))
       post_BxTxH = jax.lax.stop_gradient(jax.vmap(
-          corpus_lib.exact_state_posterior, in_axes=(None, 0, 0))(
-              hmm, inputs_BxT, weights_BxT))
+          posterior, in_axes=(None, 0, 0))(hmm, inputs_BxT, weights_BxT))
       w = jnp.float32(cfg.state_loss)
       if cfg.state_loss_steps:
         w = w * jnp.maximum(0.0, 1.0 - state.step / cfg.state_loss_steps)
