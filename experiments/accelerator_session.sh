@@ -8,6 +8,11 @@
 # mfu: the stacked step of the gpu preset's shape (Appendix D's model,
 #   batch 64 x 512, |H| = 30) at trials_per_vmap 1, 4 and 8 beside one
 #   model measured in the same run, then a profile of the last's top ops.
+# hmm: issue 51's numbers: bench_hmm's posterior, long-sequence and
+#   exact-targets sections (both kernels; dynamax's smoothers beside them
+#   when DYNAMAX=DIR holds dynamax 1.0.3 and its pure-Python dependencies
+#   unpacked, carried from here: the device has no package index; a
+#   fastcore stand-in with progress_bar = identity is enough for its import).
 # protocol SECONDS [CHUNK ...]: issue 49's protocol command, at most
 #   SECONDS long: the cuDNN bias check (experiments/check_cudnn_bias.py;
 #   on failure the chunks run the manual attention, a runtime field), then
@@ -19,13 +24,13 @@
 #   short); by default each chunk computes in a temporary one without
 #   checkpoints. Merge here: in_chunks --preset=gpu --merge=A,B.
 set -uo pipefail
-step=${1:?usage: accelerator_session.sh first_minute|mfu|protocol SECONDS [CHUNK ...]}
+step=${1:?usage: accelerator_session.sh first_minute|mfu|hmm|protocol SECONDS [CHUNK ...]}
 OUT=${OUT:-/tmp/accelerator}
 mkdir -p "$OUT"
 log="$OUT/$step.log"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-# The tests' precision, never the runs' (the chunk step).
-[ "$step" = protocol ] || export JAX_DEFAULT_MATMUL_PRECISION=highest
+export PYTHONPATH=.${DYNAMAX:+:$DYNAMAX} PYTHONUNBUFFERED=1
+# The tests' precision (first_minute), never a run's or a timing's.
+[ "$step" = first_minute ] && export JAX_DEFAULT_MATMUL_PRECISION=highest
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
 {
   date -u; nvidia-smi --query-gpu=name,memory.total --format=csv
@@ -48,6 +53,10 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
       timeout 400 python -m experiments.bench_trials --preset=paper \
         --batch_size=64 --num_states=30 --trials=8 --steps=20 \
         --trials_per_vmap=1,4,8 --profile_dir="$OUT/profile" ;;
+    hmm)
+      echo "== posteriors, long sequences and exact targets, both kernels"
+      timeout 500 python -m experiments.bench_hmm \
+        --sections=posterior,long,targets --long_repeats=5 ;;
     protocol)
       seconds=${2:?protocol SECONDS [CHUNK ...]}; shift 2
       end=$(( $(date +%s) + seconds )); chunks=("${@:-all}"); attn=""

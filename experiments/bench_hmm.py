@@ -16,7 +16,8 @@ Long sequences (issue 51): ``posterior`` with ``method="sequential"`` and
 ``"parallel"`` vs dynamax's ``hmm_smoother`` and its associative-scan
 ``parallel_hmm_smoother``, each ``jit(vmap)`` over ``--long_batch``
 sequences, on the grid ``--long_lens`` x ``--long_states``; ratios are
-times over our sequential path's in the same cell.
+times over our sequential path's in the same cell. Exact targets: one
+pretraining batch's ``corpus.exact_targets`` with each kernel.
 """
 
 import time
@@ -45,7 +46,11 @@ _LONG_STATES = flags.DEFINE_list("long_states", ["30", "100"],
                                  "long-sequence numbers of states |H|")
 _LONG_REPEATS = flags.DEFINE_integer("long_repeats", 3,
                                      "timed repeats of a long cell (median)")
-_SECTIONS = flags.DEFINE_list("sections", ["sampling", "posterior", "long"],
+_TARGETS_SHAPE = flags.DEFINE_list(
+    "targets_shape", ["64", "512", "30"],
+    "exact targets' batch, length and |H| (the gpu preset's step)")
+_SECTIONS = flags.DEFINE_list("sections",
+                              ["sampling", "posterior", "long", "targets"],
                               "which benchmarks to run")
 _HMMLEARN_SEQS = flags.DEFINE_integer(
     "hmmlearn_seqs", 5, "sequences for hmmlearn (it is slow; rates scale)")
@@ -217,6 +222,33 @@ def bench_long(vocab_size):
         print(line)
 
 
+def bench_targets(vocab_size):
+  """What the exact targets add to a training step: one batch's
+  :func:`corpus.exact_targets` (BERT corruption at 15%), jitted alone,
+  with each kernel (issue 51's goal: at most 1 ms at 64 x 512)."""
+  from hmmprompt import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  b, t, h = map(int, _TARGETS_SHAPE.value)
+  model = hmm_lib.random_hmm(jax.random.PRNGKey(h), h, vocab_size)
+  tokens = jax.vmap(lambda k: hmm_lib.sample(k, model, t)[0])(
+      jax.random.split(jax.random.PRNGKey(3), b))
+  inputs, weights = corpus_lib.mask_tokens(jax.random.PRNGKey(4), tokens,
+                                           0.15, vocab_size, bert=True)
+  print(f"Exact targets: {b} x {t} tokens, |H|={h}")
+  base = ref = None
+  for method in ("sequential", "parallel"):
+    fn = jax.jit(jax.vmap(lambda x, w, m=method: corpus_lib.exact_targets(
+        model, x, w, m)))
+    got = fn(inputs, weights)
+    secs = _median_time(lambda fn=fn: fn(inputs, weights), _REPEATS.value)
+    line = f"  exact_targets, {method:<10s} {secs * 1e3:9.2f} ms per batch"
+    if base is None:
+      base, ref = secs, got
+    else:
+      line += (f"   {secs / base:6.2f}x the scan's time, max |diff| "
+               f"{float(jnp.max(jnp.abs(got - ref))):.1e}")
+    print(line)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -227,7 +259,8 @@ def main(argv):
                              _VOCAB.value)
   sections = {"sampling": lambda: bench_sampling(model),
               "posterior": lambda: bench_posterior(model),
-              "long": lambda: bench_long(_VOCAB.value)}
+              "long": lambda: bench_long(_VOCAB.value),
+              "targets": lambda: bench_targets(_VOCAB.value)}
   unknown = set(_SECTIONS.value) - set(sections)
   if unknown:
     raise app.UsageError(f"--sections: unknown {sorted(unknown)}; known "
