@@ -23,6 +23,8 @@ import io
 import os
 from typing import Any
 
+from typing_extensions import TypeIs
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,23 +47,29 @@ def kind(model) -> str:
                   f"{type(model).__name__}")
 
 
+def is_memory(model: Model) -> TypeIs[memory_lib.MemoryHMM]:
+  """Whether ``model`` is a memory HMM (else vanilla); ``TypeError`` naming
+  any other type (:func:`kind`)."""
+  return kind(model) == "memory"
+
+
 def as_hmm(model: Model) -> hmm_lib.HMM:
   """The vanilla HMM that generates the same text (``|M||H|`` states)."""
-  if kind(model) == "memory":
+  if is_memory(model):
     return memory_lib.to_hmm(model)
   return model
 
 
 def latent_size(model: Model) -> int:
   """``Z``: ``|H|`` for a vanilla HMM, ``|M|`` for a memory HMM."""
-  if kind(model) == "memory":
+  if is_memory(model):
     return model.memory_size
   return model.num_states
 
 
 def sample_tokens(key, model: Model, length: int) -> jax.Array:
   """``int32 [length]`` tokens from the initial distribution; traceable."""
-  if kind(model) == "memory":
+  if is_memory(model):
     return memory_lib.draw_memory_sequence(key, model, length)[0]
   return hmm_lib.draw_sequence(key, model, length)[0]
 
@@ -73,7 +81,7 @@ def latent_posterior(model: Model, tokens_T: jax.Array) -> jax.Array:
   by all positions; ``tokens_T[0]`` is ``MASK`` in every task, so the two
   coincide). Traceable; vmap it.
   """
-  if kind(model) == "memory":
+  if is_memory(model):
     return memory_lib.token_memory_posterior(model, tokens_T)
   return hmm_lib.token_smooth(model, tokens_T).masked_posterior[0]
 

@@ -31,7 +31,7 @@ where a context is impossible (Appendix B's convention), never NaN.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import jax
 from jax.experimental import checkify
@@ -68,8 +68,7 @@ def _validate_hmm(initial, transition, emission,
                      f"{emission.shape}")
 
 
-class HMM(validation.validated_params(  # type: ignore[misc]
-    _HMMFields, _validate_hmm)):
+class HMM(validation.ValidatedParams, _HMMFields, validate=_validate_hmm):
   """HMM parameters (a pytree).
 
   Attributes:
@@ -78,7 +77,7 @@ class HMM(validation.validated_params(  # type: ignore[misc]
     emission: ``[H, V]`` row-stochastic, ``emission[h, x] = P(x | h)``.
 
   Built from concrete arrays (or nested lists) it is validated; tracers pass
-  unchecked (:func:`validation.validated_params`).
+  unchecked (:class:`validation.ValidatedParams`).
   """
 
   __slots__ = ()
@@ -162,7 +161,14 @@ def check_tokens(tokens, vocab_size: int) -> jax.Array:
   return jnp.asarray(arr, dtype=jnp.int32)
 
 
-def check_sequence(tokens, hmm: HMM) -> jax.Array:
+class HasVocab(Protocol):
+  """A model with a vocabulary (:class:`HMM`, the memory HMMs)."""
+
+  @property
+  def vocab_size(self) -> int: ...
+
+
+def check_sequence(tokens, hmm: HasVocab) -> jax.Array:
   """:func:`check_tokens` for one non-empty sequence ``[T]``; returns it."""
   tokens = check_tokens(tokens, hmm.vocab_size)
   if tokens.ndim != 1 or tokens.shape[0] == 0:
@@ -244,7 +250,7 @@ def random_hmm(key, num_states: int, vocab_size: int, *,
                   ("initial_temp", initial_temp)):
     if not t > 0:
       raise ValueError(f"{name} must be > 0, got {t}")
-  return (  # type: ignore[return-value]
+  return validation.kernel_args(
       key, num_states, vocab_size, transition_temp, emission_temp,
       initial_temp)
 
@@ -503,39 +509,43 @@ def _with_method(hmm: HMM, inputs, method: str, check) -> tuple:
 @validation.entry_point(draw_sequence, static_argnums=2)
 def sample(key, hmm: HMM, length: int) -> tuple[jax.Array, jax.Array]:
   """Samples ``(tokens int32[T], states int32[T])``; vmappable over ``key``."""
-  return (key, check_model(hmm),  # type: ignore[return-value]
-          validation.positive_int("length", length))
+  return validation.kernel_args(key, check_model(hmm),
+                                validation.positive_int("length", length))
 
 
 @validation.entry_point(token_evidence)
 def embed(hmm: HMM, tokens) -> jax.Array:
   """Proper embeddings ``[T, H]``: ``e(x)[h] = P(x | h)``; ones for ``MASK``."""
   hmm = check_model(hmm)
-  return hmm, check_sequence(tokens, hmm)  # type: ignore[return-value]
+  return validation.kernel_args(hmm, check_sequence(tokens, hmm))
 
 
 @validation.entry_point(smooth_by, static_argnums=2)
 def smooth(hmm: HMM, evidence, method: str = "auto") -> Smoothed:
   """Forward-backward on evidence vectors ``[T, H]`` (Appendix B)."""
-  return _with_method(hmm, evidence, method, check_evidence)  # type: ignore[return-value]
+  return validation.kernel_args(
+      *_with_method(hmm, evidence, method, check_evidence))
 
 
 @validation.entry_point(token_smooth, static_argnums=2, field="log_likelihood")
 def log_likelihood(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``log P(x)`` of the observed tokens (``MASK`` positions marginalised)."""
-  return _with_method(hmm, tokens, method, check_sequence)  # type: ignore[return-value]
+  return validation.kernel_args(
+      *_with_method(hmm, tokens, method, check_sequence))
 
 
 @validation.entry_point(token_smooth, static_argnums=2, field="posterior")
 def posterior(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``[T, H]``: ``P[H_t | observed tokens]``."""
-  return _with_method(hmm, tokens, method, check_sequence)  # type: ignore[return-value]
+  return validation.kernel_args(
+      *_with_method(hmm, tokens, method, check_sequence))
 
 
 @validation.entry_point(token_smooth, static_argnums=2, field="masked_posterior")
 def masked_posterior(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``[T, H]``: ``P[H_t | x_{-t}]`` (position ``t`` itself left out)."""
-  return _with_method(hmm, tokens, method, check_sequence)  # type: ignore[return-value]
+  return validation.kernel_args(
+      *_with_method(hmm, tokens, method, check_sequence))
 
 
 @validation.entry_point(token_conditionals, static_argnums=2)
@@ -545,11 +555,13 @@ def conditionals(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   Row ``t`` does not depend on ``tokens[t]``; all-zero where ``x_{-t}`` is
   impossible.
   """
-  return _with_method(hmm, tokens, method, check_sequence)  # type: ignore[return-value]
+  return validation.kernel_args(
+      *_with_method(hmm, tokens, method, check_sequence))
 
 
 @validation.entry_point(evidence_conditionals, static_argnums=2)
 def conditionals_from_evidence(hmm: HMM, evidence, method: str = "auto") -> jax.Array:
   """``[T, V]``: Appendix B's ``G-bar``: ``W τ_t / ||τ_t||_1`` on evidence
   vectors, ``τ_t ∝ P[H_t, e_{-t}]``; 0 where ``τ_t = 0``."""
-  return _with_method(hmm, evidence, method, check_evidence)  # type: ignore[return-value]
+  return validation.kernel_args(
+      *_with_method(hmm, evidence, method, check_evidence))

@@ -72,8 +72,8 @@ def _validate_memory(memory_prior, initial, transition, emission,
                      f"({m}, {h}, V), got {emission.shape}")
 
 
-class MemoryHMM(validation.validated_params(  # type: ignore[misc]
-    _MemoryFields, _validate_memory)):
+class MemoryHMM(validation.ValidatedParams, _MemoryFields,
+                validate=_validate_memory):
   """Single-cell memory HMM (a pytree).
 
   Attributes:
@@ -142,7 +142,7 @@ def random_memory_hmm(key, memory_size: int, num_states: int,
   if min(memory_size, num_states, vocab_size) < 1:
     raise ValueError(f"memory_size, num_states and vocab_size must be >= 1, "
                      f"got {memory_size}, {num_states}, {vocab_size}")
-  return (  # type: ignore[return-value]
+  return validation.kernel_args(
       key, memory_size, num_states, vocab_size, transition_temp,
       emission_temp, initial_temp, memory_temp)
 
@@ -184,9 +184,11 @@ def draw_memory_sequence(key, mhmm: MemoryHMM, length: int):
 
 
 @validation.entry_point(draw_memory_sequence, static_argnums=2)
-def sample(key, mhmm: MemoryHMM, length: int):
+def sample(key, mhmm: MemoryHMM, length: int
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Samples ``(tokens int32[T], syntax_states int32[T], memory int32[])``."""
-  return key, check_model(mhmm), validation.positive_int("length", length)
+  return validation.kernel_args(key, check_model(mhmm),
+                                validation.positive_int("length", length))
 
 
 def _syntax_hmms(mhmm: MemoryHMM) -> hmm_lib.HMM:
@@ -243,8 +245,8 @@ def memory_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
   """
   mhmm = check_model(mhmm)
   tokens = hmm_lib.check_sequence(tokens, mhmm)
-  return mhmm, tokens, hmm_lib.resolve_method(  # type: ignore[return-value]
-      method, tokens.shape[0])
+  return validation.kernel_args(
+      mhmm, tokens, hmm_lib.resolve_method(method, tokens.shape[0]))
 
 
 @validation.entry_point(token_memory_masked_posterior, static_argnums=2)
@@ -254,8 +256,8 @@ def memory_masked_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
   as :func:`hmm.posterior`'s)."""
   mhmm = check_model(mhmm)
   tokens = hmm_lib.check_sequence(tokens, mhmm)
-  return mhmm, tokens, hmm_lib.resolve_method(  # type: ignore[return-value]
-      method, tokens.shape[0])
+  return validation.kernel_args(
+      mhmm, tokens, hmm_lib.resolve_method(method, tokens.shape[0]))
 
 
 def conditionals(mhmm: MemoryHMM, tokens, method: str = "auto") -> jax.Array:
@@ -298,8 +300,8 @@ def _validate_multi(memory_prior, initial, transition, emission,
                      f"{initial.shape} and {transition.shape}")
 
 
-class MultiMemoryHMM(validation.validated_params(  # type: ignore[misc]
-    _MultiFields, _validate_multi)):
+class MultiMemoryHMM(validation.ValidatedParams, _MultiFields,
+                     validate=_validate_multi):
   """Memory HMM with ``N`` cells (a pytree).
 
   Attributes:
@@ -368,7 +370,7 @@ def random_multi_memory_hmm(key, num_cells: int, memory_size: int,
   if min(num_cells, memory_size, num_syntax, vocab_size) < 1:
     raise ValueError("num_cells, memory_size, num_syntax and vocab_size must "
                      "be >= 1")
-  return (  # type: ignore[return-value]
+  return validation.kernel_args(
       key, num_cells, memory_size, num_syntax, vocab_size,
       transition_temp, emission_temp, initial_temp, memory_temp)
 
@@ -438,4 +440,4 @@ def cell_posteriors(mm: MultiMemoryHMM, tokens) -> jax.Array:
   """
   mm = check_model(mm)
   _check_product_size(mm)
-  return mm, hmm_lib.check_sequence(tokens, mm)  # type: ignore[return-value]
+  return validation.kernel_args(mm, hmm_lib.check_sequence(tokens, mm))

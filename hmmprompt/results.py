@@ -22,7 +22,7 @@ import shutil
 import tarfile
 import tempfile
 import time
-from typing import Any
+from typing import Any, cast
 from collections.abc import Iterable, Sequence
 
 
@@ -186,7 +186,7 @@ class Line:
     return tuple(getattr(self, f) for f in self.KEY_FIELDS)
 
   def to_json(self) -> dict:
-    return dataclasses.asdict(self)  # type: ignore[call-overload]  # subclasses are dataclasses
+    return dataclasses.asdict(cast(Any, self))  # subclasses are dataclasses
 
   @classmethod
   def from_json(cls, d: dict):

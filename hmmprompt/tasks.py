@@ -142,7 +142,7 @@ def label_posterior(model: Model, tokens_T: jax.Array,
   """
   if labeling not in LABELINGS:
     raise ValueError(f"labeling must be one of {LABELINGS}, got {labeling!r}")
-  if labeling == "authors" and generative.kind(model) == "vanilla":
+  if labeling == "authors" and not generative.is_memory(model):
     first_real_H = hmm_lib.token_smooth(model, tokens_T[1:]).posterior[0]
     return model.transition @ first_real_H
   return generative.latent_posterior(model, tokens_T)
@@ -248,7 +248,8 @@ def latent_chunk(models_K: Model, config: TaskConfig,
     return None
   hmm = generative.as_hmm(generative.trial(models_K, 0))
   per_example = 5 * 4 * (config.seq_len + 1) * hmm.transition.shape[-1]
-  return max(1, memory_budget // (per_example * generative.num_trials(models_K)))
+  trials = generative.num_trials(models_K) or 1
+  return max(1, memory_budget // (per_example * trials))
 
 
 def make_tasks(keys_K, models_K: Model,

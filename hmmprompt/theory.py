@@ -302,6 +302,6 @@ def memory_verdicts(mhmm: memory_lib.MemoryHMM, mu) -> dict:
 
 def verdicts(model: generative.Model, mu) -> dict:
   """The assumptions of the model's section, as JSON-ready dicts."""
-  if generative.kind(model) == "memory":
+  if generative.is_memory(model):
     return memory_verdicts(model, mu)
   return vanilla_verdicts(model, mu)

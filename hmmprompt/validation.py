@@ -3,7 +3,7 @@
 The bottom of the import graph (it imports nothing from the package):
 
 * config checks (:func:`require_positive`, :func:`positive_int`);
-* validated parameter pytrees (:func:`validated_params`,
+* validated parameter pytrees (:class:`ValidatedParams`,
   :func:`register_unchecked_pytree`, :func:`check_distribution`): built from
   concrete arrays they check themselves; JAX's own rebuilds do not;
 * :func:`check_fields`, the same checks on an existing parameter pytree
@@ -22,6 +22,8 @@ its function in ``checkify.checkify``.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar, ParamSpec, TypeVar
 
 import jax
 from jax.experimental import checkify
@@ -83,50 +85,63 @@ def register_unchecked_pytree(cls):
   return cls
 
 
-def validated_params(fields_cls, validate):
-  """A base class for validated parameter NamedTuples (HMM, MemoryHMM, ...).
+class ValidatedParams(tuple):
+  """The mixin of validated parameter NamedTuples (HMM, MemoryHMM, ...):
+  ``class HMM(ValidatedParams, _HMMFields, validate=_validate_hmm)``.
 
-  ``fields_cls`` is a ``typing.NamedTuple`` of the fields; ``validate`` gets
-  the fields as ``jnp`` arrays and raises ``ValueError``. Built from concrete
-  arrays (or nested lists) the fields are converted and validated; tracers
-  and non-array leaves (``vmap`` axis specs) pass through unchecked.
-  Subclasses are registered as pytrees that JAX rebuilds *without* checks
-  (:func:`register_unchecked_pytree`).
+  ``_HMMFields`` is a ``typing.NamedTuple`` of the fields; ``validate``
+  gets the fields as ``jnp`` arrays and raises ``ValueError``. Built from
+  concrete arrays (or nested lists) the fields are converted and
+  validated; tracers and non-array leaves (``vmap`` axis specs) pass
+  through unchecked. Subclasses are registered as pytrees that JAX
+  rebuilds *without* checks (:func:`register_unchecked_pytree`).
   """
 
-  class Validated(fields_cls):
-    __slots__ = ()
+  __slots__ = ()
+  _fields_cls: ClassVar[Any]  # a NamedTuple class
+  _validate: ClassVar[Callable[..., None]]
 
-    def __new__(cls, *args, **kwargs):
-      fields = tuple(fields_cls(*args, **kwargs))
-      if all(is_concrete(f) for f in fields):
-        fields = tuple(jnp.asarray(f) for f in fields)
-        validate(*fields)
-      return tuple.__new__(cls, fields)
+  def __init_subclass__(cls, validate: Callable[..., None] | None = None,
+                        **kwargs):
+    super().__init_subclass__(**kwargs)
+    if validate is not None:
+      cls._validate = staticmethod(validate)
+    # The NamedTuple of the fields: the first base past this mixin that
+    # defines them.
+    cls._fields_cls = next(b for b in cls.__mro__[1:]
+                           if "_fields" in vars(b))
+    # NamedTuple's _make, like its _replace (below), builds past the
+    # check; set on the class, as mypy holds a method of that name to the
+    # NamedTuple's own signature.
+    setattr(cls, "_make", classmethod(_make))  # noqa: B010 (hidden from mypy)
+    register_unchecked_pytree(cls)
 
-    # NamedTuple's own _replace and _make build with tuple.__new__, past
-    # the check: `model._replace(transition=rows_summing_to_3)` would be a
-    # model every entry point then trusts. Both go through __new__ here
-    # (JAX's unflattening stays unchecked: register_unchecked_pytree).
-    def _replace(self, **changes):
-      return type(self)(**{**self._asdict(), **changes})
+  def __new__(cls, *args, **kwargs):
+    fields = tuple(cls._fields_cls(*args, **kwargs))
+    if all(is_concrete(f) for f in fields):
+      fields = tuple(jnp.asarray(f) for f in fields)
+      cls._validate(*fields)
+    return tuple.__new__(cls, fields)
 
-    @classmethod
-    def _make(cls, iterable):
-      return cls(*iterable)
+  # NamedTuple's own _replace and _make build with tuple.__new__, past the
+  # check: `model._replace(transition=rows_summing_to_3)` would be a model
+  # every entry point then trusts. Both go through __new__ here (JAX's
+  # unflattening stays unchecked: register_unchecked_pytree).
+  def _replace(self, **changes):
+    return type(self)(**{**dict(zip(self._fields_cls._fields, self)),
+                         **changes})
 
-    def __init_subclass__(cls, **kwargs):
-      super().__init_subclass__(**kwargs)
-      register_unchecked_pytree(cls)
 
-  return Validated
+def _make(cls, iterable: Iterable[Any]):
+  return cls(*iterable)
 
 
 def check_fields(params, validate):
   """Runs a parameter NamedTuple's construction checks on ``params`` as it
   is, and returns it unchanged.
 
-  ``validate`` is the function :func:`validated_params` was given. Only
+  ``validate`` is the function the :class:`ValidatedParams` class was
+  given. Only
   when every field is concrete (:func:`is_concrete`): under a caller's
   ``jit``/``vmap``/``grad`` the fields are tracers, nothing is checked, and
   the caller's compiled program carries no check (the check runs on the
@@ -198,30 +213,51 @@ def check_distribution(name: str, p: jax.Array, ndim: int) -> None:
                      f"sums to {float(sums[tuple(where)]):.6g}")
 
 
-def entry_point(kernel, *, static_argnums=(), field: str | None = None):
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class _KernelArgs(tuple):
+  """A check's result: the kernel's positional arguments."""
+
+
+def kernel_args(*args) -> Any:
+  """What an :func:`entry_point` check returns: the kernel's positional
+  arguments, converted. Typed ``Any`` so that the check keeps the entry
+  point's own return annotation (what callers, mypy and the docs see)."""
+  return _KernelArgs(args)
+
+
+def entry_point(kernel: Callable[..., Any], *, static_argnums=(),
+                field: str | None = None
+                ) -> Callable[[Callable[P, R]], Callable[P, R]]:
   """Makes a validating entry point over a pure ``kernel`` (a decorator).
 
   The decorated function is the check: it takes the entry point's arguments
-  (its signature and docstring are the entry point's), raises ``ValueError``
-  on bad input and returns the kernel's positional arguments, converted.
-  The entry point then runs ``kernel`` on them, jitted once here
-  (``static_argnums`` as for ``jax.jit``). ``field`` returns one field of
-  a NamedTuple result, selected inside the jit so that XLA drops the work
-  only the other fields need (a log-likelihood needs no backward pass).
+  (its signature, return annotation and docstring are the entry point's,
+  kept for mypy by ``ParamSpec``), raises ``ValueError`` on bad input and
+  returns :func:`kernel_args`. The entry point then runs ``kernel`` on
+  them, jitted once here (``static_argnums`` as for ``jax.jit``).
+  ``field`` returns one field of a NamedTuple result, selected inside the
+  jit so that XLA drops the work only the other fields need (a
+  log-likelihood needs no backward pass).
 
   Package code that is itself traced calls the kernel, not the entry point.
-  The check's return annotation is the entry point's, which mypy holds its
-  body to, so each check's ``return`` says ``# type: ignore[return-value]``.
   """
   if field is not None:
     whole = kernel
     kernel = lambda *args: getattr(whole(*args), field)
   jitted = jax.jit(kernel, static_argnums=static_argnums)
 
-  def decorate(check):
+  def decorate(check: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(check)
-    def entry(*args, **kwargs):
-      return jitted(*check(*args, **kwargs))
+    def entry(*args: P.args, **kwargs: P.kwargs) -> R:
+      checked = check(*args, **kwargs)
+      if not isinstance(checked, _KernelArgs):
+        raise TypeError(f"{check.__qualname__}: an entry point's check must "
+                        f"return validation.kernel_args(...), got "
+                        f"{type(checked).__name__}")
+      return jitted(*checked)
 
     return entry
 

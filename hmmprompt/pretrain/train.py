@@ -237,8 +237,6 @@ def make_train_step(cfg: PretrainConfig, mesh):
     return jitted(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT,
                   hmms if needs_hmms else None)
 
-  # step_memory compiles it on shapes
-  train_step.lower = jitted.lower  # type: ignore[attr-defined]
   return train_step
 
 
@@ -264,7 +262,7 @@ def step_memory(cfg: PretrainConfig, hmms_K, mesh) -> dict:
   weights = jax.ShapeDtypeStruct(tokens.shape, jnp.float32)
   hmms = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                       hmms_K) if cfg.targets == "exact" else None
-  analysis = make_train_step(cfg, mesh).lower(
+  analysis = _jitted_step(cfg, mesh).lower(
       states, tokens, tokens, weights, hmms).compile().memory_analysis()
   return {"state_bytes": sum(x.size * x.dtype.itemsize
                              for x in jax.tree.leaves(states)),
