@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import cli
 from hmmprompt import config_flags
 from hmmprompt import glibc
 from hmmprompt import corpus as corpus_lib
@@ -42,7 +43,8 @@ from experiments import mfu
 
 _PRESET = flags.DEFINE_enum("preset", "cpu", list(pretrain.PRESETS),
                             "pretraining preset whose step is timed")
-_CONFIG = config_flags.define(pretrain.preset_config("cpu"))
+_CONFIG = cli.define_config(pretrain.preset_config("cpu"))
+flags.adopt_module_key_flags(cli)
 _PEAK = flags.DEFINE_float("peak_tflops", None,
                            "device peak for MFU (default: known GPUs)")
 _SKIP_HF = flags.DEFINE_bool("skip_hf", False, "time our model only")

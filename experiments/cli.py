@@ -6,10 +6,12 @@ where the outputs are."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sys
 import time
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from absl import app
 from absl import flags
@@ -33,6 +35,56 @@ def one_line_errors(main: Callable) -> Callable:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)
   return main_with_one_line_errors
+
+
+def define_config(default_cfg, flag_values=flags.FLAGS) -> ConfigOverrides:
+  """Registers ``--config.<path>`` string flags for every leaf of
+  ``default_cfg`` (:func:`config_flags.leaves`; its values shown as the
+  defaults in ``--help``). A binary lists them in its ``--help`` with
+  ``flags.adopt_module_key_flags(cli)``."""
+  for path, hint in config_flags.leaves(default_cfg).items():
+    value = functools.reduce(getattr, path.split("."), default_cfg)
+    flags.DEFINE_string(f"{config_flags.PREFIX}.{path}", None,
+                        f"{getattr(hint, '__name__', hint)}; the default "
+                        f"preset's {value!r} (--print_config shows the "
+                        f"chosen --preset's)", flag_values=flag_values)
+  return ConfigOverrides(tuple(config_flags.leaves(default_cfg)), flag_values)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigOverrides:
+  paths: tuple[str, ...]
+  flag_values: Any
+
+  def value(self) -> dict[str, str]:
+    """The ``--config.*`` flags given on the command line."""
+    out = {}
+    for path in self.paths:
+      v = self.flag_values[f"{config_flags.PREFIX}.{path}"].value
+      if v is not None:
+        out[path] = v
+    return out
+
+
+class WorkerFlags(NamedTuple):
+  workers: flags.FlagHolder  # --workers: the count asked for
+  worker: flags.FlagHolder  # internal: this worker's index
+  claims: flags.FlagHolder  # internal: the shared claims directory
+
+
+def define_worker_flags(what: str) -> WorkerFlags:
+  """Defines a binary's ``--workers`` (each process taking the next
+  unclaimed stack of ``what``, ``hmmprompt.figure3.workers``) and the
+  flags it passes its workers."""
+  return WorkerFlags(
+      flags.DEFINE_integer(
+          "workers", 1, f"processes on this machine, one per core, each "
+          f"taking the next unclaimed stack of {what} (CPU only; 0: one per "
+          f"core, at most one per 4 GB of free memory)"),
+      flags.DEFINE_integer("worker", None, "internal: this worker's index "
+                           "(set by --workers)"),
+      flags.DEFINE_string("claims", None, "internal: the workers' shared "
+                          "claims directory"))
 
 
 def define_print_config():

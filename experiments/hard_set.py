@@ -43,6 +43,7 @@ from absl import app
 from absl import flags
 import jax
 
+from experiments import cli
 from hmmprompt.figure3 import configs
 from hmmprompt import protocol
 from hmmprompt import config_flags
@@ -311,7 +312,8 @@ _REPORT_ONLY = flags.DEFINE_bool(
     "recipe (a run still going: its evaluations so far); train nothing")
 _BENCH_ONLY = flags.DEFINE_bool("bench_only", False,
                                  "with --bench_steps: stop after the ratio")
-_CONFIG = config_flags.define(default_config())
+_CONFIG = cli.define_config(default_config())
+flags.adopt_module_key_flags(cli)
 
 
 def main(argv):

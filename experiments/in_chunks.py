@@ -43,13 +43,12 @@ from hmmprompt.figure3 import chunks
 from hmmprompt.figure3 import configs
 from hmmprompt.figure3 import sweep
 from hmmprompt.figure3 import workers
-from hmmprompt import config_flags
 
 ARCHIVE = chunks.ARCHIVE
 
 _PRESET = flags.DEFINE_enum("preset", "gpu", list(configs.PRESETS),
                             "config preset; --config.<path> overrides it")
-_CONFIG = config_flags.define(configs.PRESETS["gpu"]())
+_CONFIG = cli.define_config(configs.PRESETS["gpu"]())
 _BACKBONE = flags.DEFINE_enum("backbone", "transformer", sweep.BACKBONES,
                               "the pretrained transformer, or exact "
                               "(perfect pretraining; tests)")
@@ -81,9 +80,8 @@ _MERGE = flags.DEFINE_list(
     "merge", None, "archives to merge into --results (computes nothing)")
 _PRINT_CONFIG = cli.define_print_config()
 # --help lists the --config.* keys (absl shows only a module's key flags).
-flags.adopt_module_key_flags(config_flags)
-_WORKERS, _WORKER, _CLAIMS = workers.define_flags("the chunk")
-flags.adopt_module_key_flags(workers)
+_WORKERS, _WORKER, _CLAIMS = cli.define_worker_flags("the chunk")
+flags.adopt_module_key_flags(cli)
 _DEADLINE = flags.DEFINE_float("deadline", None, "internal: the parent's "
                                "deadline, a time.monotonic() value")
 

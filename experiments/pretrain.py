@@ -34,7 +34,6 @@ from absl import logging
 import jax
 
 from experiments import cli
-from hmmprompt import config_flags
 from hmmprompt import pretrain
 from hmmprompt import sharding
 from hmmprompt.pretrain import workdir as workdir_lib
@@ -43,13 +42,12 @@ from hmmprompt.backbones import transformer
 
 _PRESET = flags.DEFINE_enum("preset", "cpu", list(pretrain.PRESETS),
                             "pretraining preset")
-_CONFIG = config_flags.define(pretrain.Job(
+_CONFIG = cli.define_config(pretrain.Job(
     pretrain=pretrain.preset_config("cpu")))
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "output directory (required; a rerun with it resumes)")
 _PRINT_CONFIG = cli.define_print_config()
 # --help lists the --config.* keys (absl shows only a module's key flags).
-flags.adopt_module_key_flags(config_flags)
 _CRASH_AT = flags.DEFINE_integer(
     "crash_at_step", None, "testing: SIGKILL this process after this step "
     "(checks that a rerun resumes exactly)")

@@ -1,12 +1,13 @@
-"""Typed config trees for absl binaries: named presets, path overrides.
+"""Typed config trees: named presets and path overrides (no absl here).
 
 A binary's configuration is one tree of frozen, validating dataclasses (a
 field whose value is a dataclass is a subtree). The binary picks a named
-preset (its ``--preset`` flag); :func:`define` registers
-``--config.<path>=<value>`` for every leaf, e.g. ``--config.pretrain.lr=3e-3``
-or ``--config.left_sizes=4,8``. A key that is not a leaf is refused by
-absl, naming it ("Unknown command line flag 'config.pretrain.lr_typo'");
-:func:`apply` (the same overrides from Python) refuses it likewise.
+preset (its ``--preset`` flag); ``experiments/cli.py``'s ``define_config``
+registers ``--config.<path>=<value>`` for every leaf (:func:`leaves`),
+e.g. ``--config.pretrain.lr=3e-3`` or ``--config.left_sizes=4,8``. A key
+that is not a leaf is refused by absl, naming it ("Unknown command line
+flag 'config.pretrain.lr_typo'"); :func:`apply` (the same overrides from
+Python) refuses it likewise.
 
 Values are parsed by the leaf's annotated type (``int``, ``float``,
 ``bool``, ``str``, ``tuple[int, ...]`` as ``4,8`` or ``4:8``, and ``X |
@@ -27,44 +28,12 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from absl import flags
 
 PREFIX = "config"
 
 
 def _hints(cls) -> dict:
   return typing.get_type_hints(cls)
-
-
-RUNTIME = {"runtime": True}
-"""``dataclasses.field(metadata=RUNTIME)`` marks a field that changes how a
-run goes (speed, logging, what is kept on disk), never what it computes:
-:func:`identity` leaves it out, so changing it neither re-runs nor
-invalidates anything."""
-
-
-ADDED = {"added": True}
-"""``dataclasses.field(default=..., metadata=ADDED)`` marks a result field
-added after results had been keyed: :func:`identity` leaves it out while it
-holds its default (the earlier runs computed exactly that), so existing
-directory names and fingerprints stand, and any other value moves them."""
-
-
-def identity(cfg) -> dict:
-  """``cfg`` as a JSON-able dict of the fields that decide results: every
-  field but those marked :data:`RUNTIME` (and those marked :data:`ADDED`
-  while at their default), subtrees recursed. What directory names,
-  fingerprints and resume checks hash or compare."""
-  out = {}
-  for f in dataclasses.fields(cfg):
-    if f.metadata.get("runtime"):
-      continue
-    value = getattr(cfg, f.name)
-    if f.metadata.get("added") and value == f.default:
-      continue
-    out[f.name] = (identity(value) if dataclasses.is_dataclass(value)
-                   else value)
-  return out
 
 
 def leaves(cfg, prefix: str = "") -> dict[str, Any]:
@@ -170,30 +139,3 @@ def _apply_nested(cfg, overrides: Mapping[str, Any]):
   if hasattr(cfg, "with_overrides"):
     return cfg.with_overrides(**direct)
   return dataclasses.replace(cfg, **direct)
-
-
-def define(default_cfg, flag_values=flags.FLAGS) -> Overrides:
-  """Registers ``--config.<path>`` string flags for every leaf of
-  ``default_cfg`` (its values shown as the defaults in ``--help``)."""
-  for path, hint in leaves(default_cfg).items():
-    value = functools.reduce(getattr, path.split("."), default_cfg)
-    flags.DEFINE_string(f"{PREFIX}.{path}", None,
-                        f"{getattr(hint, '__name__', hint)}; the default "
-                        f"preset's {value!r} (--print_config shows the "
-                        f"chosen --preset's)", flag_values=flag_values)
-  return Overrides(tuple(leaves(default_cfg)), flag_values)
-
-
-@dataclasses.dataclass(frozen=True)
-class Overrides:
-  paths: tuple[str, ...]
-  flag_values: Any
-
-  def value(self) -> dict[str, str]:
-    """The ``--config.*`` flags given on the command line."""
-    out = {}
-    for path in self.paths:
-      v = self.flag_values[f"{PREFIX}.{path}"].value
-      if v is not None:
-        out[path] = v
-    return out

@@ -32,7 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hmmprompt import config_flags
+from hmmprompt import identity as identity_lib
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import generative
 from hmmprompt import validation
@@ -52,11 +52,11 @@ class CorpusConfig:
   fresh: bool = False
   val_seqs: int = 64
   corruption: str = "bert"
-  # Added after results were keyed (config_flags.ADDED): the training
+  # Added after results were keyed (identity_lib.ADDED): the training
   # batches' masking rate (0: mask_rate); held-out sets keep mask_rate, so
   # the gap is measured on the same task whatever the training rate.
   train_mask_rate: float = dataclasses.field(default=0.0,
-                                             metadata=config_flags.ADDED)
+                                             metadata=identity_lib.ADDED)
 
   def __post_init__(self):
     if self.corruption not in CORRUPTIONS:

@@ -35,7 +35,7 @@ from absl import logging
 import jax
 import numpy as np
 
-from hmmprompt import config_flags
+from hmmprompt import identity as identity_lib
 from hmmprompt import generative
 from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import results as results_lib
@@ -88,9 +88,9 @@ class TrialsConfig:
   pretrain: pretrain_lib.PretrainConfig
   seed: int = 0
   lanes_per_vmap: int | None = dataclasses.field(
-      default=None, metadata=config_flags.RUNTIME)
+      default=None, metadata=identity_lib.RUNTIME)
   task_memory_mb: int = dataclasses.field(
-      default=tasks_lib.MEMORY_BUDGET >> 20, metadata=config_flags.RUNTIME)
+      default=tasks_lib.MEMORY_BUDGET >> 20, metadata=identity_lib.RUNTIME)
 
   def _check(self, counts: Sequence[str], sizes: Sequence[str]) -> None:
     """The shared checks: ``counts`` ints >= 1 (``None`` allowed where the
@@ -246,7 +246,7 @@ def pretrain_dir(workdir: str, setup: TrialsConfig, mid: ModelId) -> str:
   """``DIR/pretrain/<model tag>-<8 hex digits>`` of ``mid``'s stacked
   pretraining run: the digits key the recipe, the seed and the versions of
   the HMM draws and of the train state's layout."""
-  fp = results_lib.fingerprint(
+  fp = identity_lib.fingerprint(
       {"pretrain": setup.pretrain.identity(), "seed": setup.seed,
        "model_keys": MODEL_KEYS_VERSION,
        "state_layout": PRETRAIN_DIR_VERSION}, digits=8)

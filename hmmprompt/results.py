@@ -4,16 +4,14 @@ Every write goes to a temporary file in the same directory, is flushed and
 fsynced, then renamed over the target (``os.replace`` is atomic on POSIX):
 a crash never leaves a half-written file behind. Results are typed lines
 (:class:`Line` dataclasses), one JSONL line per finished cell, keyed for
-resume; a setup is known by its :func:`fingerprint`, and a workdir by the
-identity its :func:`stamp` records, so that one workdir never mixes two
-setups.
+resume; a workdir is known by the identity its :func:`stamp` records
+(:mod:`hmmprompt.identity`), so that one workdir never mixes two setups.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
-import hashlib
 import io
 import json
 import os
@@ -24,6 +22,8 @@ import tempfile
 import time
 from typing import Any, cast
 from collections.abc import Iterable, Sequence
+
+from hmmprompt import identity as identity_lib
 
 
 def _file_mode() -> int:
@@ -131,26 +131,6 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence]) -> list[str]
           + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
 
 
-def fingerprint(blob: Any, digits: int = 12) -> str:
-  """``digits`` hex digits of the SHA-256 of ``blob`` as sorted-key JSON:
-  the one recipe behind setup fingerprints and run directory names."""
-  return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()
-                        ).hexdigest()[:digits]
-
-
-def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
-  """``"a.b: old -> new"`` for every leaf where two nested dicts (config
-  identities) differ: what a refusal to reuse a directory names."""
-  out = []
-  for key in sorted(set(old) | set(new)):
-    a, b = old.get(key), new.get(key)
-    if isinstance(a, dict) and isinstance(b, dict):
-      out += differences(a, b, f"{prefix}{key}.")
-    elif a != b:
-      out.append(f"{prefix}{key}: {a!r} -> {b!r}")
-  return out
-
-
 def stamp(path: str, identity: dict, what: str = "setup",
           write: bool = True) -> None:
   """Records ``identity`` (JSON) at ``path`` on a workdir's first use; on
@@ -164,12 +144,7 @@ def stamp(path: str, identity: dict, what: str = "setup",
   if os.path.exists(path):
     with open(path, encoding="utf-8") as f:
       had = json.load(f)
-    diff = differences(had, want)
-    if diff:
-      raise ValueError(
-          f"{os.path.dirname(path) or '.'} holds results of another {what} "
-          f"({'; '.join(diff)}); use a new --workdir (or the same config) "
-          f"to resume")
+    identity_lib.check_same(had, want, os.path.dirname(path) or ".", what)
   elif write:
     atomic_write_text(path, json.dumps(want, indent=1, sort_keys=True))
 

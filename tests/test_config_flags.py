@@ -5,6 +5,7 @@ import dataclasses
 from absl import flags
 import pytest
 
+from experiments import cli
 from hmmprompt import config_flags
 
 
@@ -53,7 +54,7 @@ def test_bad_overrides_are_named(overrides, match):
 
 def test_define_registers_one_flag_per_leaf():
   fv = flags.FlagValues()
-  holder = config_flags.define(Outer(), flag_values=fv)
+  holder = cli.define_config(Outer(), flag_values=fv)
   fv(["prog", "--config.inner.width=7", "--config.sizes=3,4"])
   assert holder.value() == {"inner.width": "7", "sizes": "3,4"}
   assert config_flags.apply(Outer(), holder.value()).inner.width == 7

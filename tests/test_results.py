@@ -10,6 +10,7 @@ import tarfile
 
 import pytest
 
+from hmmprompt import identity as identity_lib
 from hmmprompt import results
 
 
@@ -47,10 +48,10 @@ def test_lines_append_read_and_merge_by_key(tmp_path):
 
 
 def test_fingerprint_is_of_the_content_not_the_order():
-  assert (results.fingerprint({"a": 1, "b": [1, 2]})
-          == results.fingerprint({"b": [1, 2], "a": 1}))
-  assert results.fingerprint({"a": 1}) != results.fingerprint({"a": 2})
-  assert len(results.fingerprint({}, digits=8)) == 8
+  assert (identity_lib.fingerprint({"a": 1, "b": [1, 2]})
+          == identity_lib.fingerprint({"b": [1, 2], "a": 1}))
+  assert identity_lib.fingerprint({"a": 1}) != identity_lib.fingerprint({"a": 2})
+  assert len(identity_lib.fingerprint({}, digits=8)) == 8
 
 
 def test_stamp_records_then_refuses_another_identity_naming_fields(tmp_path):

@@ -16,12 +16,11 @@ from hmmprompt.figure3 import records
 from hmmprompt.figure3 import reporting
 from hmmprompt.figure3 import sweep
 from hmmprompt.figure3 import workers
-from hmmprompt import config_flags
 from hmmprompt.pretrain import report as pretrain_report
 
 _PRESET = flags.DEFINE_enum("preset", "cpu", list(configs.PRESETS),
                             "config preset; --config.<path> overrides it")
-_CONFIG = config_flags.define(configs.PRESETS["cpu"]())
+_CONFIG = cli.define_config(configs.PRESETS["cpu"]())
 _BACKBONE = flags.DEFINE_list(
     "backbone", ["exact"], "comma-separated, run in this order: exact "
     "(perfect pretraining: Appendix B's message passing) and/or transformer "
@@ -41,9 +40,8 @@ _TASK_INDEX = flags.DEFINE_integer("task_index", 0,
                                    "this host's index in [0, num_tasks)")
 _PRINT_CONFIG = cli.define_print_config()
 # --help lists the --config.* keys (absl shows only a module's key flags).
-flags.adopt_module_key_flags(config_flags)
-_WORKERS, _WORKER, _CLAIMS = workers.define_flags("the sweep")
-flags.adopt_module_key_flags(workers)
+_WORKERS, _WORKER, _CLAIMS = cli.define_worker_flags("the sweep")
+flags.adopt_module_key_flags(cli)
 
 
 def _run(setup, workdir: str, names: list[str]) -> None:

@@ -34,6 +34,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
+from hmmprompt import identity as identity_lib
 from hmmprompt import protocol
 from hmmprompt import config_flags
 from hmmprompt import generative
@@ -86,14 +87,14 @@ class CurveSetup(protocol.TrialsConfig):
     result-deciding field, the checkpoint schedule and the key streams'
     version."""
     return json.loads(json.dumps(
-        {**config_flags.identity(self), "retain": self.pretrain.retain,
+        {**identity_lib.identity(self), "retain": self.pretrain.retain,
          "model_keys": protocol.MODEL_KEYS_VERSION, "layout": LAYOUT}))
 
   def fingerprint(self) -> str:
     """12 hex digits keying the lines to what decides a line's values:
     :meth:`identity` without the trial count, the models and the schedule,
     which decide which lines there are (their keys), not their values."""
-    return results_lib.fingerprint({
+    return identity_lib.fingerprint({
         k: v for k, v in self.identity().items()
         if k not in ("trials", "vanilla_sizes", "memory_sizes", "retain")})
 

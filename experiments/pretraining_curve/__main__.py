@@ -10,16 +10,15 @@ from absl import flags
 from experiments import cli
 from experiments import pretraining_curve as curve
 from experiments.pretraining_curve import report
-from hmmprompt import config_flags
 
 _PRESET = flags.DEFINE_enum("preset", "cpu", list(curve.PRESETS),
                             "config preset; --config.<path> overrides it")
-_CONFIG = config_flags.define(curve.PRESETS["cpu"]())
+_CONFIG = cli.define_config(curve.PRESETS["cpu"]())
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "output directory (required; a rerun with it resumes)")
 _PRINT_CONFIG = cli.define_print_config()
 # --help lists the --config.* keys (absl shows only a module's key flags).
-flags.adopt_module_key_flags(config_flags)
+flags.adopt_module_key_flags(cli)
 
 
 @cli.one_line_errors

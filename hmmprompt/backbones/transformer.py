@@ -22,7 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from hmmprompt import config_flags
+from hmmprompt import identity as identity_lib
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import validation
 from hmmprompt.backbones import Backbone
@@ -93,20 +93,20 @@ class MLMConfig:
   max_len: int = 512
   dtype: str = "float32"
   pos_init: str = "normal"
-  # Added after results were keyed (config_flags.ADDED: out of the
+  # Added after results were keyed (identity_lib.ADDED: out of the
   # identity at their defaults). rel_pos: REL_POS. state_readout: the
   # number of hidden states of a linear readout from the final LayerNorm
   # (``MLM.logits_and_states``), trained only by PretrainConfig.state_loss
   # (0: none; tuning never reads it).
   rel_pos: str = dataclasses.field(default="none",
-                                   metadata=config_flags.ADDED)
+                                   metadata=identity_lib.ADDED)
   state_readout: int = dataclasses.field(default=0,
-                                         metadata=config_flags.ADDED)
+                                         metadata=identity_lib.ADDED)
   # How attention is computed (ATTENTIONS): a runtime choice, left out of
   # PretrainConfig.identity() (directory names, fingerprints, resume
   # checks), as the paths agree to float rounding.
   attention: str = dataclasses.field(default="auto",
-                                     metadata=config_flags.RUNTIME)
+                                     metadata=identity_lib.RUNTIME)
 
   def __post_init__(self):
     validation.require_positive(self, "vocab_size", "d_model", "num_heads",

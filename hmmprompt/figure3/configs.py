@@ -13,11 +13,11 @@ import dataclasses
 from typing import Any
 from collections.abc import Mapping
 
+from hmmprompt import identity as identity_lib
 from hmmprompt import protocol
 from hmmprompt import config_flags
 from hmmprompt import heads
 from hmmprompt import pretrain as pretrain_lib
-from hmmprompt import results as results_lib
 from hmmprompt import sharding
 from hmmprompt import tasks as tasks_lib
 from hmmprompt import tuning
@@ -99,19 +99,19 @@ class Setup(protocol.TrialsConfig):
       # exact backbone's lines key alike on every backend.
       del blob["pretrain"]
       blob["tune"].pop("backbone_dtype", None)
-    return results_lib.fingerprint(blob)
+    return identity_lib.fingerprint(blob)
 
   def identity(self) -> dict:
     """What decides the values of a workdir's lines (the fingerprint's
     inputs with the pretraining recipe) and the trial counts, which decide
     its stacks' sizes: what ``DIR/sweep.json`` records. Sizes, panels and
     arms are left out: they add lines to a workdir without changing any."""
-    tune = config_flags.identity(self.tune)
-    defaults = config_flags.identity(tuning.TuneConfig())
+    tune = identity_lib.identity(self.tune)
+    defaults = identity_lib.identity(tuning.TuneConfig())
     for name in TUNE_FIELDS_ADDED:
       if tune[name] == defaults[name]:
         del tune[name]
-    return {"task": config_flags.identity(self.task), "tune": tune,
+    return {"task": identity_lib.identity(self.task), "tune": tune,
             "seed": self.seed, "model_keys": protocol.MODEL_KEYS_VERSION,
             "pretrain": self.pretrain.identity(), **self.trial_counts()}
 

@@ -23,9 +23,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from typing import NamedTuple
 
-from absl import flags
 import jax
 
 from hmmprompt.figure3 import records
@@ -36,28 +34,6 @@ from hmmprompt import results as results_lib
 # Eigen's matmuls on one thread; the pinning in spawn() keeps the rest of
 # XLA's threads on the worker's one core.
 SINGLE_THREAD_FLAGS = ("--xla_cpu_multi_thread_eigen=false",)
-
-
-class Flags(NamedTuple):
-  workers: flags.FlagHolder  # --workers: the count asked for
-  worker: flags.FlagHolder  # internal: this worker's index
-  claims: flags.FlagHolder  # internal: the shared claims directory
-
-
-def define_flags(what: str) -> Flags:
-  """Defines a binary's ``--workers`` (each process taking the next
-  unclaimed stack of ``what``) and the flags it passes its workers; the
-  binary lists them in its ``--help`` with
-  ``flags.adopt_module_key_flags(workers)``."""
-  return Flags(
-      flags.DEFINE_integer(
-          "workers", 1, f"processes on this machine, one per core, each "
-          f"taking the next unclaimed stack of {what} (CPU only; 0: one per "
-          f"core, at most one per 4 GB of free memory)"),
-      flags.DEFINE_integer("worker", None, "internal: this worker's index "
-                           "(set by --workers)"),
-      flags.DEFINE_string("claims", None, "internal: the workers' shared "
-                          "claims directory"))
 
 
 def _cores() -> list[int]:

@@ -8,7 +8,7 @@ import json
 import jax
 import numpy as np
 
-from hmmprompt import config_flags
+from hmmprompt import identity as identity_lib
 from hmmprompt import corpus as corpus_lib
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import validation
@@ -21,11 +21,11 @@ FALLBACK_INITS = ("scratch", "warm")
 
 
 def _runtime(default):
-  return dataclasses.field(default=default, metadata=config_flags.RUNTIME)
+  return dataclasses.field(default=default, metadata=identity_lib.RUNTIME)
 
 
 def _added(default):
-  return dataclasses.field(default=default, metadata=config_flags.ADDED)
+  return dataclasses.field(default=default, metadata=identity_lib.ADDED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +79,7 @@ class PretrainConfig:
   cycle_lr: float = 0.5
   seed: int = 0
   targets: str = "sampled"
-  # Added after results were keyed (config_flags.ADDED: out of the
+  # Added after results were keyed (identity_lib.ADDED: out of the
   # identity at their defaults).
   # optimizer: OPTIMIZERS; "muon" is optax.contrib.muon on the matrices
   # (AdamW on the rest, both on lr_schedule).
@@ -107,7 +107,7 @@ class PretrainConfig:
   # "warm" from the trial as it stopped (depth.grow_layers; the fallback's
   # config keeps it). It saved one cycle on one of the protocol's 10.
   fallback_init: str = _added("scratch")
-  # Runtime settings (config_flags.RUNTIME): how a run goes, not what it
+  # Runtime settings (identity_lib.RUNTIME): how a run goes, not what it
   # computes, so no directory name, fingerprint or resume check reads them.
   log_every: int = _runtime(100)
   ckpt_every: int = _runtime(1000)
@@ -259,9 +259,9 @@ class PretrainConfig:
   def identity(self) -> dict:
     """The fields that decide a run's results, JSON-normalised: what the
     pretraining directory's name, the sweep's fingerprint and the resume
-    check compare (the runtime fields, :data:`config_flags.RUNTIME`, left
+    check compare (the runtime fields, :data:`identity_lib.RUNTIME`, left
     out: a run resumes and is reused whatever they are)."""
-    return json.loads(json.dumps(config_flags.identity(self)))
+    return json.loads(json.dumps(identity_lib.identity(self)))
 
   @classmethod
   def from_json(cls, d: dict) -> PretrainConfig:

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hmmprompt import identity as identity_lib
 from hmmprompt import checkpoints as ckpt_lib
 from hmmprompt import generative
 from hmmprompt import results as results_lib
@@ -83,7 +84,7 @@ def prepare(workdir: str, cfg: PretrainConfig,
   os.makedirs(workdir, exist_ok=True)
   if os.path.exists(paths.config):
     _, old = read_config(paths)
-    diff = results_lib.differences(old.identity(), cfg.identity())
+    diff = identity_lib.differences(old.identity(), cfg.identity())
     if diff:
       raise ValueError(f"{workdir} holds a run with a different config "
                        f"({'; '.join(diff)}); use a new --workdir (or "

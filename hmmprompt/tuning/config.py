@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hmmprompt import config_flags
+from hmmprompt import identity as identity_lib
 from hmmprompt import heads
 from hmmprompt import tasks as tasks_lib
 from hmmprompt import validation
@@ -133,7 +133,7 @@ class TuneConfig:
   lbfgs_l2: float = 1e-4
   # Added after results were keyed: out of identities at its default.
   backbone_dtype: str = dataclasses.field(default="float32",
-                                          metadata=config_flags.ADDED)
+                                          metadata=identity_lib.ADDED)
 
   def __post_init__(self):
     if self.backbone_dtype not in BACKBONE_DTYPES:

@@ -1,0 +1,90 @@
+"""What a result is: config identities, fingerprints and their differences.
+
+No command line and no files here (the binaries parse flags with
+:mod:`hmmprompt.config_flags`; :func:`hmmprompt.results.stamp` keeps the
+identity a workdir was first used with). A config is a tree of frozen
+dataclasses; its identity is the JSON-able dict of the fields that decide
+results. Two field markers say what does not:
+
+* :data:`RUNTIME`: how a run goes (speed, logging, what is kept on disk),
+  never what it computes;
+* :data:`ADDED`: a result field added after results had been keyed,
+  left out while it holds its default (the earlier runs computed exactly
+  that), so existing directory names and fingerprints stand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+RUNTIME = {"runtime": True}
+"""``dataclasses.field(metadata=RUNTIME)`` marks a field that changes how a
+run goes, never what it computes: :func:`identity` leaves it out, so
+changing it neither re-runs nor invalidates anything."""
+
+ADDED = {"added": True}
+"""``dataclasses.field(default=..., metadata=ADDED)`` marks a result field
+added after results had been keyed: :func:`identity` leaves it out while it
+holds its default, and any other value moves the identity."""
+
+
+def runtime(default) -> Any:
+  """A :data:`RUNTIME` dataclass field with ``default``."""
+  return dataclasses.field(default=default, metadata=RUNTIME)
+
+
+def added(default) -> Any:
+  """An :data:`ADDED` dataclass field with ``default``."""
+  return dataclasses.field(default=default, metadata=ADDED)
+
+
+def identity(cfg) -> dict:
+  """``cfg`` as a JSON-able dict of the fields that decide results: every
+  field but those marked :data:`RUNTIME` (and those marked :data:`ADDED`
+  while at their default), subtrees recursed. What directory names,
+  fingerprints and resume checks hash or compare."""
+  out = {}
+  for f in dataclasses.fields(cfg):
+    if f.metadata.get("runtime"):
+      continue
+    value = getattr(cfg, f.name)
+    if f.metadata.get("added") and value == f.default:
+      continue
+    out[f.name] = (identity(value) if dataclasses.is_dataclass(value)
+                   else value)
+  return out
+
+
+def fingerprint(blob: Any, digits: int = 12) -> str:
+  """``digits`` hex digits of the SHA-256 of ``blob`` as sorted-key JSON:
+  the one recipe behind setup fingerprints and run directory names."""
+  return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()
+                        ).hexdigest()[:digits]
+
+
+def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+  """``"a.b: old -> new"`` for every leaf where two nested dicts (config
+  identities) differ: what a refusal to reuse a directory names."""
+  out = []
+  for key in sorted(set(old) | set(new)):
+    a, b = old.get(key), new.get(key)
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += differences(a, b, f"{prefix}{key}.")
+    elif a != b:
+      out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+  return out
+
+
+def check_same(had: dict, want: dict, where: str, what: str = "setup"
+               ) -> None:
+  """Raises ``ValueError`` naming every field where ``where``'s recorded
+  identity ``had`` differs from ``want``: a workdir never holds results of
+  two setups."""
+  diff = differences(had, json.loads(json.dumps(want)))
+  if diff:
+    raise ValueError(
+        f"{where} holds results of another {what} ({'; '.join(diff)}); use "
+        f"a new --workdir (or the same config) to resume")
