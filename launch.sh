@@ -126,7 +126,7 @@ case "$mode" in
     globs=(); mods=""
     for m in "$@"; do globs+=("hmmprompt.$m.*"); mods="$mods${mods:+,}$m"; done
     "$VENV/bin/mutmut" run "${globs[@]}" || true
-    exec "$VENV/bin/python" -m experiments.mutation_scores \
+    exec "$VENV/bin/python" tests/tools/mutation_scores.py \
       ${mods:+--modules=$mods} ;;
   main)  exec "$VENV/bin/python" -m experiments.figure3 \
            --backbone=exact,transformer --preset=cpu --workdir=runs/figure3 \

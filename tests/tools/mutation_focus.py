@@ -1,7 +1,7 @@
 r"""Mutants of one module against a named set of tests (docs/mutation.md).
 
   ./launch.sh mutants corpus    # once: mutmut generates mutants/ and runs
-  python -m experiments.mutation_focus --module=corpus \
+  python tests/tools/mutation_focus.py --module=corpus \
       --tests=tests/test_corpus.py,tests/test_bayes_gap.py
 
 mutmut runs each mutant against every test that covers the mutated

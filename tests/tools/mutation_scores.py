@@ -1,7 +1,7 @@
 r"""Mutation scores per module, from mutmut's results (docs/mutation.md).
 
   ./launch.sh mutants tuning heads tasks     # runs mutmut, then this
-  python -m experiments.mutation_scores [--modules=tuning,heads]
+  python tests/tools/mutation_scores.py [--modules=tuning,heads]
 
 A module's score is detected / checked: a mutant is detected when a test
 failed (killed) or the run crashed or ran past mutmut's time limit
