@@ -43,6 +43,7 @@ from hmmprompt.figure3 import chunks
 from hmmprompt.figure3 import configs
 from hmmprompt.figure3 import sweep
 from hmmprompt.figure3 import workers
+from hmmprompt import scheduling
 
 ARCHIVE = chunks.ARCHIVE
 
@@ -90,8 +91,9 @@ def _work(setup) -> None:
   """A ``--workers`` process: claims stacks of the chunk in the parent's
   workdir until its deadline, lines into its own file."""
   sweep.run(chunks.chunk_setup(setup, _CHUNK.value), _WORKDIR.value, "both",
-            _BACKBONE.value, deadline=_DEADLINE.value,
-            claim=workers.claims(_CLAIMS.value, _BACKBONE.value),
+            _BACKBONE.value, scheduling.Schedule(
+                claim=workers.claims(_CLAIMS.value, _BACKBONE.value),
+                deadline=_DEADLINE.value),
             results_file=workers.results_path(_WORKDIR.value, _WORKER.value))
 
 

@@ -39,6 +39,7 @@ from hmmprompt import identity as identity_lib
 from hmmprompt import generative
 from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import results as results_lib
+from hmmprompt import scheduling
 from hmmprompt import tasks as tasks_lib
 from hmmprompt import theory
 from hmmprompt import tuning
@@ -326,27 +327,26 @@ DeadlineReached = pretrain_lib.DeadlineReached
 
 
 def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
-               deadline: float | None = None,
-               claim: Callable[[ModelId], bool] | None = None,
-               stop_at: float | None = None,
-               weight: Callable[[ModelId], float] | None = None,
-               seconds_per_weight: float | None = None) -> list[str]:
+               schedule: scheduling.Schedule = scheduling.EVERYTHING,
+               weight: Callable[[ModelId], float] | None = None
+               ) -> list[str]:
   """The resume loop: for each stack of ``todo`` (``{ModelId: [group]}``,
   the groups still missing lines, in order), ``prepare(mid, groups)``
   makes it, then each group's ``tune(group, stack)`` lines are appended to
   ``path`` (atomically) as the group finishes; one stack in memory at a
   time, progress logged.
 
-  ``deadline`` (a ``time.monotonic()`` value) bounds a run on a machine
-  lent for a fixed time: no stack starts after it, and a stack started is
-  finished. ``stop_at`` (also monotonic) is a hard deadline: no stack
-  starts that its estimate does not finish by then (the estimate is
-  ``weight(mid)`` times the seconds per unit of weight of the stacks this
-  run finished, or ``seconds_per_weight`` before any), and at ``stop_at``
-  the run stops between two tuning groups (:class:`DeadlineReached`; the
-  ``prepare`` it was given stops between training steps). ``claim(mid)``,
-  asked just before a stack starts, lets processes that share ``todo``
-  split it: a stack whose claim is refused is another's.
+  ``schedule`` (:class:`scheduling.Schedule`; ``todo`` is already this
+  process's share, in its order: :meth:`scheduling.Schedule.mine`) bounds
+  the run: no stack starts after ``schedule.deadline``, and a stack started
+  is finished; no stack starts that its estimate does not finish by
+  ``schedule.stop_at`` (``weight(mid)`` times the seconds per unit of
+  weight of the stacks this run finished, or ``seconds_per_weight`` before
+  any), and at ``stop_at`` the run stops between two tuning groups
+  (:class:`DeadlineReached`; the ``prepare`` it was given stops between
+  training steps). ``schedule.claim(mid)``, asked just before a stack
+  starts, lets processes that share ``todo`` split it: a stack whose claim
+  is refused is another's.
 
   Returns:
     The tags of the stacks skipped for the deadline (``[]``: none).
@@ -362,7 +362,8 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
       continue
     now = time.monotonic()
     rate = (sum(s for s, _ in spent) / sum(w for _, w in spent) if spent
-            else seconds_per_weight)
+            else schedule.seconds_per_weight)
+    deadline, stop_at = schedule.deadline, schedule.stop_at
     left = None if stop_at is None else stop_at - now
     need = (None if left is None or weight is None or rate is None
             else rate * weight(mid))
@@ -374,7 +375,7 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
                      "started", mid.tag, need, left)
       skipped.append((mid.tag, len(groups)))
       continue
-    if claim is not None and not claim(mid):
+    if schedule.claim is not None and not schedule.claim(mid):
       total -= len(groups)
       continue
     started = time.monotonic()

@@ -771,10 +771,10 @@ def test_workers_are_refused_by_name_where_they_cannot_run():
   with pytest.raises(ValueError, match="--workers must be >= 0, got -2"):
     workers.resolve_count(-2)
   with pytest.raises(ValueError, match="does not combine with --num_tasks"):
-    workers.resolve_count(2, num_tasks=3)
+    workers.resolve_count(2, num_hosts=3)
   assert workers.resolve_count(1) == 1
   # ./launch.sh passes --workers=0: a SLURM array's host runs one process.
-  assert workers.resolve_count(0, num_tasks=4) == 1
+  assert workers.resolve_count(0, num_hosts=4) == 1
   assert 1 <= workers.resolve_count(0) <= (os.cpu_count() or 1)
 
 

@@ -17,6 +17,7 @@ from hmmprompt import figure3
 from hmmprompt import generative
 from hmmprompt.pretrain import TrialInfo
 from hmmprompt import protocol
+from hmmprompt import scheduling
 from hmmprompt import results as results_lib
 from hmmprompt.figure3 import records
 from hmmprompt.figure3 import sweep
@@ -146,7 +147,8 @@ def test_shards_claims_and_deadlines_divide_whole_stacks(tmp_path, tuned):
   for i in range(2):
     workdir = str(tmp_path / "sharded")
     tuned.clear()
-    sweep.run(SETUP, workdir, "both", "exact", num_tasks=2, task_index=i)
+    sweep.run(SETUP, workdir, "both", "exact",
+              scheduling.Schedule(num_hosts=2, host_index=i))
     lines = results_lib.read_jsonl(records.results_path(workdir, 2, i))
     assert os.path.basename(records.results_path(workdir, 2, i)) == (
         f"results-0000{i}-of-00002.jsonl")
@@ -157,8 +159,8 @@ def test_shards_claims_and_deadlines_divide_whole_stacks(tmp_path, tuned):
 
   asked = []
   claimed = str(tmp_path / "claimed")
-  sweep.run(SETUP, claimed, "both", "exact",
-            claim=lambda mid: asked.append(mid) or mid != H4,
+  sweep.run(SETUP, claimed, "both", "exact", scheduling.Schedule(
+      claim=lambda mid: asked.append(mid) or mid != H4),
             results_file=os.path.join(claimed, "mine.jsonl"))
   # The costliest first: the largest stacks, then |H| x max(|M|, 1).
   assert asked == [H8, H4, M2]
@@ -168,8 +170,8 @@ def test_shards_claims_and_deadlines_divide_whole_stacks(tmp_path, tuned):
 
   tuned.clear()
   late = str(tmp_path / "late")
-  assert sweep.run(SETUP, late, "both", "exact",
-                   deadline=time.monotonic() - 1) == [m.tag for m in order]
+  assert sweep.run(SETUP, late, "both", "exact", scheduling.Schedule(
+      deadline=time.monotonic() - 1)) == [m.tag for m in order]
   assert tuned == [] and records.read_results(late) == []
   # pretrain_only makes the backbones (exact: nothing to make) and tunes
   # nothing.
@@ -181,9 +183,15 @@ def test_shards_claims_and_deadlines_divide_whole_stacks(tmp_path, tuned):
     (dict(backbone_name="bert"), "backbone must be one of ('exact', "
      "'transformer'), got 'bert'"),
     (dict(panel="top"), "panel must be left, right or both, got 'top'"),
-    (dict(num_tasks=2, task_index=2), "task_index 2 not in [0, 2)"),
-    (dict(num_tasks=2, task_index=-1), "task_index -1 not in [0, 2)"),
-    (dict(num_tasks=0, task_index=0), "task_index 0 not in [0, 0)")])
+    (dict(schedule=scheduling.Schedule(num_hosts=2, host_index=2)),
+     "host_index 2 not in [0, 2) (num_hosts 2; the binaries' --task_index "
+     "and --num_tasks)"),
+    (dict(schedule=scheduling.Schedule(num_hosts=2, host_index=-1)),
+     "host_index -1 not in [0, 2) (num_hosts 2; the binaries' --task_index "
+     "and --num_tasks)"),
+    (dict(schedule=scheduling.Schedule(num_hosts=0, host_index=0)),
+     "host_index 0 not in [0, 0) (num_hosts 0; the binaries' --task_index "
+     "and --num_tasks)")])
 def test_a_bad_run_is_refused_by_name_before_any_work(tmp_path, tuned,
                                                       kwargs, message):
   args = {**dict(setup=SETUP, workdir=str(tmp_path / "w"), panel="both",
@@ -223,8 +231,8 @@ def test_claims_take_the_costliest_stack_first(tmp_path, tuned):
   breaking ties."""
   setup = dataclasses.replace(SETUP, right_trials=2)
   asked = []
-  sweep.run(setup, str(tmp_path), "both", "exact",
-            claim=lambda mid: asked.append(mid) or False)
+  sweep.run(setup, str(tmp_path), "both", "exact", scheduling.Schedule(
+      claim=lambda mid: asked.append(mid) or False))
   assert asked == [H8, M2, H4] and tuned == []
 
 
@@ -344,8 +352,9 @@ def test_a_transformer_sweep_pretrains_each_stack_in_its_own_directory(
   tuned.clear()
   asked = []
   sweep.run(setup, str(tmp_path / "p"), "both", "transformer",
-            pretrain_only=True,
-            claim=lambda mid: asked.append(mid) or mid != H4)
+            scheduling.Schedule(
+                claim=lambda mid: asked.append(mid) or mid != H4),
+            pretrain_only=True)
   assert asked == [H8, H4, M2] and tuned == []
   assert [(pdir, cfg) for pdir, cfg, _ in pretrained] == [
       (protocol.pretrain_dir(str(tmp_path / "p"), setup, mid), setup.pretrain)
@@ -389,7 +398,8 @@ def test_a_hard_deadline_skips_stacks_it_cannot_finish_and_stops_between_groups(
 
   weights = {a: 1, b: 2, c: 1}
   run = lambda todo, **kw: protocol.run_stacks(
-      todo, prepare, tune, path, weight=weights.get, **kw)
+      todo, prepare, tune, path, scheduling.Schedule(**kw),
+      weight=weights.get)
   # a: 25 s by the prior (25 per weight); after it, 25 s per weight: b
   # (50 s) would end at 75 > 60, c (25 s) at 50: a and c run.
   assert run({a: [0, 1], b: [0, 1], c: [0, 1]}, stop_at=60.0,

@@ -16,6 +16,7 @@ from hmmprompt.figure3 import records
 from hmmprompt.figure3 import reporting
 from hmmprompt.figure3 import sweep
 from hmmprompt.figure3 import workers
+from hmmprompt import scheduling
 from hmmprompt.pretrain import report as pretrain_report
 
 _PRESET = flags.DEFINE_enum("preset", "cpu", list(configs.PRESETS),
@@ -44,6 +45,14 @@ _WORKERS, _WORKER, _CLAIMS = cli.define_worker_flags("the sweep")
 flags.adopt_module_key_flags(cli)
 
 
+def _schedule(backbone: str) -> scheduling.Schedule:
+  """This process's share: a worker's claims, or a host's shard."""
+  if _WORKER.value is not None:
+    return scheduling.Schedule(claim=workers.claims(_CLAIMS.value, backbone))
+  return scheduling.Schedule(num_hosts=_NUM_TASKS.value,
+                             host_index=_TASK_INDEX.value)
+
+
 def _run(setup, workdir: str, names: list[str]) -> None:
   """This process's part: all of it, a host's share, or a worker's."""
   worker = _WORKER.value
@@ -55,10 +64,8 @@ def _run(setup, workdir: str, names: list[str]) -> None:
       logging.info("backbone %s, preset %s, task %d of %d%s", name,
                    _PRESET.value, _TASK_INDEX.value, _NUM_TASKS.value,
                    "" if worker is None else f", worker {worker}")
-      sweep.run(setup, workdir, _PANEL.value, name, _NUM_TASKS.value,
-                _TASK_INDEX.value, pretrain_only=_PRETRAIN_ONLY.value,
-                claim=None if worker is None else workers.claims(
-                    _CLAIMS.value, name),
+      sweep.run(setup, workdir, _PANEL.value, name, _schedule(name),
+                pretrain_only=_PRETRAIN_ONLY.value,
                 results_file=None if worker is None else
                 workers.results_path(workdir, worker))
 
@@ -72,8 +79,8 @@ def main(argv):
     setup = configs.get_setup(_PRESET.value, _CONFIG.value())
     if _PRINT_CONFIG.value:
       return cli.print_config(setup)
-    configs.check_run(setup, names, _PRETRAIN_ONLY.value, _NUM_TASKS.value,
-                      _TASK_INDEX.value)
+    configs.check_run(setup, names, _PRETRAIN_ONLY.value)
+    _schedule("exact").check()
     count = (1 if _WORKER.value is not None else
              workers.resolve_count(_WORKERS.value, _NUM_TASKS.value))
     os.makedirs(workdir, exist_ok=True)

@@ -40,6 +40,7 @@ from hmmprompt import config_flags
 from hmmprompt import generative
 from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import results as results_lib
+from hmmprompt import scheduling
 from hmmprompt import tasks as tasks_lib
 from hmmprompt import tuning
 from hmmprompt.backbones import exact
@@ -296,18 +297,26 @@ def tune_group(setup: CurveSetup, g: Group, stack: protocol.Stack,
   return lines
 
 
-def run(setup: CurveSetup, workdir: str) -> list[CurveLine]:
+def run(setup: CurveSetup, workdir: str,
+        schedule: scheduling.Schedule = scheduling.EVERYTHING
+        ) -> list[CurveLine]:
   """Runs the groups without lines in DIR/curve.jsonl (pretraining a
   model's stack only if one of its transformer groups is left); returns
-  all lines.
+  all lines. ``schedule``: this process's share of the models and its
+  deadline (:class:`scheduling.Schedule`, a stack's weight its trials; a
+  host shard or a worker writes the same file, so give each its own
+  workdir or run them one after another).
 
   Raises:
     ValueError: the workdir holds another setup's curve.
   """
   check_workdir(workdir, setup)
   done = {line.key() for line in read_lines(workdir)}
-  todo = {mid: [g for g in groups if not g.keys(setup) <= done]
-          for mid, groups in plan(setup).items()}
+  groups_by_model = plan(setup)
+  mine = schedule.mine(list(groups_by_model),
+                       lambda mid: mid.num_states * max(mid.memory_size, 1))
+  todo = {mid: [g for g in groups_by_model[mid] if not g.keys(setup) <= done]
+          for mid in mine}
 
   def prepare(mid, groups):
     stack = protocol.draw_stack(setup, mid, setup.trials)
@@ -318,5 +327,6 @@ def run(setup: CurveSetup, workdir: str) -> list[CurveLine]:
 
   protocol.run_stacks(todo, prepare, lambda g, sc: [
       r for r in tune_group(setup, g, *sc) if r.key() not in done],
-                    results_path(workdir))
+                    results_path(workdir), schedule,
+                    weight=lambda mid: setup.trials)
   return read_lines(workdir)

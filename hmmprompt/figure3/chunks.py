@@ -22,6 +22,7 @@ from absl import logging
 import jax
 
 from hmmprompt import protocol
+from hmmprompt import scheduling
 from hmmprompt.figure3 import configs
 from hmmprompt.figure3 import records
 from hmmprompt.figure3 import reporting
@@ -213,9 +214,10 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
           # A temporary workdir is never resumed: no checkpoints (a
           # 20-trial BERT-width stack's are ~10 GB an evaluation).
           run_info["skipped_stacks"] = sweep.run(
-              chunk_cfg, workdir, "both", backbone, deadline=deadline,
-              checkpoints=keep, stop_at=stop_at,
-              seconds_per_trial=seconds_per_trial(results_dir))
+              chunk_cfg, workdir, "both", backbone, scheduling.Schedule(
+                  deadline=deadline, stop_at=stop_at,
+                  seconds_per_weight=seconds_per_trial(results_dir)),
+              checkpoints=keep)
         else:
           run_info["skipped_stacks"] = compute(chunk_cfg, workdir, deadline)
       except protocol.DeadlineReached as e:

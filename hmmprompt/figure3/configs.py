@@ -127,8 +127,8 @@ class Setup(protocol.TrialsConfig):
             "right_trials": self.panel_trials("right")}
 
 
-def check_run(setup: Setup, backbones, pretrain_only: bool = False,
-              num_tasks: int = 1, task_index: int = 0) -> None:
+def check_run(setup: Setup, backbones, pretrain_only: bool = False
+              ) -> None:
   """``ValueError`` naming what is wrong with a run of ``setup`` on
   ``backbones`` (names, in order) before any work is done."""
   bad = [b for b in backbones if b not in protocol.BACKBONES]
@@ -137,10 +137,6 @@ def check_run(setup: Setup, backbones, pretrain_only: bool = False,
                      f"got {backbones}")
   if pretrain_only and "transformer" not in backbones:
     raise ValueError("--pretrain_only needs --backbone=transformer")
-  if num_tasks < 1 or not 0 <= task_index < num_tasks:
-    raise ValueError(f"need num_tasks >= 1 and 0 <= task_index < "
-                     f"num_tasks; got --num_tasks={num_tasks} "
-                     f"--task_index={task_index}")
   if setup.finetune and "transformer" not in backbones:
     raise ValueError("--config.finetune needs --backbone=transformer (the "
                      "exact backbone has no free parameters to fine-tune)")

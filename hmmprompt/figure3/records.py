@@ -71,12 +71,12 @@ class ResultLine(results_lib.Line):
     return (self.backbone, self.panel, self.hmm, self.method, self.features)
 
 
-def results_path(workdir: str, num_tasks: int = 1, task_index: int = 0):
+def results_path(workdir: str, num_hosts: int = 1, host_index: int = 0):
   """Each host of a sharded sweep writes its own file."""
-  if num_tasks == 1:
+  if num_hosts == 1:
     return os.path.join(workdir, "results.jsonl")
   return os.path.join(workdir,
-                      f"results-{task_index:05d}-of-{num_tasks:05d}.jsonl")
+                      f"results-{host_index:05d}-of-{num_hosts:05d}.jsonl")
 
 
 def read_results(workdir: str) -> list[ResultLine]:

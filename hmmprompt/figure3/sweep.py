@@ -16,13 +16,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import jax
 import numpy as np
 
 from hmmprompt import protocol
+from hmmprompt import scheduling
 from hmmprompt.protocol import Group
 from hmmprompt.protocol import ModelId
 from hmmprompt.figure3 import configs
@@ -265,24 +265,17 @@ def missing_cells(setup: configs.Setup, workdir: str, panel: str,
 
 
 def run(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
-        num_tasks: int = 1, task_index: int = 0,
-        pretrain_only: bool = False,
-        deadline: float | None = None,
-        claim: Callable[[protocol.ModelId], bool] | None = None,
-        results_file: str | None = None,
-        checkpoints: bool = True, stop_at: float | None = None,
-        seconds_per_trial: float | None = None) -> list[str]:
-  """Runs this host's share of the sweep (whole models: a stack of trials
-  per host); finished lines are skipped. ``deadline``: as
-  :func:`protocol.run_stacks`. ``claim`` (:mod:`.workers`): every stack is
-  this process's to claim, the costliest first, instead of every
-  ``num_tasks``-th; ``results_file``: where its lines go;
+        schedule: scheduling.Schedule = scheduling.EVERYTHING,
+        pretrain_only: bool = False, results_file: str | None = None,
+        checkpoints: bool = True) -> list[str]:
+  """Runs this process's share of the sweep (whole models: a stack of
+  trials each; ``schedule``: which stacks, in which order, until when,
+  :class:`scheduling.Schedule`, its ``seconds_per_weight`` per trial);
+  finished lines are skipped. ``results_file``: where the lines go
+  (default: :func:`records.results_path` of the host shard);
   ``checkpoints=False``: pretraining writes none (:func:`backbones`; a
-  workdir nothing will resume). ``stop_at``: the hard deadline of
-  :func:`protocol.run_stacks` (stacks estimated at ``seconds_per_trial``
-  per trial until this run has timed one), also inside pretraining; with
-  it, the cheapest stacks (fewest trials, then smallest) run first, so
-  that a short stretch of machine time still lands whole stacks.
+  workdir nothing will resume). ``schedule.stop_at`` also stops inside
+  pretraining.
 
   Returns:
     The tags of the stacks skipped for the deadline (``[]``: none).
@@ -297,24 +290,18 @@ def run(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
                      f"{backbone_name!r}")
   if panel not in ("left", "right", "both"):
     raise ValueError(f"panel must be left, right or both, got {panel!r}")
-  if num_tasks < 1 or not 0 <= task_index < num_tasks:
-    raise ValueError(f"task_index {task_index} not in [0, {num_tasks})")
+  schedule.check()
   if backbone_name == "transformer":
     setup.check_context()
   os.makedirs(workdir, exist_ok=True)
   check_workdir(workdir, setup)
-  stacks = list(plan(setup, panel, backbone_name))
-  cost = lambda mid: (stack_size(setup, mid),
-                      mid.num_states * max(mid.memory_size, 1))
-  if claim is not None:  # the long stacks first: no long one starts last
-    stacks.sort(key=cost, reverse=True)
-  elif stop_at is not None:
-    stacks.sort(key=cost)
-  mine = [mid for i, mid in enumerate(stacks)
-          if claim is not None or i % num_tasks == task_index]
+  mine = schedule.mine(
+      list(plan(setup, panel, backbone_name)),
+      lambda mid: (stack_size(setup, mid),
+                   mid.num_states * max(mid.memory_size, 1)))
   if pretrain_only:
     for mid in mine:
-      if claim is None or claim(mid):
+      if schedule.claim is None or schedule.claim(mid):
         backbones(workdir, setup, mid, make_models(setup, mid),
                   backbone_name)
     return []
@@ -322,10 +309,9 @@ def run(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
   todo = {mid: missing[mid] for mid in mine}
   return protocol.run_stacks(
       todo, lambda mid, _: prepare(workdir, setup, mid, backbone_name,
-                                   checkpoints, stop_at),
+                                   checkpoints, schedule.stop_at),
       lambda g, trials: tune_group(setup, backbone_name, g, trials,
                                    todo[g.model_id][g]),
-      results_file or records.results_path(workdir, num_tasks, task_index),
-      deadline, claim, stop_at=stop_at,
-      weight=lambda mid: stack_size(setup, mid),
-      seconds_per_weight=seconds_per_trial)
+      results_file or records.results_path(workdir, schedule.num_hosts,
+                                           schedule.host_index),
+      schedule, weight=lambda mid: stack_size(setup, mid))

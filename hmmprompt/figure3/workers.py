@@ -58,7 +58,7 @@ def auto_count() -> int:
   return max(1, min(cores, kb // (4 * 2**20)))
 
 
-def resolve_count(requested: int, num_tasks: int = 1) -> int:
+def resolve_count(requested: int, num_hosts: int = 1) -> int:
   """The ``--workers`` to run (0: :func:`auto_count`; 1 with host
   sharding or off the CPU).
 
@@ -68,10 +68,10 @@ def resolve_count(requested: int, num_tasks: int = 1) -> int:
   """
   if requested < 0:
     raise ValueError(f"--workers must be >= 0, got {requested}")
-  if requested == 0 and num_tasks > 1:
+  if requested == 0 and num_hosts > 1:
     return 1  # each host of the array runs its share in one process
   count = auto_count() if requested == 0 else requested
-  if count > 1 and num_tasks > 1:
+  if count > 1 and num_hosts > 1:
     raise ValueError("--workers > 1 splits this machine's share by claims; "
                      "it does not combine with --num_tasks > 1")
   if count > 1 and jax.default_backend() != "cpu":

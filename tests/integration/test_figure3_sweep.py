@@ -10,6 +10,7 @@ import pytest
 
 import binaries  # tests/integration/binaries.py
 from hmmprompt import figure3
+from hmmprompt import scheduling
 from hmmprompt.figure3 import records
 from hmmprompt.figure3 import sweep
 from hmmprompt import protocol
@@ -374,7 +375,8 @@ def test_sharded_sweep_merges_to_the_unsharded_one(tmp_path):
   setup = dataclasses.replace(SETUP, left_sizes=(4, 6), trials=1)
   figure3.run(setup, whole, "left", "exact")
   for i in range(2):
-    figure3.run(setup, shards, "left", "exact", num_tasks=2, task_index=i)
+    figure3.run(setup, shards, "left", "exact",
+                scheduling.Schedule(num_hosts=2, host_index=i))
   files = sorted(os.listdir(shards))
   assert files == ["results-00000-of-00002.jsonl",
                    "results-00001-of-00002.jsonl", "sweep.json"]
