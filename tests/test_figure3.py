@@ -13,7 +13,7 @@ import pytest
 
 from conftest import CPU_PAPER, without_fma
 from hmmprompt import figure3
-from experiments import pretraining_curve
+from hmmprompt import pretraining_curve
 from hmmprompt.figure3 import records
 from hmmprompt.figure3 import reporting
 from hmmprompt.figure3 import sweep

@@ -8,8 +8,8 @@ from absl import app
 from absl import flags
 
 from experiments import cli
-from experiments import pretraining_curve as curve
-from experiments.pretraining_curve import report
+from hmmprompt import pretraining_curve as curve
+from hmmprompt.pretraining_curve import report
 
 _PRESET = flags.DEFINE_enum("preset", "cpu", list(curve.PRESETS),
                             "config preset; --config.<path> overrides it")

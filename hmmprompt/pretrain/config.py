@@ -312,7 +312,7 @@ def _cpu(vocab_size: int) -> PretrainConfig:
 def _cpu_adamw(vocab_size: int) -> PretrainConfig:
   # cpu_capped before issue 30 (AdamW, learned absolute positions, training
   # at the held-out 15% masking); the committed pretraining curve
-  # (experiments/pretraining_curve) keeps it.
+  # (hmmprompt/pretraining_curve) keeps it.
   # The main job's budget (3 trials of its 7 sizes, 21 transformers, on 2
   # cores in minutes): batch 32 (half the CPU time per step), exact targets
   # under MASK-only corruption at lr 5e-3, cycles of 500, 500 and 1000

@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import pretraining_curve as curve
-from experiments.pretraining_curve import report as curve_report
+from hmmprompt import pretraining_curve as curve
+from hmmprompt.pretraining_curve import report as curve_report
 from hmmprompt import protocol
 from hmmprompt import generative
 from hmmprompt import pretrain

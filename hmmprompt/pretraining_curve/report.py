@@ -6,10 +6,11 @@ CE gap and TV) and DIR/curve.png (test accuracy against CE gap)."""
 from __future__ import annotations
 
 import os
+from typing import Any, cast
 
 import numpy as np
 
-from experiments import pretraining_curve as curve
+from hmmprompt import pretraining_curve as curve
 from hmmprompt import results as results_lib
 
 WITHIN = 0.02  # "within 2 points of the exact backbone"
@@ -44,12 +45,12 @@ def summarize(lines: list[curve.CurveLine]) -> dict:
   one's mean accuracy is within :data:`WITHIN` of the exact backbone's;
   ``points``: per (trial, checkpoint), the accuracy below that trial's
   exact backbone (what the rank correlations read)."""
-  out = {}
-  models_seen = {}
+  out: dict[str, dict[str, dict[str, Any]]] = {}
+  models_seen: dict[str, tuple[bool, int]] = {}
   for r in lines:
     models_seen.setdefault(r.model, (r.hmm != "vanilla", r.num_states
                                      * max(r.memory_size, 1)))
-  for tag in sorted(models_seen, key=models_seen.get):
+  for tag in sorted(models_seen, key=lambda t: models_seen[t]):
     mine = [r for r in lines if r.model == tag]
     out[tag] = {}
     for method in sorted({r.method for r in mine}):
@@ -57,10 +58,10 @@ def summarize(lines: list[curve.CurveLine]) -> dict:
             if r.method == method and r.backbone == "exact"}
       tr = [r for r in mine if r.method == method
             and r.backbone == "transformer"]
-      steps = sorted({r.step for r in tr})
+      steps = sorted({cast(int, r.step) for r in tr})
       at = {s: [r for r in tr if r.step == s] for s in steps}
       mean = lambda f, s: float(np.mean([getattr(r, f) for r in at[s]]))
-      d = {"steps": steps, "gap": [mean("ce_gap", s) for s in steps],
+      d: dict[str, Any] = {"steps": steps, "gap": [mean("ce_gap", s) for s in steps],
            "tv": [mean("tv", s) for s in steps],
            "acc": [mean("test_accuracy", s) for s in steps],
            "sd": [float(np.std([r.test_accuracy for r in at[s]]))
