@@ -44,6 +44,7 @@ from hmmprompt import tasks as tasks_lib
 from hmmprompt import theory
 from hmmprompt import tuning
 from hmmprompt import validation
+from hmmprompt.backbones import exact
 
 BACKBONES = ("exact", "transformer")
 VOCAB = 10
@@ -252,6 +253,14 @@ def pretrain_dir(workdir: str, setup: TrialsConfig, mid: ModelId) -> str:
        "model_keys": MODEL_KEYS_VERSION,
        "state_layout": PRETRAIN_DIR_VERSION}, digits=8)
   return os.path.join(workdir, "pretrain", f"{mid.tag}-{fp}")
+
+
+def exact_backbones(models_K: generative.Model):
+  """``(backbone, params_K)``: the exact backbone of a stack of trials, its
+  params each trial's vanilla HMM stacked ``[K, ...]`` (one program tunes
+  them all; the backbone's shapes are trial 0's, the stack's)."""
+  backbone, _ = exact.make(generative.trial(models_K, 0))
+  return backbone, jax.vmap(generative.as_hmm)(models_K)
 
 
 def pretrain(pdir: str, cfg: pretrain_lib.PretrainConfig,

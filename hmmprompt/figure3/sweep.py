@@ -31,7 +31,6 @@ from hmmprompt import generative
 from hmmprompt import results as results_lib
 from hmmprompt.backbones import Backbone
 from hmmprompt.backbones import depth as depth_lib
-from hmmprompt.backbones import exact
 from hmmprompt.backbones import transformer
 
 BACKBONES = protocol.BACKBONES
@@ -108,10 +107,8 @@ def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
   ``stop_at``: pretraining stops there (:func:`pretrain.run_trials`).
   """
   if backbone_name == "exact":
-    bb, _ = exact.make(generative.trial(models_K, 0))
     num = generative.num_trials(models_K) or 1
-    return (bb, jax.vmap(generative.as_hmm)(models_K), [{}] * num,
-            [None] * num)
+    return (*protocol.exact_backbones(models_K), [{}] * num, [None] * num)
   pdir = protocol.pretrain_dir(workdir, setup, mid)
   bb, params_K, infos = protocol.pretrained(pdir, setup.pretrain, models_K,
                                             checkpoints, stop_at)

@@ -245,9 +245,9 @@ class Checkpoints(NamedTuple):
 
 def checkpoints(workdir: str, setup: CurveSetup, mid: protocol.ModelId,
                 models_K: generative.Model) -> Checkpoints:
-  """Pretrains ``mid``'s stack under ``DIR/pretrain/<tag>`` (or reuses or
-  resumes it) and returns its retained checkpoints, evaluated."""
-  pdir = os.path.join(workdir, "pretrain", mid.tag)
+  """Pretrains ``mid``'s stack in :func:`protocol.pretrain_dir` (or reuses
+  or resumes it) and returns its retained checkpoints, evaluated."""
+  pdir = protocol.pretrain_dir(workdir, setup, mid)
   protocol.pretrain(pdir, setup.pretrain, models_K)
   backbone, params_QxK, steps, _ = pretrain_lib.load_retained(pdir)
   missing = sorted(set(setup.pretrain.retain) - set(steps))
@@ -277,8 +277,7 @@ def tune_group(setup: CurveSetup, g: Group, stack: protocol.Stack,
                           ckpts.params_QxK)
   else:
     steps = (None,)
-    backbone, _ = exact.make(generative.trial(stack.models_K, 0))
-    params = jax.vmap(generative.as_hmm)(stack.models_K)
+    backbone, params = protocol.exact_backbones(stack.models_K)
   lanes = [(q, k) for q in range(len(steps)) for k in range(num)]
   fields = protocol.tune_lanes(setup, g.tune_config(setup.tune), backbone,
                              params, [(k, [0]) for _, k in lanes], stack)

@@ -162,7 +162,7 @@ def test_curve_writes_every_line_and_a_rerun_computes_nothing(
   assert keys == want and len(want) == 1 * 2 * 2 * (3 + 1)
   # A checkpoint at an evaluation step carries the loop's own measurement.
   metrics = pretrain.workdir.read_metrics(pretrain.workdir.Paths.of(
-      os.path.join(workdir, "pretrain", "vanilla-h4")))
+      protocol.pretrain_dir(workdir, SETUP, protocol.vanilla(4))))
   at40 = {m["trial"]: m for m in metrics if m["step"] == 40}
   for r in lines:
     assert 0.0 <= r.test_accuracy <= 1.0
