@@ -43,12 +43,12 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
       for t in 1 2 4; do
         echo "== step memory, left:30, trials_per_vmap=$t"
         timeout 120 python -m experiments.in_chunks --preset=gpu \
-          --chunk=left:30 --step_memory --config.pretrain.trials_per_vmap=$t
+          --chunk=left:30 --step_bytes --config.pretrain.trials_per_vmap=$t
       done ;;
     mfu)
       echo "== step memory, left:30, trials_per_vmap=8"
       timeout 120 python -m experiments.in_chunks --preset=gpu \
-        --chunk=left:30 --step_memory --config.pretrain.trials_per_vmap=8
+        --chunk=left:30 --step_bytes --config.pretrain.trials_per_vmap=8
       echo "== stacked step, paper model, batch 64, 8 trials"
       timeout 400 python -m experiments.bench_trials --preset=paper \
         --batch_size=64 --num_states=30 --trials=8 --steps=20 \

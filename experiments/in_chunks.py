@@ -9,7 +9,7 @@ results: on a lent accelerator (``gpu``, docs/figure3_gpu.md) or on the
       [--config.<path>=...]
   python -m experiments.in_chunks --preset=gpu --merge=A.tar.gz[,B.tar.gz]
   python -m experiments.in_chunks --preset=gpu --chunk=left:30 \
-      --step_memory [--config.pretrain.trials_per_vmap=4]
+      --step_bytes [--config.pretrain.trials_per_vmap=4]
 
 ``--results`` defaults to the preset's ``docs/results/figure3-<preset>``.
 
@@ -22,7 +22,7 @@ stamp, pretraining metrics, ``run.json``; no report: ``--merge`` renders
 it), also after the deadline, an error, SIGTERM or SIGINT (within
 seconds, from a thread of its own). A temporary workdir (no
 ``--workdir``) pretrains without checkpoints. ``--merge`` adds archives to ``--results`` by key and renders the
-report again. ``--step_memory`` prints each stack's pretraining-step
+report again. ``--step_bytes`` prints each stack's pretraining-step
 memory (XLA's buffer assignment, shapes only) against the device's.
 ``--workers=N`` (CPU; 0: one per core) computes the chunk in N processes
 pinned one per core, as the Figure 3 binary's flag does
@@ -75,7 +75,7 @@ _WORKDIR = flags.DEFINE_string(
     "by a time limit; default: a temporary one, deleted after the archive "
     "is written")
 _STEP_MEMORY = flags.DEFINE_bool(
-    "step_memory", False, "print each stack's pretraining-step memory (XLA's "
+    "step_bytes", False, "print each stack's pretraining-step memory (XLA's "
     "buffer assignment, compiled on shapes only) and stop")
 _MERGE = flags.DEFINE_list(
     "merge", None, "archives to merge into --results (computes nothing)")
@@ -112,7 +112,7 @@ def main(argv):
     if _WORKER.value is not None:
       return _work(setup)
     if not _OUT.value and not _STEP_MEMORY.value:
-      raise ValueError("--out is required (or --merge, --step_memory)")
+      raise ValueError("--out is required (or --merge, --step_bytes)")
     for name, flag in (("budget_s", _BUDGET), ("deadline_s", _DEADLINE_S)):
       if flag.value is not None and flag.value < 0:
         raise ValueError(f"--{name} must be >= 0, got {flag.value}")
@@ -121,8 +121,8 @@ def main(argv):
     chunks.check_chunk(setup, _CHUNK.value, _BACKBONE.value, results,
                        _WORKDIR.value)
   if _STEP_MEMORY.value:
-    return print(*map(chunks.describe_step_memory,
-                      chunks.step_memory(setup, _CHUNK.value)), sep="\n")
+    return print(*map(chunks.describe_step_bytes,
+                      chunks.step_bytes(setup, _CHUNK.value)), sep="\n")
   count = workers.resolve_count(_WORKERS.value)
   info = chunks.run_chunk(
       setup, _CHUNK.value, _BACKBONE.value, results, _OUT.value,

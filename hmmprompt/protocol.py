@@ -79,8 +79,8 @@ class TrialsConfig:
       (``lax.map`` over vmapped groups, one program); 0 all at once;
       ``None`` (auto) 1 on CPU (the fastest there: docs/performance.md),
       all on accelerators.
-    task_memory_mb: runtime: the MiB drawing a size's tasks may hold at
-      once (:data:`tasks.MEMORY_BUDGET`); 0 unbounded.
+    task_budget_mb: runtime: the MiB drawing a size's tasks may hold at
+      once (:data:`tasks.TASK_BUDGET_BYTES`); 0 unbounded.
   """
 
   trials: int
@@ -91,8 +91,8 @@ class TrialsConfig:
   seed: int = 0
   lanes_per_vmap: int | None = dataclasses.field(
       default=None, metadata=identity_lib.RUNTIME)
-  task_memory_mb: int = dataclasses.field(
-      default=tasks_lib.MEMORY_BUDGET >> 20, metadata=identity_lib.RUNTIME)
+  task_budget_mb: int = dataclasses.field(
+      default=tasks_lib.TASK_BUDGET_BYTES >> 20, metadata=identity_lib.RUNTIME)
 
   def _check(self, counts: Sequence[str], sizes: Sequence[str]) -> None:
     """The shared checks: ``counts`` ints >= 1 (``None`` allowed where the
@@ -106,7 +106,7 @@ class TrialsConfig:
         raise ValueError(f"{name_of}.{name} must be an int >= 1 (a trial "
                          f"count < 1 runs nothing), got {v!r}")
     validation.require_positive_ints(self, *sizes)
-    for name in ("lanes_per_vmap", "task_memory_mb"):
+    for name in ("lanes_per_vmap", "task_budget_mb"):
       v = getattr(self, name)
       if not (v is None and name == "lanes_per_vmap") and not (
           isinstance(v, int) and v >= 0):
@@ -117,9 +117,9 @@ class TrialsConfig:
     """``tuning.tune``'s ``lane_group`` (``None``: all lanes at once)."""
     return tuning.lane_group_for(self.lanes_per_vmap)
 
-  def task_memory_budget(self) -> int | None:
-    """``tasks.make_tasks``' ``memory_budget`` in bytes (``None``: none)."""
-    return (self.task_memory_mb << 20) or None
+  def task_budget_bytes(self) -> int | None:
+    """``tasks.make_tasks``' ``budget_bytes`` in bytes (``None``: none)."""
+    return (self.task_budget_mb << 20) or None
 
   @property
   def input_len(self) -> int:
@@ -235,7 +235,7 @@ def draw_stack(setup: TrialsConfig, mid: ModelId, num: int, num_tasks: int = 1,
   models_K = make_models(setup, mid, num)
   by_task = [tasks_lib.make_tasks(
       np.stack([task_key(setup, mid, k, s) for k in range(num)]), models_K,
-      setup.task, setup.task_memory_budget()) for s in range(num_tasks)]
+      setup.task, setup.task_budget_bytes()) for s in range(num_tasks)]
   tasks = [[t[k] for t in by_task] for k in range(num)]
   checks = None
   if verdicts:

@@ -44,7 +44,7 @@ Model = generative.Model
 LABELINGS = ("paper", "authors")
 """How a label reads the posterior (module doc)."""
 
-MEMORY_BUDGET = 512 << 20
+TASK_BUDGET_BYTES = 512 << 20
 """Bytes :func:`make_tasks` lets the exact smoothing of a draw hold at once.
 
 One example's smoothing holds about 5 float32 arrays of ``[T, S]`` (``S``
@@ -239,28 +239,28 @@ def _draw_tasks(config: TaskConfig, stacked: bool, chunk: int | None):
 
 
 def latent_chunk(models_K: Model, config: TaskConfig,
-                 memory_budget: int | None = MEMORY_BUDGET) -> int | None:
+                 budget_bytes: int | None = TASK_BUDGET_BYTES) -> int | None:
   """Examples per trial whose latent posteriors :func:`make_tasks` computes
-  at once: as many as fit ``memory_budget`` bytes with all K trials in
-  flight (:data:`MEMORY_BUDGET`), at least 1; ``None`` (all) without a
+  at once: as many as fit ``budget_bytes`` bytes with all K trials in
+  flight (:data:`TASK_BUDGET_BYTES`), at least 1; ``None`` (all) without a
   budget."""
-  if memory_budget is None:
+  if budget_bytes is None:
     return None
   hmm = generative.as_hmm(generative.trial(models_K, 0))
   per_example = 5 * 4 * (config.seq_len + 1) * hmm.transition.shape[-1]
   trials = generative.num_trials(models_K) or 1
-  return max(1, memory_budget // (per_example * trials))
+  return max(1, budget_bytes // (per_example * trials))
 
 
 def make_tasks(keys_K, models_K: Model,
                config: TaskConfig = TaskConfig(),
-               memory_budget: int | None = MEMORY_BUDGET) -> list[Task]:
+               budget_bytes: int | None = TASK_BUDGET_BYTES) -> list[Task]:
   """One task per trial of stacked models (:func:`generative.random_models`):
   trial ``k``'s is drawn from ``fold_in(keys_K[k], attempt)`` at the first
   attempt whose labels are balanced enough, every attempt drawn for all
   trials in one vmapped call (a trial whose draw was degenerate takes the
   next attempt's; the rest ignore it). The exact posteriors that label
-  the examples are computed in chunks sized by ``memory_budget`` bytes
+  the examples are computed in chunks sized by ``budget_bytes`` bytes
   (:func:`latent_chunk`): the chunking changes no label (the posteriors
   round differently in the last bit, as any change of vmapped batch size).
 
@@ -275,7 +275,7 @@ def make_tasks(keys_K, models_K: Model,
   keys_K = jnp.asarray(keys_K)
   if keys_K.shape[0] != num:
     raise ValueError(f"{keys_K.shape[0]} keys for {num} trials")
-  chunk = latent_chunk(models_K, config, memory_budget)
+  chunk = latent_chunk(models_K, config, budget_bytes)
   draw = _draw_tasks(config, num > 1, chunk)
   out: list[Task | None] = [None] * num
   share: list[float | None] = [None] * num

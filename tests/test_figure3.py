@@ -256,12 +256,12 @@ def test_a_workdir_holds_one_setup(tmp_path):
   # How the sweep runs (lane groups, the task memory budget) is no part of
   # what it computes: no fingerprint moves, so finished lines are kept.
   runtime = figure3.get_setup("tiny", overrides={
-      "lanes_per_vmap": "3", "task_memory_mb": "0"})
-  assert runtime.lane_group() == 3 and runtime.task_memory_budget() is None
+      "lanes_per_vmap": "3", "task_budget_mb": "0"})
+  assert runtime.lane_group() == 3 and runtime.task_budget_bytes() is None
   assert runtime.fingerprint("transformer") == tiny.fingerprint("transformer")
-  assert tiny.task_memory_budget() == 512 << 20
+  assert tiny.task_budget_bytes() == 512 << 20
   assert figure3.get_setup("tiny", lanes_per_vmap=0).lane_group() is None
-  for bad in ({"lanes_per_vmap": -1}, {"task_memory_mb": None}):
+  for bad in ({"lanes_per_vmap": -1}, {"task_budget_mb": None}):
     with pytest.raises(ValueError, match="must be an int >= 0"):
       figure3.get_setup("tiny", **bad)
 

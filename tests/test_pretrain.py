@@ -531,7 +531,7 @@ def test_a_deadline_stops_between_steps_with_a_checkpoint_to_resume(
 
 
 @pytest.mark.slow
-def test_step_memory_counts_the_state_and_scales_with_what_steps_at_once(
+def test_step_bytes_counts_the_state_and_scales_with_what_steps_at_once(
     model):
   """XLA's buffer sizes of the stacked step, compiled on shapes: the state
   is the stack's, the temporaries grow with the batch and with trials
@@ -543,7 +543,7 @@ def test_step_memory_counts_the_state_and_scales_with_what_steps_at_once(
                                 cfg)
   # Each trial's step counter: an int32 0 (checkpoints store it so).
   assert states.step.dtype == jnp.int32 and states.step.tolist() == [0, 0]
-  mem = lambda **kw: pretrain.step_memory(cfg.with_overrides(**kw), hmms,
+  mem = lambda **kw: pretrain.step_bytes(cfg.with_overrides(**kw), hmms,
                                           mesh)
   one_at_a_time = mem(trials_per_vmap=1)
   assert one_at_a_time["state_bytes"] == sum(
@@ -558,7 +558,7 @@ def test_step_memory_counts_the_state_and_scales_with_what_steps_at_once(
       one_at_a_time["temp_bytes"])
   # One model with sampled targets (the tokens): half the stack's state
   # (a stack of one runs unbatched, whatever trials_per_vmap says).
-  one = pretrain.step_memory(
+  one = pretrain.step_bytes(
       TINY.with_overrides(targets="sampled", trials_per_vmap=0),
       jax.tree.map(lambda x: x[None], model), mesh)
   assert 2 * one["state_bytes"] == one_at_a_time["state_bytes"]

@@ -142,7 +142,7 @@ def test_make_tasks_for_stacked_models_equal_make_task_per_trial():
 
 
 @pytest.mark.slow
-def test_memory_budget_chunks_the_posteriors_and_changes_no_label():
+def test_the_bytes_budget_chunks_the_posteriors_and_changes_no_label():
   """A budget of a few examples' smoothing (chunks of 3 of 32 or 128
   examples, a remainder included) draws the tasks of no budget: tokens and
   labels equal, posteriors to float rounding."""
@@ -153,8 +153,8 @@ def test_memory_budget_chunks_the_posteriors_and_changes_no_label():
   assert tasks.latent_chunk(stacked, SMALL, budget) == 3
   assert tasks.latent_chunk(stacked, SMALL, 1) == 1
   assert tasks.latent_chunk(stacked, SMALL, None) is None
-  whole = tasks.make_tasks(keys, stacked, SMALL, memory_budget=None)
-  chunked = tasks.make_tasks(keys, stacked, SMALL, memory_budget=budget)
+  whole = tasks.make_tasks(keys, stacked, SMALL, budget_bytes=None)
+  chunked = tasks.make_tasks(keys, stacked, SMALL, budget_bytes=budget)
   for a, b in zip(whole, chunked):
     for split in ("train", "val", "test"):
       np.testing.assert_array_equal(getattr(a, split).tokens,

@@ -258,9 +258,9 @@ def seconds_per_trial(results_dir: str, margin: float = 1.2
                       for st in stacks.values()) / trials
 
 
-def step_memory(setup: configs.Setup, chunk: str) -> list[dict]:
+def step_bytes(setup: configs.Setup, chunk: str) -> list[dict]:
   """Per stack of ``chunk``: its trial count and pretraining-step memory
-  (:func:`hmmprompt.pretrain.step_memory`, in bytes), and the device's
+  (:func:`hmmprompt.pretrain.step_bytes`, in bytes), and the device's
   memory where it reports one (``device_bytes``, else ``None``)."""
   part = chunk_setup(setup, chunk)
   cfg = setup.pretrain
@@ -273,13 +273,13 @@ def step_memory(setup: configs.Setup, chunk: str) -> list[dict]:
                                                                   mid)))
     out.append({"stack": mid.tag, "trials": sweep.stack_size(setup, mid),
                 "trials_per_vmap": cfg.trials_per_vmap,
-                **pretrain_lib.step_memory(cfg, hmms, mesh),
+                **pretrain_lib.step_bytes(cfg, hmms, mesh),
                 "device_bytes": limit})
   return out
 
 
-def describe_step_memory(m: dict) -> str:
-  """One line of :func:`step_memory`: the stack's state, temporaries and
+def describe_step_bytes(m: dict) -> str:
+  """One line of :func:`step_bytes`: the stack's state, temporaries and
   step in GiB, and whether the step fits the device (where it says)."""
   need, gib = m["argument_bytes"] + m["temp_bytes"], 2.0**30
   fits = ("" if m["device_bytes"] is None else

@@ -9,7 +9,7 @@ One role per module:
   family and their recipe (``experiments/pretrain.py``'s config tree);
 * :mod:`~hmmprompt.pretrain.train`: :class:`TrainState`, AdamW (or Muon) with
   learning-rate cycles, the loss and the jitted data-parallel step of K
-  models (one model: K = 1), :func:`step_memory` (its XLA buffer sizes,
+  models (one model: K = 1), :func:`step_bytes` (its XLA buffer sizes,
   compiled on shapes only);
 * :mod:`~hmmprompt.pretrain.evaluation`: held-out CE against the exact Bayes
   conditionals;
@@ -48,7 +48,7 @@ from hmmprompt.pretrain.train import lr_schedule
 from hmmprompt.pretrain.train import make_optimizer
 from hmmprompt.pretrain.train import make_train_step
 from hmmprompt.pretrain.train import mlm_loss
-from hmmprompt.pretrain.train import step_memory
+from hmmprompt.pretrain.train import step_bytes
 from hmmprompt.pretrain.workdir import TrialInfo
 from hmmprompt.pretrain.workdir import load_backbone
 from hmmprompt.pretrain.workdir import load_retained

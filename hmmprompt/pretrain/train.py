@@ -240,7 +240,7 @@ def make_train_step(cfg: PretrainConfig, mesh):
   return train_step
 
 
-def step_memory(cfg: PretrainConfig, hmms_K, mesh) -> dict:
+def step_bytes(cfg: PretrainConfig, hmms_K, mesh) -> dict:
   """What XLA's buffer assignment gives :func:`make_train_step`'s program
   for ``K`` stacked models on the default backend, compiled on shapes
   only (nothing is allocated or run): ``{"state_bytes",

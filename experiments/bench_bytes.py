@@ -3,11 +3,11 @@
 Runs the same sweep twice, each in its own process under ``/usr/bin/time
 -v``: first as it ran before memory was bounded (every trial of a group
 tuned in one vmap, ``--config.lanes_per_vmap=0``; a size's tasks drawn in
-one call, ``--config.task_memory_mb=0``), then with the defaults (auto lane
+one call, ``--config.task_budget_mb=0``), then with the defaults (auto lane
 groups, a 512 MiB task budget). Prints peak RSS, wall, user and sys of
 each and how far their result lines differ::
 
-  python -m experiments.bench_memory --preset=paper --workdir=/tmp/bench_mem
+  python -m experiments.bench_bytes --preset=paper --workdir=/tmp/bench_mem
 
 (the exact paper protocol: ~27 min on 2 CPU cores). Workdirs are
 ``DIR/unbounded`` and ``DIR/bounded``; a rerun reuses their results (only
@@ -32,7 +32,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "where both sweeps write",
                                required=True)
 
 ARMS = {"unbounded": ["--config.lanes_per_vmap=0",
-                      "--config.task_memory_mb=0"],
+                      "--config.task_budget_mb=0"],
         "bounded": []}
 _TIME_FIELDS = {"peak_rss_gb": r"Maximum resident set size \(kbytes\): (\d+)",
                 "wall": r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): "
