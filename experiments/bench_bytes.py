@@ -69,8 +69,8 @@ def run_arm(name: str, workdir: str) -> dict:
 
 
 def _lines(workdir: str) -> dict:
-  from hmmprompt.figure3 import records  # pylint: disable=g-import-not-at-top
-  return {r.key(): r for r in records.read_results(workdir)}
+  from hmmprompt.figure3 import schema  # pylint: disable=g-import-not-at-top
+  return {r.key(): r for r in schema.read_results(workdir)}
 
 
 def main(argv):

@@ -51,7 +51,7 @@ from hmmprompt import corpus as corpus_lib
 from hmmprompt import glibc
 from hmmprompt import generative
 from hmmprompt import pretrain as pretrain_lib
-from hmmprompt import results as results_lib
+from hmmprompt import files as files_lib
 from hmmprompt import sharding as sharding_lib
 from hmmprompt.pretrain import train as train_lib
 from hmmprompt.pretrain import workdir as workdir_lib
@@ -329,7 +329,7 @@ def main(argv):
   pcfg = cfg.pretrain
   workdir = os.path.join(_WORKDIR.value, fingerprint(pcfg))
   os.makedirs(workdir, exist_ok=True)
-  results_lib.atomic_write_text(os.path.join(workdir, "recipe.json"),
+  files_lib.atomic_write_text(os.path.join(workdir, "recipe.json"),
                                 json.dumps({"overrides": _CONFIG.value(),
                                             "pretrain": pcfg.to_json()},
                                            indent=1))
@@ -356,8 +356,8 @@ def main(argv):
   if ratio is not None:
     times += f"; time per token {ratio:.2f}x cpu_adamw's (interleaved)"
   text = f"{table}\n\n{times}\n"
-  results_lib.atomic_write_text(os.path.join(workdir, "hard_set.md"), text)
-  results_lib.atomic_write_text(
+  files_lib.atomic_write_text(os.path.join(workdir, "hard_set.md"), text)
+  files_lib.atomic_write_text(
       os.path.join(workdir, "hard_set.json"),
       json.dumps({"overrides": _CONFIG.value(), "wall_s": wall,
                   "user_s": c1.user - c0.user,

@@ -31,7 +31,7 @@ import numpy as np
 
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import memory as memory_lib
-from hmmprompt import results as results_lib
+from hmmprompt import files as files_lib
 
 Model = hmm_lib.HMM | memory_lib.MemoryHMM
 KINDS = ("vanilla", "memory")
@@ -206,7 +206,7 @@ def save(path: str, model: Model) -> None:
   arrays: dict[str, Any] = {k: np.asarray(v)
                             for k, v in model._asdict().items()}
   np.savez(buf, kind=np.array(kind(model)), **arrays)
-  results_lib.atomic_write_bytes(path, buf.getvalue())
+  files_lib.atomic_write_bytes(path, buf.getvalue())
 
 
 def load(path: str) -> Model:

@@ -1,7 +1,7 @@
 """What a result is: config identities, fingerprints and their differences.
 
 No command line and no files here (the binaries parse flags with
-:mod:`hmmprompt.config_flags`; :func:`hmmprompt.results.stamp` keeps the
+:mod:`hmmprompt.config_flags`; :func:`hmmprompt.files.stamp` keeps the
 identity a workdir was first used with). A config is a tree of frozen
 dataclasses; its identity is the JSON-able dict of the fields that decide
 results. Two field markers say what does not:

@@ -20,7 +20,7 @@ Figure 3's sweep, the pretraining curve and a user's own experiment share.
   group's lines appended atomically as it finishes, progress logged, an
   optional deadline between stacks.
 
-Workdir identities and typed line files are :mod:`hmmprompt.results`'.
+Workdir identities and typed line files are :mod:`hmmprompt.files`'.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import numpy as np
 from hmmprompt import identity as identity_lib
 from hmmprompt import generative
 from hmmprompt import pretrain as pretrain_lib
-from hmmprompt import results as results_lib
+from hmmprompt import files as files_lib
 from hmmprompt import scheduling
 from hmmprompt import tasks as tasks_lib
 from hmmprompt import theory
@@ -395,7 +395,7 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
             f"the deadline came in {mid.tag}'s tuning after {i} of its "
             f"{len(groups)} groups")
       lines = tune(g, stack)
-      results_lib.append_lines(path, lines)
+      files_lib.append_lines(path, lines)
       done += 1
       elapsed = time.perf_counter() - t0
       accs = [r.test_accuracy for r in lines]

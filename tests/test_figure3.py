@@ -14,13 +14,13 @@ import pytest
 from conftest import CPU_PAPER, without_fma
 from hmmprompt import figure3
 from hmmprompt import pretraining_curve
-from hmmprompt.figure3 import records
+from hmmprompt.figure3 import schema
 from hmmprompt.figure3 import reporting
 from hmmprompt.figure3 import sweep
 from hmmprompt.figure3 import workers
 from hmmprompt import generative
 from hmmprompt import protocol
-from hmmprompt import results as results_lib
+from hmmprompt import files as files_lib
 from hmmprompt.pretrain import report as pretrain_report
 
 
@@ -168,19 +168,19 @@ def test_result_line_schema_round_trips_and_refuses_bad_lines(tmp_path):
                 train_accuracy=0.5, final_loss=0.1, steps=3, seconds=1.0,
                 task_redraws=0, assumptions={}, tune_config={},
                 task_config={})
-  line = records.ResultLine(**fields)
-  results_lib.append_lines(str(tmp_path / "results.jsonl"), [line])
-  assert records.read_results(str(tmp_path)) == [line]
-  assert line.key() == tuple(fields[f] for f in records.ResultLine.KEY_FIELDS)
+  line = schema.ResultLine(**fields)
+  files_lib.append_lines(str(tmp_path / "results.jsonl"), [line])
+  assert schema.read_results(str(tmp_path)) == [line]
+  assert line.key() == tuple(fields[f] for f in schema.ResultLine.KEY_FIELDS)
   with pytest.raises(ValueError, match="unknown fields"):
-    records.ResultLine.from_json({**fields, "bogus": 1})
+    schema.ResultLine.from_json({**fields, "bogus": 1})
   # The report names a cell whose tuning diverged, and only that one.
-  nan = records.ResultLine(**{**fields, "trial": 1, "final_loss": np.nan})
+  nan = schema.ResultLine(**{**fields, "trial": 1, "final_loss": np.nan})
   table = reporting.diverged_table([line, nan])
   assert "1 cell(s)" in table and "| exact | left | 4 | 1 | 0 |" in table
   assert reporting.diverged_table([line]) == ""
   with pytest.raises(ValueError, match="incomplete"):
-    records.ResultLine.from_json({"backbone": "exact"})
+    schema.ResultLine.from_json({"backbone": "exact"})
 
 
 def test_a_workdir_holds_one_setup(tmp_path):
@@ -232,14 +232,14 @@ def test_a_workdir_holds_one_setup(tmp_path):
   # setup) are refused by the check and by the report.
   mixed = tmp_path / "mixed"
   mixed.mkdir()
-  line = records.ResultLine(
+  line = schema.ResultLine(
       backbone="exact", panel="left", hmm="vanilla", num_states=4,
       memory_size=0, trial=0, task=0, method="head_linear", features="raw",
       setup=tiny.fingerprint(), hmm_fingerprint="", size=4,
       test_accuracy=0.5, val_accuracy=0.5, train_accuracy=0.5,
       final_loss=0.1, steps=3, seconds=1.0, task_redraws=0, assumptions={},
       tune_config={}, task_config={})
-  results_lib.append_lines(str(mixed / "results.jsonl"), [
+  files_lib.append_lines(str(mixed / "results.jsonl"), [
       line, dataclasses.replace(line, setup="0123456789ab")])
   with pytest.raises(ValueError, match=r"holds result lines of setup "
                      r"\['0123456789ab'\]"):
@@ -276,7 +276,7 @@ def test_summary_is_over_trials_and_splits_the_variance():
               task_redraws=0, assumptions={}, tune_config={},
               task_config={})
   accs = {(0, 0): 0.6, (0, 1): 0.8, (1, 0): 0.9, (1, 1): 0.9}
-  lines = [records.ResultLine(**base, trial=k, task=s, test_accuracy=a)
+  lines = [schema.ResultLine(**base, trial=k, task=s, test_accuracy=a)
            for (k, s), a in accs.items()]
   (key, by_size), = reporting.summarize(lines).items()
   mean, ci, n = by_size[4]
@@ -318,7 +318,7 @@ def test_wins_count_each_draw_once_with_its_tasks_averaged():
       (0, 0): (0.6, 0.9), (0, 1): (0.8, 0.6),  # prompt 0.75 > head 0.7
       (1, 0): (0.9, 0.8), (1, 1): (0.9, 0.9),  # head wins
       (2, 0): (0.7, 0.7), (2, 1): (0.5, 0.5)}  # a tie
-  lines = [records.ResultLine(**base, panel="left", trial=k, task=t,
+  lines = [schema.ResultLine(**base, panel="left", trial=k, task=t,
                               method=m, test_accuracy=a[i])
            for (k, t), a in accs.items()
            for i, m in enumerate(("head_linear", "prompt_linear"))]
@@ -338,10 +338,10 @@ def test_the_trial_table_has_a_row_per_draw_and_empty_cells_where_none_ran():
               final_loss=0.1, steps=3, seconds=1.0, task_redraws=0,
               assumptions={}, tune_config={}, task_config={},
               test_accuracy=0.75, panel="right", size=8)
-  lines = [records.ResultLine(
+  lines = [schema.ResultLine(
       **base, hmm="memory", memory_size=2, method="head_attention", trial=k,
       hmm_fingerprint=f"m{k}", pretrain_ce_gap=0.01 * (k + 1))
-           for k in range(2)] + [records.ResultLine(
+           for k in range(2)] + [schema.ResultLine(
                **base, hmm="vanilla", memory_size=0, method="head_linear",
                trial=0, hmm_fingerprint="v0", pretrain_ce_gap=0.05,
                pretrain_layers=4)]
@@ -444,7 +444,7 @@ def _captured_figures(monkeypatch) -> dict:
     figs[os.path.basename(path)] = (fig, dpi)
     fig.savefig(path, format="png", dpi=dpi)  # the file, figure kept open
 
-  monkeypatch.setattr(results_lib, "atomic_write_png", capture)
+  monkeypatch.setattr(files_lib, "atomic_write_png", capture)
   return figs
 
 
@@ -659,7 +659,7 @@ def test_report_shows_the_arms_beyond_the_paper_only_when_present(tmp_path):
   extra = [("left", "vanilla", 4, "head_linear_lbfgs"),
            ("right", "memory", 8, "prompt_attention")]
   make = lambda arm_list: [
-      records.ResultLine(**base, panel=p, hmm=h, size=s, method=m, trial=k)
+      schema.ResultLine(**base, panel=p, hmm=h, size=s, method=m, trial=k)
       for p, h, s, m in arm_list for k in range(2)]
   path = str(tmp_path / "figure3.md")
   reporting.write_table(reporting.summarize(make(arms)), path)
@@ -757,9 +757,9 @@ def test_worker_files_merge_into_results_by_key(tmp_path):
       __file__.rsplit("/tests/", 1)[0], "docs", "results",
       "figure3-cpu-paper"))[:30]
   d = str(tmp_path)
-  results_lib.append_lines(workers.results_path(d, 0), lines[:20])
-  results_lib.append_lines(workers.results_path(d, 1), lines[10:30])
-  results_lib.append_lines(records.results_path(d), lines[:5])
+  files_lib.append_lines(workers.results_path(d, 0), lines[:20])
+  files_lib.append_lines(workers.results_path(d, 1), lines[10:30])
+  files_lib.append_lines(schema.results_path(d), lines[:5])
   assert workers.merge_results(d) == 25
   assert sorted(os.listdir(d)) == ["results.jsonl"]
   assert sorted(r.key() for r in figure3.read_results(d)) == sorted(
@@ -805,7 +805,7 @@ def test_a_chunk_archive_carries_fallback_metrics_into_the_merge(tmp_path):
   lines = [r for r in figure3.read_results(_CPU_PAPER)
            if r.backbone == "transformer" and r.panel == "left"
            and r.size == 25]
-  results_lib.append_lines(records.results_path(str(work)), lines)
+  files_lib.append_lines(schema.results_path(str(work)), lines)
   archive = str(tmp_path / "chunk.tar.gz")
   names = chunks.write_archive(str(work), archive, {"chunk": "left:25"})
   fallbacks = sorted({n.split("/")[2] for n in names if "/fallback-" in n})

@@ -18,8 +18,8 @@ from hmmprompt import generative
 from hmmprompt.pretrain import TrialInfo
 from hmmprompt import protocol
 from hmmprompt import scheduling
-from hmmprompt import results as results_lib
-from hmmprompt.figure3 import records
+from hmmprompt import files as files_lib
+from hmmprompt.figure3 import schema
 from hmmprompt.figure3 import sweep
 from hmmprompt.backbones import transformer
 
@@ -70,7 +70,7 @@ def test_a_sweep_files_each_cell_once_with_its_draw(tmp_path, tuned):
       ("prompt", "linear", "adam", [(0, [0, 1]), (1, [0, 1])], 2, 2),
       ("head", "linear", "adam", [(0, [0, 1])], 1, 2),
       ("head", "attention", "adam", [(0, [0, 1])], 1, 1)]
-  lines = records.read_results(workdir)
+  lines = schema.read_results(workdir)
   assert len(lines) == len({r.key() for r in lines}) == 20
   cells = {(r.panel, r.hmm, r.size, r.method): set() for r in lines}
   for r in lines:
@@ -108,14 +108,14 @@ def test_a_sweep_files_each_cell_once_with_its_draw(tmp_path, tuned):
   tuned.clear()
   assert sweep.run(SETUP, workdir, "both", "exact") == []
   assert tuned == []
-  path = records.results_path(workdir)
+  path = schema.results_path(workdir)
   kept = [r for r in lines if not (r.method == "prompt_linear" and r.size == 4
                                    and (r.trial, r.task) == (1, 0))]
-  results_lib.atomic_write_text(path, "".join(
+  files_lib.atomic_write_text(path, "".join(
       json.dumps(r.to_json()) + "\n" for r in kept))
   sweep.run(SETUP, workdir, "both", "exact")
   assert tuned == [("prompt", "linear", "adam", [(1, [0])], 1, 2)]
-  assert sorted(r.key() for r in records.read_results(workdir)) == sorted(
+  assert sorted(r.key() for r in schema.read_results(workdir)) == sorted(
       r.key() for r in lines)
 
 
@@ -149,13 +149,13 @@ def test_shards_claims_and_deadlines_divide_whole_stacks(tmp_path, tuned):
     tuned.clear()
     sweep.run(SETUP, workdir, "both", "exact",
               scheduling.Schedule(num_hosts=2, host_index=i))
-    lines = results_lib.read_jsonl(records.results_path(workdir, 2, i))
-    assert os.path.basename(records.results_path(workdir, 2, i)) == (
+    lines = files_lib.read_jsonl(schema.results_path(workdir, 2, i))
+    assert os.path.basename(schema.results_path(workdir, 2, i)) == (
         f"results-0000{i}-of-00002.jsonl")
     mine = {(m["hmm"], m["num_states"]) for m in lines}
     assert mine == ({("vanilla", 4), ("memory", 4)} if i == 0
                     else {("vanilla", 8)})
-  assert len(records.read_results(str(tmp_path / "sharded"))) == 20
+  assert len(schema.read_results(str(tmp_path / "sharded"))) == 20
 
   asked = []
   claimed = str(tmp_path / "claimed")
@@ -164,7 +164,7 @@ def test_shards_claims_and_deadlines_divide_whole_stacks(tmp_path, tuned):
             results_file=os.path.join(claimed, "mine.jsonl"))
   # The costliest first: the largest stacks, then |H| x max(|M|, 1).
   assert asked == [H8, H4, M2]
-  assert {(m["hmm"], m["num_states"]) for m in results_lib.read_jsonl(
+  assert {(m["hmm"], m["num_states"]) for m in files_lib.read_jsonl(
       os.path.join(claimed, "mine.jsonl"))} == {("vanilla", 8),
                                                 ("memory", 4)}
 
@@ -172,7 +172,7 @@ def test_shards_claims_and_deadlines_divide_whole_stacks(tmp_path, tuned):
   late = str(tmp_path / "late")
   assert sweep.run(SETUP, late, "both", "exact", scheduling.Schedule(
       deadline=time.monotonic() - 1)) == [m.tag for m in order]
-  assert tuned == [] and records.read_results(late) == []
+  assert tuned == [] and schema.read_results(late) == []
   # pretrain_only makes the backbones (exact: nothing to make) and tunes
   # nothing.
   assert sweep.run(SETUP, late, "both", "exact", pretrain_only=True) == []
@@ -243,7 +243,7 @@ def test_each_panel_alone_plans_and_runs_its_own_groups(tmp_path, tuned):
           sweep.plan(SETUP, "right").items()} == {
               H8: [("right", "head_linear")], M2: [("right", "head_attention")]}
   sweep.run(SETUP, str(tmp_path), "right", "exact")
-  assert {(r.panel, r.hmm) for r in records.read_results(str(tmp_path))} == {
+  assert {(r.panel, r.hmm) for r in schema.read_results(str(tmp_path))} == {
       ("right", "vanilla"), ("right", "memory")}
   two = dataclasses.replace(SETUP, features=("raw", "log"), head_optimum=True)
   groups = [g for gs in sweep.plan(two).values() for g in gs]
@@ -330,7 +330,7 @@ def test_a_transformer_sweep_pretrains_each_stack_in_its_own_directory(
   assert [c[:3] for c in tuned] == [
       ("head", "linear", "adam"), ("prompt", "linear", "adam"),
       ("finetune", "linear", "adam")] * 2
-  lines = records.read_results(workdir)
+  lines = schema.read_results(workdir)
   assert len(lines) == 2 * 3 * 4
   for r in lines:
     assert (r.backbone, r.setup) == ("transformer",
@@ -379,7 +379,7 @@ def test_a_hard_deadline_skips_stacks_it_cannot_finish_and_stops_between_groups(
   monkeypatch.setattr(protocol.time, "monotonic", lambda: clock[0])
   a, b, c = (protocol.vanilla(h) for h in (4, 8, 12))
   made, path = [], str(tmp_path / "results.jsonl")
-  line = lambda mid, g: records.ResultLine(
+  line = lambda mid, g: schema.ResultLine(
       backbone="exact", panel="left", hmm="vanilla", num_states=mid.num_states,
       memory_size=0, trial=0, task=g, method="head_linear", features="raw",
       setup="s", hmm_fingerprint="f", size=mid.num_states, test_accuracy=1.0,
@@ -412,7 +412,7 @@ def test_a_hard_deadline_skips_stacks_it_cannot_finish_and_stops_between_groups(
       "the deadline came in vanilla-h8's tuning after 1 of its 3 groups")):
     run({b: [0, 1, 2]}, stop_at=60.0)
   assert made == [b]
-  assert [(r.num_states, r.task) for r in records.read_results(
+  assert [(r.num_states, r.task) for r in schema.read_results(
       str(tmp_path))] == [(4, 0), (4, 1), (12, 0), (12, 1), (8, 0)]
   # Past the deadline nothing starts.
   assert run({c: [2]}, stop_at=60.0) == [c.tag] and made == [b]

@@ -12,7 +12,7 @@ from absl import logging
 
 from experiments import cli
 from hmmprompt.figure3 import configs
-from hmmprompt.figure3 import records
+from hmmprompt.figure3 import schema
 from hmmprompt.figure3 import reporting
 from hmmprompt.figure3 import sweep
 from hmmprompt.figure3 import workers
@@ -96,7 +96,7 @@ def main(argv):
     print(pretrain_report.write_report(workdir))
     return
   reporting.report(workdir)
-  cli.done(t0, results=records.results_path(workdir, _NUM_TASKS.value,
+  cli.done(t0, results=schema.results_path(workdir, _NUM_TASKS.value,
                                              _TASK_INDEX.value),
            plot=os.path.join(workdir, "figure3.png"),
            table=os.path.join(workdir, "figure3.md"))

@@ -35,9 +35,9 @@ every pretrained trial's CE gap) and DIR/pretrain/ (the transformers).
 from hmmprompt.figure3.configs import PRESETS
 from hmmprompt.figure3.configs import Setup
 from hmmprompt.figure3.configs import get_setup
-from hmmprompt.figure3.records import ResultLine
-from hmmprompt.figure3.records import read_results
-from hmmprompt.figure3.records import results_path
+from hmmprompt.figure3.schema import ResultLine
+from hmmprompt.figure3.schema import read_results
+from hmmprompt.figure3.schema import results_path
 from hmmprompt.figure3.reporting import mean_ci
 from hmmprompt.figure3.reporting import report
 from hmmprompt.figure3.sweep import BACKBONES

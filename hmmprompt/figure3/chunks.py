@@ -24,13 +24,13 @@ import jax
 from hmmprompt import protocol
 from hmmprompt import scheduling
 from hmmprompt.figure3 import configs
-from hmmprompt.figure3 import records
+from hmmprompt.figure3 import schema
 from hmmprompt.figure3 import reporting
 from hmmprompt.figure3 import signals
 from hmmprompt.figure3 import sweep
 from hmmprompt import generative
 from hmmprompt import pretrain as pretrain_lib
-from hmmprompt import results as results_lib
+from hmmprompt import files as files_lib
 from hmmprompt import sharding as sharding_lib
 from hmmprompt.pretrain import report as pretrain_report
 
@@ -121,9 +121,9 @@ def start_workdir(results_dir: str, workdir: str,
   sweep.check_workdir(results_dir, setup, write=False)
   os.makedirs(workdir, exist_ok=True)
   sweep.check_workdir(workdir, setup)
-  path = records.results_path(workdir)
-  results_lib.merge_lines(path, records.read_results(results_dir))
-  return len(records.read_results(workdir))
+  path = schema.results_path(workdir)
+  files_lib.merge_lines(path, schema.read_results(results_dir))
+  return len(schema.read_results(workdir))
 
 
 def write_archive(workdir: str, path: str, run_info: dict) -> list[str]:
@@ -140,7 +140,7 @@ def write_archive(workdir: str, path: str, run_info: dict) -> list[str]:
     members += [os.path.relpath(os.path.join(run_dir, n), workdir)
                 for n in _PRETRAIN_FILES
                 if os.path.exists(os.path.join(run_dir, n))]
-  results_lib.write_archive(path, workdir, members, {"run.json": json.dumps(
+  files_lib.write_archive(path, workdir, members, {"run.json": json.dumps(
       run_info, indent=1, sort_keys=True).encode()})
   return members + ["run.json"]
 
@@ -187,7 +187,7 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
 
   def archive(**more) -> None:
     run_info.update(more)
-    run_info["cells_computed"] = (len(records.read_results(workdir))
+    run_info["cells_computed"] = (len(schema.read_results(workdir))
                                   - at_start)
     run_info["wall_s"] = round(time.monotonic() - t0, 1)
     write_archive(workdir, path, run_info)
@@ -243,7 +243,7 @@ def seconds_per_trial(results_dir: str, margin: float = 1.2
   trials) times ``margin`` (draws, compiles and evaluations are not in
   those times); ``None`` where it has none."""
   stacks: dict[tuple, dict] = {}
-  for r in records.read_results(results_dir):
+  for r in schema.read_results(results_dir):
     if r.backbone != "transformer" or r.pretrain_wall_s is None:
       continue
     st = stacks.setdefault((r.hmm, r.num_states, r.memory_size),
@@ -332,18 +332,18 @@ def merge(archive: str, results_dir: str) -> dict:
       another setup than ``results_dir`` (named).
   """
   with tempfile.TemporaryDirectory() as tmp:
-    names = results_lib.read_archive(archive, tmp, _MEMBER)
+    names = files_lib.read_archive(archive, tmp, _MEMBER)
     try:
-      new = records.read_results(tmp)
+      new = schema.read_results(tmp)
     except ValueError as e:
       raise ValueError(f"{archive}: {e}") from None
     if sweep.STAMP in names:
       with open(os.path.join(tmp, sweep.STAMP)) as f:
         sweep.stamp(results_dir, json.load(f))
-    records.check_one_setup(records.read_results(results_dir) + new,
+    schema.check_one_setup(schema.read_results(results_dir) + new,
                             f"merging {archive} into {results_dir}")
-    added, kept, conflicts = results_lib.merge_lines(
-        records.results_path(results_dir), new, ignore=TIMING_FIELDS)
+    added, kept, conflicts = files_lib.merge_lines(
+        schema.results_path(results_dir), new, ignore=TIMING_FIELDS)
     if conflicts:
       logging.warning("%s: %d lines differ from the lines already in %s "
                       "under the same key (kept those), e.g. %s", archive,
@@ -353,7 +353,7 @@ def merge(archive: str, results_dir: str) -> dict:
         _copy_new(os.path.join(tmp, name), os.path.join(results_dir, name))
     if "run.json" in names:
       with open(os.path.join(tmp, "run.json")) as f:
-        results_lib.append_jsonl(os.path.join(results_dir, "runs.jsonl"),
+        files_lib.append_jsonl(os.path.join(results_dir, "runs.jsonl"),
                                  [{**json.load(f), "archive":
                                    os.path.basename(archive)}])
   reporting.report(results_dir)
@@ -366,7 +366,7 @@ def _copy_new(src: str, dest: str) -> None:
   with open(src, "rb") as f:
     blob = f.read()
   if not os.path.exists(dest):
-    results_lib.atomic_write_bytes(dest, blob)
+    files_lib.atomic_write_bytes(dest, blob)
     return
   with open(dest, "rb") as f:
     if f.read() != blob:

@@ -8,8 +8,8 @@ import os
 
 import numpy as np
 
-from hmmprompt.figure3 import records
-from hmmprompt import results as results_lib
+from hmmprompt.figure3 import schema
+from hmmprompt import files as files_lib
 from hmmprompt.pretrain import report as pretrain_report
 
 
@@ -63,7 +63,7 @@ def _curves(lines) -> dict:
   return dict(sorted(buckets.items()))
 
 
-def summarize(lines: list[records.ResultLine]) -> dict:
+def summarize(lines: list[schema.ResultLine]) -> dict:
   """(backbone, panel, hmm, method, features) -> {size: (mean, ci, n)}.
 
   The unit is the trial (an HMM draw with its backbone): a trial's tasks
@@ -84,7 +84,7 @@ def summarize(lines: list[records.ResultLine]) -> dict:
   return out
 
 
-def variance_components(lines: list[records.ResultLine]) -> dict:
+def variance_components(lines: list[schema.ResultLine]) -> dict:
   """Curve key -> {size: (sd between trials, sd within trials)} in points:
   the SD of the trial means (HMM draws) and the pooled SD of tasks around
   their trial's mean (task draws); only where both are measurable (>= 2
@@ -103,7 +103,7 @@ def variance_components(lines: list[records.ResultLine]) -> dict:
   return out
 
 
-def trial_table(lines: list[records.ResultLine]) -> str:
+def trial_table(lines: list[schema.ResultLine]) -> str:
   """Markdown, one row per (backbone, panel, size, trial): the trial's HMM
   fingerprint, its pretraining gap (transformer) and its accuracy (mean
   over its tasks) in every arm, so an outlier draw is visible."""
@@ -132,7 +132,7 @@ def trial_table(lines: list[records.ResultLine]) -> str:
                  else []) + [f"{h}: {_method_label(m)} ({f})"
                              for h, m, f in arms])
       out += [f"### {backbone}, {panel} panel", ""] + (
-          results_lib.markdown_table(head, [
+          files_lib.markdown_table(head, [
               [size, trial] + [row["fp"].get(h, "") for h in hmms]
               + ([row["gap"].get(h, "")
                   for h in hmms] if backbone == "transformer" else [])
@@ -141,7 +141,7 @@ def trial_table(lines: list[records.ResultLine]) -> str:
   return "\n".join(out)
 
 
-def wins_table(lines: list[records.ResultLine]) -> str:
+def wins_table(lines: list[schema.ResultLine]) -> str:
   """Markdown: per backbone and left-panel size, on how many draws prompt
   tuning beats head tuning (each draw's tasks averaged; same features):
   the paired view that a mean ± interval hides."""
@@ -165,12 +165,12 @@ def wins_table(lines: list[records.ResultLine]) -> str:
   if not rows:
     return ""
   return "\n".join(["## Prompt vs head tuning, draw by draw (left panel)",
-                    ""] + results_lib.markdown_table(
+                    ""] + files_lib.markdown_table(
       ("backbone", "features", "size", "draws", "prompt wins", "ties",
        "head wins"), rows) + [""])
 
 
-def diverged_table(lines: list[records.ResultLine]) -> str:
+def diverged_table(lines: list[schema.ResultLine]) -> str:
   """Markdown naming every cell whose tuning loss ended non-finite (its
   accuracy is that of a constant prediction, not of the method)."""
   bad = [r for r in lines if not np.isfinite(r.final_loss)]
@@ -178,7 +178,7 @@ def diverged_table(lines: list[records.ResultLine]) -> str:
     return ""
   out = [f"## Diverged tuning: {len(bad)} cell(s) ended with a non-finite "
          "loss (their accuracies are in the tables)", ""]
-  out += results_lib.markdown_table(
+  out += files_lib.markdown_table(
       ("backbone", "panel", "size", "trial", "task", "arm", "HMM",
        "test acc"),
       [(r.backbone, r.panel, r.size, r.trial, r.task,
@@ -187,13 +187,13 @@ def diverged_table(lines: list[records.ResultLine]) -> str:
   return "\n".join(out + [""])
 
 
-def components_table(lines: list[records.ResultLine]) -> str:
+def components_table(lines: list[schema.ResultLine]) -> str:
   comps = variance_components(lines)
   if not comps:
     return ""
   out = ["## Variance components (points): SD between trials (HMM draws) "
          "/ SD within a trial (task draws)", ""]
-  out += results_lib.markdown_table(
+  out += files_lib.markdown_table(
       ("curve", "size", "between", "within"),
       [(_label(k), size, f"{b:.1f}", f"{w:.1f}") for k, d in comps.items()
        for size, (b, w) in d.items()])
@@ -252,7 +252,7 @@ def write_table(summary: dict, path: str, extra: str = "",
     sizes = sorted({s for k in cols for s in summary[k]})
     paper = PAPER_LEFT if panel == "left" else PAPER_RIGHT
     head = ["size"] + [f"paper {p}" for p in paper] + [_label(k) for k in cols]
-    out += [f"## {title}", ""] + results_lib.markdown_table(head, [
+    out += [f"## {title}", ""] + files_lib.markdown_table(head, [
         [s] + [f"~{paper[p][s]}" if s in paper[p] else "" for p in paper]
         + [_cell(*summary[k][s]) if s in summary[k] else "" for k in cols]
         for s in sizes]) + [""]
@@ -262,11 +262,11 @@ def write_table(summary: dict, path: str, extra: str = "",
       out += [f"* {n}" for n in notes] + [""]
   if extra:
     out.append(extra)
-  results_lib.atomic_write_text(path, "\n".join(out))
+  files_lib.atomic_write_text(path, "\n".join(out))
 
 
 def write_plot(summary: dict, path: str) -> None:
-  fig, axes = results_lib.pyplot().subplots(1, 2, figsize=(12, 4.5))
+  fig, axes = files_lib.pyplot().subplots(1, 2, figsize=(12, 4.5))
   colors: dict = {}  # one colour per (backbone, hmm, method); style per features
   for ax, panel, paper, xlabel in (
       (axes[0], "left", PAPER_LEFT, "hidden states |H|"),
@@ -298,7 +298,7 @@ def write_plot(summary: dict, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
   fig.tight_layout()
-  results_lib.atomic_write_png(path, fig, dpi=120)
+  files_lib.atomic_write_png(path, fig, dpi=120)
 
 
 def report(workdir: str) -> dict:
@@ -306,8 +306,8 @@ def report(workdir: str) -> dict:
   components, the per-trial table, the pretraining table linking
   ``pretraining.png``), ``figure3.png`` and ``pretraining.png``; returns the
   summary."""
-  lines = records.read_results(workdir)
-  records.check_one_setup(lines, workdir)
+  lines = schema.read_results(workdir)
+  schema.check_one_setup(lines, workdir)
   summary = summarize(lines)
   extra = [diverged_table(lines), wins_table(lines), components_table(lines),
            trial_table(lines), pretrain_report.report(workdir)]

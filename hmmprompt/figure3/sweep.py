@@ -4,7 +4,7 @@ on one model size) by model; :func:`run` takes each model in turn
 pretrains their backbones and draws their tasks (:func:`prepare`), then
 tunes each group's missing cells, all its trials x tasks in one vmapped
 program (:func:`tune_group`); a cell is one task of one trial of a group,
-one :class:`records.ResultLine`.
+one :class:`schema.ResultLine`.
 
 Random streams are :mod:`hmmprompt.protocol`'s: a vanilla HMM depends only
 on its size and trial, so both panels share it (and its pretrained
@@ -26,9 +26,9 @@ from hmmprompt import scheduling
 from hmmprompt.protocol import Group
 from hmmprompt.protocol import ModelId
 from hmmprompt.figure3 import configs
-from hmmprompt.figure3 import records
+from hmmprompt.figure3 import schema
 from hmmprompt import generative
-from hmmprompt import results as results_lib
+from hmmprompt import files as files_lib
 from hmmprompt.backbones import Backbone
 from hmmprompt.backbones import depth as depth_lib
 from hmmprompt.backbones import transformer
@@ -168,7 +168,7 @@ def prepare(workdir: str, setup: configs.Setup, mid: ModelId,
 
 
 def tune_group(setup: configs.Setup, backbone_name: str, g: Group,
-               trials: Trials, cells) -> list[records.ResultLine]:
+               trials: Trials, cells) -> list[schema.ResultLine]:
   """Tunes ``g``'s ``cells`` (``(trial, task)`` pairs) in one program (the
   rectangle of their trials x tasks) per backbone depth
   (:meth:`Trials.by_depth`); returns their lines."""
@@ -188,7 +188,7 @@ def tune_group(setup: configs.Setup, backbone_name: str, g: Group,
   for k in trial_ids:
     for j, s in enumerate(task_ids):
       if (k, s) in cells:
-        lines.append(records.ResultLine(
+        lines.append(schema.ResultLine(
             backbone=backbone_name, panel=g.panel, hmm=mid.hmm,
             num_states=mid.num_states, memory_size=mid.memory_size,
             trial=k, task=s, method=g.method_name, features=g.features,
@@ -215,7 +215,7 @@ def check_workdir(workdir: str, setup: configs.Setup,
     ValueError: the workdir holds another setup's results.
   """
   mine = {setup.fingerprint(b) for b in BACKBONES}
-  others = sorted({r.setup for r in records.read_results(workdir)} - mine)
+  others = sorted({r.setup for r in schema.read_results(workdir)} - mine)
   if others and os.path.exists(os.path.join(workdir, STAMP)):
     # The stamp names what differs (old -> new); the lines' digits alone
     # name nothing a user can act on.
@@ -229,7 +229,7 @@ def check_workdir(workdir: str, setup: configs.Setup,
 
 
 def stamp(workdir: str, identity: dict, write: bool = True) -> None:
-  """:func:`results_lib.stamp` of ``DIR/sweep.json``, by process 0 only; a
+  """:func:`files_lib.stamp` of ``DIR/sweep.json``, by process 0 only; a
   stamp of the earlier version (the trial counts alone) is compared on
   those and, where they agree, upgraded."""
   path = os.path.join(workdir, STAMP)
@@ -238,12 +238,12 @@ def stamp(workdir: str, identity: dict, write: bool = True) -> None:
     with open(path) as f:
       had = json.load(f)
     if set(had) == {"trials", "right_trials"}:  # the earlier version's
-      results_lib.stamp(path, {k: identity[k] for k in had}, "setup",
+      files_lib.stamp(path, {k: identity[k] for k in had}, "setup",
                         write=False)
       if not write:
         return
       os.remove(path)  # upgraded below
-  results_lib.stamp(path, identity, "setup", write=write)
+  files_lib.stamp(path, identity, "setup", write=write)
 
 
 def missing_cells(setup: configs.Setup, workdir: str, panel: str,
@@ -251,7 +251,7 @@ def missing_cells(setup: configs.Setup, workdir: str, panel: str,
   """``{model: {group: its (trial, task) cells without a line in
   workdir}}`` over :func:`plan`'s models; a group with every line is left
   out (a finished model maps to ``{}``)."""
-  done = {line.key() for line in records.read_results(workdir)}
+  done = {line.key() for line in schema.read_results(workdir)}
   fp = setup.fingerprint(backbone_name)
   return {mid: {g: cells for g in groups if (cells := {
       (k, s) for k in range(setup.panel_trials(g.panel))
@@ -269,7 +269,7 @@ def run(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
   trials each; ``schedule``: which stacks, in which order, until when,
   :class:`scheduling.Schedule`, its ``seconds_per_weight`` per trial);
   finished lines are skipped. ``results_file``: where the lines go
-  (default: :func:`records.results_path` of the host shard);
+  (default: :func:`schema.results_path` of the host shard);
   ``checkpoints=False``: pretraining writes none (:func:`backbones`; a
   workdir nothing will resume). ``schedule.stop_at`` also stops inside
   pretraining.
@@ -309,6 +309,6 @@ def run(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
                                    checkpoints, schedule.stop_at),
       lambda g, trials: tune_group(setup, backbone_name, g, trials,
                                    todo[g.model_id][g]),
-      results_file or records.results_path(workdir, schedule.num_hosts,
+      results_file or schema.results_path(workdir, schedule.num_hosts,
                                            schedule.host_index),
       schedule, weight=lambda mid: stack_size(setup, mid))

@@ -26,10 +26,10 @@ from collections.abc import Callable
 
 import jax
 
-from hmmprompt.figure3 import records
+from hmmprompt.figure3 import schema
 from hmmprompt.figure3 import sweep
 from hmmprompt import protocol
-from hmmprompt import results as results_lib
+from hmmprompt import files as files_lib
 
 # Eigen's matmuls on one thread; the pinning in spawn() keeps the rest of
 # XLA's threads on the worker's one core.
@@ -158,7 +158,7 @@ def claims(claims_dir: str, backbone: str
 
 def results_path(workdir: str, worker: int) -> str:
   """Worker ``worker``'s own results file (read with the others by
-  :func:`records.read_results`)."""
+  :func:`schema.read_results`)."""
   return os.path.join(workdir, f"results-worker{worker}.jsonl")
 
 
@@ -166,11 +166,11 @@ def merge_results(workdir: str) -> int:
   """Moves every worker file's lines (a killed run's too) into
   ``DIR/results.jsonl`` by key, then removes the file; returns the lines
   added."""
-  path, added = records.results_path(workdir), 0
+  path, added = schema.results_path(workdir), 0
   for part in sorted(glob.glob(os.path.join(workdir,
                                             "results-worker*.jsonl"))):
-    new, _, _ = results_lib.merge_lines(
-        path, results_lib.read_lines(part, records.ResultLine))
+    new, _, _ = files_lib.merge_lines(
+        path, files_lib.read_lines(part, schema.ResultLine))
     added += len(new)
     os.remove(part)
   return added

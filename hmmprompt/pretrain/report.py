@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from hmmprompt import results as results_lib
+from hmmprompt import files as files_lib
 from hmmprompt.pretrain import workdir as pretrain_workdir
 
 # The gap the cpu and cpu_capped recipes stop at (pretrain/config.py);
@@ -32,7 +32,7 @@ def runs(workdir: str) -> list[tuple[str, Any, dict]]:
     run_dir = os.path.dirname(mpath)
     _, cfg = pretrain_workdir.read_config(pretrain_workdir.Paths.of(run_dir))
     by_trial: dict[int, list[dict]] = {}
-    for m in results_lib.read_jsonl(mpath):
+    for m in files_lib.read_jsonl(mpath):
       by_trial.setdefault(m.get("trial", 0), []).append(m)
     name = os.path.basename(run_dir)
     # A trial that fell back (PretrainConfig.fallback_layers) is reported
@@ -57,7 +57,7 @@ def _fallbacks(run_dir: str, cfg, by_trial: dict):
     if cfg.falls_back(ms[-1]) and os.path.exists(paths.metrics):
       out.append((k, pretrain_workdir.read_config(paths)[1],
                   [{**m, "trial": k} for m in
-                   results_lib.read_jsonl(paths.metrics)]))
+                   files_lib.read_jsonl(paths.metrics)]))
   return out
 
 
@@ -72,7 +72,7 @@ def table(runs) -> str:
                   for m in ms) for _, _, by_trial in runs)
   out = ["## Pretraining (transformer): held-out masked-position CE vs the "
          "exact Bayes CE", ""]
-  out += results_lib.markdown_table(
+  out += files_lib.markdown_table(
       ("model", "trial", "steps", "stack wall (s)", "mlm CE", "Bayes CE",
        "gap", "TV"),
       [(name, k, m["step"], f"{m.get('wall_s', float('nan')):.0f}",
@@ -99,7 +99,7 @@ def write_plot(runs, path: str) -> list[tuple[str, int]]:
   trial)``."""
   cols = min(len(runs), 4)
   rows = math.ceil(len(runs) / cols)
-  fig, axes = results_lib.pyplot().subplots(
+  fig, axes = files_lib.pyplot().subplots(
       rows, cols, figsize=(4 * cols, 3.2 * rows), sharey=True, squeeze=False)
   stalled = []
   for ax, (name, cfg, by_trial) in zip(axes.flat, runs):
@@ -132,7 +132,7 @@ def write_plot(runs, path: str) -> list[tuple[str, int]]:
   for ax in list(axes.flat)[len(runs):]:
     ax.set_visible(False)
   fig.tight_layout()
-  results_lib.atomic_write_png(path, fig, dpi=110)
+  files_lib.atomic_write_png(path, fig, dpi=110)
   return stalled
 
 
@@ -157,6 +157,6 @@ def write_report(workdir: str) -> str:
   """Writes ``DIR/pretraining.md`` and ``DIR/pretraining.png``; returns
   the markdown."""
   text = report(workdir)
-  results_lib.atomic_write_text(os.path.join(workdir, "pretraining.md"),
+  files_lib.atomic_write_text(os.path.join(workdir, "pretraining.md"),
                                 text)
   return text

@@ -28,7 +28,7 @@ import numpy as np
 from hmmprompt import identity as identity_lib
 from hmmprompt import checkpoints as ckpt_lib
 from hmmprompt import generative
-from hmmprompt import results as results_lib
+from hmmprompt import files as files_lib
 from hmmprompt.backbones import Backbone
 from hmmprompt.backbones import depth
 from hmmprompt.backbones import transformer
@@ -101,7 +101,7 @@ def prepare(workdir: str, cfg: PretrainConfig,
       raise ValueError(f"{workdir} was pretrained on a different HMM")
   elif jax.process_index() == 0:
     generative.save(paths.model, models_K)
-    results_lib.atomic_write_text(paths.config, json.dumps(
+    files_lib.atomic_write_text(paths.config, json.dumps(
         {"layout": LAYOUT, "pretrain": cfg.to_json()}, indent=1))
   return paths
 
@@ -109,13 +109,13 @@ def prepare(workdir: str, cfg: PretrainConfig,
 def read_metrics(paths: Paths, upto: int | None = None) -> list[dict]:
   """Evaluation lines (those after step ``upto`` dropped: a rerun redoes
   them from the checkpoint)."""
-  lines = results_lib.read_jsonl(paths.metrics)
+  lines = files_lib.read_jsonl(paths.metrics)
   return [m for m in lines if upto is None or m["step"] <= upto]
 
 
 def write_metrics(paths: Paths, metrics: list[dict]) -> None:
   if jax.process_index() == 0:
-    results_lib.atomic_write_text(
+    files_lib.atomic_write_text(
         paths.metrics, "".join(json.dumps(m) + "\n" for m in metrics))
 
 

@@ -39,7 +39,7 @@ from hmmprompt import protocol
 from hmmprompt import config_flags
 from hmmprompt import generative
 from hmmprompt import pretrain as pretrain_lib
-from hmmprompt import results as results_lib
+from hmmprompt import files as files_lib
 from hmmprompt import scheduling
 from hmmprompt import tasks as tasks_lib
 from hmmprompt import tuning
@@ -151,7 +151,7 @@ def get_setup(preset: str = "cpu",
 
 
 @dataclasses.dataclass(frozen=True)
-class CurveLine(results_lib.Line):
+class CurveLine(files_lib.Line):
   """One tuned (model, trial, checkpoint, method).
 
   Key fields (what a rerun looks up): ``model`` (:attr:`ModelId.tag`),
@@ -194,7 +194,7 @@ def results_path(workdir: str) -> str:
 
 def read_lines(workdir: str) -> list[CurveLine]:
   """The lines of DIR/curve.jsonl; ``ValueError`` naming a bad one."""
-  return results_lib.read_lines(results_path(workdir), CurveLine)
+  return files_lib.read_lines(results_path(workdir), CurveLine)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +231,7 @@ def check_workdir(workdir: str, setup: CurveSetup) -> None:
     ValueError: the workdir holds another setup's curve (what differs
       named).
   """
-  results_lib.stamp(os.path.join(workdir, "curve.json"), setup.identity(),
+  files_lib.stamp(os.path.join(workdir, "curve.json"), setup.identity(),
                     "curve setup")
 
 

@@ -11,7 +11,7 @@ from typing import Any, cast
 import numpy as np
 
 from hmmprompt import pretraining_curve as curve
-from hmmprompt import results as results_lib
+from hmmprompt import files as files_lib
 
 WITHIN = 0.02  # "within 2 points of the exact backbone"
 # The log x axis has no 0: a gap at or below this (float noise on the
@@ -97,7 +97,7 @@ def markdown(summary: dict) -> str:
                if i < len(methods[n]["acc"]) else "" for n in names]
             for i, step in enumerate(first["steps"])]
     rows.append(["exact", 0, 0] + [_pct(methods[n]["exact"]) for n in names])
-    out += [f"## {tag}", ""] + results_lib.markdown_table(
+    out += [f"## {tag}", ""] + files_lib.markdown_table(
         ["step", "CE gap", "TV", *names], rows)
     out.append("")
   out += ["## Summary", "",
@@ -133,7 +133,7 @@ def write_plot(summary: dict, path: str) -> None:
   """Test accuracy against CE gap (log x), one panel per model: head and
   prompt tuning over the checkpoints (means; each trial a faint dot), the
   exact backbone as horizontal lines in the same colours."""
-  fig, axes = results_lib.pyplot().subplots(1, len(summary), figsize=(4 * len(summary), 3.8),
+  fig, axes = files_lib.pyplot().subplots(1, len(summary), figsize=(4 * len(summary), 3.8),
                            squeeze=False)
   for ax, (tag, methods) in zip(axes[0], summary.items()):
     for i, (name, d) in enumerate(methods.items()):
@@ -157,7 +157,7 @@ def write_plot(summary: dict, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
   fig.tight_layout()
-  results_lib.atomic_write_png(path, fig, dpi=110)
+  files_lib.atomic_write_png(path, fig, dpi=110)
 
 
 def report(workdir: str) -> str:
@@ -165,7 +165,7 @@ def report(workdir: str) -> str:
   the markdown."""
   summary = summarize(curve.read_lines(workdir))
   text = markdown(summary)
-  results_lib.atomic_write_text(os.path.join(workdir, "curve.md"), text)
+  files_lib.atomic_write_text(os.path.join(workdir, "curve.md"), text)
   if summary:
     write_plot(summary, os.path.join(workdir, "curve.png"))
   return text

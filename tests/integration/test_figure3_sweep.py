@@ -11,10 +11,10 @@ import pytest
 import binaries  # tests/integration/binaries.py
 from hmmprompt import figure3
 from hmmprompt import scheduling
-from hmmprompt.figure3 import records
+from hmmprompt.figure3 import schema
 from hmmprompt.figure3 import sweep
 from hmmprompt import protocol
-from hmmprompt import results as results_lib
+from hmmprompt import files as files_lib
 from hmmprompt import tuning
 from hmmprompt.pretrain import train as pretrain_train
 
@@ -97,7 +97,7 @@ def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
   workdir = str(tmp_path)
   path = os.path.join(workdir, "results.jsonl")
   figure3.run(SETUP, workdir, "both", "exact")
-  lines = records.read_results(workdir)
+  lines = schema.read_results(workdir)
   # left: 2 methods; right: memory + vanilla; 2 seeds each.
   assert len(lines) == 8
   keys = {r.key() for r in lines}
@@ -121,12 +121,12 @@ def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
 
   monkeypatch.setattr(protocol.tuning, "tune_trials", boom)
   figure3.run(SETUP, workdir, "both", "exact")
-  assert len(results_lib.read_jsonl(path)) == 8
+  assert len(files_lib.read_jsonl(path)) == 8
 
   # Lose one group's lines (as if killed mid-sweep): only it is redone.
   monkeypatch.undo()
   kept = [r.to_json() for r in lines if r.method != "prompt_linear"]
-  results_lib.atomic_write_text(
+  files_lib.atomic_write_text(
       path, "".join(__import__("json").dumps(r) + "\n" for r in kept))
   calls = []
   real = tuning.tune_trials
@@ -138,7 +138,7 @@ def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
   monkeypatch.setattr(protocol.tuning, "tune_trials", counting)
   figure3.run(SETUP, workdir, "both", "exact")
   assert calls == [("prompt", "linear", "adam")]
-  redone = records.read_results(workdir)
+  redone = schema.read_results(workdir)
   assert len(redone) == 8
   # Deterministic: the recomputed lines equal the originals.
   old = {r.key(): r.test_accuracy for r in lines}
@@ -157,7 +157,7 @@ def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
   figure3.run(setup, workdir, "both", "exact")
   assert sorted(set(calls)) == [("head", "linear", "lbfgs"),
                                 ("prompt", "attention", "adam")]
-  lines = records.read_results(workdir)
+  lines = schema.read_results(workdir)
   arms = {(r.panel, r.hmm, r.method) for r in lines}
   assert arms == methods | {("left", "vanilla", "head_linear_lbfgs"),
                             ("right", "memory", "prompt_attention"),
@@ -240,7 +240,7 @@ _BAD_FLAGS = [
 def test_bad_flags_fail_clearly(tmp_path):
   other = tmp_path / "other"
   other.mkdir()
-  results_lib.atomic_write_text(str(other / "sweep.json"),
+  files_lib.atomic_write_text(str(other / "sweep.json"),
                                 '{"trials": 5, "right_trials": 5}')
   tiny = tmp_path / "tiny"
   tiny.mkdir()
@@ -248,8 +248,8 @@ def test_bad_flags_fail_clearly(tmp_path):
   lines = tmp_path / "lines"  # a tiny sweep's stamp and one of its lines
   lines.mkdir()
   sweep.check_workdir(str(lines), figure3.get_setup("tiny"))
-  results_lib.append_lines(records.results_path(str(lines)), [
-      records.ResultLine(
+  files_lib.append_lines(schema.results_path(str(lines)), [
+      schema.ResultLine(
           backbone="exact", panel="left", hmm="vanilla", num_states=4,
           memory_size=0, trial=0, task=0, method="head_linear",
           features="raw", setup=figure3.get_setup("tiny").fingerprint(),
@@ -354,11 +354,11 @@ def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
                                  "checkpoints")) == ["10"]
   second = run("tune")
   assert second.returncode == -signal.SIGKILL, second.stderr[-2000:]
-  assert [r["method"] for r in results_lib.read_jsonl(results)] == [
+  assert [r["method"] for r in files_lib.read_jsonl(results)] == [
       "head_linear"] * 2
   # (In this process: the programs are the first sweep's, compiled.)
   figure3.run(SETUP, crashed, "left", "transformer")
-  raw = results_lib.read_jsonl(results)
+  raw = files_lib.read_jsonl(results)
   got = figure3.read_results(crashed)
   assert len(raw) == len(got) == len({r.key() for r in got}) == 4
   want = {r.key(): r for r in lines if r.panel == "left"
@@ -381,7 +381,7 @@ def test_sharded_sweep_merges_to_the_unsharded_one(tmp_path):
   assert files == ["results-00000-of-00002.jsonl",
                    "results-00001-of-00002.jsonl", "sweep.json"]
   files = files[:2]
-  per_file = [{r["num_states"] for r in results_lib.read_jsonl(
+  per_file = [{r["num_states"] for r in files_lib.read_jsonl(
       os.path.join(shards, f))} for f in files]
   assert per_file == [{4}, {6}]  # each HMM on one host
   acc = lambda d: sorted((r.key(), r.test_accuracy)

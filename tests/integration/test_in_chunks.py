@@ -16,10 +16,10 @@ import pytest
 
 from hmmprompt.figure3 import chunks
 from hmmprompt import figure3
-from hmmprompt.figure3 import records
+from hmmprompt.figure3 import schema
 from hmmprompt.figure3 import sweep
 from hmmprompt import protocol
-from hmmprompt import results as results_lib
+from hmmprompt import files as files_lib
 from hmmprompt.pretrain import train as pretrain_train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
@@ -55,7 +55,7 @@ def _values(workdir):
   """Key -> every field but the timing ones."""
   return {r.key(): {k: v for k, v in r.to_json().items()
                     if k not in chunks.TIMING_FIELDS}
-          for r in records.read_results(workdir)}
+          for r in schema.read_results(workdir)}
 
 
 def test_chunk_sizes_close_over_shared_stacks_and_refuse_bad_text():
@@ -105,7 +105,7 @@ def test_chunks_in_two_processes_merge_to_the_whole_run(tmp_path,
   assert runs[0]["workers"] == 2 and "workers" not in runs[1]
   for out in outs:
     chunks.merge(os.path.join(out, chunks.ARCHIVE), merged)
-  assert len(results_lib.read_jsonl(os.path.join(merged, "runs.jsonl"))) == 2
+  assert len(files_lib.read_jsonl(os.path.join(merged, "runs.jsonl"))) == 2
   assert "paper prompt" in open(os.path.join(merged, "figure3.md")).read()
 
   info = chunks.run_chunk(SETUP, "all", "exact", empty,
@@ -127,7 +127,7 @@ def test_chunks_in_two_processes_merge_to_the_whole_run(tmp_path,
   counts = chunks.merge(os.path.join(outs[1], chunks.ARCHIVE),
                              merged)
   assert counts == {"added": 0, "kept": 8, "conflicts": 0}
-  assert len(results_lib.read_jsonl(os.path.join(merged,
+  assert len(files_lib.read_jsonl(os.path.join(merged,
                                                  "results.jsonl"))) == 12
 
   def boom(*a, **k):
@@ -141,7 +141,7 @@ def test_chunks_in_two_processes_merge_to_the_whole_run(tmp_path,
   # An archive of other trial counts, or of another setup, is refused.
   bad = str(tmp_path / "bad")
   os.makedirs(bad)
-  results_lib.atomic_write_text(os.path.join(bad, "sweep.json"),
+  files_lib.atomic_write_text(os.path.join(bad, "sweep.json"),
                                 '{"trials": 5, "right_trials": 5}')
   with pytest.raises(ValueError, match=re.escape(
       "holds results of another setup (right_trials: 5 -> 2; trials: 5 -> 2")):
@@ -151,8 +151,8 @@ def test_chunks_in_two_processes_merge_to_the_whole_run(tmp_path,
       "holds results of another setup (seed: 0 -> 1)")):
     chunks.run_chunk(other, "left:4", "exact", merged, str(tmp_path))
   os.remove(os.path.join(bad, "sweep.json"))
-  results_lib.append_lines(os.path.join(bad, "results.jsonl"), [dataclasses.replace(
-      records.read_results(merged)[0], setup="0123456789ab")])
+  files_lib.append_lines(os.path.join(bad, "results.jsonl"), [dataclasses.replace(
+      schema.read_results(merged)[0], setup="0123456789ab")])
   with pytest.raises(ValueError, match="exact lines of setups"):
     chunks.merge(os.path.join(outs[0], chunks.ARCHIVE), bad)
 
@@ -194,7 +194,7 @@ def test_transformer_chunk_archives_pretraining_metrics(tmp_path,
   # No checkpoints, no hmm.npz, no report (the merge renders it).
   assert not {"pretraining.png", "figure3.md"} & set(names)
   chunks.merge(os.path.join(out, chunks.ARCHIVE), results)
-  metrics = results_lib.read_jsonl(os.path.join(results, "pretrain", tag,
+  metrics = files_lib.read_jsonl(os.path.join(results, "pretrain", tag,
                                                 "metrics.jsonl"))
   assert {m["trial"] for m in metrics} == {0, 1}
   table = open(os.path.join(results, "figure3.md")).read()
@@ -268,7 +268,7 @@ def test_sigterm_mid_tuning_archives_every_finished_cell(tmp_path):
   # Group 1 (head tuning, 2 trials) finished; the prompt groups did not.
   assert run["cells_computed"] == 2, rest[-3000:]
   assert chunks.merge(archive, str(results))["added"] == 2
-  lines = records.read_results(str(results))
+  lines = schema.read_results(str(results))
   assert {(r.method, r.trial) for r in lines} == {("head_linear", 0),
                                                   ("head_linear", 1)}
   assert all(r.pretrain_ce_gap is not None for r in lines)

@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from hmmprompt import results as results_lib
+from hmmprompt import files as files_lib
 
 
 @dataclasses.dataclass(frozen=True)
-class ResultLine(results_lib.Line):
+class ResultLine(files_lib.Line):
   """One finished cell of the sweep.
 
   Key fields (what a rerun looks up): ``backbone`` (exact | transformer),
@@ -81,7 +81,7 @@ def results_path(workdir: str, num_hosts: int = 1, host_index: int = 0):
 
 def read_results(workdir: str) -> list[ResultLine]:
   """Lines of every results file in ``workdir`` (hosts write their own)."""
-  return results_lib.read_lines(os.path.join(workdir, "results*.jsonl"),
+  return files_lib.read_lines(os.path.join(workdir, "results*.jsonl"),
                                 ResultLine)
 
 

@@ -1,4 +1,4 @@
-"""hmmprompt.results: typed line files, merges, identities, workdir stamps
+"""hmmprompt.files: typed line files, merges, identities, workdir stamps
 and archives, the mechanisms every experiment's resume rests on."""
 
 import dataclasses
@@ -11,11 +11,11 @@ import tarfile
 import pytest
 
 from hmmprompt import identity as identity_lib
-from hmmprompt import results
+from hmmprompt import files
 
 
 @dataclasses.dataclass(frozen=True)
-class _Line(results.Line):
+class _Line(files.Line):
   name: str
   trial: int
   value: float
@@ -28,23 +28,23 @@ class _Line(results.Line):
 def test_lines_append_read_and_merge_by_key(tmp_path):
   path = str(tmp_path / "lines.jsonl")
   a, b = _Line("x", 0, 1.0), _Line("x", 1, 2.0)
-  results.append_lines(path, [a])
-  results.append_lines(path, [b])
-  assert results.read_lines(path, _Line) == [a, b]
+  files.append_lines(path, [a])
+  files.append_lines(path, [b])
+  assert files.read_lines(path, _Line) == [a, b]
   # A key already there keeps its line; other values under it are counted
   # as conflicts unless only an ignored (timing) field differs.
-  added, kept, conflicts = results.merge_lines(path, [
+  added, kept, conflicts = files.merge_lines(path, [
       _Line("x", 0, 1.0, seconds=9.0), _Line("x", 1, 3.0), _Line("y", 0, 4.0)],
       ignore=("seconds",))
   assert added == [_Line("y", 0, 4.0)] and kept == 2
   assert conflicts == [("x", 1)]
-  assert results.read_lines(path, _Line) == [a, b, _Line("y", 0, 4.0)]
+  assert files.read_lines(path, _Line) == [a, b, _Line("y", 0, 4.0)]
   with open(path, "a") as f:
     f.write(json.dumps({"name": "z", "trial": 0, "value": 1, "bogus": 1})
             + "\n")
   with pytest.raises(ValueError, match=r"lines.jsonl:4: test line has "
                      r"unknown fields \['bogus'\]"):
-    results.read_lines(path, _Line)
+    files.read_lines(path, _Line)
 
 
 def test_fingerprint_is_of_the_content_not_the_order():
@@ -56,14 +56,14 @@ def test_fingerprint_is_of_the_content_not_the_order():
 
 def test_stamp_records_then_refuses_another_identity_naming_fields(tmp_path):
   path = str(tmp_path / "stamp.json")
-  results.stamp(path, {"a": 1, "b": {"c": 2}}, write=False)
+  files.stamp(path, {"a": 1, "b": {"c": 2}}, write=False)
   assert not os.path.exists(path)  # a check only
-  results.stamp(path, {"a": 1, "b": {"c": 2}})
-  results.stamp(path, {"b": {"c": 2}, "a": 1})  # the same: fine
+  files.stamp(path, {"a": 1, "b": {"c": 2}})
+  files.stamp(path, {"b": {"c": 2}, "a": 1})  # the same: fine
   with pytest.raises(ValueError, match=re.escape(
       "holds results of another setup (a: 1 -> 3; b.c: 2 -> None; "
       "b.d: None -> 4)")):
-    results.stamp(path, {"a": 3, "b": {"d": 4}})
+    files.stamp(path, {"a": 3, "b": {"d": 4}})
   with open(path) as f:
     assert json.load(f) == {"a": 1, "b": {"c": 2}}  # untouched
 
@@ -86,11 +86,11 @@ def test_archives_round_trip_and_refuse_foreign_members(tmp_path):
   (root / "a.txt").write_text("A")
   (root / "sub" / "b.txt").write_text("B")
   archive = str(tmp_path / "x.tar.gz")
-  results.write_archive(archive, str(root), ["a.txt", "sub/b.txt"],
+  files.write_archive(archive, str(root), ["a.txt", "sub/b.txt"],
                         {"run.json": b"{}"})
   allowed = re.compile(r"a\.txt|sub/b\.txt|run\.json")
   out = tmp_path / "out"
-  assert results.read_archive(archive, str(out), allowed) == [
+  assert files.read_archive(archive, str(out), allowed) == [
       "a.txt", "sub/b.txt", "run.json"]
   assert (out / "sub" / "b.txt").read_text() == "B"
   assert (out / "run.json").read_text() == "{}"
@@ -101,7 +101,7 @@ def test_archives_round_trip_and_refuse_foreign_members(tmp_path):
     dest = tmp_path / f"dest-{bad[1]}"
     with pytest.raises(ValueError, match=re.escape(
         f"unexpected member {bad[0]!r}")):
-      results.read_archive(archive, str(dest), allowed)
+      files.read_archive(archive, str(dest), allowed)
     assert not dest.exists()
 
 
@@ -113,10 +113,10 @@ def test_written_files_have_the_mode_open_would_give(tmp_path):
   want = 0o666 & ~mask
   paths = [str(tmp_path / "a.txt"), str(tmp_path / "b.bin"),
            str(tmp_path / "c.jsonl"), str(tmp_path / "d.tar.gz")]
-  results.atomic_write_text(paths[0], "x")
-  results.atomic_write_bytes(paths[1], b"x")
-  results.append_jsonl(paths[2], [{"a": 1}])
-  results.write_archive(paths[3], str(tmp_path), ["a.txt"])
+  files.atomic_write_text(paths[0], "x")
+  files.atomic_write_bytes(paths[1], b"x")
+  files.append_jsonl(paths[2], [{"a": 1}])
+  files.write_archive(paths[3], str(tmp_path), ["a.txt"])
   for path in paths:
     assert os.stat(path).st_mode & 0o777 == want, path
 
