@@ -50,7 +50,7 @@ def _child(mode: str, workdir: str) -> None:
   setup = figure3.get_setup(_PRESET.value,
                             overrides={"pretrain.steps": _STEPS.value})
   t0 = time.perf_counter()
-  figure3.run(setup, workdir, "both", "transformer")
+  figure3.run_sweep(setup, workdir, "both", "transformer")
   stats["wall_s"] = time.perf_counter() - t0
   stats["lines"] = len(figure3.read_results(workdir))
   print(json.dumps(stats))

@@ -157,7 +157,7 @@ def _runs(trials: list[int]) -> list[list[int]]:
   return out
 
 
-def fingerprint(cfg: pretrain_lib.PretrainConfig) -> str:
+def recipe_fingerprint(cfg: pretrain_lib.PretrainConfig) -> str:
   return hashlib.sha256(json.dumps(cfg.identity(), sort_keys=True).encode()
                         ).hexdigest()[:8]
 
@@ -239,7 +239,7 @@ def summarize(lines: list[dict], tok_step: int) -> dict:
           if lines else None}
 
 
-def report(per_draw: dict, tok_step: int) -> str:
+def hard_set_table(per_draw: dict, tok_step: int) -> str:
   rows = ["| draw | gap @1M | gap @2.5M | gap @5M | M tokens to 0.04 |",
           "|---|---|---|---|---|"]
   n_in = 0
@@ -327,16 +327,16 @@ def main(argv):
   except ValueError as e:
     raise app.UsageError(str(e)) from e
   pcfg = cfg.pretrain
-  workdir = os.path.join(_WORKDIR.value, fingerprint(pcfg))
+  workdir = os.path.join(_WORKDIR.value, recipe_fingerprint(pcfg))
   os.makedirs(workdir, exist_ok=True)
   files_lib.atomic_write_text(os.path.join(workdir, "recipe.json"),
                                 json.dumps({"overrides": _CONFIG.value(),
                                             "pretrain": pcfg.to_json()},
                                            indent=1))
-  print(f"recipe {fingerprint(pcfg)}: overrides {_CONFIG.value()}",
+  print(f"recipe {recipe_fingerprint(pcfg)}: overrides {_CONFIG.value()}",
         flush=True)
   if _REPORT_ONLY.value:  # every draw of DIR, however grouped
-    print(report(read_hard_set(workdir), tokens_per_step(pcfg)))
+    print(hard_set_table(read_hard_set(workdir), tokens_per_step(pcfg)))
     return
   ratio = None
   if _BENCH.value:
@@ -349,7 +349,7 @@ def main(argv):
   per_draw = pretrain_hard_set(workdir, cfg,
                                log=lambda s: print(s, flush=True))
   wall, c1 = time.perf_counter() - t0, os.times()
-  table = report(per_draw, tokens_per_step(pcfg))
+  table = hard_set_table(per_draw, tokens_per_step(pcfg))
   times = (f"wall {wall:.0f} s, user {c1.user - c0.user:.0f} s, sys "
            f"{c1.system - c0.system:.0f} s (this process, this "
            f"invocation: a resumed run counts only what it ran)")

@@ -90,11 +90,11 @@ _DEADLINE = flags.DEFINE_float("deadline", None, "internal: the parent's "
 def _work(setup) -> None:
   """A ``--workers`` process: claims stacks of the chunk in the parent's
   workdir until its deadline, lines into its own file."""
-  sweep.run(chunks.chunk_setup(setup, _CHUNK.value), _WORKDIR.value, "both",
+  sweep.run_sweep(chunks.chunk_setup(setup, _CHUNK.value), _WORKDIR.value, "both",
             _BACKBONE.value, scheduling.Schedule(
                 claim=workers.claims(_CLAIMS.value, _BACKBONE.value),
                 deadline=_DEADLINE.value),
-            results_file=workers.results_path(_WORKDIR.value, _WORKER.value))
+            results_file=workers.worker_results_path(_WORKDIR.value, _WORKER.value))
 
 
 @cli.one_line_errors

@@ -12,7 +12,7 @@ telling the kinds apart itself, so a new kind is added here once.
   downstream label reads (``H_0`` at a leading ``MASK``, or the memory);
 * :func:`random_model`: Appendix D's random draw of either kind;
 * :func:`save` / :func:`load`: an ``.npz`` written atomically;
-* :func:`fingerprint`: a short hash of the parameters.
+* :func:`model_fingerprint`: a short hash of the parameters.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def _draw_stacked(key, num, model_kind, num_states, vocab_size, memory_size):
 
 
 def fingerprints(models: Model) -> list[str]:
-  """:func:`fingerprint` of every trial of stacked models (each leaf moved
+  """:func:`model_fingerprint` of every trial of stacked models (each leaf moved
   to the host once, not one validated trial at a time)."""
   num = num_trials(models)
   if num is None:
@@ -185,7 +185,7 @@ def fingerprints(models: Model) -> list[str]:
   return [_fingerprint(model_kind, [a[k] for a in host]) for k in range(num)]
 
 
-def fingerprint(model: Model) -> str:
+def model_fingerprint(model: Model) -> str:
   """12 hex digits of a hash of the kind and the float32 parameters."""
   return _fingerprint(kind(model), [np.asarray(leaf, np.float32)
                                     for leaf in model])

@@ -222,7 +222,7 @@ class Stack(NamedTuple):
   """A size's trials, drawn (:func:`draw_stack`)."""
 
   models_K: generative.Model  # stacked [K]
-  fingerprints: list[str]  # [K] generative.fingerprint of each HMM
+  fingerprints: list[str]  # [K] generative.model_fingerprint of each HMM
   tasks: list[list[tasks_lib.Task]]  # [K][S]
   verdicts: list[list[dict]] | None  # [K][S] theory.verdicts, if asked
 

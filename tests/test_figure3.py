@@ -248,7 +248,7 @@ def test_a_workdir_holds_one_setup(tmp_path):
       f"{mixed}: exact lines of setups ['0123456789ab', "
       f"'{tiny.fingerprint()}']; one results directory holds one setup per "
       f"backbone")):
-    reporting.report(str(mixed))
+    reporting.write_figure3_report(str(mixed))
   for bad in ({"trials": 0}, {"right_trials": 0}, {"tasks_per_hmm": 0},
               {"trials": 1.5}):
     with pytest.raises(ValueError, match="must be an int >= 1"):
@@ -370,7 +370,7 @@ def test_pretraining_plot_has_a_panel_per_size_and_is_linked(tmp_path):
   import json
   import os
   from hmmprompt import pretrain
-  assert pretrain_report.report(str(tmp_path)) == ""
+  assert pretrain_report.section(str(tmp_path)) == ""
   assert not os.path.exists(tmp_path / pretrain_report.PLOT)
   cfg = pretrain.preset_config("tiny")
   for name, gaps in (("vanilla-h12-abc", [0.03, 0.02]),
@@ -474,7 +474,7 @@ def test_the_pretraining_plot_draws_each_trials_gap_against_its_tokens(
                     "bayes_ce": 2.0, "ce_gap": g, "tv": 0.1,
                     "wall_s": step / 10 + k}) + "\n"
         for k, gs in gaps.items() for step, g in zip((20, 40, 60), gs)))
-  text = pretrain_report.report(str(tmp_path))
+  text = pretrain_report.section(str(tmp_path))
   fig, _ = figs[pretrain_report.PLOT]
   axes = [ax for ax in fig.axes if ax.get_visible()]
   assert [ax.get_title() for ax in axes] == [
@@ -517,7 +517,7 @@ def test_the_pretraining_plot_draws_each_trials_gap_against_its_tokens(
   for name in ("vanilla-h8-abc", "vanilla-h30-abc"):
     shutil.copytree(tmp_path / "pretrain" / "vanilla-h4-abc",
                     tmp_path / "pretrain" / name)
-  pretrain_report.report(str(tmp_path))
+  pretrain_report.section(str(tmp_path))
   fig, _ = figs[pretrain_report.PLOT]
   assert len(fig.axes) == 8
   assert [ax.get_visible() for ax in fig.axes] == [True] * 5 + [False] * 3
@@ -715,7 +715,7 @@ def test_the_committed_cpu_paper_report_is_rebuilt_from_its_lines(tmp_path):
       shutil.copytree(src, tmp_path / name)
     else:
       shutil.copy(src, tmp_path / name)
-  summary = reporting.report(str(tmp_path))
+  summary = reporting.write_figure3_report(str(tmp_path))
   with open(os.path.join(_CPU_PAPER, "figure3.md")) as f:
     assert (tmp_path / "figure3.md").read_text() == f.read()
   for plot in ("figure3.png", "pretraining.png"):
@@ -757,8 +757,8 @@ def test_worker_files_merge_into_results_by_key(tmp_path):
       __file__.rsplit("/tests/", 1)[0], "docs", "results",
       "figure3-cpu-paper"))[:30]
   d = str(tmp_path)
-  files_lib.append_lines(workers.results_path(d, 0), lines[:20])
-  files_lib.append_lines(workers.results_path(d, 1), lines[10:30])
+  files_lib.append_lines(workers.worker_results_path(d, 0), lines[:20])
+  files_lib.append_lines(workers.worker_results_path(d, 1), lines[10:30])
   files_lib.append_lines(schema.results_path(d), lines[:5])
   assert workers.merge_results(d) == 25
   assert sorted(os.listdir(d)) == ["results.jsonl"]

@@ -64,8 +64,8 @@ def test_save_load_round_trip_fingerprint_and_errors(pair, tmp_path):
     generative.save(path, model)
     back = generative.load(path)
     assert generative.same(back, model) and type(back) is type(model)
-    assert generative.fingerprint(back) == generative.fingerprint(model)
-  assert generative.fingerprint(pair[0]) != generative.fingerprint(pair[1])
+    assert generative.model_fingerprint(back) == generative.model_fingerprint(model)
+  assert generative.model_fingerprint(pair[0]) != generative.model_fingerprint(pair[1])
   assert not generative.same(*pair)
   with pytest.raises(FileNotFoundError, match="no model file"):
     generative.load(str(tmp_path / "missing.npz"))
@@ -90,7 +90,7 @@ def test_stacked_trials_equal_separate_draws(model_kind):
     assert generative.num_trials(single) is None
     assert generative.same(generative.trial(stacked, k), single)
   assert generative.same(generative.stack(singles), stacked)
-  assert generative.fingerprints(stacked) == [generative.fingerprint(m)
+  assert generative.fingerprints(stacked) == [generative.model_fingerprint(m)
                                           for m in singles]
   assert len(set(generative.fingerprints(stacked))) == 3
   # A stack of one is a trial count like any other (one trial per size).

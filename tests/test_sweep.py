@@ -60,7 +60,7 @@ def tuned(monkeypatch):
 
 def test_a_sweep_files_each_cell_once_with_its_draw(tmp_path, tuned):
   workdir = str(tmp_path)
-  assert sweep.run(SETUP, workdir, "both", "exact") == []
+  assert sweep.run_sweep(SETUP, workdir, "both", "exact") == []
   # One program per group, over the rectangle of its trials x tasks; the
   # stack holds the most trials any panel reads.
   assert tuned == [
@@ -106,14 +106,14 @@ def test_a_sweep_files_each_cell_once_with_its_draw(tmp_path, tuned):
 
   # A rerun tunes nothing; a lost cell is tuned alone, in its own program.
   tuned.clear()
-  assert sweep.run(SETUP, workdir, "both", "exact") == []
+  assert sweep.run_sweep(SETUP, workdir, "both", "exact") == []
   assert tuned == []
   path = schema.results_path(workdir)
   kept = [r for r in lines if not (r.method == "prompt_linear" and r.size == 4
                                    and (r.trial, r.task) == (1, 0))]
   files_lib.atomic_write_text(path, "".join(
       json.dumps(r.to_json()) + "\n" for r in kept))
-  sweep.run(SETUP, workdir, "both", "exact")
+  sweep.run_sweep(SETUP, workdir, "both", "exact")
   assert tuned == [("prompt", "linear", "adam", [(1, [0])], 1, 2)]
   assert sorted(r.key() for r in schema.read_results(workdir)) == sorted(
       r.key() for r in lines)
@@ -128,7 +128,7 @@ def test_missing_cells_are_the_plans_cells_without_a_line(tmp_path, tuned):
                 ("right", "head_linear", 2)]
   assert [(g.panel, c) for g, c in missing[H8].items()][-1] == (
       "right", {(0, 0), (0, 1)})
-  sweep.run(SETUP, workdir, "left", "exact")
+  sweep.run_sweep(SETUP, workdir, "left", "exact")
   left_done = sweep.missing_cells(SETUP, workdir, "both", "exact")
   assert left_done[H4] == {}
   assert [g.panel for g in left_done[H8]] == ["right"]
@@ -147,7 +147,7 @@ def test_shards_claims_and_deadlines_divide_whole_stacks(tmp_path, tuned):
   for i in range(2):
     workdir = str(tmp_path / "sharded")
     tuned.clear()
-    sweep.run(SETUP, workdir, "both", "exact",
+    sweep.run_sweep(SETUP, workdir, "both", "exact",
               scheduling.Schedule(num_hosts=2, host_index=i))
     lines = files_lib.read_jsonl(schema.results_path(workdir, 2, i))
     assert os.path.basename(schema.results_path(workdir, 2, i)) == (
@@ -159,7 +159,7 @@ def test_shards_claims_and_deadlines_divide_whole_stacks(tmp_path, tuned):
 
   asked = []
   claimed = str(tmp_path / "claimed")
-  sweep.run(SETUP, claimed, "both", "exact", scheduling.Schedule(
+  sweep.run_sweep(SETUP, claimed, "both", "exact", scheduling.Schedule(
       claim=lambda mid: asked.append(mid) or mid != H4),
             results_file=os.path.join(claimed, "mine.jsonl"))
   # The costliest first: the largest stacks, then |H| x max(|M|, 1).
@@ -170,12 +170,12 @@ def test_shards_claims_and_deadlines_divide_whole_stacks(tmp_path, tuned):
 
   tuned.clear()
   late = str(tmp_path / "late")
-  assert sweep.run(SETUP, late, "both", "exact", scheduling.Schedule(
+  assert sweep.run_sweep(SETUP, late, "both", "exact", scheduling.Schedule(
       deadline=time.monotonic() - 1)) == [m.tag for m in order]
   assert tuned == [] and schema.read_results(late) == []
   # pretrain_only makes the backbones (exact: nothing to make) and tunes
   # nothing.
-  assert sweep.run(SETUP, late, "both", "exact", pretrain_only=True) == []
+  assert sweep.run_sweep(SETUP, late, "both", "exact", pretrain_only=True) == []
   assert tuned == [] and sorted(os.listdir(late)) == ["sweep.json"]
 
 
@@ -197,7 +197,7 @@ def test_a_bad_run_is_refused_by_name_before_any_work(tmp_path, tuned,
   args = {**dict(setup=SETUP, workdir=str(tmp_path / "w"), panel="both",
                  backbone_name="exact"), **kwargs}
   with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
-    sweep.run(**args)
+    sweep.run_sweep(**args)
   assert not os.path.exists(tmp_path / "w") and tuned == []
 
 
@@ -231,7 +231,7 @@ def test_claims_take_the_costliest_stack_first(tmp_path, tuned):
   breaking ties."""
   setup = dataclasses.replace(SETUP, right_trials=2)
   asked = []
-  sweep.run(setup, str(tmp_path), "both", "exact", scheduling.Schedule(
+  sweep.run_sweep(setup, str(tmp_path), "both", "exact", scheduling.Schedule(
       claim=lambda mid: asked.append(mid) or False))
   assert asked == [H8, M2, H4] and tuned == []
 
@@ -242,7 +242,7 @@ def test_each_panel_alone_plans_and_runs_its_own_groups(tmp_path, tuned):
   assert {m: [(g.panel, g.method_name) for g in gs] for m, gs in
           sweep.plan(SETUP, "right").items()} == {
               H8: [("right", "head_linear")], M2: [("right", "head_attention")]}
-  sweep.run(SETUP, str(tmp_path), "right", "exact")
+  sweep.run_sweep(SETUP, str(tmp_path), "right", "exact")
   assert {(r.panel, r.hmm) for r in schema.read_results(str(tmp_path))} == {
       ("right", "vanilla"), ("right", "memory")}
   two = dataclasses.replace(SETUP, features=("raw", "log"), head_optimum=True)
@@ -321,7 +321,7 @@ def test_a_transformer_sweep_pretrains_each_stack_in_its_own_directory(
     tmp_path, tuned, pretrained):
   setup = dataclasses.replace(SETUP, finetune=True)
   workdir = str(tmp_path)
-  sweep.run(setup, workdir, "left", "transformer")
+  sweep.run_sweep(setup, workdir, "left", "transformer")
   assert [(pdir, cfg) for pdir, cfg, _ in pretrained] == [
       (protocol.pretrain_dir(workdir, setup, mid), setup.pretrain)
       for mid in (H4, H8)]
@@ -340,7 +340,7 @@ def test_a_transformer_sweep_pretrains_each_stack_in_its_own_directory(
   assert setup.fingerprint("transformer") != setup.fingerprint("exact")
   assert not sweep.missing_cells(setup, workdir, "left", "transformer")[H4]
   tuned.clear()
-  sweep.run(setup, workdir, "left", "transformer")  # its own lines: done
+  sweep.run_sweep(setup, workdir, "left", "transformer")  # its own lines: done
   assert tuned == []
   # Fine-tuning is an arm of the transformer's only when asked for.
   assert [g.method_name for g in sweep.plan(SETUP, "left", "transformer")[
@@ -351,7 +351,7 @@ def test_a_transformer_sweep_pretrains_each_stack_in_its_own_directory(
   pretrained.clear()
   tuned.clear()
   asked = []
-  sweep.run(setup, str(tmp_path / "p"), "both", "transformer",
+  sweep.run_sweep(setup, str(tmp_path / "p"), "both", "transformer",
             scheduling.Schedule(
                 claim=lambda mid: asked.append(mid) or mid != H4),
             pretrain_only=True)
@@ -364,8 +364,8 @@ def test_a_transformer_sweep_pretrains_each_stack_in_its_own_directory(
   with pytest.raises(ValueError, match="^" + re.escape(
       f"prompt_len + 1 + seq_len = {long.input_len} positions exceed the "
       f"pretrained context of {long.pretrain.model.max_len}")):
-    sweep.run(long, str(tmp_path / "long"), "left", "transformer")
-  sweep.run(long, str(tmp_path / "long"), "left", "exact")  # no context
+    sweep.run_sweep(long, str(tmp_path / "long"), "left", "transformer")
+  sweep.run_sweep(long, str(tmp_path / "long"), "left", "exact")  # no context
 
 
 def test_a_hard_deadline_skips_stacks_it_cannot_finish_and_stops_between_groups(

@@ -394,7 +394,7 @@ def test_run_takes_num_steps_steps(setup, num_train):
   data = _tiny(tuning.data_from_task(task_list[0], cfg))
   data = data._replace(train_tokens=data.train_tokens[:num_train],
                        train_labels=data.train_labels[:num_train])
-  _, losses, accs = jax.jit(tuning.run, static_argnums=(3, 4))(
+  _, losses, accs = jax.jit(tuning.run_seed, static_argnums=(3, 4))(
       jax.random.PRNGKey(0), bp, data, bb, cfg)
   assert losses.shape == (tuning.num_steps(num_train, cfg),)
   assert tuning.num_steps(num_train, cfg) == (2 if num_train < 32 else 4)

@@ -64,10 +64,10 @@ def _run(setup, workdir: str, names: list[str]) -> None:
       logging.info("backbone %s, preset %s, task %d of %d%s", name,
                    _PRESET.value, _TASK_INDEX.value, _NUM_TASKS.value,
                    "" if worker is None else f", worker {worker}")
-      sweep.run(setup, workdir, _PANEL.value, name, _schedule(name),
+      sweep.run_sweep(setup, workdir, _PANEL.value, name, _schedule(name),
                 pretrain_only=_PRETRAIN_ONLY.value,
                 results_file=None if worker is None else
-                workers.results_path(workdir, worker))
+                workers.worker_results_path(workdir, worker))
 
 
 @cli.one_line_errors
@@ -95,7 +95,7 @@ def main(argv):
   if _PRETRAIN_ONLY.value:
     print(pretrain_report.write_report(workdir))
     return
-  reporting.report(workdir)
+  reporting.write_figure3_report(workdir)
   cli.done(t0, results=schema.results_path(workdir, _NUM_TASKS.value,
                                              _TASK_INDEX.value),
            plot=os.path.join(workdir, "figure3.png"),

@@ -31,9 +31,9 @@ def main(argv):
     if _PRINT_CONFIG.value:
       return cli.print_config(setup)
     curve.check_workdir(workdir, setup)
-  curve.run(setup, workdir)
-  print(report.report(workdir))
-  cli.done(t0, results=curve.results_path(workdir),
+  curve.run_curve(setup, workdir)
+  print(report.write_curve_report(workdir))
+  cli.done(t0, results=curve.lines_path(workdir),
            table=os.path.join(workdir, "curve.md"),
            plot=os.path.join(workdir, "curve.png"))
 

@@ -16,7 +16,7 @@ stack, drawn, pretrained and tuned as one vmapped program
 (:mod:`hmmprompt.protocol`).
 
 * :mod:`.configs`: the config tree :class:`Setup` and its presets;
-* :mod:`.sweep`: the plan, the stacks, :func:`run`;
+* :mod:`.sweep`: the plan, the stacks, :func:`run_sweep`;
 * :mod:`.records`: :class:`ResultLine`, the declared schema of a line;
 * :mod:`.reporting`: tables and plots; :mod:`.chunks`: the sweep in
   chunks for a lent machine (``experiments/in_chunks.py``);
@@ -39,6 +39,6 @@ from hmmprompt.figure3.schema import ResultLine
 from hmmprompt.figure3.schema import read_results
 from hmmprompt.figure3.schema import results_path
 from hmmprompt.figure3.reporting import mean_ci
-from hmmprompt.figure3.reporting import report
+from hmmprompt.figure3.reporting import write_figure3_report
 from hmmprompt.figure3.sweep import BACKBONES
-from hmmprompt.figure3.sweep import run
+from hmmprompt.figure3.sweep import run_sweep

@@ -159,7 +159,7 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
   left (:func:`start_workdir`); ``None``: a temporary directory, deleted.
   ``compute(chunk_setup, workdir, deadline)`` computes the cells into
   ``workdir/results.jsonl`` and returns the tags of the stacks it skipped
-  for the deadline; default: :func:`sweep.run` in this process (the
+  for the deadline; default: :func:`sweep.run_sweep` in this process (the
   binary's ``--workers`` passes one that runs a process per core).
   ``info``: more fields for ``run.json`` (the binary's ``workers``).
   ``deadline_s``: the run's own hard deadline, seconds from its start: it
@@ -213,7 +213,7 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
         if compute is None:
           # A temporary workdir is never resumed: no checkpoints (a
           # 20-trial BERT-width stack's are ~10 GB an evaluation).
-          run_info["skipped_stacks"] = sweep.run(
+          run_info["skipped_stacks"] = sweep.run_sweep(
               chunk_cfg, workdir, "both", backbone, scheduling.Schedule(
                   deadline=deadline, stop_at=stop_at,
                   seconds_per_weight=seconds_per_trial(results_dir)),
@@ -356,7 +356,7 @@ def merge(archive: str, results_dir: str) -> dict:
         files_lib.append_jsonl(os.path.join(results_dir, "runs.jsonl"),
                                  [{**json.load(f), "archive":
                                    os.path.basename(archive)}])
-  reporting.report(results_dir)
+  reporting.write_figure3_report(results_dir)
   return {"added": len(added), "kept": kept, "conflicts": len(conflicts)}
 
 

@@ -301,7 +301,7 @@ def write_plot(summary: dict, path: str) -> None:
   files_lib.atomic_write_png(path, fig, dpi=120)
 
 
-def report(workdir: str) -> dict:
+def write_figure3_report(workdir: str) -> dict:
   """Writes ``figure3.md`` (the summary beside the paper, variance
   components, the per-trial table, the pretraining table linking
   ``pretraining.png``), ``figure3.png`` and ``pretraining.png``; returns the
@@ -310,7 +310,7 @@ def report(workdir: str) -> dict:
   schema.check_one_setup(lines, workdir)
   summary = summarize(lines)
   extra = [diverged_table(lines), wins_table(lines), components_table(lines),
-           trial_table(lines), pretrain_report.report(workdir)]
+           trial_table(lines), pretrain_report.section(workdir)]
   write_table(summary, os.path.join(workdir, "figure3.md"),
               extra="\n".join(e for e in extra if e),
               inputs=inputs_note(lines))

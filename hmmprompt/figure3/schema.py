@@ -25,7 +25,7 @@ class ResultLine(files_lib.Line):
   ``task`` (the downstream draw on that HMM), ``method``
   (``<method>_<head>``), ``features`` and ``setup``
   (:meth:`configs.Setup.fingerprint`). The rest are values:
-  ``hmm_fingerprint`` (:func:`generative.fingerprint` of the trial's HMM) and
+  ``hmm_fingerprint`` (:func:`generative.model_fingerprint` of the trial's HMM) and
   the results; ``pretrain_*`` (the trial's transformer) are ``None`` for
   the exact backbone.
   """

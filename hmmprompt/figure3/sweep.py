@@ -1,5 +1,5 @@
 """The sweep, top to bottom: :func:`plan` lists the groups (one tuning arm
-on one model size) by model; :func:`run` takes each model in turn
+on one model size) by model; :func:`run_sweep` takes each model in turn
 (:func:`protocol.run_stacks`), draws its stack of trials (HMM draws),
 pretrains their backbones and draws their tasks (:func:`prepare`), then
 tunes each group's missing cells, all its trials x tasks in one vmapped
@@ -261,7 +261,7 @@ def missing_cells(setup: configs.Setup, workdir: str, panel: str,
           for mid, groups in plan(setup, panel, backbone_name).items()}
 
 
-def run(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
+def run_sweep(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
         schedule: scheduling.Schedule = scheduling.EVERYTHING,
         pretrain_only: bool = False, results_file: str | None = None,
         checkpoints: bool = True) -> list[str]:

@@ -156,7 +156,7 @@ def claims(claims_dir: str, backbone: str
   return claim
 
 
-def results_path(workdir: str, worker: int) -> str:
+def worker_results_path(workdir: str, worker: int) -> str:
   """Worker ``worker``'s own results file (read with the others by
   :func:`schema.read_results`)."""
   return os.path.join(workdir, f"results-worker{worker}.jsonl")

@@ -136,7 +136,7 @@ def write_plot(runs, path: str) -> list[tuple[str, int]]:
   return stalled
 
 
-def report(workdir: str) -> str:
+def section(workdir: str) -> str:
   """Writes ``DIR/pretraining.png`` (:func:`write_plot`) and returns
   :func:`table` with a link to it and the trials that ended above their
   target named ("" without pretraining runs under ``DIR/pretrain/``)."""
@@ -156,7 +156,7 @@ def report(workdir: str) -> str:
 def write_report(workdir: str) -> str:
   """Writes ``DIR/pretraining.md`` and ``DIR/pretraining.png``; returns
   the markdown."""
-  text = report(workdir)
+  text = section(workdir)
   files_lib.atomic_write_text(os.path.join(workdir, "pretraining.md"),
                                 text)
   return text

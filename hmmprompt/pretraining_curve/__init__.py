@@ -188,13 +188,13 @@ class CurveLine(files_lib.Line):
   WHAT = "curve line"
 
 
-def results_path(workdir: str) -> str:
+def lines_path(workdir: str) -> str:
   return os.path.join(workdir, "curve.jsonl")
 
 
 def read_lines(workdir: str) -> list[CurveLine]:
   """The lines of DIR/curve.jsonl; ``ValueError`` naming a bad one."""
-  return files_lib.read_lines(results_path(workdir), CurveLine)
+  return files_lib.read_lines(lines_path(workdir), CurveLine)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +271,7 @@ def tune_group(setup: CurveSetup, g: Group, stack: protocol.Stack,
   num = setup.trials
   steps: tuple[int | None, ...]
   if g.backbone == "transformer":
-    assert ckpts is not None, "run() prepares a transformer group's checkpoints"
+    assert ckpts is not None, "run_curve() prepares a transformer group's checkpoints"
     steps, backbone = setup.pretrain.retain, ckpts.backbone
     params = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]),
                           ckpts.params_QxK)
@@ -299,7 +299,7 @@ def tune_group(setup: CurveSetup, g: Group, stack: protocol.Stack,
   return lines
 
 
-def run(setup: CurveSetup, workdir: str,
+def run_curve(setup: CurveSetup, workdir: str,
         schedule: scheduling.Schedule = scheduling.EVERYTHING
         ) -> list[CurveLine]:
   """Runs the groups without lines in DIR/curve.jsonl (pretraining a
@@ -329,6 +329,6 @@ def run(setup: CurveSetup, workdir: str,
 
   protocol.run_stacks(todo, prepare, lambda g, sc: [
       r for r in tune_group(setup, g, *sc) if r.key() not in done],
-                    results_path(workdir), schedule,
+                    lines_path(workdir), schedule,
                     weight=lambda mid: setup.trials)
   return read_lines(workdir)

@@ -160,7 +160,7 @@ def write_plot(summary: dict, path: str) -> None:
   files_lib.atomic_write_png(path, fig, dpi=110)
 
 
-def report(workdir: str) -> str:
+def write_curve_report(workdir: str) -> str:
   """Writes DIR/curve.md and DIR/curve.png from DIR/curve.jsonl; returns
   the markdown."""
   summary = summarize(curve.read_lines(workdir))

@@ -26,7 +26,7 @@ One role per module:
   :class:`hmmprompt.heads.Head` objects in :data:`hmmprompt.heads.HEADS`,
   and the loop only uses both interfaces, so a new one is one object and
   one registry entry) and one seed's arrays (:class:`Data`);
-* :mod:`~hmmprompt.tuning.loop`: :func:`run`, one seed end to end (pure,
+* :mod:`~hmmprompt.tuning.loop`: :func:`run_seed`, one seed end to end (pure,
   traceable, vmappable), and :func:`tune`, the host driver: one jitted
   program over any number of leading lane axes (seeds, tasks, trials), each
   lane getting what it gets alone (tested). :func:`tune_many` (``[S]``
@@ -45,7 +45,7 @@ from hmmprompt.tuning.config import data_from_task
 from hmmprompt.tuning.config import num_steps
 from hmmprompt.tuning.loop import Result
 from hmmprompt.tuning.loop import init_tunable
-from hmmprompt.tuning.loop import run
+from hmmprompt.tuning.loop import run_seed
 from hmmprompt.tuning.loop import stack_data
 from hmmprompt.tuning.loop import tune
 from hmmprompt.tuning.loop import lane_group_for

@@ -1,4 +1,4 @@
-"""Tuning: one seed end to end (:func:`run`, traceable and vmappable) and
+"""Tuning: one seed end to end (:func:`run_seed`, traceable and vmappable) and
 the host driver (:func:`tune`, one jitted program over any lane axes)."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def init_tunable(key, backbone: Backbone, bparams, cfg: TuneConfig,
                  num_tokens: int) -> dict:
   """The tunable params before training, ``{"head": ..., **extra}`` (the
   method's extra entries, e.g. ``"prompt" [P, D]``); ``num_tokens``
-  counts the ``MASK``. :func:`run` starts from ``init_tunable(
+  counts the ``MASK``. :func:`run_seed` starts from ``init_tunable(
   jax.random.split(key)[0], ...)``."""
   k_head, k_extra = jax.random.split(key)
   length = tasks_lib.input_len(cfg.num_prompt, num_tokens - 1)
@@ -106,7 +106,7 @@ def _accuracy(logits_fn, tunable, examples, labels_N, cfg: TuneConfig):
   return jnp.mean(preds_N == labels_N)
 
 
-def run(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
+def run_seed(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
   """One seed end to end: init, feature cache, training, accuracies.
 
   Pure and traceable (no host work): jit it, or vmap it over any of
@@ -131,7 +131,7 @@ def run(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
 
 
 def _run(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
-  """:func:`run`, and the steps taken ``[]`` (Adam: all of ``U``)."""
+  """:func:`run_seed`, and the steps taken ``[]`` (Adam: all of ``U``)."""
   k_init, k_perm = jax.random.split(key)
   n, num_tokens = data.train_tokens.shape
   tunable = init_tunable(k_init, backbone, bparams, cfg, num_tokens)
@@ -157,7 +157,7 @@ def _run(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
 @functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
 def _run_lanes(key_L, bparams, data_L: Data, backbone: Backbone,
                cfg: TuneConfig, param_axes: int, lane_group: int | None):
-  """:func:`run` vmapped over the lanes ``L`` (the leading axes of
+  """:func:`run_seed` vmapped over the lanes ``L`` (the leading axes of
   ``data_L``'s labels but the last); ``bparams`` has the first
   ``param_axes`` of them, and is shared along the rest.
 
@@ -242,7 +242,7 @@ def tune(key_L, backbone: Backbone, bparams, data_L: Data, cfg: TuneConfig,
   ``tokens [*L, N, T]`` and ``labels [*L, N]``, ``key_L`` a key per lane.
   ``bparams`` carries the first ``param_axes`` lane axes (0: one backbone
   for every lane; 1: one per trial, e.g. ``[K]`` of :func:`tune_trials`).
-  Each lane gets what :func:`run` gives it alone. ``lane_group``: the
+  Each lane gets what :func:`run_seed` gives it alone. ``lane_group``: the
   first lane axis runs this many at a time (``lax.map`` over vmapped
   groups, still one program), which bounds memory and on CPU runs faster
   (1 there: docs/performance.md); values move only by float rounding

@@ -33,7 +33,7 @@ def test_mkdocs_build_is_strict_and_clean(tmp_path):
             encoding="utf-8") as f:
     html = f.read()
   assert 'id="hmmprompt.tuning.loop.tune"' in html
-  assert 'href="#hmmprompt.tuning.loop.run"' in html  # a resolved :func:
+  assert 'href="#hmmprompt.tuning.loop.run_seed"' in html  # a resolved :func:
   assert ":func:" not in html and ":class:" not in html
 
 

@@ -54,7 +54,7 @@ else:
       kill()
     return real(*a, **k)
   protocol.tuning.tune_trials = tune_trials
-figure3.run(setup, sys.argv[1], "left", "transformer")
+figure3.run_sweep(setup, sys.argv[1], "left", "transformer")
 """
 
 
@@ -69,7 +69,7 @@ from hmmprompt import figure3
 assert jax.device_count() == 8, jax.devices()
 setup = dataclasses.replace(figure3.get_setup("tiny", **{args!r}),
                             memory_sizes=(2,))
-figure3.run(setup, sys.argv[1], "left", "transformer")
+figure3.run_sweep(setup, sys.argv[1], "left", "transformer")
 # A batch that does not split over the 8 is refused by name, before any
 # work (the binary's check_run is the library's first step).
 from hmmprompt.figure3 import configs
@@ -96,7 +96,7 @@ def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
   report columns without moving the paper's."""
   workdir = str(tmp_path)
   path = os.path.join(workdir, "results.jsonl")
-  figure3.run(SETUP, workdir, "both", "exact")
+  figure3.run_sweep(SETUP, workdir, "both", "exact")
   lines = schema.read_results(workdir)
   # left: 2 methods; right: memory + vanilla; 2 seeds each.
   assert len(lines) == 8
@@ -120,7 +120,7 @@ def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
     raise AssertionError("finished cells were recomputed")
 
   monkeypatch.setattr(protocol.tuning, "tune_trials", boom)
-  figure3.run(SETUP, workdir, "both", "exact")
+  figure3.run_sweep(SETUP, workdir, "both", "exact")
   assert len(files_lib.read_jsonl(path)) == 8
 
   # Lose one group's lines (as if killed mid-sweep): only it is redone.
@@ -136,7 +136,7 @@ def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
     return real(*a, **k)
 
   monkeypatch.setattr(protocol.tuning, "tune_trials", counting)
-  figure3.run(SETUP, workdir, "both", "exact")
+  figure3.run_sweep(SETUP, workdir, "both", "exact")
   assert calls == [("prompt", "linear", "adam")]
   redone = schema.read_results(workdir)
   assert len(redone) == 8
@@ -154,7 +154,7 @@ def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
                               head_optimum=True)
   assert setup.fingerprint("exact") == SETUP.fingerprint("exact")
   calls.clear()  # (``counting`` still stands in for tune_trials)
-  figure3.run(setup, workdir, "both", "exact")
+  figure3.run_sweep(setup, workdir, "both", "exact")
   assert sorted(set(calls)) == [("head", "linear", "lbfgs"),
                                 ("prompt", "attention", "adam")]
   lines = schema.read_results(workdir)
@@ -178,10 +178,10 @@ def test_sweep_writes_resumable_results(tmp_path, monkeypatch):
       assert r.steps == adam_steps
     assert 0.0 <= r.test_accuracy <= 1.0 and r.final_loss >= 0
   monkeypatch.setattr(protocol.tuning, "tune_trials", boom)
-  figure3.run(SETUP, workdir, "both", "exact")
+  figure3.run_sweep(SETUP, workdir, "both", "exact")
   monkeypatch.undo()
 
-  summary = figure3.report(workdir)
+  summary = figure3.write_figure3_report(workdir)
   assert summary
   with open(os.path.join(workdir, "figure3.png"), "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -284,7 +284,7 @@ def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
       [sys.executable, "-c", _EIGHT_DEVICES.format(args=_SETUP_ARGS), eight],
       env=_with_devices(8), cwd=ROOT, stdout=twin_log,
       stderr=subprocess.STDOUT)
-  figure3.run(setup, workdir, "both", "transformer")
+  figure3.run_sweep(setup, workdir, "both", "transformer")
   lines = figure3.read_results(workdir)
   # left: head, prompt, finetune; right: memory + vanilla; 2 seeds each.
   assert len(lines) == 10
@@ -308,7 +308,7 @@ def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
 
   monkeypatch.setattr(protocol.tuning, "tune_trials", boom)
   monkeypatch.setattr(pretrain_train, "make_train_step", boom)
-  figure3.run(setup, workdir, "both", "transformer")
+  figure3.run_sweep(setup, workdir, "both", "transformer")
   assert len(figure3.read_results(workdir)) == 10
   monkeypatch.undo()
 
@@ -331,7 +331,7 @@ def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
     assert r.pretrain_bayes_ce == want.pretrain_bayes_ce  # the same data
     assert abs(r.test_accuracy - want.test_accuracy) <= 1 / 32, r.key()
 
-  figure3.report(workdir)
+  figure3.write_figure3_report(workdir)
   table = open(os.path.join(workdir, "figure3.md")).read()
   assert "transformer: vanilla + prompt linear" in table
   assert "vanilla-h8" in table and "Bayes CE" in table
@@ -357,7 +357,7 @@ def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
   assert [r["method"] for r in files_lib.read_jsonl(results)] == [
       "head_linear"] * 2
   # (In this process: the programs are the first sweep's, compiled.)
-  figure3.run(SETUP, crashed, "left", "transformer")
+  figure3.run_sweep(SETUP, crashed, "left", "transformer")
   raw = files_lib.read_jsonl(results)
   got = figure3.read_results(crashed)
   assert len(raw) == len(got) == len({r.key() for r in got}) == 4
@@ -373,9 +373,9 @@ def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
 def test_sharded_sweep_merges_to_the_unsharded_one(tmp_path):
   whole, shards = str(tmp_path / "whole"), str(tmp_path / "shards")
   setup = dataclasses.replace(SETUP, left_sizes=(4, 6), trials=1)
-  figure3.run(setup, whole, "left", "exact")
+  figure3.run_sweep(setup, whole, "left", "exact")
   for i in range(2):
-    figure3.run(setup, shards, "left", "exact",
+    figure3.run_sweep(setup, shards, "left", "exact",
                 scheduling.Schedule(num_hosts=2, host_index=i))
   files = sorted(os.listdir(shards))
   assert files == ["results-00000-of-00002.jsonl",

@@ -279,7 +279,7 @@ def test_only_a_kept_workdir_checkpoints(tmp_path, monkeypatch):
   checkpoints (~10 GB an evaluation for 20 BERT-width trials); a kept
   --workdir keeps them, so a stack cut short resumes."""
   seen = []
-  monkeypatch.setattr(sweep, "run", lambda *a, **k: seen.append(
+  monkeypatch.setattr(sweep, "run_sweep", lambda *a, **k: seen.append(
       (k["checkpoints"], os.path.basename(a[1]))) or [])
   os.makedirs(tmp_path / "results")
   for workdir in (None, str(tmp_path / "kept")):

@@ -49,7 +49,7 @@ def retained_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_curve(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("curve"))
-  return workdir, curve.run(SETUP, workdir)
+  return workdir, curve.run_curve(SETUP, workdir)
 
 
 def _assert_trees_equal(a, b):
@@ -170,21 +170,21 @@ def test_curve_writes_every_line_and_a_rerun_computes_nothing(
         r.step == 40):
       assert r.ce_gap == pytest.approx(at40[r.trial]["ce_gap"], abs=1e-12)
       assert r.tv == pytest.approx(at40[r.trial]["tv"], abs=1e-12)
-  curve_report.report(workdir)
+  curve_report.write_curve_report(workdir)
   with open(os.path.join(workdir, "curve.png"), "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   table = open(os.path.join(workdir, "curve.md")).read()
   assert "## vanilla-h4" in table and "| exact | 0 | 0 |" in table
 
-  before = open(curve.results_path(workdir)).read()
+  before = open(curve.lines_path(workdir)).read()
 
   def boom(*a, **k):
     raise AssertionError("a finished group was recomputed")
 
   monkeypatch.setattr(protocol.tuning, "tune_trials", boom)
   monkeypatch.setattr(protocol.pretrain_lib, "run_trials", boom)
-  curve.run(SETUP, workdir)
-  assert open(curve.results_path(workdir)).read() == before
+  curve.run_curve(SETUP, workdir)
+  assert open(curve.lines_path(workdir)).read() == before
 
 
 def test_interrupted_curve_resumes_without_loss_or_duplicates(
@@ -206,7 +206,7 @@ def test_interrupted_curve_resumes_without_loss_or_duplicates(
 
   monkeypatch.setattr(protocol.tuning, "tune_trials", dies_second)
   with pytest.raises(_Crash):
-    curve.run(setup, workdir)
+    curve.run_curve(setup, workdir)
   first = curve.read_lines(workdir)
   assert len(first) == 3 * 2  # head, transformer: 3 checkpoints x 2 trials
 
@@ -218,7 +218,7 @@ def test_interrupted_curve_resumes_without_loss_or_duplicates(
                       lambda *a, **k: calls.append(a[4].method) or real(
                           *a, **k))
   monkeypatch.setattr(pretrain_train, "make_train_step", no_training)
-  lines = curve.run(setup, workdir)
+  lines = curve.run_curve(setup, workdir)
   assert calls == ["head", "prompt", "prompt"]
   assert len({r.key() for r in lines}) == len(lines) == 16
   strip = lambda r: {**dataclasses.asdict(r), "seconds": None}
