@@ -22,11 +22,6 @@ from hmmprompt import sharding
 from hmmprompt import tasks as tasks_lib
 from hmmprompt import tuning
 
-# TuneConfig fields added after result lines had been written (the head
-# optimum, L-BFGS): Setup.fingerprint hashes them only when not at their
-# defaults, so the earlier lines' fingerprints stand.
-TUNE_FIELDS_ADDED = ("optimizer", "lbfgs_tol", "lbfgs_max_steps",
-                     "lbfgs_l2")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -86,10 +81,10 @@ class Setup(protocol.TrialsConfig):
   def fingerprint(self, backbone: str = "exact") -> str:
     """12 hex digits keying result lines to the setup that made them.
 
-    The :data:`TUNE_FIELDS_ADDED` of ``tune`` are hashed only away from
-    their defaults: lines written before those fields existed keep their
-    fingerprint (their values did not change), and a non-default value
-    still moves it. Which arms run (``finetune``, ``prompt_attention``,
+    The fields of ``tune`` added after lines had been written (the
+    L-BFGS ones: :data:`identity.ADDED`) are hashed only away from their
+    defaults: lines written before those fields existed keep their
+    fingerprint, and a non-default value still moves it. Which arms run (``finetune``, ``prompt_attention``,
     ``head_optimum``) is in each line's key (its method), not here.
     """
     blob = self.identity()
@@ -106,12 +101,8 @@ class Setup(protocol.TrialsConfig):
     inputs with the pretraining recipe) and the trial counts, which decide
     its stacks' sizes: what ``DIR/sweep.json`` records. Sizes, panels and
     arms are left out: they add lines to a workdir without changing any."""
-    tune = identity_lib.identity(self.tune)
-    defaults = identity_lib.identity(tuning.TuneConfig())
-    for name in TUNE_FIELDS_ADDED:
-      if tune[name] == defaults[name]:
-        del tune[name]
-    return {"task": identity_lib.identity(self.task), "tune": tune,
+    return {"task": identity_lib.identity(self.task),
+            "tune": identity_lib.identity(self.tune),
             "seed": self.seed, "model_keys": protocol.MODEL_KEYS_VERSION,
             "pretrain": self.pretrain.identity(), **self.trial_counts()}
 

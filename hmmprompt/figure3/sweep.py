@@ -121,13 +121,14 @@ def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
 
 
 class Trials(NamedTuple):
-  """One model's stack of K trials, ready to tune (:func:`prepare`)."""
+  """One :class:`ModelId`'s stack of K trials, ready to tune
+  (:func:`prepare`)."""
 
   stack: protocol.Stack
   backbone: Backbone
   params_K: Any  # the backbone params, stacked [K, ...]
   pretrain: list[dict]  # [K] the pretrain_* fields of the trial's lines
-  models: list[transformer.MLMConfig | None]  # [K] own config (or exact)
+  mlm_configs: list[transformer.MLMConfig | None]  # [K] own (None: exact)
 
   def by_depth(self, trial_ids: list[int],
                dtype: str = "float32") -> list[tuple[Backbone, Any,
@@ -137,21 +138,21 @@ class Trials(NamedTuple):
     2-layer model padded to 4 pays the 4-layer backward in prompt
     tuning; docs/figure3.md has the cost)."""
     def depth(k: int) -> int:
-      model = self.models[k]
-      return 0 if model is None else model.num_layers
+      mlm = self.mlm_configs[k]
+      return 0 if mlm is None else mlm.num_layers
 
-    deepest = max(depth(k) for k in range(len(self.models)))
+    deepest = max(depth(k) for k in range(len(self.mlm_configs)))
     out = []
     for d in sorted({depth(k) for k in trial_ids}):
       ids = [k for k in trial_ids if depth(k) == d]
       params = self.params_K
-      if ids != list(range(len(self.models))):
+      if ids != list(range(len(self.mlm_configs))):
         params = jax.tree.map(lambda x, ids=ids: x[np.asarray(ids)], params)
       backbone = self.backbone
       if d != deepest:  # shallow models inside a padded stack
         params = depth_lib.take_layers(params, d)
         backbone = transformer.make_backbone(
-            cast(transformer.MLMConfig, self.models[ids[0]]), dtype)
+            cast(transformer.MLMConfig, self.mlm_configs[ids[0]]), dtype)
       out.append((backbone, params, ids))
     return out
 

@@ -49,6 +49,9 @@ from hmmprompt.backbones import exact
 # hashes it, and DIR/curve.json records it).
 LAYOUT = 1
 BACKBONES = ("transformer", "exact")
+# TuneConfig fields the curve's identity holds whatever their value
+# (:meth:`CurveSetup.identity`).
+_TUNE_KEYED = ("optimizer", "lbfgs_tol", "lbfgs_max_steps", "lbfgs_l2")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,8 +90,13 @@ class CurveSetup(protocol.TrialsConfig):
     """What DIR/curve.json records and :meth:`fingerprint` hashes: every
     result-deciding field, the checkpoint schedule and the key streams'
     version."""
+    ident = identity_lib.identity(self)
+    # The curve was first keyed when TuneConfig's L-BFGS fields were in
+    # every identity (they became identity.ADDED for Figure 3's older
+    # lines later): its identity keeps them at any value.
+    ident["tune"].update({n: getattr(self.tune, n) for n in _TUNE_KEYED})
     return json.loads(json.dumps(
-        {**identity_lib.identity(self), "retain": self.pretrain.retain,
+        {**ident, "retain": self.pretrain.retain,
          "model_keys": protocol.MODEL_KEYS_VERSION, "layout": LAYOUT}))
 
   def fingerprint(self) -> str:

@@ -127,13 +127,13 @@ class TuneConfig:
   batch_size: int = 32
   max_len: int | None = None
   eval_chunk: int = 250
-  optimizer: str = "adam"
-  lbfgs_tol: float = 1e-6
-  lbfgs_max_steps: int = 500
-  lbfgs_l2: float = 1e-4
-  # Added after results were keyed: out of identities at its default.
-  backbone_dtype: str = dataclasses.field(default="float32",
-                                          metadata=identity_lib.ADDED)
+  # Added after results were keyed (identity.ADDED): out of identities at
+  # their defaults, so the earlier lines' fingerprints stand.
+  optimizer: str = identity_lib.added("adam")
+  lbfgs_tol: float = identity_lib.added(1e-6)
+  lbfgs_max_steps: int = identity_lib.added(500)
+  lbfgs_l2: float = identity_lib.added(1e-4)
+  backbone_dtype: str = identity_lib.added("float32")
 
   def __post_init__(self):
     if self.backbone_dtype not in BACKBONE_DTYPES:
