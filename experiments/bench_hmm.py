@@ -12,9 +12,9 @@ Posterior: ``jax.jit(jax.vmap(hmm.posterior))`` vs dynamax's
 ``hmm_smoother`` vmapped the same way (its default arguments: its jitted signature makes
 ``compute_trans_probs`` a traced value, so it cannot be switched off) and
 hmmlearn's ``predict_proba``.
-Long sequences (issue 51): ``posterior`` with ``method="sequential"`` and
-``"parallel"`` vs dynamax's ``hmm_smoother`` and its associative-scan
-``parallel_hmm_smoother``, each ``jit(vmap)`` over ``--long_batch``
+Long sequences (issue 51): ``posterior`` with ``method="sequential"``,
+``"parallel"`` and ``"blocked"`` vs dynamax's ``hmm_smoother`` and its
+associative-scan ``parallel_hmm_smoother``, each ``jit(vmap)`` over ``--long_batch``
 sequences, on the grid ``--long_lens`` x ``--long_states``; ratios are
 times over our sequential path's in the same cell. Exact targets: one
 pretraining batch's ``corpus.exact_targets`` with each kernel.
@@ -198,7 +198,7 @@ def bench_long(vocab_size):
       print(f"Long posterior: {b} x {t} tokens, |H|={h}")
       fns = {f"hmmprompt method={m}": jax.jit(jax.vmap(
           lambda x, m=m: hmm_lib.posterior(model, x, method=m)))
-             for m in ("sequential", "parallel")}
+             for m in ("sequential", "parallel", "blocked")}
       for name, smoother in dyn.items():
         fns[name] = jax.jit(jax.vmap(
             lambda x, s=smoother: s(model.initial, model.transition,
@@ -235,7 +235,7 @@ def bench_targets(vocab_size):
                                            0.15, vocab_size, bert=True)
   print(f"Exact targets: {b} x {t} tokens, |H|={h}")
   base = ref = None
-  for method in ("sequential", "parallel"):
+  for method in ("sequential", "parallel", "blocked"):
     fn = jax.jit(jax.vmap(lambda x, w, m=method: corpus_lib.exact_targets(
         model, x, w, m)))
     got = fn(inputs, weights)

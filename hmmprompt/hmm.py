@@ -352,23 +352,101 @@ def forward_backward(hmm: HMM, evidence_TxH: jax.Array) -> Smoothed:
   dtype = jnp.result_type(hmm.transition.dtype, evidence_TxH.dtype)
   trans_HxH = hmm.transition.astype(dtype)
   ev_TxH = evidence_TxH.astype(dtype)
+  _, (pred_TxH, c_T) = jax.lax.scan(_forward_step(trans_HxH),
+                                    hmm.initial.astype(dtype), ev_TxH)
+  _, (post_TxH, masked_TxH) = jax.lax.scan(
+      _backward_step(trans_HxH), jnp.ones_like(pred_TxH[0]),
+      (pred_TxH, ev_TxH), reverse=True)
+  return Smoothed(jnp.sum(safe_log(c_T)), post_TxH, masked_TxH)
 
+
+def _forward_step(trans_HxH):
+  """One step of the forward scan: ``pred_t -> pred_{t+1}``, emitting
+  ``(pred_t, c_t)``."""
   def forward(pred_H, ev_H):
     filt_H, c = _normalize(pred_H * ev_H)
     return filt_H @ trans_HxH, (pred_H, c)
+  return forward
 
-  _, (pred_TxH, c_T) = jax.lax.scan(forward, hmm.initial.astype(dtype), ev_TxH)
 
+def _backward_step(trans_HxH):
+  """One step of the backward scan: ``back_t -> back_{t-1}``, emitting the
+  posterior and the masked posterior at ``t``."""
   def backward(back_H, pred_ev):
     pred_H, ev_H = pred_ev
     masked_H, _ = _normalize(pred_H * back_H)
     post_H, _ = _normalize(masked_H * ev_H)
     back_prev_H, _ = _normalize(trans_HxH @ (ev_H * back_H))
     return back_prev_H, (post_H, masked_H)
+  return backward
 
-  _, (post_TxH, masked_TxH) = jax.lax.scan(
-      backward, jnp.ones_like(pred_TxH[0]), (pred_TxH, ev_TxH), reverse=True)
-  return Smoothed(jnp.sum(safe_log(c_T)), post_TxH, masked_TxH)
+
+def _unit_matrices(m_NxHxH: jax.Array) -> jax.Array:
+  """Each ``H x H`` matrix rescaled to sum 1 (all-zero stays zero)."""
+  n, h, _ = m_NxHxH.shape
+  return _normalize(m_NxHxH.reshape(n, h * h))[0].reshape(n, h, h)
+
+
+def forward_backward_blocked(hmm: HMM, evidence_TxH: jax.Array,
+                             block: int | None = None) -> Smoothed:
+  """:func:`forward_backward` in ``C`` blocks of ``L`` positions
+  (default ``L = ceil(sqrt(T))``): about ``5 sqrt(T)`` dependent steps
+  instead of ``2 T``, for accelerators, where the scan's cost is the
+  latency of its steps, not their work.
+
+  1. Every block's transfer matrices, all blocks at once in ``L`` steps:
+     ``prod_t diag(e_t) A`` (a forward message across the block) and
+     ``prod_t A diag(e_t)`` (a backward one), each rescaled to sum 1.
+  2. The messages entering each block: ``C`` steps each way.
+  3. The sequential kernel's own forward and backward steps inside every
+     block at once, from those messages: ``2 L`` steps.
+
+  Positions past ``T`` (the last block's padding) get all-ones evidence,
+  which marginalises out (as ``MASK`` does). The same :class:`Smoothed` as
+  the sequential kernel, to float rounding (tested); exact zeros stay
+  zeros. Work ``O(T H^3)`` for the transfer matrices.
+  """
+  dtype = jnp.result_type(hmm.transition.dtype, evidence_TxH.dtype)
+  trans_HxH = hmm.transition.astype(dtype)
+  num, h = evidence_TxH.shape
+  size = block or max(1, int(np.ceil(np.sqrt(num))))
+  blocks = -(-num // size)
+  ev_CxLxH = jnp.concatenate(
+      [evidence_TxH.astype(dtype),
+       jnp.ones((blocks * size - num, h), dtype)]).reshape(blocks, size, h)
+
+  def transfer(carry, ev_CxH):
+    fwd_CxHxH, bwd_CxHxH = carry
+    return (_unit_matrices(fwd_CxHxH @ (ev_CxH[:, :, None] * trans_HxH)),
+            _unit_matrices(bwd_CxHxH @ (trans_HxH * ev_CxH[:, None, :]))
+            ), None
+
+  eye_CxHxH = jnp.broadcast_to(jnp.eye(h, dtype=dtype), (blocks, h, h))
+  (fwd_CxHxH, bwd_CxHxH), _ = jax.lax.scan(
+      transfer, (eye_CxHxH, eye_CxHxH), jnp.swapaxes(ev_CxLxH, 0, 1))
+  # The messages entering each block: the forward one before its first
+  # position, the backward one at its last.
+  step_in = lambda m_H, t_HxH: (_normalize(m_H @ t_HxH)[0], m_H)
+  _, pred_in_CxH = jax.lax.scan(step_in, hmm.initial.astype(dtype),
+                                fwd_CxHxH)
+  step_back = lambda b_H, t_HxH: (_normalize(t_HxH @ b_H)[0], b_H)
+  _, back_in_CxH = jax.lax.scan(step_back, jnp.ones((h,), dtype), bwd_CxHxH,
+                                reverse=True)
+  forward = lambda p_H, ev_LxH: jax.lax.scan(_forward_step(trans_HxH), p_H,
+                                             ev_LxH)
+  out_CxH, (pred_CxLxH, c_CxL) = jax.vmap(forward)(pred_in_CxH, ev_CxLxH)
+  backward = lambda b_H, pred_LxH, ev_LxH: jax.lax.scan(
+      _backward_step(trans_HxH), b_H, (pred_LxH, ev_LxH), reverse=True)[1]
+  post_CxLxH, masked_CxLxH = jax.vmap(backward)(back_in_CxH, pred_CxLxH,
+                                                ev_CxLxH)
+  flat = lambda x: x.reshape((blocks * size,) + x.shape[2:])[:num]
+  # log P(e) as the scan gives it for any transition matrix (so that its
+  # gradient is the scan's, off the simplex too): each block's scales, and
+  # the mass its outgoing message had before the next block's entry
+  # message was rescaled to sum 1; the padding's scales left out.
+  log_lik = (jnp.sum(safe_log(flat(c_CxL)))
+             + jnp.sum(safe_log(jnp.sum(out_CxH[:-1], axis=-1))))
+  return Smoothed(log_lik, flat(post_CxLxH), flat(masked_CxLxH))
 
 
 def _combine(left, right):
@@ -442,10 +520,12 @@ def token_evidence(hmm: HMM, tokens_T: jax.Array) -> jax.Array:
       hmm.emission.dtype)
 
 
-METHODS = ("sequential", "parallel", "auto")
+METHODS = ("sequential", "parallel", "blocked", "auto")
 """The entry points' ``method``: :func:`forward_backward` (a scan over
-time), :func:`forward_backward_parallel` (associative scans) or ``auto``
-(:func:`resolve_method`)."""
+time), :func:`forward_backward_parallel` (associative scans),
+:func:`forward_backward_blocked` (scans over blocks and within them) or
+``auto`` (:func:`resolve_method`; it picks no ``blocked`` until an
+accelerator has timed it)."""
 # auto's threshold: on GPUs an associative scan won from long sequences on
 # (T = 10 240) and lost at T = 512 with batches of hundreds (the H100 probe
 # of 2026-11-26, docs/performance.md); on CPUs the scan is the measured
@@ -454,8 +534,9 @@ _AUTO_PARALLEL_FROM = 2048
 
 
 def resolve_method(method: str, length: int) -> str:
-  """``sequential`` or ``parallel`` for ``method`` on a sequence of
-  ``length`` positions (``auto``: parallel on an accelerator from
+  """The kernel (``sequential``, ``parallel`` or ``blocked``) for
+  ``method`` on a sequence of ``length`` positions (``auto``: parallel on
+  an accelerator from
   ``_AUTO_PARALLEL_FROM`` positions on, else sequential); ``ValueError``
   naming a bad one."""
   if method not in METHODS:
@@ -468,10 +549,11 @@ def resolve_method(method: str, length: int) -> str:
 
 def smooth_by(hmm: HMM, evidence_TxH: jax.Array,
               method: str = "sequential") -> Smoothed:
-  """:func:`forward_backward` (``sequential``) or
-  :func:`forward_backward_parallel` (``parallel``)."""
-  kernel = (forward_backward_parallel if method == "parallel"
-            else forward_backward)
+  """:func:`forward_backward` (``sequential``),
+  :func:`forward_backward_parallel` (``parallel``) or
+  :func:`forward_backward_blocked` (``blocked``)."""
+  kernel = {"parallel": forward_backward_parallel,
+            "blocked": forward_backward_blocked}.get(method, forward_backward)
   return kernel(hmm, evidence_TxH)
 
 

@@ -108,9 +108,11 @@ _INPUTS = np.array([2, hmm_lib.MASK, 1, 3, hmm_lib.MASK])
 _SELECTED = np.array([0, 1, 1, 0, 1], np.float32)
 
 
-# Both kernels (hmm.METHODS): the associative scan agrees with the scan to
-# ~H log2(T) eps (tests/test_hmm.py), far inside the 2e-6 used here.
-_KERNELS = pytest.mark.parametrize("method", ["sequential", "parallel"])
+# Every kernel (hmm.METHODS): the associative and blocked scans agree with
+# the scan to ~H log2(T) and ~H sqrt(T) eps (tests/test_hmm.py), far
+# inside the 2e-6 used here at T = 5.
+_KERNELS = pytest.mark.parametrize("method",
+                                   ["sequential", "parallel", "blocked"])
 
 
 @_KERNELS

@@ -108,7 +108,7 @@ def test_zero_evidence_vector_gives_zero_output(tiny_hmm):
   np.testing.assert_allclose(cond[2].sum(), 1.0, rtol=1e-6)
 
 
-@pytest.mark.parametrize("method", ["sequential", "parallel"])
+@pytest.mark.parametrize("method", ["sequential", "parallel", "blocked"])
 def test_float32_matches_float64_on_long_paper_sequence(paper_hmm, method):
   """Both kernels hold float32 at T = 10 240 against float64 in the log
   domain: every message (scan) or product (associative scan) is rescaled
@@ -711,15 +711,20 @@ def test_checkify_checks_the_model_and_tokens_inside_jit():
 # H x H product rescaled to sum 1 (a relative rounding of ~H eps per
 # entry), log2(T) combines deep, so ~H log2(T) eps ~ 30 * 14 * 6e-8 < 3e-5
 # of a probability at T = 10 240, |H| = 30.
-_par = jax.jit(hmm_lib.forward_backward_parallel)
+# The blocked kernel: each message crosses at most L = ceil(sqrt(T))
+# rescaled steps of a block's product and C entry steps, ~H sqrt(T) eps
+# (< 3e-5 up to T ~ 250 at |H| = 30; measured 6e-8 at T = 777).
 _seq = jax.jit(hmm_lib.forward_backward)
+_KERNELS = {"parallel": jax.jit(hmm_lib.forward_backward_parallel),
+            "blocked": jax.jit(hmm_lib.forward_backward_blocked)}
 
 
+@pytest.mark.parametrize("kernel", sorted(_KERNELS))
 @pytest.mark.parametrize("tokens", TOKEN_CASES)
-def test_parallel_kernel_matches_brute_force(tiny_hmm, tokens):
+def test_parallel_kernel_matches_brute_force(tiny_hmm, tokens, kernel):
   ev = ref.evidence_from_tokens(tiny_hmm.emission, tokens)
   lik, post, tau = ref.brute_force(tiny_hmm.initial, tiny_hmm.transition, ev)
-  got = _par(tiny_hmm, jnp.asarray(ev, jnp.float32))
+  got = _KERNELS[kernel](tiny_hmm, jnp.asarray(ev, jnp.float32))
   np.testing.assert_allclose(got.log_likelihood, np.log(lik), rtol=1e-5,
                              atol=1e-5)
   np.testing.assert_allclose(got.posterior, post, atol=2e-6)
@@ -727,9 +732,11 @@ def test_parallel_kernel_matches_brute_force(tiny_hmm, tokens):
                              atol=2e-6)
 
 
+@pytest.mark.parametrize("kernel", sorted(_KERNELS))
 @pytest.mark.parametrize("length", [1, 2, 7, 64])
 def test_parallel_kernel_equals_sequential_on_sparse_paper_hmms(paper_hmm,
-                                                                length):
+                                                                length,
+                                                                kernel):
   """Exact zeros (Appendix D's transitions) stay exact: no NaN, the same
   posteriors, log-likelihood and its gradient; MASKs and an impossible
   sequence (log-likelihood -inf, all-zero posteriors there) included."""
@@ -740,18 +747,21 @@ def test_parallel_kernel_equals_sequential_on_sparse_paper_hmms(paper_hmm,
   # Impossible evidence: a position no state explains.
   cases = [ev, ev.at[length // 2].set(0.0)]
   for ev in cases:
-    a, b = _seq(paper_hmm, ev), _par(paper_hmm, ev)
+    a, b = _seq(paper_hmm, ev), _KERNELS[kernel](paper_hmm, ev)
     assert np.isfinite(a.log_likelihood) == np.isfinite(b.log_likelihood)
     np.testing.assert_allclose(b.log_likelihood, a.log_likelihood, rtol=1e-5)
     for x, y in ((a.posterior, b.posterior),
                  (a.masked_posterior, b.masked_posterior)):
       assert not np.isnan(np.asarray(y)).any()
       np.testing.assert_allclose(y, x, atol=3e-5)
-  assert np.isneginf(float(_par(paper_hmm, cases[1]).log_likelihood))
+  assert np.isneginf(float(_KERNELS[kernel](paper_hmm,
+                                            cases[1]).log_likelihood))
   ll = lambda kernel: lambda m: kernel(m, hmm_lib.token_evidence(
       m, jnp.asarray(tokens))).log_likelihood
   g_seq = jax.grad(ll(hmm_lib.forward_backward))(paper_hmm)
-  g_par = jax.grad(ll(hmm_lib.forward_backward_parallel))(paper_hmm)
+  g_par = jax.grad(ll({"parallel": hmm_lib.forward_backward_parallel,
+                       "blocked": hmm_lib.forward_backward_blocked}[kernel]
+                      ))(paper_hmm)
   for x, y in zip(g_seq, g_par):
     assert np.isfinite(np.asarray(y)).all()
     np.testing.assert_allclose(y, x, rtol=1e-3, atol=1e-3)
@@ -772,26 +782,30 @@ def test_entry_points_take_a_method_and_agree(paper_hmm):
                   (lambda m, e, method: hmm_lib.smooth(m, e, method).posterior,
                    ev)):
     seq = fn(paper_hmm, arg, method="sequential")
-    np.testing.assert_allclose(fn(paper_hmm, arg, method="parallel"), seq,
-                               atol=3e-5, rtol=1e-5)
+    for method in ("parallel", "blocked"):
+      np.testing.assert_allclose(fn(paper_hmm, arg, method=method), seq,
+                                 atol=3e-5, rtol=1e-5)
     np.testing.assert_array_equal(fn(paper_hmm, arg, method="auto"), seq)
   batch = jnp.stack([tokens, jnp.roll(tokens, 7)])
   per = lambda method: jax.jit(jax.vmap(
       lambda t: hmm_lib.posterior(paper_hmm, t, method=method)))(batch)
   np.testing.assert_allclose(per("parallel"), per("sequential"), atol=3e-5)
+  np.testing.assert_allclose(per("blocked"), per("sequential"), atol=3e-5)
   grad = lambda method: jax.grad(
       lambda m: hmm_lib.log_likelihood(m, tokens, method=method))(paper_hmm)
-  for x, y in zip(grad("sequential"), grad("parallel")):
-    np.testing.assert_allclose(y, x, rtol=1e-3, atol=1e-3)
+  for method in ("parallel", "blocked"):
+    for x, y in zip(grad("sequential"), grad(method)):
+      np.testing.assert_allclose(y, x, rtol=1e-3, atol=1e-3)
   assert hmm_lib.resolve_method("auto", 10240) == (
       "sequential" if jax.default_backend() == "cpu" else "parallel")
   with pytest.raises(ValueError, match="^" + re.escape(
-      "method must be one of ('sequential', 'parallel', 'auto'), got "
+      "method must be one of ('sequential', 'parallel', 'blocked', 'auto'), "
+      "got "
       "'fast'") + "$"):
     hmm_lib.posterior(paper_hmm, tokens, method="fast")
 
 
-@pytest.mark.parametrize("method", ["sequential", "parallel"])
+@pytest.mark.parametrize("method", ["sequential", "parallel", "blocked"])
 def test_right_padding_with_mask_gives_each_sequence_its_own_posterior(
     paper_hmm, method):
   """A batch of sequences of several lengths, right-padded with MASK to one

@@ -464,6 +464,7 @@ def test_memory_entry_points_take_a_method_and_agree():
   for fn in (memory_lib.memory_posterior, memory_lib.memory_masked_posterior,
              memory_lib.conditionals):
     seq = fn(mhmm, tokens, method="sequential")
-    np.testing.assert_allclose(fn(mhmm, tokens, method="parallel"), seq,
-                               atol=3e-5)
+    for method in ("parallel", "blocked"):
+      np.testing.assert_allclose(fn(mhmm, tokens, method=method), seq,
+                                 atol=3e-5)
     np.testing.assert_array_equal(fn(mhmm, tokens), seq)  # auto on a CPU

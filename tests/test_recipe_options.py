@@ -106,14 +106,15 @@ def test_exact_method_is_runtime_and_the_kernels_give_the_same_step():
   assert cfg.with_overrides(exact_method="parallel").identity() == (
       cfg.identity())
   with pytest.raises(ValueError, match=r"^PretrainConfig.exact_method must "
-                     r"be one of \('sequential', 'parallel', 'auto'\), got "
+                     r"be one of \(.sequential., .parallel., .blocked., .auto.\), "
+                     r"got "
                      r"'fast'$"):
     cfg.with_overrides(exact_method="fast")
   inputs, tokens, weights = corpus_lib.batch_at(
       jax.random.PRNGKey(2), 0, hmm, None, cfg.corpus, cfg.batch_size, 10)
   hmms = jax.tree.map(lambda x: x[None], hmm)
   losses = {}
-  for method in ("sequential", "parallel", "auto"):
+  for method in ("sequential", "parallel", "blocked", "auto"):
     step = train.make_train_step(cfg.with_overrides(exact_method=method),
                                  pretrain.loop.sharding_lib.data_mesh())
     # A fresh stack each time: the step donates its states.
@@ -121,8 +122,9 @@ def test_exact_method_is_runtime_and_the_kernels_give_the_same_step():
                                cfg)
     _, losses[method] = step(states, inputs[None], tokens[None],
                              weights[None], hmms)
-  np.testing.assert_allclose(losses["parallel"], losses["sequential"],
-                             atol=1e-4)
+  for method in ("parallel", "blocked"):
+    np.testing.assert_allclose(losses[method], losses["sequential"],
+                               atol=1e-4)
   # auto is the scan on a CPU at this length: bit for bit.
   if jax.default_backend() == "cpu":
     np.testing.assert_array_equal(losses["auto"], losses["sequential"])
