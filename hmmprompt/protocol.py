@@ -168,9 +168,9 @@ def memory(memory_size: int) -> ModelId:
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-  """One model size and one tuning arm: one program, one append."""
+  """One model size and one tuning arm: one program, one append (an
+  experiment subclasses it with what else keys its groups)."""
 
-  panel: str  # the sweep's "left" | "right"; "" elsewhere
   model_id: ModelId
   method: str  # "head" | "prompt" | "finetune"
   head: str  # "linear" | "attention"
@@ -185,8 +185,7 @@ class Group:
     return name if self.optimizer == "adam" else f"{name}_{self.optimizer}"
 
   def __str__(self) -> str:
-    return " ".join(x for x in (self.panel, self.method_name,
-                                f"({self.features})") if x)
+    return f"{self.method_name} ({self.features})"
 
   def tune_config(self, tune: tuning.TuneConfig) -> tuning.TuneConfig:
     return dataclasses.replace(tune, method=self.method, head=self.head,

@@ -23,7 +23,6 @@ import numpy as np
 
 from hmmprompt import protocol
 from hmmprompt import scheduling
-from hmmprompt.protocol import Group
 from hmmprompt.protocol import ModelId
 from hmmprompt.figure3 import configs
 from hmmprompt.figure3 import schema
@@ -35,6 +34,16 @@ from hmmprompt.backbones import transformer
 
 BACKBONES = protocol.BACKBONES
 STAMP = "sweep.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Group(protocol.Group):
+  """A tuning arm of one model size on one of Figure 3's panels."""
+
+  panel: str = dataclasses.field(default="left", kw_only=True)  # | "right"
+
+  def __str__(self) -> str:
+    return f"{self.panel} {super().__str__()}"
 
 
 def plan(setup: configs.Setup, panel: str = "both",
@@ -55,7 +64,7 @@ def plan(setup: configs.Setup, panel: str = "both",
     methods = ["head", "prompt"]
     if setup.finetune and backbone == "transformer":
       methods.append("finetune")
-    out += [Group("left", protocol.vanilla(h), method, "linear", f)
+    out += [Group(protocol.vanilla(h), method, "linear", f, panel="left")
             for h in setup.left_sizes for method in methods
             for f in setup.features]
   if panel in ("right", "both"):
@@ -64,14 +73,13 @@ def plan(setup: configs.Setup, panel: str = "both",
       if setup.prompt_attention:
         arms.append(("memory", "prompt", "attention"))
       arms.append(("vanilla", "head", "linear"))
-      out += [Group("right", protocol.memory(m) if hmm == "memory" else
+      out += [Group(protocol.memory(m) if hmm == "memory" else
                     protocol.vanilla(protocol.MEMORY_SYNTAX_STATES * m),
-                    method, head, f)
+                    method, head, f, panel="right")
               for hmm, method, head in arms for f in setup.features]
   if setup.head_optimum:
     out = [twin for g in out for twin in (
-        (g, Group(g.panel, g.model_id, g.method, g.head, g.features,
-                  "lbfgs")) if g.method == "head" and g.head == "linear"
+        (g, dataclasses.replace(g, optimizer="lbfgs")) if g.method == "head" and g.head == "linear"
         else (g,))]
   by_model: dict[ModelId, list[Group]] = {}
   for g in sorted(out, key=lambda g: (g.model_id.hmm != "vanilla",

@@ -226,7 +226,7 @@ class Group(protocol.Group):
 def plan(setup: CurveSetup) -> dict[protocol.ModelId, list[Group]]:
   """The groups by model, in the order they run: head then prompt tuning,
   each on the transformer then the exact backbone (the limit)."""
-  return {mid: [Group("", mid, method, "attention" if mid.hmm == "memory"
+  return {mid: [Group(mid, method, "attention" if mid.hmm == "memory"
                       else "linear", backbone=bb)
                 for method in ("head", "prompt") for bb in BACKBONES]
           for mid in setup.model_ids()}
