@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from typing import Any, NamedTuple
 
 from absl import app
 from absl import flags
+import jax
 
 from hmmprompt import config_flags
 from hmmprompt import glibc
@@ -102,15 +104,35 @@ def print_config(cfg) -> None:
   print("\n".join(config_flags.describe(cfg)))
 
 
+_COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache", None, "opt-in: keep every compiled XLA program in "
+    "this directory (e.g. DIR/jax-cache under the --workdir) and reuse it "
+    "in later runs, which then skip their compiles (the JAX_COMPILATION_"
+    "CACHE_DIR variable does the same)")
+
+
+def use_compilation_cache(path: str) -> None:
+  """Persists every compiled program under ``path`` (created), whatever
+  its compile time or size, for later processes to load instead of
+  compiling (JAX's persistent compilation cache)."""
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def start(argv, **required) -> float:
   """Checks the command line (no positional arguments; every ``required``
-  flag value set) and retains freed host memory (XLA:CPU's per-step
-  temporaries); returns the start time for :func:`done`."""
+  flag value set), turns on ``--compilation_cache`` and retains freed host
+  memory (XLA:CPU's per-step temporaries); returns the start time for
+  :func:`done`."""
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   for name, value in required.items():
     if not value:
       raise app.UsageError(f"--{name} is required")
+  if _COMPILATION_CACHE.value:
+    use_compilation_cache(_COMPILATION_CACHE.value)
   glibc.retain_freed_memory()
   return time.perf_counter()
 

@@ -60,3 +60,43 @@ def test_define_registers_one_flag_per_leaf():
   assert config_flags.apply(Outer(), holder.value()).inner.width == 7
   with pytest.raises(flags.UnrecognizedFlagError):
     fv(["prog", "--config.inner.depth=1"])
+
+
+_CACHE_PROGRAM = """
+import sys
+from absl import flags
+import jax, jax.numpy as jnp
+from experiments import cli
+events = []
+jax.monitoring.register_event_listener(lambda name, **_: events.append(name))
+flags.FLAGS(["prog", "--compilation_cache=" + sys.argv[1]])
+cli.start(["prog"])
+jax.jit(lambda x: jnp.sin(x) @ x.T)(jnp.ones((8, 8))).block_until_ready()
+print(events.count("/jax/compilation_cache/cache_hits"),
+      events.count("/jax/compilation_cache/cache_misses"))
+"""
+
+
+@pytest.mark.slow
+def test_the_compilation_cache_flag_persists_programs_for_the_next_run(
+    tmp_path):
+  """``--compilation_cache=DIR`` (opt-in) writes each compiled program to
+  DIR; a second process running the same programs loads every one of them
+  from there (JAX's own cache-hit events) and adds none."""
+  import os
+  import subprocess
+  import sys
+  cache = tmp_path / "jax-cache"
+  run = lambda: [int(n) for n in subprocess.run(
+      [sys.executable, "-c", _CACHE_PROGRAM, str(cache)], check=True,
+      capture_output=True, text=True,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"},
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  ).stdout.split()[-2:]]
+  hits, misses = run()
+  first = sorted(os.listdir(cache))
+  assert hits == 0 and misses > 0
+  assert any(name.startswith("jit__lambda") for name in first), first
+  hits, misses = run()
+  assert hits > 0 and misses == 0
+  assert sorted(os.listdir(cache)) == first
