@@ -108,7 +108,13 @@ def test_zero_evidence_vector_gives_zero_output(tiny_hmm):
   np.testing.assert_allclose(cond[2].sum(), 1.0, rtol=1e-6)
 
 
-@pytest.mark.parametrize("method", ["sequential", "parallel", "blocked"])
+# The fast tier runs the scan; the other kernels (5-6 CPU-s each, mostly
+# compiles) run in the full suite.
+_SLOW_KERNELS = ["sequential"] + [pytest.param(k, marks=pytest.mark.slow)
+                                  for k in ("parallel", "blocked")]
+
+
+@pytest.mark.parametrize("method", _SLOW_KERNELS)
 def test_float32_matches_float64_on_long_paper_sequence(paper_hmm, method):
   """Both kernels hold float32 at T = 10 240 against float64 in the log
   domain: every message (scan) or product (associative scan) is rescaled
@@ -733,10 +739,12 @@ def test_parallel_kernel_matches_brute_force(tiny_hmm, tokens, kernel):
 
 
 @pytest.mark.parametrize("kernel", sorted(_KERNELS))
-# 64 costs 13 CPU-s of compiles for the associative scan's gradient: in the
-# full suite only (the entry-point test covers T = 96 in the fast tier).
-@pytest.mark.parametrize("length", [1, 2, 7, pytest.param(
-    64, marks=pytest.mark.slow)])
+# The fast tier runs T = 7; the rest (64 alone costs 13 CPU-s of compiles
+# for the associative scan's gradient) run in the full suite.
+@pytest.mark.parametrize("length", [
+    pytest.param(1, marks=pytest.mark.slow),
+    pytest.param(2, marks=pytest.mark.slow), 7,
+    pytest.param(64, marks=pytest.mark.slow)])
 def test_parallel_kernel_equals_sequential_on_sparse_paper_hmms(paper_hmm,
                                                                 length,
                                                                 kernel):
@@ -808,7 +816,7 @@ def test_entry_points_take_a_method_and_agree(paper_hmm):
     hmm_lib.posterior(paper_hmm, tokens, method="fast")
 
 
-@pytest.mark.parametrize("method", ["sequential", "parallel", "blocked"])
+@pytest.mark.parametrize("method", _SLOW_KERNELS)
 def test_right_padding_with_mask_gives_each_sequence_its_own_posterior(
     paper_hmm, method):
   """A batch of sequences of several lengths, right-padded with MASK to one
