@@ -334,6 +334,17 @@ def tune_lanes(setup: TrialsConfig, cfg: tuning.TuneConfig, backbone,
 DeadlineReached = pretrain_lib.DeadlineReached
 
 
+def missing(plan: dict, done: set, line_keys: Callable[[Any], dict]
+            ) -> dict:
+  """``{model: {group: its cells without a line}}`` over ``plan``
+  (``{ModelId: [group]}``): ``line_keys(group)`` maps each cell of a group
+  to the key of the line it writes, ``done`` holds the keys on disk. A
+  group with every line is left out (a finished model maps to ``{}``)."""
+  return {mid: {g: cells for g in groups if (cells := {
+      cell for cell, key in line_keys(g).items() if key not in done})}
+          for mid, groups in plan.items()}
+
+
 def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
                schedule: scheduling.Schedule = scheduling.EVERYTHING,
                weight: Callable[[ModelId], float] | None = None

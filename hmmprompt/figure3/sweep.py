@@ -260,14 +260,15 @@ def missing_cells(setup: configs.Setup, workdir: str, panel: str,
   """``{model: {group: its (trial, task) cells without a line in
   workdir}}`` over :func:`plan`'s models; a group with every line is left
   out (a finished model maps to ``{}``)."""
-  done = {line.key() for line in schema.read_results(workdir)}
   fp = setup.fingerprint(backbone_name)
-  return {mid: {g: cells for g in groups if (cells := {
-      (k, s) for k in range(setup.panel_trials(g.panel))
-      for s in range(setup.tasks_per_hmm)
-      if (backbone_name, g.panel, mid.hmm, mid.num_states, mid.memory_size,
-          k, s, g.method_name, g.features, fp) not in done})}
-          for mid, groups in plan(setup, panel, backbone_name).items()}
+  return protocol.missing(
+      plan(setup, panel, backbone_name),
+      {line.key() for line in schema.read_results(workdir)},
+      lambda g: {(k, s): (backbone_name, g.panel, g.model_id.hmm,
+                          g.model_id.num_states, g.model_id.memory_size, k,
+                          s, g.method_name, g.features, fp)
+                 for k in range(setup.panel_trials(g.panel))
+                 for s in range(setup.tasks_per_hmm)})
 
 
 def run_sweep(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,

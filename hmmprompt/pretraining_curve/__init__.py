@@ -214,12 +214,13 @@ class Group(protocol.Group):
   def __str__(self) -> str:
     return f"{self.method_name} {self.backbone}"
 
-  def keys(self, setup: CurveSetup) -> set[tuple]:
-    """The line keys this group writes."""
+  def keys(self, setup: CurveSetup) -> dict[tuple, tuple]:
+    """``{(trial, step): key}`` of the lines this group writes."""
     steps = (setup.pretrain.retain if self.backbone == "transformer"
              else (None,))
     fp = setup.fingerprint()
-    return {(self.model_id.tag, k, self.backbone, s, self.method_name, fp)
+    return {(k, s): (self.model_id.tag, k, self.backbone, s,
+                     self.method_name, fp)
             for k in range(setup.trials) for s in steps}
 
 
@@ -322,11 +323,10 @@ def run_curve(setup: CurveSetup, workdir: str,
   """
   check_workdir(workdir, setup)
   done = {line.key() for line in read_lines(workdir)}
-  groups_by_model = plan(setup)
-  mine = schedule.mine(list(groups_by_model),
+  missing = protocol.missing(plan(setup), done, lambda g: g.keys(setup))
+  mine = schedule.mine(list(missing),
                        lambda mid: mid.num_states * max(mid.memory_size, 1))
-  todo = {mid: [g for g in groups_by_model[mid] if not g.keys(setup) <= done]
-          for mid in mine}
+  todo = {mid: list(missing[mid]) for mid in mine}
 
   def prepare(mid, groups):
     stack = protocol.draw_stack(setup, mid, setup.trials)
