@@ -9,26 +9,12 @@ import gzip
 import json
 import os
 
-import jax
 
-# Dense peak TFLOP/s by (device kind substring, dtype), from vendor specs.
-PEAK_TFLOPS = {("H100", "bfloat16"): 989.0, ("H100", "float32"): 494.5,
-               ("H200", "bfloat16"): 989.0, ("H200", "float32"): 494.5,
-               ("A100", "bfloat16"): 312.0, ("A100", "float32"): 156.0}
+from hmmprompt import sharding
 
-
-def peak_tflops(dtype: str, override: float | None = None) -> float | None:
-  """``override`` if given, else the first device's listed peak for
-  ``dtype`` on a GPU; ``None`` where unknown (a CPU: no MFU printed)."""
-  if override is not None:
-    return override
-  if jax.default_backend() != "gpu":
-    return None
-  kind = jax.devices()[0].device_kind
-  for (name, dt), peak in PEAK_TFLOPS.items():
-    if name in kind and dt == dtype:
-      return peak
-  return None
+# The peak table lives with the library (the pretraining loop logs MFU).
+PEAK_TFLOPS = sharding.PEAK_TFLOPS
+peak_tflops = sharding.peak_tflops
 
 
 def describe(flops: float, seconds: float, peak: float | None) -> str:

@@ -61,3 +61,25 @@ def initialize_distributed(coordinator_address: str | None = None,
             "environment was detected to fill in the rest: pass "
             "--coordinator_address, --num_processes and --process_id)")
     raise ValueError(f"--distributed: {e}{hint}") from e
+
+
+# Dense peak TFLOP/s by (device kind substring, dtype), from vendor specs:
+# what model FLOP utilisation (MFU) divides by.
+PEAK_TFLOPS = {("H100", "bfloat16"): 989.0, ("H100", "float32"): 494.5,
+               ("H200", "bfloat16"): 989.0, ("H200", "float32"): 494.5,
+               ("A100", "bfloat16"): 312.0, ("A100", "float32"): 156.0}
+
+
+def peak_tflops(dtype: str, override: float | None = None) -> float | None:
+  """``override`` if given, else the first device's listed dense peak for
+  ``dtype`` on a GPU (:data:`PEAK_TFLOPS`); ``None`` where unknown (a
+  CPU: no MFU)."""
+  if override is not None:
+    return override
+  if jax.default_backend() != "gpu":
+    return None
+  kind = jax.devices()[0].device_kind
+  for (name, dt), peak in PEAK_TFLOPS.items():
+    if name in kind and dt == dtype:
+      return peak
+  return None

@@ -1313,6 +1313,32 @@ def test_a_trial_that_fell_back_without_its_fallback_run_is_named(tmp_path):
     pretrain.load_trials(workdir)
 
 
+def test_progress_logs_mfu_where_the_peak_is_known(monkeypatch):
+  """On a device with a listed peak the log line adds the window's MFU:
+  its tokens/s times the model's training FLOPs per token
+  (transformer.train_flops_per_token) over the devices' peak; on a CPU
+  (no peak) the line has none."""
+  from hmmprompt.backbones import transformer
+  from hmmprompt.pretrain import loop
+  cfg = dataclasses.replace(TINY, steps=100)
+  tokens = cfg.batch_size * cfg.corpus.chunk_len
+  fpt = transformer.train_flops_per_token(cfg.model, cfg.corpus.chunk_len)
+  for peak in (None, 1e-3):
+    clock = iter([100.0, 102.0])
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(loop.sharding_lib, "peak_tflops",
+                        lambda dtype, peak=peak: peak)
+    logs = []
+    progress = loop._Progress(cfg, 0, logs.append, trials=2)
+    progress.add(jnp.float32(1.0))
+    rate = progress.flush(10, 10, "ck")
+    assert rate == 2 * tokens * 10 / 2
+    mfu = 100 * rate * fpt / (1e-3 * 1e12 * jax.device_count())
+    assert (" MFU " in logs[-1]) == (peak is not None)
+    if peak is not None:
+      assert f"k tokens/s MFU {mfu:.1f}% ETA" in logs[-1], logs[-1]
+
+
 def test_progress_logs_rate_and_eta_without_compilation(monkeypatch):
   """The log line's tokens/s is the window's (all trials stepping), and
   its ETA extrapolates the time per step since the first window, which

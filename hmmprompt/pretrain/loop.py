@@ -21,6 +21,7 @@ from hmmprompt import corpus as corpus_lib
 from hmmprompt import generative
 from hmmprompt import sharding as sharding_lib
 from hmmprompt.backbones import Backbone
+from hmmprompt.backbones import transformer
 from hmmprompt.pretrain import curves as curves_lib
 from hmmprompt.pretrain import evaluation as evaluate_lib
 from hmmprompt.pretrain import train
@@ -65,6 +66,11 @@ class _Progress:
     self.t_last, self.step_last = time.perf_counter(), start
     self.t_first: float | None = None
     self.step_first: int | None = None
+    # Model FLOP utilisation where the device's peak is known (GPUs):
+    # the window's tokens/s x FLOPs per token over the devices' peak.
+    self.flops_per_token = transformer.train_flops_per_token(
+        cfg.model, cfg.corpus.chunk_len)
+    self.peak_tflops = sharding_lib.peak_tflops(cfg.model.dtype)
 
   def add(self, loss) -> None:
     self.pending.append(loss)
@@ -89,8 +95,10 @@ class _Progress:
       sec_per_step = (now - self.t_first) / (done - self.step_first)
     else:
       sec_per_step = (now - self.t_last) / max(done - self.step_last, 1)
+    mfu = ("" if not self.peak_tflops else
+           f" MFU {100 * rate * self.flops_per_token / (self.peak_tflops * 1e12 * jax.device_count()):.1f}%")
     self.log(f"step {done}/{total} loss {losses.mean():.4f} "
-             f"{rate / 1e3:.1f}k tokens/s ETA "
+             f"{rate / 1e3:.1f}k tokens/s{mfu} ETA "
              f"{sec_per_step * (total - done):.0f}s")
     self.t_last, self.step_last = now, done
     return rate
