@@ -9,7 +9,6 @@ import gzip
 import json
 import os
 
-
 from hmmprompt import sharding
 
 # The peak table lives with the library (the pretraining loop logs MFU).

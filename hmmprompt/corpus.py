@@ -169,8 +169,9 @@ def exact_targets(hmm: hmm_lib.HMM, inputs_T, selected_T,
   (with ``"mask"`` no selected position shows a symbol). ``hmm`` is the
   generating model's vanilla form (:func:`generative.as_hmm`). Rows are all zero
   where ``x~`` is impossible. Traceable; vmap it over a batch. ``method``:
-  :func:`hmm.smooth_by`'s kernel, ``sequential`` or ``parallel`` (resolved
-  by the caller, e.g. :func:`hmm.resolve_method`); equal to float rounding.
+  :func:`hmm.smooth_by`'s kernel, ``sequential``, ``parallel`` or
+  ``blocked`` (resolved by the caller, e.g. :func:`hmm.resolve_method`);
+  equal to float rounding.
   """
   lik_TxV = corruption_likelihood(inputs_T, selected_T, hmm.vocab_size)
   emission_HxV = hmm.emission.astype(lik_TxV.dtype)

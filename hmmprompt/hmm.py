@@ -381,12 +381,6 @@ def _backward_step(trans_HxH):
   return backward
 
 
-def _unit_matrices(m_NxHxH: jax.Array) -> jax.Array:
-  """Each ``H x H`` matrix rescaled to sum 1 (all-zero stays zero)."""
-  n, h, _ = m_NxHxH.shape
-  return _normalize(m_NxHxH.reshape(n, h * h))[0].reshape(n, h, h)
-
-
 def forward_backward_blocked(hmm: HMM, evidence_TxH: jax.Array,
                              block: int | None = None) -> Smoothed:
   """:func:`forward_backward` in ``C`` blocks of ``L`` positions
@@ -417,9 +411,8 @@ def forward_backward_blocked(hmm: HMM, evidence_TxH: jax.Array,
 
   def transfer(carry, ev_CxH):
     fwd_CxHxH, bwd_CxHxH = carry
-    return (_unit_matrices(fwd_CxHxH @ (ev_CxH[:, :, None] * trans_HxH)),
-            _unit_matrices(bwd_CxHxH @ (trans_HxH * ev_CxH[:, None, :]))
-            ), None
+    return (_rescaled(fwd_CxHxH @ (ev_CxH[:, :, None] * trans_HxH))[0],
+            _rescaled(bwd_CxHxH @ (trans_HxH * ev_CxH[:, None, :]))[0]), None
 
   eye_CxHxH = jnp.broadcast_to(jnp.eye(h, dtype=dtype), (blocks, h, h))
   (fwd_CxHxH, bwd_CxHxH), _ = jax.lax.scan(
@@ -461,6 +454,8 @@ def _combine(left, right):
 
 
 def _rescaled(m_TxHxH):
+  """Each ``H x H`` matrix rescaled to sum 1 (all-zero stays zero), and
+  the log of its sum."""
   t, h, _ = m_TxHxH.shape
   flat, total = _normalize(m_TxHxH.reshape(t, h * h))
   return flat.reshape(m_TxHxH.shape), safe_log(total)
@@ -536,9 +531,8 @@ _AUTO_PARALLEL_FROM = 2048
 def resolve_method(method: str, length: int) -> str:
   """The kernel (``sequential``, ``parallel`` or ``blocked``) for
   ``method`` on a sequence of ``length`` positions (``auto``: parallel on
-  an accelerator from
-  ``_AUTO_PARALLEL_FROM`` positions on, else sequential); ``ValueError``
-  naming a bad one."""
+  an accelerator from ``_AUTO_PARALLEL_FROM`` positions on, else
+  sequential); ``ValueError`` naming a bad one."""
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
   if method == "auto":
@@ -552,9 +546,13 @@ def smooth_by(hmm: HMM, evidence_TxH: jax.Array,
   """:func:`forward_backward` (``sequential``),
   :func:`forward_backward_parallel` (``parallel``) or
   :func:`forward_backward_blocked` (``blocked``)."""
-  kernel = {"parallel": forward_backward_parallel,
-            "blocked": forward_backward_blocked}.get(method, forward_backward)
-  return kernel(hmm, evidence_TxH)
+  kernels = {"sequential": forward_backward,
+             "parallel": forward_backward_parallel,
+             "blocked": forward_backward_blocked}
+  if method not in kernels:  # "auto" is the entry points' to resolve
+    raise ValueError(f"smooth_by's method must be one of {tuple(kernels)}, "
+                     f"got {method!r} (hmm.resolve_method resolves 'auto')")
+  return kernels[method](hmm, evidence_TxH)
 
 
 def evidence_conditionals(hmm: HMM, evidence_TxH: jax.Array,

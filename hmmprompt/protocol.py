@@ -376,13 +376,13 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
   total = sum(len(gs) for gs in todo.values())
   done, t0, skipped = 0, time.perf_counter(), []
   spent: list[tuple[float, float]] = []  # (seconds, weight) of whole stacks
+  deadline, stop_at = schedule.deadline, schedule.stop_at
   for mid, groups in todo.items():
     if not groups:
       continue
     now = time.monotonic()
     rate = (sum(s for s, _ in spent) / sum(w for _, w in spent) if spent
             else schedule.seconds_per_weight)
-    deadline, stop_at = schedule.deadline, schedule.stop_at
     left = None if stop_at is None else stop_at - now
     need = (None if left is None or weight is None or rate is None
             else rate * weight(mid))

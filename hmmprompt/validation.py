@@ -141,11 +141,10 @@ def check_fields(params, validate):
   is, and returns it unchanged.
 
   ``validate`` is the function the :class:`ValidatedParams` class was
-  given. Only
-  when every field is concrete (:func:`is_concrete`): under a caller's
-  ``jit``/``vmap``/``grad`` the fields are tracers, nothing is checked, and
-  the caller's compiled program carries no check (the check runs on the
-  host, once per call, and only outside traced code).
+  given. Only when every field is concrete (:func:`is_concrete`): under a
+  caller's ``jit``/``vmap``/``grad`` the fields are tracers, nothing is
+  checked, and the caller's compiled program carries no check (the check
+  runs on the host, once per call, and only outside traced code).
   """
   if all(is_concrete(f) for f in params):
     validate(*(jnp.asarray(f) for f in params))

@@ -814,6 +814,12 @@ def test_entry_points_take_a_method_and_agree(paper_hmm):
       "got "
       "'fast'") + "$"):
     hmm_lib.posterior(paper_hmm, tokens, method="fast")
+  # The kernel dispatch takes resolved kernels only: "auto" is refused by
+  # name, not run as a silent default.
+  with pytest.raises(ValueError, match="^" + re.escape(
+      "smooth_by's method must be one of ('sequential', 'parallel', "
+      "'blocked'), got 'auto' (hmm.resolve_method resolves 'auto')") + "$"):
+    hmm_lib.smooth_by(paper_hmm, ev, "auto")
 
 
 @pytest.mark.parametrize("method", _SLOW_KERNELS)

@@ -79,8 +79,8 @@ def plan(setup: configs.Setup, panel: str = "both",
               for hmm, method, head in arms for f in setup.features]
   if setup.head_optimum:
     out = [twin for g in out for twin in (
-        (g, dataclasses.replace(g, optimizer="lbfgs")) if g.method == "head" and g.head == "linear"
-        else (g,))]
+        (g, dataclasses.replace(g, optimizer="lbfgs"))
+        if g.method == "head" and g.head == "linear" else (g,))]
   by_model: dict[ModelId, list[Group]] = {}
   for g in sorted(out, key=lambda g: (g.model_id.hmm != "vanilla",
                                       g.model_id.size)):  # stable
@@ -271,10 +271,11 @@ def missing_cells(setup: configs.Setup, workdir: str, panel: str,
                  for s in range(setup.tasks_per_hmm)})
 
 
-def run_sweep(setup: configs.Setup, workdir: str, panel: str, backbone_name: str,
-        schedule: scheduling.Schedule = scheduling.EVERYTHING,
-        pretrain_only: bool = False, results_file: str | None = None,
-        checkpoints: bool = True) -> list[str]:
+def run_sweep(setup: configs.Setup, workdir: str, panel: str,
+              backbone_name: str,
+              schedule: scheduling.Schedule = scheduling.EVERYTHING,
+              pretrain_only: bool = False, results_file: str | None = None,
+              checkpoints: bool = True) -> list[str]:
   """Runs this process's share of the sweep (whole models: a stack of
   trials each; ``schedule``: which stacks, in which order, until when,
   :class:`scheduling.Schedule`, its ``seconds_per_weight`` per trial);

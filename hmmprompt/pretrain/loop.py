@@ -95,8 +95,10 @@ class _Progress:
       sec_per_step = (now - self.t_first) / (done - self.step_first)
     else:
       sec_per_step = (now - self.t_last) / max(done - self.step_last, 1)
-    mfu = ("" if not self.peak_tflops else
-           f" MFU {100 * rate * self.flops_per_token / (self.peak_tflops * 1e12 * jax.device_count()):.1f}%")
+    mfu = ""
+    if self.peak_tflops:
+      peak = self.peak_tflops * 1e12 * jax.device_count()
+      mfu = f" MFU {100 * rate * self.flops_per_token / peak:.1f}%"
     self.log(f"step {done}/{total} loss {losses.mean():.4f} "
              f"{rate / 1e3:.1f}k tokens/s{mfu} ETA "
              f"{sec_per_step * (total - done):.0f}s")

@@ -126,12 +126,6 @@ def grown_states(states_K: TrainState, keys_K, cfg: PretrainConfig
   return jax.vmap(one)(states_K.params, keys_K)
 
 
-def exact_kernel(cfg: PretrainConfig, length: int) -> str:
-  """The forward-backward kernel of ``cfg.exact_method`` for sequences of
-  ``length`` positions on this backend (:func:`hmm.resolve_method`)."""
-  return hmm_lib.resolve_method(cfg.exact_method, length)
-
-
 def loss_targets(cfg: PretrainConfig, hmm, inputs_BxT, tokens_BxT,
                  weights_BxT):
   """What the loss is taken against: the true tokens ``[B, T]``, or with
@@ -140,7 +134,8 @@ def loss_targets(cfg: PretrainConfig, hmm, inputs_BxT, tokens_BxT,
   if cfg.targets == "sampled":
     return tokens_BxT
   exact = functools.partial(corpus_lib.exact_targets,
-                            method=exact_kernel(cfg, inputs_BxT.shape[-1]))
+                            method=hmm_lib.resolve_method(
+                                cfg.exact_method, inputs_BxT.shape[-1]))
   exact_BxTxV = jax.vmap(exact, in_axes=(None, 0, 0))(
       hmm, inputs_BxT, weights_BxT)
   return jax.lax.stop_gradient(exact_BxTxV)
@@ -159,7 +154,8 @@ def _step_fn(cfg: PretrainConfig):
     if cfg.state_loss > 0:
       posterior = functools.partial(
           corpus_lib.exact_state_posterior,
-          method=exact_kernel(cfg, inputs_BxT.shape[-1]))
+          method=hmm_lib.resolve_method(cfg.exact_method,
+                                        inputs_BxT.shape[-1]))
       post_BxTxH = jax.lax.stop_gradient(jax.vmap(
           posterior, in_axes=(None, 0, 0))(hmm, inputs_BxT, weights_BxT))
       w = jnp.float32(cfg.state_loss)
