@@ -8,6 +8,7 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -37,10 +38,13 @@ class Checkpoints:
     self._mngr = self._open()
 
   def _open(self) -> ocp.CheckpointManager:
+    # The handler named up front: a manager that has not saved yet
+    # otherwise reads no item's metadata (item_tree).
     return ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=self._keep,
-                                             create=True))
+                                             create=True),
+        item_handlers=ocp.StandardCheckpointHandler())
 
   def latest_step(self) -> int | None:
     return self._mngr.latest_step()
@@ -49,11 +53,16 @@ class Checkpoints:
     """The saved steps, ascending."""
     return sorted(self._mngr.all_steps())
 
+  def item_tree(self, step: int):
+    """The saved tree of ``step`` with each leaf's metadata (``.shape``),
+    read without its arrays."""
+    return self._mngr.item_metadata(step).tree
+
+  def delete(self, step: int) -> None:
+    self._mngr.delete(step)
+
   def save(self, step: int, state) -> None:
-    bad = [jax.tree_util.keystr(p) for p, x in
-           jax.tree_util.tree_leaves_with_path(state)
-           if np.issubdtype(np.asarray(x).dtype, np.floating)
-           and not np.all(np.isfinite(np.asarray(x)))]
+    bad = nonfinite_leaves(state)
     if bad:
       raise FloatingPointError(f"refusing to checkpoint a non-finite state at "
                                f"step {step} (first bad leaf {bad[0]})")
@@ -79,7 +88,8 @@ class Checkpoints:
 
   def restore_latest(self, abstract_state, log=logging.warning):
     """``(step, state)`` of the newest readable checkpoint, or ``(None,
-    None)`` if there is none.
+    None)`` if there is none. ``abstract_state``: the tree to fill, or a
+    function of the step that gives it (checkpoints of different shapes).
 
     A checkpoint that fails to read (a partial copy, corrupted files) is
     reported through ``log`` with its step and the reason, and the next
@@ -94,7 +104,8 @@ class Checkpoints:
     failed = []
     for step in sorted(self._mngr.all_steps(), reverse=True):
       try:
-        state = self.restore(abstract_state, step)
+        state = self.restore(abstract_state(step) if callable(abstract_state)
+                             else abstract_state, step)
       except Exception as e:  # pylint: disable=broad-except
         # orbax and tensorstore raise many types for unreadable files.
         reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
@@ -128,3 +139,23 @@ class Checkpoints:
   def close(self) -> None:
     self._mngr.wait_until_finished()
     self._mngr.close()
+
+
+def _is_float(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.floating)  # bfloat16 too
+
+
+@jax.jit
+def _finite_leaves(tree) -> jax.Array:
+  return jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+                    if _is_float(x)] or [jnp.bool_(True)])
+
+
+def nonfinite_leaves(tree) -> list[str]:
+  """The paths of ``tree``'s floating leaves holding a NaN or an inf. The
+  check runs where the leaves are, and only its verdicts come back (one
+  small transfer: a BERT-width stack's state is gigabytes)."""
+  paths = [jax.tree_util.keystr(p) for p, x in
+           jax.tree_util.tree_leaves_with_path(tree) if _is_float(x)]
+  finite = np.asarray(jax.device_get(_finite_leaves(tree)))
+  return [p for p, ok in zip(paths, finite) if not ok]

@@ -213,6 +213,25 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(
              for x in jax.tree.leaves(params))
 
 
+def test_a_nonfinite_state_is_refused_by_leaf_checked_where_it_lives(
+    tmp_path):
+  """The finiteness check runs on the device: with implicit device-to-host
+  copies disallowed it still names the bad leaf (a bfloat16 one too) and
+  refuses to save it; only its verdicts are fetched, explicitly."""
+  state = {"w": jnp.ones((3, 4), jnp.bfloat16).at[1, 2].set(jnp.inf),
+           "b": jnp.zeros(3), "step": jnp.zeros((), jnp.int32)}
+  with jax.transfer_guard_device_to_host("disallow"):
+    assert ckpt_lib.nonfinite_leaves(state) == ["['w']"]
+    assert ckpt_lib.nonfinite_leaves({**state, "w": state["b"]}) == []
+  ckpts = ckpt_lib.Checkpoints(str(tmp_path))
+  with pytest.raises(FloatingPointError, match=re.escape(
+      "refusing to checkpoint a non-finite state at step 3 (first bad leaf "
+      "['w'])")):
+    ckpts.save(3, state)
+  assert ckpts.all_steps() == []
+  ckpts.close()
+
+
 @pytest.mark.slow
 def test_exact_targets_train_and_beat_sampled_at_equal_steps(
     tmp_path, model, trained):
@@ -247,8 +266,8 @@ def test_exact_targets_train_and_beat_sampled_at_equal_steps(
 
 def test_target_gap_stops_early_and_rerun_is_a_no_op(tmp_path, model,
                                                       monkeypatch):
-  """Also: every checkpoint manager the loop opens (the rotation and
-  ``retained/``) is closed on each way out, the early return included."""
+  """Also: every checkpoint manager the loop opens (the rotation,
+  ``stopped/`` and ``retained/``) is closed on each way out, the early return included."""
   opened = []
 
   class Tracked(ckpt_lib.Checkpoints):
@@ -270,12 +289,12 @@ def test_target_gap_stops_early_and_rerun_is_a_no_op(tmp_path, model,
   assert first["step"] == 20 and first["ce_gap"] <= 10.0
   assert (f"CE gap {first['ce_gap']:.4f} <= target 10.0 at step 20: "
           f"stopping") in logs
-  assert len(opened) == 2 and all(m.closed for m in opened)
+  assert len(opened) == 3 and all(m.closed for m in opened)
   logs = []
   again = pretrain.run(str(tmp_path), cfg, model, log=logs.append)
   assert again == first and logs == [
       "resumed from step 20", "already reached the target gap at step 20"]
-  assert len(opened) == 4 and all(m.closed for m in opened)
+  assert len(opened) == 6 and all(m.closed for m in opened)
   with pytest.raises(ValueError, match="target_gap must be > 0"):
     dataclasses.replace(TINY, target_gap=0.0)
 
@@ -1245,7 +1264,8 @@ def test_the_workdir_layout_is_the_documented_one(tmp_path):
   paths = pretrain_workdir.Paths.of("run")
   assert dataclasses.asdict(paths) == dict(
       config="run/config.json", model="run/hmm.npz", ckpt="run/checkpoints",
-      metrics="run/metrics.jsonl", retained="run/retained")
+      metrics="run/metrics.jsonl", retained="run/retained",
+      stopped="run/stopped")
   bare = pretrain_workdir.Paths.of(str(tmp_path))
   with open(bare.config, "w") as f:
     json.dump(TINY.to_json(), f)
@@ -1254,7 +1274,7 @@ def test_the_workdir_layout_is_the_documented_one(tmp_path):
                                      10)
   new = pretrain_workdir.prepare(str(tmp_path / "new"), TINY, stacked)
   assert pretrain_workdir.read_config(new) == (pretrain_workdir.LAYOUT, TINY)
-  assert pretrain_workdir.LAYOUT == 2
+  assert pretrain_workdir.LAYOUT == 3
 
 
 def test_a_stack_is_refused_where_one_model_or_other_trials_are_expected(
@@ -1398,9 +1418,11 @@ def test_trial_k_draws_from_its_seed_plus_k():
 
 def test_a_crash_between_a_checkpoint_and_its_evaluation_redoes_it(
     tmp_path, trained, model, monkeypatch):
-  """Killed inside step 20's evaluation (its checkpoint written, its line
-  not), the rerun resumes from 20, evaluates it first, and ends with the
-  uninterrupted run's lines."""
+  """Killed inside step 20's evaluation: its checkpoint comes after it, so
+  the newest is step 10's. A checkpoint of all K written before its
+  evaluation (layout 2's order and format; here step 20's retained copy,
+  saved before the evaluation) resumes from 20, evaluates it first, and
+  ends with the uninterrupted run's lines."""
   from hmmprompt.pretrain import loop
   real = loop.evaluate_lib.evaluate
 
@@ -1410,9 +1432,15 @@ def test_a_crash_between_a_checkpoint_and_its_evaluation_redoes_it(
   monkeypatch.setattr(loop.evaluate_lib, "evaluate", crash)
   workdir = str(tmp_path)
   with pytest.raises(_Crash):
-    pretrain.run(workdir, TINY, model, log=lambda s: None)
-  assert pretrain_workdir.read_metrics(pretrain_workdir.Paths.of(
-      workdir)) == []
+    pretrain.run(workdir, dataclasses.replace(TINY, retain=(20,)), model,
+                 log=lambda s: None)
+  paths = pretrain_workdir.Paths.of(workdir)
+  assert pretrain_workdir.read_metrics(paths) == []
+  ckpts = ckpt_lib.Checkpoints(paths.ckpt)
+  assert ckpts.all_steps() == [10]
+  ckpts.close()
+  shutil.copytree(os.path.join(paths.retained, "20"),
+                  os.path.join(paths.ckpt, "20"))
   monkeypatch.setattr(loop.evaluate_lib, "evaluate", real)
   logs = []
   final = pretrain.run(workdir, TINY, model, log=logs.append)
@@ -1423,7 +1451,7 @@ def test_a_crash_between_a_checkpoint_and_its_evaluation_redoes_it(
   drop = lambda m: {a: b for a, b in m.items() if a != "wall_s"}
   whole = [json.loads(l) for l in open(os.path.join(trained[0],
                                                     "metrics.jsonl"))]
-  got = pretrain_workdir.read_metrics(pretrain_workdir.Paths.of(workdir))
+  got = pretrain_workdir.read_metrics(paths)
   assert [drop(m) for m in got] == [drop(m) for m in whole]
   assert drop(final) == drop(trained[1])
 
@@ -1542,3 +1570,31 @@ def test_a_stopped_trial_keeps_its_state_while_the_others_train(
   params_K = pretrain.load_trials(workdir)[1]
   for leaf, at in zip(jax.tree.leaves(params_K), jax.tree.leaves(params_QxK)):
     np.testing.assert_array_equal(leaf, at[1])
+  # Trial 0 was written once, as it stopped; the checkpoints after its
+  # stop hold trial 1 alone (step 20's, which held both, rotated out).
+  paths = pretrain_workdir.Paths.of(workdir)
+  rows = lambda d, s: [int(k) for k in ckpt_lib.Checkpoints(
+      d, keep=None).restore(None, s)["trials"]]
+  ckpts = ckpt_lib.Checkpoints(paths.ckpt, keep=None)
+  assert ckpts.all_steps() == [30, 40]
+  assert [ckpts.item_tree(s)["trials"].shape for s in (30, 40)] == [(1,)] * 2
+  ckpts.close()
+  assert rows(paths.ckpt, 40) == [1] and rows(paths.stopped, 20) == [0]
+  # Killed after step 30 (trial 0 in stopped/ alone), a rerun ends as the
+  # uninterrupted run.
+  cut = str(tmp_path / "cut")
+  with pytest.raises(_Crash):
+    pretrain.run_trials(cut, cfg, stacked, log=lambda s: None,
+                        after_step=_crash_after(30))
+  again = pretrain.run_trials(cut, cfg, stacked, log=lambda s: None)
+  drop = lambda m: {a: b for a, b in m.items() if a != "wall_s"}
+  assert [drop(m) for m in again] == [drop(m) for m in final]
+  jax.tree.map(np.testing.assert_array_equal, pretrain.load_trials(cut)[1],
+               params_K)
+  # A workdir that lost stopped/ names the trial it cannot load.
+  shutil.rmtree(paths.stopped)
+  with pytest.raises(FileNotFoundError, match=re.escape(
+      f"trials [0] are in neither the checkpoint of step 40 in {paths.ckpt} "
+      f"nor in stopped/ beside it: the workdir lost files; pretrain in a "
+      f"new workdir")):
+    pretrain.load_trials(workdir)

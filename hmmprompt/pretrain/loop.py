@@ -121,17 +121,8 @@ def _may_stop(cfg: PretrainConfig, step: int) -> bool:
   return cfg.cycles is None or step in cfg.cycle_ends
 
 
-# Jitted: a tree of states or models moves in one program, where eager
-# indexing compiled one per leaf shape.
-@jax.jit
-def _take(tree, idx):
-  return jax.tree.map(lambda x: x[idx], tree)
-
-
-@jax.jit
-def _put(tree, idx, part):
-  """``tree`` with its rows ``idx`` set to ``part``."""
-  return jax.tree.map(lambda full, p: full.at[idx].set(p), tree, part)
+_take = workdir_lib.take
+_put = workdir_lib.put
 
 
 def run(workdir: str, cfg: PretrainConfig, model: generative.Model,
@@ -157,9 +148,10 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   trial ``k`` alone with that seed (bit for bit at ``trials_per_vmap``
   1, tested). Each trial stops on its own at the target gap: it is dropped
   from the stack that steps (so a finished trial costs nothing), and its
-  state stays in the checkpoint, which holds all K. A rerun resumes bit
-  for bit from the newest readable checkpoint: the trials still running
-  follow from the evaluations up to it. ``after_step(step)`` is called
+  state is kept as it stopped. A rerun resumes bit for bit from the newest readable checkpoint: the trials still running
+  follow from the evaluations up to it (a checkpoint holds only those;
+  each stopped trial is saved once, as it stopped, in ``stopped/``).
+  ``after_step(step)`` is called
   after each step's bookkeeping (tests use it to crash at a chosen point).
   ``stop_at`` (a ``time.monotonic()`` value): past it, the run stops
   after the step in hand, saves a checkpoint of it and raises
@@ -318,15 +310,21 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
   tag = (lambda k: "") if num == 1 else (lambda k: f"trial {k} ")
 
   # Resume: the newest readable checkpoint and the evaluations up to it.
-  ckpts = (ckpt_lib.Checkpoints(paths.ckpt, keep=cfg.keep) if checkpoints
-           else None)
-  start, states = (workdir_lib.restore(ckpts, cfg, num, log=log)
-                   if ckpts is not None else (None, None))
-  if start is None:
-    start, states = 0, (train.init_states(keys.init, cfg) if init is None
-                        else init(keys.init))
+  ckpts, stopped = ((ckpt_lib.Checkpoints(paths.ckpt, keep=cfg.keep),
+                     ckpt_lib.Checkpoints(paths.stopped, keep=None))
+                    if checkpoints else (None, None))
+  found = (workdir_lib.restore(ckpts, stopped, cfg, num, log=log)
+           if ckpts is not None else None)
+  if found is None:
+    start, states, saved_rows = 0, (train.init_states(keys.init, cfg)
+                                    if init is None else init(keys.init)), []
   else:
+    start, states, saved_rows = found
     log(f"resumed {'' if num == 1 else f'{num} trials '}from step {start}")
+  if stopped is not None:
+    for s in stopped.all_steps():
+      if s > start:  # saved by a run cut before its checkpoint: redone
+        stopped.delete(s)
   states = jax.device_put(states, rep)
   # Retained steps: their own directory, outside the rotation. The state
   # in hand is step ``start``'s: the init, or a checkpoint whose retained
@@ -358,8 +356,20 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
     log(f"already reached the target gap at step "
         f"{max(m['step'] for m in last.values())}")
   if not running or (start >= total and not missing):
-    _close(ckpts, retained)
+    _close(ckpts, retained, stopped)
     return [last.get(k, {}) for k in range(num)], states
+
+  def save(step, states, stopped_now):
+    """A checkpoint of the trials still running at ``step``; those that
+    stopped at it go to ``stopped/``, once (or, when none runs on, stay
+    in the checkpoint: orbax saves no empty arrays)."""
+    if running and stopped_now:
+      workdir_lib.save_rows(stopped, step, states, stopped_now)
+    workdir_lib.save_rows(ckpts, step, states, running or stopped_now)
+
+  # Trials that stopped but are only in the checkpoint resumed from (one
+  # of layout 2, or stopped by a redone evaluation): rotation would drop it.
+  unsaved = [k for k in saved_rows if k not in running]
 
   hmms = jax.device_put(jax.vmap(generative.as_hmm)(models_K), rep)
   chunks = (None if cfg.corpus.fresh else jnp.stack(
@@ -396,10 +406,11 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
           f"{m['bayes_ce']:.4f} gap {m['ce_gap']:.4f} tv {m['tv']:.4f}")
     workdir_lib.write_metrics(paths, metrics)
 
-  def stop_reached(step):
-    """Drops the trials at their target from ``running``."""
+  def stop_reached(step) -> list[int]:
+    """Drops the trials at their target from ``running``; returns them."""
     if not (_is_eval(cfg, step) and _may_stop(cfg, step)):
-      return
+      return []
+    before = list(running)
     for k in [k for k in running if _reached(cfg, last[k])]:
       log(f"{tag(k)}CE gap {last[k]['ce_gap']:.4f} <= target "
           f"{cfg.target_gap} at step {step}: stopping"
@@ -407,10 +418,14 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
       running.remove(k)
     for k in [k for k in running if cfg.falls_back(last[k])]:
       running.remove(k)  # to its fallback (run_trials), before the cap
+    return [k for k in before if k not in running]
 
   if missing:
     evaluate(start, _take(states, np.asarray(missing)), missing)
     stop_reached(start)
+    unsaved = [k for k in saved_rows if k not in running]
+  if unsaved and ckpts is not None and running and start < total:
+    workdir_lib.save_rows(stopped, start, states, unsaved)
 
   while running and start < total:
     idx = np.asarray(running)
@@ -437,33 +452,33 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
         curves.train(done, rate / len(idx))  # one trial's share
       is_eval = _is_eval(cfg, done)
       is_ckpt = is_eval or done % cfg.ckpt_every == 0
+      stopped_now = []
       if is_ckpt or done in cfg.retain:
         for (rows, n), sub in zip(groups, subs):
           states = _put(states, rows[:n], _take(sub, np.arange(n)))
-        if is_ckpt and ckpts is not None:
-          ckpts.save(done, states)
         retain(done, states)
-        if is_eval:
+        if is_eval:  # before the checkpoint, which holds the trials going on
           for (rows, n), sub in zip(groups, subs):
             evaluate(done, sub, [int(k) for k in rows[:n]])
+          stopped_now = stop_reached(done)
+        if is_ckpt and ckpts is not None:
+          save(done, states, stopped_now)
       if after_step is not None:
         after_step(done)
       if stop_at is not None and _clock() >= stop_at:
         for (rows, n), sub in zip(groups, subs):
           states = _put(states, rows[:n], _take(sub, np.arange(n)))
         if ckpts is not None and not is_ckpt:
-          ckpts.save(done, states)
-        _close(ckpts, retained)
+          save(done, states, [])
+        _close(ckpts, retained, stopped)
         raise DeadlineReached(
             f"the deadline came at pretraining step {done} of {workdir}"
             + ("" if ckpts is None else " (checkpointed: a rerun resumes "
                "there)"))
-      before = len(running)
-      stop_reached(done)
-      if len(running) < before:
+      if stopped_now:
         break  # re-form the groups without the stopped trials
     start = done
-  _close(ckpts, retained)
+  _close(ckpts, retained, stopped)
   return [last.get(k, {}) for k in range(num)], states
 
 

@@ -2,10 +2,18 @@
 
 Layout (version :data:`LAYOUT`): ``config.json`` (``{"layout", "pretrain":
 PretrainConfig}``), ``hmm.npz`` (the generating models stacked ``[K]``,
-:func:`generative.save`), ``checkpoints/`` (orbax, the :class:`TrainState` of
-all K), ``metrics.jsonl`` (one line per trial and evaluation) and, with
-:attr:`PretrainConfig.retain`, ``retained/`` (orbax, the states of the
-retained steps, never rotated out). One model is a stack of one.
+:func:`generative.save`), ``checkpoints/`` (orbax, rotated: ``{"trials":
+[R], "states": TrainState [R]}``, the trials still running at that step),
+``stopped/`` (orbax, never rotated: the same, each trial once, as it
+stopped), ``metrics.jsonl`` (one line per trial and evaluation) and, with
+:attr:`PretrainConfig.retain`, ``retained/`` (orbax, the states of all K
+at the retained steps, never rotated out). One model is a stack of one.
+A stopped trial is written once: a 20-trial BERT-width state is ~10 GB,
+and most trials stop at the first evaluation.
+
+Layout 2 (before 2026-11-27) checkpointed all K at every save: its
+workdirs resume and load as they are (a resume moves the stopped trials'
+states to ``stopped/``).
 
 Layout 1 (before 2026-11-23) wrote ``config.json`` as the bare config, and
 a one-model run unstacked: its stacked runs resume and load as they are; a
@@ -35,7 +43,7 @@ from hmmprompt.backbones import transformer
 from hmmprompt.pretrain import train
 from hmmprompt.pretrain.config import PretrainConfig
 
-LAYOUT = 2
+LAYOUT = 3
 _LAYOUT1_SINGLE = (
     "{workdir} holds a one-model run of layout 1 (an unstacked model and "
     "checkpoint, written before 2026-11-23); this version reads layout "
@@ -49,6 +57,7 @@ class Paths:
   ckpt: str
   metrics: str
   retained: str
+  stopped: str
 
   @classmethod
   def of(cls, workdir: str) -> Paths:
@@ -56,7 +65,8 @@ class Paths:
                model=os.path.join(workdir, "hmm.npz"),
                ckpt=os.path.join(workdir, "checkpoints"),
                metrics=os.path.join(workdir, "metrics.jsonl"),
-               retained=os.path.join(workdir, "retained"))
+               retained=os.path.join(workdir, "retained"),
+               stopped=os.path.join(workdir, "stopped"))
 
 
 def read_config(paths: Paths) -> tuple[int, PretrainConfig]:
@@ -119,12 +129,84 @@ def write_metrics(paths: Paths, metrics: list[dict]) -> None:
         paths.metrics, "".join(json.dumps(m) + "\n" for m in metrics))
 
 
-def restore(ckpts: ckpt_lib.Checkpoints, cfg: PretrainConfig, num: int,
-            log: Callable[[str], Any] = logging.warning):
-  """``(step, states_K)`` of the newest readable checkpoint (an unreadable
-  newer one is reported and set aside, :meth:`Checkpoints.restore_latest`),
-  or ``(None, None)`` if there is none."""
-  return ckpts.restore_latest(_abstract_states(cfg, num), log=log)
+# Jitted: a tree of states moves in one program (eager indexing compiled
+# one per leaf shape).
+@jax.jit
+def take(tree, rows):
+  """``tree``'s rows ``rows`` of every leaf."""
+  return jax.tree.map(lambda x: x[rows], tree)
+
+
+@jax.jit
+def put(tree, rows, part):
+  """``tree`` with its rows ``rows`` set to ``part``."""
+  return jax.tree.map(lambda full, p: full.at[rows].set(p), tree, part)
+
+
+def save_rows(ckpts: ckpt_lib.Checkpoints, step: int, states_K,
+              rows) -> None:
+  """Saves the train states of trials ``rows`` of ``states_K`` at ``step``,
+  with their trial numbers (what :func:`restore` reads)."""
+  rows = np.asarray(rows, np.int32)
+  ckpts.save(step, {"trials": jnp.asarray(rows),
+                    "states": take(states_K, rows)})
+
+
+class Restored(NamedTuple):
+  """What :func:`restore` found: the checkpoint's ``step``, all K trials'
+  ``states`` and ``rows``, the trials that checkpoint itself holds (the
+  others come from ``stopped/``)."""
+
+  step: int
+  states: Any
+  rows: list[int]
+
+
+def restore(ckpts: ckpt_lib.Checkpoints, stopped: ckpt_lib.Checkpoints | None,
+            cfg: PretrainConfig, num: int,
+            log: Callable[[str], Any] = logging.warning) -> Restored | None:
+  """The states of all ``num`` trials at the newest readable checkpoint
+  (an unreadable newer one is reported and set aside,
+  :meth:`Checkpoints.restore_latest`), or ``None`` if there is none: its
+  rows, and each other trial as ``stopped`` (``stopped/``) holds it, from
+  a step up to that one (a later one is from a run cut before its
+  checkpoint: the loop deletes it).
+
+  Raises:
+    FileNotFoundError: no checkpoint is readable, or a trial is in none.
+  """
+  def abstract(step):
+    tree = ckpts.item_tree(step)
+    return (_abstract_states(cfg, num) if "trials" not in tree  # layout 2
+            else _abstract_rows(cfg, tree["trials"].shape[0]))
+
+  step, saved = ckpts.restore_latest(abstract, log=log)
+  if step is None:
+    return None
+  if not isinstance(saved, dict):  # layout 2: all K
+    return Restored(step, saved, list(range(num)))
+  parts = [stopped.restore(_abstract_rows(
+      cfg, stopped.item_tree(s)["trials"].shape[0]), s)
+           for s in (stopped.all_steps() if stopped else []) if s <= step]
+  states = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                        _abstract_states(cfg, num))
+  found = set()
+  for part in parts + [saved]:  # the checkpoint's own rows last: they win
+    states = put(states, part["trials"], part["states"])
+    found.update(int(k) for k in np.asarray(part["trials"]))
+  lost = sorted(set(range(num)) - found)
+  if lost:
+    raise FileNotFoundError(
+        f"trials {lost} are in neither the checkpoint of step {step} in "
+        f"{ckpts.directory} nor in stopped/ beside it: the workdir lost "
+        f"files; pretrain in a new workdir")
+  return Restored(step, states, [int(k) for k in np.asarray(saved["trials"])])
+
+
+def _abstract_rows(cfg: PretrainConfig, num: int):
+  """The shapes of a checkpoint of ``num`` trials' rows (:func:`save_rows`)."""
+  return {"trials": jax.ShapeDtypeStruct((num,), jnp.int32),
+          "states": _abstract_states(cfg, num)}
 
 
 def _abstract_states(cfg: PretrainConfig, num: int):
@@ -198,12 +280,17 @@ def load_trials(workdir: str) -> tuple[Backbone, Any, list[TrialInfo]]:
   """
   paths, cfg, models_K, num = _open_run(workdir)
   ckpts = ckpt_lib.Checkpoints(paths.ckpt, keep=cfg.keep)
+  stopped = (ckpt_lib.Checkpoints(paths.stopped, keep=None)
+             if os.path.isdir(paths.stopped) else None)
   try:
-    step, state = restore(ckpts, cfg, num)
+    found = restore(ckpts, stopped, cfg, num)
   finally:
     ckpts.close()
-  if step is None:
+    if stopped:
+      stopped.close()
+  if found is None:
     raise FileNotFoundError(f"no checkpoints in {paths.ckpt}")
+  state = found.states
   metrics = read_metrics(paths)
   infos = []
   for k in range(cast(int, generative.num_trials(models_K))):
