@@ -37,6 +37,7 @@ from hmmprompt import identity as identity_lib
 from hmmprompt import checkpoints as ckpt_lib
 from hmmprompt import generative
 from hmmprompt import files as files_lib
+from hmmprompt import sharding as sharding_lib
 from hmmprompt.backbones import Backbone
 from hmmprompt.backbones import depth
 from hmmprompt.backbones import transformer
@@ -148,8 +149,10 @@ def save_rows(ckpts: ckpt_lib.Checkpoints, step: int, states_K,
   """Saves the train states of trials ``rows`` of ``states_K`` at ``step``,
   with their trial numbers (what :func:`restore` reads)."""
   rows = np.asarray(rows, np.int32)
-  ckpts.save(step, {"trials": jnp.asarray(rows),
-                    "states": take(states_K, rows)})
+  # Replicated over the data mesh: orbax refuses a process-local array
+  # when several processes save.
+  ckpts.save(step, {"trials": jax.device_put(rows, sharding_lib.replicated(
+      sharding_lib.data_mesh())), "states": take(states_K, rows)})
 
 
 class Restored(NamedTuple):
