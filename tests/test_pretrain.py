@@ -1424,12 +1424,12 @@ def test_a_crash_between_a_checkpoint_and_its_evaluation_redoes_it(
   saved before the evaluation) resumes from 20, evaluates it first, and
   ends with the uninterrupted run's lines."""
   from hmmprompt.pretrain import loop
-  real = loop.evaluate_lib.evaluate
+  real = loop.evaluate_lib.evaluate_group
 
   def crash(*args, **kwargs):
     raise _Crash
 
-  monkeypatch.setattr(loop.evaluate_lib, "evaluate", crash)
+  monkeypatch.setattr(loop.evaluate_lib, "evaluate_group", crash)
   workdir = str(tmp_path)
   with pytest.raises(_Crash):
     pretrain.run(workdir, dataclasses.replace(TINY, retain=(20,)), model,
@@ -1441,7 +1441,7 @@ def test_a_crash_between_a_checkpoint_and_its_evaluation_redoes_it(
   ckpts.close()
   shutil.copytree(os.path.join(paths.retained, "20"),
                   os.path.join(paths.ckpt, "20"))
-  monkeypatch.setattr(loop.evaluate_lib, "evaluate", real)
+  monkeypatch.setattr(loop.evaluate_lib, "evaluate_group", real)
   logs = []
   final = pretrain.run(workdir, TINY, model, log=logs.append)
   assert logs[0] == "resumed from step 20"
@@ -1454,6 +1454,44 @@ def test_a_crash_between_a_checkpoint_and_its_evaluation_redoes_it(
   got = pretrain_workdir.read_metrics(paths)
   assert [drop(m) for m in got] == [drop(m) for m in whole]
   assert drop(final) == drop(trained[1])
+
+
+@pytest.mark.parametrize("trials_per_vmap", [1, 2])
+def test_a_group_is_evaluated_in_one_program_as_each_trial_alone(
+    monkeypatch, trials_per_vmap):
+  """Three trials' evaluations: one dispatch per slice of ``eval_batch``
+  sequences for the group, not one per trial, and each trial's metrics
+  those of :func:`evaluation.evaluate` alone: bit for bit one trial after
+  another (the CPU presets' ``trials_per_vmap`` 1, so no committed line
+  moves), and in vmapped pairs to float32 rounding (the batched matmuls
+  sum in another order: a few eps of each sum, eps = 1.2e-7, times its
+  ~100 terms of hidden width and vocabulary, relative)."""
+  from hmmprompt.pretrain import evaluation
+  cfg = dataclasses.replace(TINY, trials_per_vmap=trials_per_vmap,
+                            eval_batch=TINY.corpus.val_seqs // 2)
+  models = generative.random_models(jax.random.PRNGKey(5), 3, "vanilla", 6,
+                                    10)
+  keys = pretrain_loop.Keys.of(cfg.seed, 3)
+  params = pretrain_train.init_states(keys.init, cfg).params
+  vals = [evaluation.validation_set(keys.val[k], generative.trial(models, k),
+                                    cfg) for k in range(3)]
+  alone = [evaluation.evaluate(jax.tree.map(lambda x, k=k: x[k], params),
+                               cfg, vals[k]) for k in range(3)]
+  calls = []
+  real = evaluation._group_sums
+  monkeypatch.setattr(evaluation, "_group_sums",
+                      lambda *a: calls.append(1) or real(*a))
+  group = evaluation.evaluate_group(
+      params, cfg, jax.tree.map(lambda *xs: jnp.stack(xs), *vals))
+  slices = -(-cfg.corpus.val_seqs // cfg.eval_batch)
+  assert slices == 2 and len(calls) == slices
+  if trials_per_vmap == 1:
+    assert group == alone
+  else:
+    for a, g in zip(alone, group):
+      assert a["eval_positions"] == g["eval_positions"]
+      for name in ("mlm_ce", "bayes_ce", "tv"):
+        np.testing.assert_allclose(g[name], a[name], rtol=100 * 1.2e-7 * 4)
 
 
 def test_a_fixed_corpus_stack_trains_each_trial_on_its_own_corpus(tmp_path):

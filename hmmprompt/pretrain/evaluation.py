@@ -19,6 +19,7 @@ from hmmprompt import corpus as corpus_lib
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import generative
 from hmmprompt.backbones import transformer
+from hmmprompt.pretrain import train
 from hmmprompt.pretrain.config import PretrainConfig
 
 
@@ -81,12 +82,40 @@ def evaluate(params, cfg: PretrainConfig, val: ValidationSet) -> dict:
       val, cfg.eval_batch)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _group_sums(params_N, model_cfg, trials_per_vmap: int, inputs_NxBxT,
+                targets_NxBxT, weights_NxBxT, exact_NxBxTxV):
+  return train.map_trials(lambda a: _eval_sums(a[0], model_cfg, *a[1:]),
+                          (params_N, inputs_NxBxT, targets_NxBxT,
+                           weights_NxBxT, exact_NxBxTxV), trials_per_vmap)
+
+
+def evaluate_group(params_N, cfg: PretrainConfig,
+                   vals_N: ValidationSet) -> list[dict]:
+  """:func:`evaluate` of ``N`` trials at once: ``params_N`` and ``vals_N``
+  (each trial's own validation set) stacked ``[N, ...]``. One program per
+  slice of ``eval_batch`` sequences steps every trial, mapped as the
+  train step maps them (``cfg.trials_per_vmap``), so a 20-trial
+  evaluation is not 20 round trips per slice."""
+  num, seqs = vals_N.inputs.shape[:2]
+  tot = np.zeros((num, 4))
+  for i in range(0, seqs, cfg.eval_batch):
+    part = jax.tree.map(lambda x: x[:, i:i + cfg.eval_batch], vals_N)
+    tot += np.asarray(_group_sums(params_N, cfg.model, cfg.trials_per_vmap,
+                                  *part))
+  return [_metrics(t) for t in tot]
+
+
 def evaluate_predictions(sums_of, val: ValidationSet, batch: int) -> dict:
   """The metrics from :func:`gap_sums` of each slice of ``batch``
   sequences (``sums_of(slice) -> [4]``), summed over the held-out set."""
   tot = np.zeros(4)
   for i in range(0, val.inputs.shape[0], batch):
     tot += np.asarray(sums_of(slice(i, i + batch)))
+  return _metrics(tot)
+
+
+def _metrics(tot) -> dict:
   n = max(tot[3], 1.0)
   return {"mlm_ce": tot[0] / n, "bayes_ce": tot[1] / n, "tv": tot[2] / n,
           "ce_gap": (tot[0] - tot[1]) / n, "eval_positions": int(tot[3])}

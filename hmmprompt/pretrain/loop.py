@@ -315,9 +315,10 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
                     if checkpoints else (None, None))
   found = (workdir_lib.restore(ckpts, stopped, cfg, num, log=log)
            if ckpts is not None else None)
+  saved_rows: list[int] = []
   if found is None:
-    start, states, saved_rows = 0, (train.init_states(keys.init, cfg)
-                                    if init is None else init(keys.init)), []
+    start, states = 0, (train.init_states(keys.init, cfg) if init is None
+                        else init(keys.init))
   else:
     start, states, saved_rows = found
     log(f"resumed {'' if num == 1 else f'{num} trials '}from step {start}")
@@ -363,6 +364,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
     """A checkpoint of the trials still running at ``step``; those that
     stopped at it go to ``stopped/``, once (or, when none runs on, stay
     in the checkpoint: orbax saves no empty arrays)."""
+    assert ckpts is not None and stopped is not None  # called only with them
     if running and stopped_now:
       workdir_lib.save_rows(stopped, step, states, stopped_now)
     workdir_lib.save_rows(ckpts, step, states, running or stopped_now)
@@ -392,15 +394,17 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
   wall_before = max((m.get("wall_s", 0.0) for m in metrics), default=0.0)
   t_run = time.perf_counter()
 
-  def evaluate(step, sub, trials):
-    """Appends (and writes) the metrics of ``trials`` (``sub``'s rows)."""
+  def evaluate(step, sub, rows, n):
+    """Appends (and writes) the metrics of trials ``rows[:n]`` (``sub``'s
+    first rows; a padded group's copies are evaluated and dropped)."""
     wall = wall_before + time.perf_counter() - t_run
-    for j, k in enumerate(trials):
-      m = {"trial": k, "step": step,
-           **evaluate_lib.evaluate(_take(sub.params, j), cfg, vals[k]),
-           "wall_s": wall}
+    group_vals = jax.tree.map(lambda *xs: jnp.stack(xs),
+                              *[vals[int(k)] for k in rows])
+    lines = evaluate_lib.evaluate_group(sub.params, cfg, group_vals)
+    for k, line in zip(rows[:n], lines):
+      m = {"trial": int(k), "step": step, **line, "wall_s": wall}
       metrics.append(m)
-      last[k] = m
+      last[int(k)] = m
       curves.eval(m)
       log(f"{tag(k)}step {step}: mlm_ce {m['mlm_ce']:.4f} bayes_ce "
           f"{m['bayes_ce']:.4f} gap {m['ce_gap']:.4f} tv {m['tv']:.4f}")
@@ -421,10 +425,11 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
     return [k for k in before if k not in running]
 
   if missing:
-    evaluate(start, _take(states, np.asarray(missing)), missing)
+    evaluate(start, _take(states, np.asarray(missing)), missing,
+             len(missing))
     stop_reached(start)
     unsaved = [k for k in saved_rows if k not in running]
-  if unsaved and ckpts is not None and running and start < total:
+  if unsaved and stopped is not None and running and start < total:
     workdir_lib.save_rows(stopped, start, states, unsaved)
 
   while running and start < total:
@@ -459,7 +464,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
         retain(done, states)
         if is_eval:  # before the checkpoint, which holds the trials going on
           for (rows, n), sub in zip(groups, subs):
-            evaluate(done, sub, [int(k) for k in rows[:n]])
+            evaluate(done, sub, rows, n)
           stopped_now = stop_reached(done)
         if is_ckpt and ckpts is not None:
           save(done, states, stopped_now)

@@ -188,12 +188,13 @@ def restore(ckpts: ckpt_lib.Checkpoints, stopped: ckpt_lib.Checkpoints | None,
     return None
   if not isinstance(saved, dict):  # layout 2: all K
     return Restored(step, saved, list(range(num)))
-  parts = [stopped.restore(_abstract_rows(
-      cfg, stopped.item_tree(s)["trials"].shape[0]), s)
-           for s in (stopped.all_steps() if stopped else []) if s <= step]
+  parts = ([] if stopped is None else
+           [stopped.restore(_abstract_rows(
+               cfg, stopped.item_tree(s)["trials"].shape[0]), s)
+            for s in stopped.all_steps() if s <= step])
   states = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
                         _abstract_states(cfg, num))
-  found = set()
+  found: set[int] = set()
   for part in parts + [saved]:  # the checkpoint's own rows last: they win
     states = put(states, part["trials"], part["states"])
     found.update(int(k) for k in np.asarray(part["trials"]))
