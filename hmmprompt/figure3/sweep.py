@@ -88,10 +88,16 @@ def plan(setup: configs.Setup, panel: str = "both",
   return by_model
 
 
-def stack_size(setup: configs.Setup, mid: ModelId) -> int:
-  """Trials drawn (and pretrained) for ``mid``: the most any panel reads,
+def stack_sizes(setup: configs.Setup) -> dict[ModelId, int]:
+  """Trials drawn (and pretrained) per model: the most any panel reads,
   whichever panels this run does, so a stack never changes size."""
-  return max(setup.panel_trials(g.panel) for g in plan(setup)[mid])
+  return {mid: max(setup.panel_trials(g.panel) for g in groups)
+          for mid, groups in plan(setup).items()}
+
+
+def stack_size(setup: configs.Setup, mid: ModelId) -> int:
+  """:func:`stack_sizes`' ``mid``."""
+  return stack_sizes(setup)[mid]
 
 
 def make_models(setup: configs.Setup, mid: ModelId) -> generative.Model:
@@ -165,13 +171,14 @@ class Trials(NamedTuple):
     return out
 
 
-def prepare(workdir: str, setup: configs.Setup, mid: ModelId,
+def prepare(workdir: str, setup: configs.Setup, mid: ModelId, num: int,
             backbone_name: str, checkpoints: bool = True,
             stop_at: float | None = None) -> Trials:
-  """Draws ``mid``'s trials and their tasks, and pretrains their
-  backbones (transformer; ``checkpoints`` as :func:`backbones`)."""
-  stack = protocol.draw_stack(setup, mid, stack_size(setup, mid),
-                            setup.tasks_per_hmm, verdicts=True)
+  """Draws ``mid``'s ``num`` trials (:func:`stack_sizes`) and their tasks,
+  and pretrains their backbones (transformer; ``checkpoints`` as
+  :func:`backbones`)."""
+  stack = protocol.draw_stack(setup, mid, num, setup.tasks_per_hmm,
+                              verdicts=True)
   return Trials(stack, *backbones(workdir, setup, mid, stack.models_K,
                                   backbone_name, checkpoints, stop_at))
 
@@ -303,23 +310,23 @@ def run_sweep(setup: configs.Setup, workdir: str, panel: str,
     setup.check_context()
   os.makedirs(workdir, exist_ok=True)
   check_workdir(workdir, setup)
-  mine = schedule.mine(
-      list(plan(setup, panel, backbone_name)),
-      lambda mid: (stack_size(setup, mid),
-                   mid.num_states * max(mid.memory_size, 1)))
+  sizes = stack_sizes(setup)
+  mine = schedule.mine(list(plan(setup, panel, backbone_name)),
+                       lambda mid: (sizes[mid], mid.size))
   if pretrain_only:
     for mid in mine:
       if schedule.claim is None or schedule.claim(mid):
-        backbones(workdir, setup, mid, make_models(setup, mid),
-                  backbone_name)
+        backbones(workdir, setup, mid, protocol.make_models(
+            setup, mid, sizes[mid]), backbone_name)
     return []
   missing = missing_cells(setup, workdir, panel, backbone_name)
   todo = {mid: missing[mid] for mid in mine}
   return protocol.run_stacks(
-      todo, lambda mid, _: prepare(workdir, setup, mid, backbone_name,
-                                   checkpoints, schedule.stop_at),
+      todo, lambda mid, _: prepare(workdir, setup, mid, sizes[mid],
+                                   backbone_name, checkpoints,
+                                   schedule.stop_at),
       lambda g, trials: tune_group(setup, backbone_name, g, trials,
                                    todo[g.model_id][g]),
       results_file or schema.results_path(workdir, schedule.num_hosts,
                                            schedule.host_index),
-      schedule, weight=lambda mid: stack_size(setup, mid))
+      schedule, weight=sizes.get)
