@@ -87,14 +87,7 @@ class Setup(protocol.TrialsConfig):
     fingerprint, and a non-default value still moves it. Which arms run (``finetune``, ``prompt_attention``,
     ``head_optimum``) is in each line's key (its method), not here.
     """
-    blob = self.identity()
-    del blob["trials"], blob["right_trials"]
-    if backbone != "transformer":
-      # Nothing pretrained, nothing computed in the backbone's dtype: the
-      # exact backbone's lines key alike on every backend.
-      del blob["pretrain"]
-      blob["tune"].pop("backbone_dtype", None)
-    return identity_lib.fingerprint(blob)
+    return fingerprint_of(self.identity(), backbone)
 
   def identity(self) -> dict:
     """What decides the values of a workdir's lines (the fingerprint's
@@ -116,6 +109,18 @@ class Setup(protocol.TrialsConfig):
     """What a workdir's trial stacks depend on."""
     return {"trials": self.trials,
             "right_trials": self.panel_trials("right")}
+
+
+def fingerprint_of(identity: dict, backbone: str = "exact") -> str:
+  """:meth:`Setup.fingerprint` from the setup's :meth:`Setup.identity`."""
+  blob = {**identity, "tune": dict(identity["tune"])}
+  del blob["trials"], blob["right_trials"]
+  if backbone != "transformer":
+    # Nothing pretrained, nothing computed in the backbone's dtype: the
+    # exact backbone's lines key alike on every backend.
+    del blob["pretrain"]
+    blob["tune"].pop("backbone_dtype", None)
+  return identity_lib.fingerprint(blob)
 
 
 def check_run(setup: Setup, backbones, pretrain_only: bool = False

@@ -230,18 +230,18 @@ def check_workdir(workdir: str, setup: configs.Setup,
   Raises:
     ValueError: the workdir holds another setup's results.
   """
-  mine = {setup.fingerprint(b) for b in BACKBONES}
+  identity = setup.identity()
+  mine = {configs.fingerprint_of(identity, b) for b in BACKBONES}
   others = sorted({r.setup for r in schema.read_results(workdir)} - mine)
-  if others and os.path.exists(os.path.join(workdir, STAMP)):
-    # The stamp names what differs (old -> new); the lines' digits alone
-    # name nothing a user can act on.
-    stamp(workdir, setup.identity(), write=False)
+  # With others, the stamp names what differs (old -> new) if there is
+  # one; the lines' digits alone name nothing a user can act on.
+  if not others or os.path.exists(os.path.join(workdir, STAMP)):
+    stamp(workdir, identity, write and not others)
   if others:
     raise ValueError(
         f"{workdir} holds result lines of setup {others}, this run's are "
         f"{sorted(mine)} (a changed task, tuning, pretraining or seed "
         f"number): use a new --workdir for the new setup")
-  stamp(workdir, setup.identity(), write)
 
 
 def stamp(workdir: str, identity: dict, write: bool = True) -> None:
@@ -263,13 +263,16 @@ def stamp(workdir: str, identity: dict, write: bool = True) -> None:
 
 
 def missing_cells(setup: configs.Setup, workdir: str, panel: str,
-                  backbone_name: str) -> dict[ModelId, dict[Group, set]]:
+                  backbone_name: str,
+                  by_model: dict[ModelId, list[Group]] | None = None
+                  ) -> dict[ModelId, dict[Group, set]]:
   """``{model: {group: its (trial, task) cells without a line in
-  workdir}}`` over :func:`plan`'s models; a group with every line is left
-  out (a finished model maps to ``{}``)."""
+  workdir}}`` over :func:`plan`'s models (``by_model``, if the caller
+  has it); a group with every line is left out (a finished model maps to
+  ``{}``)."""
   fp = setup.fingerprint(backbone_name)
   return protocol.missing(
-      plan(setup, panel, backbone_name),
+      by_model or plan(setup, panel, backbone_name),
       {line.key() for line in schema.read_results(workdir)},
       lambda g: {(k, s): (backbone_name, g.panel, g.model_id.hmm,
                           g.model_id.num_states, g.model_id.memory_size, k,
@@ -310,16 +313,15 @@ def run_sweep(setup: configs.Setup, workdir: str, panel: str,
     setup.check_context()
   os.makedirs(workdir, exist_ok=True)
   check_workdir(workdir, setup)
-  sizes = stack_sizes(setup)
-  mine = schedule.mine(list(plan(setup, panel, backbone_name)),
-                       lambda mid: (sizes[mid], mid.size))
+  by_model, sizes = plan(setup, panel, backbone_name), stack_sizes(setup)
+  mine = schedule.mine(list(by_model), lambda mid: (sizes[mid], mid.size))
   if pretrain_only:
     for mid in mine:
       if schedule.claim is None or schedule.claim(mid):
         backbones(workdir, setup, mid, protocol.make_models(
             setup, mid, sizes[mid]), backbone_name)
     return []
-  missing = missing_cells(setup, workdir, panel, backbone_name)
+  missing = missing_cells(setup, workdir, panel, backbone_name, by_model)
   todo = {mid: missing[mid] for mid in mine}
   return protocol.run_stacks(
       todo, lambda mid, _: prepare(workdir, setup, mid, sizes[mid],
