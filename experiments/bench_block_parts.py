@@ -1,19 +1,14 @@
-r"""Forward against gradient time for each part of one ``cpu_capped`` block.
+r"""Forward against gradient time for each part of one ``cpu_capped`` block
+(docs/performance.md, "The backward pass on XLA:CPU").
 
   taskset -c 0 env XLA_FLAGS=--xla_cpu_multi_thread_eigen=false \
       python -m experiments.bench_block_parts
 
-Where a train step's backward goes on XLA:CPU (docs/performance.md, "The
-backward pass on XLA:CPU"): each part of a ``Block`` of the ``cpu_capped``
-model (width 64, 4 heads, MLP 256, rel-pos bias) on a ``[32, 80]`` batch,
-``jit(sum(tanh(part(x))))`` against its ``jit(grad)`` with respect to
-every input, then the whole block. The ratio is the figure to compare
-between machines; the milliseconds are this machine's.
+Each part on a ``[32, 80]`` batch, then the whole block:
+``jit(sum(tanh(part(x))))`` against its ``jit(grad)`` in every input.
 """
 
 from __future__ import annotations
-
-import time
 
 from absl import app
 import flax.linen as nn
@@ -24,20 +19,16 @@ from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import protocol
 from hmmprompt.backbones import transformer
 
+from experiments import mfu
+
 
 def fwd_and_grad_ms(f, *args, n: int = 40) -> tuple[float, float]:
   """Mean ms per call of ``sum(tanh(f(*args)))`` and of its gradient."""
   loss = lambda *a: jnp.sum(jnp.tanh(f(*a)))
-  out = []
-  for g in (jax.jit(loss),
-            jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))):
-    jax.block_until_ready(g(*args))  # compile
-    t0 = time.perf_counter()
-    for _ in range(n):
-      res = g(*args)
-    jax.block_until_ready(res)
-    out.append((time.perf_counter() - t0) / n * 1e3)
-  return out[0], out[1]
+  fwd, grad = (1e3 * mfu.seconds_per_call(lambda g=g: g(*args), steps=n)
+               for g in (jax.jit(loss), jax.jit(jax.grad(
+                   loss, argnums=tuple(range(len(args)))))))
+  return fwd, grad
 
 
 def parts(b: int = 32, t: int = 80) -> dict:
@@ -56,19 +47,15 @@ def parts(b: int = 32, t: int = 80) -> dict:
   def module(m, x):
     return (lambda p, x: m.apply(p, x)), (m.init(key, x), x)
 
-  ln_f, ln_args = module(nn.LayerNorm(), x_BxTxD)
-  qkv_f, qkv_args = module(transformer.TokenDense(3 * d), x_BxTxD)
-  block_f, block_args = module(transformer.Block(cfg), x_BxTxD)
   return {
-      "layernorm": (ln_f, ln_args),
-      "dense qkv": (qkv_f, qkv_args),
+      "layernorm": module(nn.LayerNorm(), x_BxTxD),
+      "dense qkv": module(transformer.TokenDense(3 * d), x_BxTxD),
       "attention (qk, softmax, av)": (attention, (
           q_BxAxTxE, q_BxAxTxE + 1, 2 * q_BxAxTxE, bias_AxTxT)),
       "softmax": (lambda z: jax.nn.softmax(z, -1),
                   (jax.random.normal(key, (b, a, t, t)),)),
       "gelu": (nn.gelu, (jax.random.normal(key, (b, t, cfg.d_ff)),)),
-      "block": (block_f, block_args),
-  }
+      "block": module(transformer.Block(cfg), x_BxTxD)}
 
 
 def main(argv):

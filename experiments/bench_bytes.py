@@ -1,17 +1,12 @@
-"""Peak memory and time of a Figure 3 sweep, bounded against unbounded.
-
-Runs the same sweep twice, each in its own process under ``/usr/bin/time
--v``: first as it ran before memory was bounded (every trial of a group
-tuned in one vmap, ``--config.lanes_per_vmap=0``; a size's tasks drawn in
-one call, ``--config.task_budget_mb=0``), then with the defaults (auto lane
-groups, a 512 MiB task budget). Prints peak RSS, wall, user and sys of
-each and how far their result lines differ::
+"""Peak memory and time of a Figure 3 sweep, bounded against unbounded
+(docs/performance.md, "Bounded memory").
 
   python -m experiments.bench_bytes --preset=paper --workdir=/tmp/bench_mem
 
-(the exact paper protocol: ~27 min on 2 CPU cores). Workdirs are
-``DIR/unbounded`` and ``DIR/bounded``; a rerun reuses their results (only
-the time of a fresh directory means anything).
+The sweep twice under ``/usr/bin/time -v``: in ``DIR/unbounded``
+(``--config.lanes_per_vmap=0 --config.task_budget_mb=0``), then in
+``DIR/bounded`` (the defaults). A rerun reuses their results (only the
+time of a fresh directory means anything).
 """
 
 from __future__ import annotations
@@ -34,16 +29,14 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "where both sweeps write",
 ARMS = {"unbounded": ["--config.lanes_per_vmap=0",
                       "--config.task_budget_mb=0"],
         "bounded": []}
-_TIME_FIELDS = {"peak_rss_gb": r"Maximum resident set size \(kbytes\): (\d+)",
-                "wall": r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): "
-                        r"(\S+)",
-                "user_s": r"User time \(seconds\): ([\d.]+)",
-                "sys_s": r"System time \(seconds\): ([\d.]+)"}
-
-
-def _wall_seconds(text: str) -> float:
-  parts = [float(p) for p in text.split(":")]
-  return sum(p * 60 ** i for i, p in enumerate(reversed(parts)))
+_TIME_FIELDS = {  # field: its line in /usr/bin/time -v's output, its value
+    "peak_rss_gb": (r"Maximum resident set size \(kbytes\): (\d+)",
+                    lambda s: int(s) / 1e6),
+    "user_s": (r"User time \(seconds\): ([\d.]+)", float),
+    "sys_s": (r"System time \(seconds\): ([\d.]+)", float),
+    "wall_s": (r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)",
+               lambda s: sum(float(p) * 60 ** i
+                             for i, p in enumerate(reversed(s.split(":")))))}
 
 
 def run_arm(name: str, workdir: str) -> dict:
@@ -57,20 +50,11 @@ def run_arm(name: str, workdir: str) -> dict:
     sys.stderr.write(proc.stderr[-4000:])
     raise SystemExit(f"{name}: the sweep failed (exit {proc.returncode})")
   out = {}
-  for field, pattern in _TIME_FIELDS.items():
-    m = re.search(pattern, proc.stderr)
-    if m is None:
+  for field, (pattern, value) in _TIME_FIELDS.items():
+    if (m := re.search(pattern, proc.stderr)) is None:
       raise SystemExit(f"{name}: no {field!r} in /usr/bin/time's output")
-    out[field] = m.group(1)
-  out["peak_rss_gb"] = int(out["peak_rss_gb"]) / 1e6
-  out["wall_s"] = _wall_seconds(out.pop("wall"))
-  out["user_s"], out["sys_s"] = float(out["user_s"]), float(out["sys_s"])
+    out[field] = value(m.group(1))
   return out
-
-
-def _lines(workdir: str) -> dict:
-  from hmmprompt.figure3 import schema  # pylint: disable=g-import-not-at-top
-  return {r.key(): r for r in schema.read_results(workdir)}
 
 
 def main(argv):
@@ -79,8 +63,9 @@ def main(argv):
     raise SystemExit("needs /usr/bin/time (GNU time) for peak RSS")
   measured = {name: run_arm(name, os.path.join(_WORKDIR.value, name))
               for name in ARMS}
-  a = _lines(os.path.join(_WORKDIR.value, "unbounded"))
-  b = _lines(os.path.join(_WORKDIR.value, "bounded"))
+  from hmmprompt.figure3 import schema  # pylint: disable=g-import-not-at-top
+  a, b = ({r.key(): r for r in schema.read_results(os.path.join(
+      _WORKDIR.value, name))} for name in ("unbounded", "bounded"))
   # The two arms share their setup fingerprint (runtime settings only).
   common = sorted(set(a) & set(b))
   if not common or len(common) != len(a) or len(a) != len(b):

@@ -1,13 +1,11 @@
-r"""Compile reuse in the transformer sweep: XLA compilations and their time,
-with transformer backbones cached per config (as shipped) vs rebuilt per
-model (as before: a new static jit argument for every pretrained model).
+r"""Compile reuse in the transformer sweep: XLA compilations and their time
+with transformer backbones cached per config (as shipped) against rebuilt
+per model (a new static jit argument for every pretrained model).
 
   python -m experiments.bench_compiles [--preset=cpu] [--pretrain_steps=100]
 
-Runs the sweep (``--backbone=transformer``) twice in fresh processes, into
-fresh workdirs; pretraining is cut to ``--pretrain_steps`` since only
-tuning's compilations differ. Prints both runs' compile counts and seconds
-and the ratio.
+Runs the sweep twice in fresh processes and workdirs, pretraining cut to
+``--pretrain_steps`` (only tuning's compilations differ).
 """
 
 from __future__ import annotations
@@ -45,7 +43,7 @@ def _child(mode: str, workdir: str) -> None:
       stats["compile_s"] += duration
 
   jax.monitoring.register_event_duration_secs_listener(listener)
-  if mode == "uncached":  # the old behaviour: new closures for every model
+  if mode == "uncached":  # new closures for every model
     transformer.make_backbone = transformer.build_backbone
   setup = figure3.get_setup(_PRESET.value,
                             overrides={"pretrain.steps": _STEPS.value})
@@ -60,8 +58,7 @@ def main(argv):
   del argv
   glibc.retain_freed_memory()  # XLA:CPU step temporaries
   if _CHILD.value:
-    _child(_CHILD.value, _WORKDIR.value)
-    return
+    return _child(_CHILD.value, _WORKDIR.value)
   out = {}
   for mode in ("uncached", "cached"):
     with tempfile.TemporaryDirectory() as d:

@@ -1,23 +1,10 @@
 r"""Throughput of hmmprompt's HMM sampler and posterior vs hmmlearn / dynamax.
 
-Every number is measured in the same run on the same machine; ratios are
-against the baselines measured here, never against remembered numbers.
-
   python -m experiments.bench_hmm            # needs the `bench` extra
 
-Sampling: ``jax.jit(jax.vmap(lambda k: hmm.sample(k, model, T)))`` over
-``--sample_batch`` keys vs hmmlearn's ``CategoricalHMM.sample`` (what the
-authors used) and dynamax's ``CategoricalHMM.sample``.
-Posterior: ``jax.jit(jax.vmap(hmm.posterior))`` vs dynamax's
-``hmm_smoother`` vmapped the same way (its default arguments: its jitted signature makes
-``compute_trans_probs`` a traced value, so it cannot be switched off) and
-hmmlearn's ``predict_proba``.
-Long sequences (issue 51): ``posterior`` with ``method="sequential"``,
-``"parallel"`` and ``"blocked"`` vs dynamax's ``hmm_smoother`` and its
-associative-scan ``parallel_hmm_smoother``, each ``jit(vmap)`` over ``--long_batch``
-sequences, on the grid ``--long_lens`` x ``--long_states``; ratios are
-times over our sequential path's in the same cell. Exact targets: one
-pretraining batch's ``corpus.exact_targets`` with each kernel.
+Every ratio is against a baseline measured in the same run; the
+``--sections`` (sampling, posterior, long sequences on the grid
+``--long_lens`` x ``--long_states``, exact targets): docs/performance.md.
 """
 
 import time
@@ -30,6 +17,8 @@ import numpy as np
 
 from hmmprompt import glibc
 from hmmprompt import hmm as hmm_lib
+
+from experiments import mfu
 
 _STATES = flags.DEFINE_integer("num_states", 30, "hidden states |H|")
 _VOCAB = flags.DEFINE_integer("vocab_size", 10, "vocabulary |X|")
@@ -56,36 +45,67 @@ _HMMLEARN_SEQS = flags.DEFINE_integer(
     "hmmlearn_seqs", 5, "sequences for hmmlearn (it is slow; rates scale)")
 
 
-def _median_time(fn, repeats):
-  jax.block_until_ready(fn())  # compile / warm up
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+_NO_BENCH = "not installed (pip install -e '.[bench]')"
+_METHODS = ("sequential", "parallel", "blocked")
+_median_time = mfu.seconds_per_call  # (fn, repeats)
+
+
+def _tokens(model, t: int, b: int, seed: int):
+  return jax.vmap(lambda k: hmm_lib.sample(k, model, t)[0])(
+      jax.random.split(jax.random.PRNGKey(seed), b))
 
 
 def _hmmlearn_model(model):
-  from hmmlearn.hmm import CategoricalHMM  # pylint: disable=g-import-not-at-top
-  f64 = lambda a: np.asarray(a, np.float64) / np.asarray(
-      a, np.float64).sum(-1, keepdims=True)
-  m = CategoricalHMM(n_components=model.num_states, init_params="",
-                     params="")
+  try:
+    from hmmlearn.hmm import CategoricalHMM  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  f64 = lambda a: (a := np.asarray(a, np.float64)) / a.sum(-1, keepdims=True)
+  m = CategoricalHMM(n_components=model.num_states, init_params="", params="")
   m.n_features = model.vocab_size
-  m.startprob_ = f64(model.initial)
-  m.transmat_ = f64(model.transition)
-  m.emissionprob_ = f64(model.emission)
+  m.startprob_, m.transmat_, m.emissionprob_ = map(f64, (
+      model.initial, model.transition, model.emission))
   return m
 
 
+def _dynamax_smoothers(model) -> dict:
+  """``{name: jit(vmap(smoother))}`` of dynamax's (``{}`` without it), at
+  their defaults (``compute_trans_probs`` is traced: it cannot be off)."""
+  try:
+    from dynamax.hidden_markov_model import hmm_smoother  # pylint: disable=g-import-not-at-top
+    from dynamax.hidden_markov_model import parallel_hmm_smoother  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return {}
+  return {f"dynamax {name}": jax.jit(jax.vmap(
+      lambda x, s=s: s(model.initial, model.transition,
+                       jnp.log(model.emission.T[x])).smoothed_probs))
+          for name, s in (("hmm_smoother", hmm_smoother),
+                          ("parallel_hmm_smoother", parallel_hmm_smoother))}
+
+
 def _report(name, tokens, seconds, baseline=None):
-  rate = tokens / seconds
-  line = f"  {name:<44s} {rate / 1e6:10.3f} M tokens/s"
-  if baseline is not None:
-    line += f"   hmmprompt is {seconds / baseline:7.1f}x faster"
-  print(line)
-  return seconds
+  print(f"  {name:<44s} {tokens / seconds / 1e6:10.3f} M tokens/s" + (
+      "" if baseline is None else
+      f"   hmmprompt is {seconds / baseline:7.1f}x faster"))
+
+
+def _against_first(fns: dict, args, repeats: int, line, first: str):
+  """``line(name, seconds)`` of each of ``fns``, then against the first."""
+  base = ref = None
+  for name, fn in fns.items():
+    try:
+      got = fn(*args)
+      secs = _median_time(lambda fn=fn: fn(*args), repeats)
+    except jax.errors.JaxRuntimeError as e:  # e.g. [B, T, H, H] at 10 240
+      print(f"  {name:<34s} failed: {str(e).splitlines()[0][:80]}")
+      continue
+    out = line(name, secs)
+    if base is None:
+      base, ref = secs, got
+    else:
+      out += (f"   {secs / base:6.2f}x {first}, max |diff| "
+              f"{float(jnp.max(jnp.abs(got - ref))):.1e}")
+    print(out)
 
 
 def bench_sampling(model):
@@ -96,7 +116,6 @@ def bench_sampling(model):
   ours = jax.jit(jax.vmap(lambda k: hmm_lib.sample(k, model, t)))
   t_ours = _median_time(lambda: ours(keys), _REPEATS.value)
   _report("hmmprompt jit(vmap(sample))", b * t, t_ours)
-
   try:
     from dynamax.hidden_markov_model import CategoricalHMM  # pylint: disable=g-import-not-at-top
     dyn = CategoricalHMM(model.num_states, 1, model.vocab_size)
@@ -108,13 +127,9 @@ def bench_sampling(model):
     t_dyn = _median_time(lambda: dyn_fn(keys), _REPEATS.value)
     _report("dynamax CategoricalHMM.sample (jit+vmap)", b * t, t_dyn, t_ours)
   except ImportError:
-    print("  dynamax not installed (pip install -e '.[bench]')")
-
-  try:
-    hl = _hmmlearn_model(model)
-  except ImportError:
-    print("  hmmlearn not installed (pip install -e '.[bench]')")
-    return
+    print("  dynamax", _NO_BENCH)
+  if (hl := _hmmlearn_model(model)) is None:
+    return print("  hmmlearn", _NO_BENCH)
   n = _HMMLEARN_SEQS.value
   t0 = time.perf_counter()
   for i in range(n):
@@ -126,19 +141,16 @@ def bench_sampling(model):
 def bench_posterior(model):
   b, t = _POST_BATCH.value, _POST_LEN.value
   print(f"Posterior: {b} x {t} tokens, |H|={model.num_states}")
-  tokens = jax.vmap(lambda k: hmm_lib.sample(k, model, t)[0])(
-      jax.random.split(jax.random.PRNGKey(1), b))
+  tokens = _tokens(model, t, b, 1)
   ours = jax.jit(jax.vmap(hmm_lib.posterior, in_axes=(None, 0)))
   post = ours(model, tokens)
   t_ours = _median_time(lambda: ours(model, tokens), _REPEATS.value)
   _report("hmmprompt jit(vmap(posterior))", b * t, t_ours)
-  # As many users write it: the HMM closed over, so its arrays are
-  # compile-time constants of the outer jit.
+  # As many write it: the HMM closed over, its arrays the jit's constants.
   closed = jax.jit(jax.vmap(lambda x: hmm_lib.posterior(model, x)))
   t_closed = _median_time(lambda: closed(tokens), _REPEATS.value)
   _report("  same, HMM closed over", b * t, t_closed)
   print(f"    closed over / argument time: {t_closed / t_ours:.2f}")
-  # Our associative-scan kernel in the same run (method="parallel").
   par = jax.jit(jax.vmap(lambda m, x: hmm_lib.posterior(m, x,
                                                         method="parallel"),
                          in_axes=(None, 0)))
@@ -146,23 +158,15 @@ def bench_posterior(model):
   t_par = _median_time(lambda: par(model, tokens), _REPEATS.value)
   _report("hmmprompt posterior, method=parallel", b * t, t_par, t_ours)
   print(f"    max |difference| from the scan: {err:.2e}")
-
-  try:
-    from dynamax.hidden_markov_model import hmm_smoother  # pylint: disable=g-import-not-at-top
-    def dyn(x):
-      ll = jnp.log(model.emission.T[x])
-      return hmm_smoother(model.initial, model.transition, ll).smoothed_probs
-    dyn_fn = jax.jit(jax.vmap(dyn))
-    err = float(jnp.max(jnp.abs(dyn_fn(tokens) - post)))
-    t_dyn = _median_time(lambda: dyn_fn(tokens), _REPEATS.value)
+  dyn = _dynamax_smoothers(model).get("dynamax hmm_smoother")
+  if dyn is None:
+    print("  dynamax", _NO_BENCH)
+  else:
+    err = float(jnp.max(jnp.abs(dyn(tokens) - post)))
+    t_dyn = _median_time(lambda: dyn(tokens), _REPEATS.value)
     _report("dynamax hmm_smoother (jit+vmap)", b * t, t_dyn, t_ours)
     print(f"    max |difference| from hmmprompt: {err:.2e}")
-  except ImportError:
-    print("  dynamax not installed (pip install -e '.[bench]')")
-
-  try:
-    hl = _hmmlearn_model(model)
-  except ImportError:
+  if (hl := _hmmlearn_model(model)) is None:
     return
   x = np.asarray(tokens).reshape(-1, 1)
   t0 = time.perf_counter()
@@ -173,80 +177,39 @@ def bench_posterior(model):
   print(f"    max |difference| from hmmprompt: {err:.2e}")
 
 
-def _dynamax_smoothers():
-  """``{name: smoother}`` of dynamax's two smoothers (``{}`` without it)."""
-  try:
-    from dynamax.hidden_markov_model import hmm_smoother  # pylint: disable=g-import-not-at-top
-    from dynamax.hidden_markov_model import parallel_hmm_smoother  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return {}
-  return {"dynamax hmm_smoother": hmm_smoother,
-          "dynamax parallel_hmm_smoother": parallel_hmm_smoother}
-
-
 def bench_long(vocab_size):
-  """Our two kernels and dynamax's two smoothers on each (T, |H|) cell."""
+  """Our kernels and dynamax's two smoothers on each (T, |H|) cell."""
   b = _LONG_BATCH.value
-  dyn = _dynamax_smoothers()
-  if not dyn:
-    print("  dynamax not installed (pip install -e '.[bench]')")
+  if not _dynamax_smoothers(None):  # (the model is only read in a call)
+    print("  dynamax", _NO_BENCH)
   for t in map(int, _LONG_LENS.value):
     for h in map(int, _LONG_STATES.value):
       model = hmm_lib.random_hmm(jax.random.PRNGKey(h), h, vocab_size)
-      tokens = jax.vmap(lambda k: hmm_lib.sample(k, model, t)[0])(
-          jax.random.split(jax.random.PRNGKey(2), b))
+      tokens = _tokens(model, t, b, 2)
       print(f"Long posterior: {b} x {t} tokens, |H|={h}")
       fns = {f"hmmprompt method={m}": jax.jit(jax.vmap(
           lambda x, m=m: hmm_lib.posterior(model, x, method=m)))
-             for m in ("sequential", "parallel", "blocked")}
-      for name, smoother in dyn.items():
-        fns[name] = jax.jit(jax.vmap(
-            lambda x, s=smoother: s(model.initial, model.transition,
-                                    jnp.log(model.emission.T[x])
-                                    ).smoothed_probs))
-      base = post = None
-      for name, fn in fns.items():
-        try:
-          got = fn(tokens)
-          secs = _median_time(lambda fn=fn: fn(tokens), _LONG_REPEATS.value)
-        except jax.errors.JaxRuntimeError as e:  # e.g. [B, T, H, H] at 10 240
-          print(f"  {name:<34s} failed: {str(e).splitlines()[0][:80]}")
-          continue
-        line = f"  {name:<34s} {b * t / secs / 1e6:9.3f} M tokens/s"
-        if base is None:
-          base, post = secs, got
-        else:
-          err = float(jnp.max(jnp.abs(got - post)))
-          line += (f"   {secs / base:6.2f}x our sequential time, max "
-                   f"|diff| {err:.1e}")
-        print(line)
+             for m in _METHODS}
+      _against_first(
+          fns | _dynamax_smoothers(model), (tokens,), _LONG_REPEATS.value,
+          lambda name, secs: f"  {name:<34s} {b * t / secs / 1e6:9.3f} M "
+          "tokens/s", "our sequential time")
 
 
 def bench_targets(vocab_size):
-  """What the exact targets add to a training step: one batch's
-  :func:`corpus.exact_targets` (BERT corruption at 15%), jitted alone,
-  with each kernel (issue 51's goal: at most 1 ms at 64 x 512)."""
+  """One batch's :func:`corpus.exact_targets`, jitted alone, per kernel."""
   from hmmprompt import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
   b, t, h = map(int, _TARGETS_SHAPE.value)
   model = hmm_lib.random_hmm(jax.random.PRNGKey(h), h, vocab_size)
-  tokens = jax.vmap(lambda k: hmm_lib.sample(k, model, t)[0])(
-      jax.random.split(jax.random.PRNGKey(3), b))
-  inputs, weights = corpus_lib.mask_tokens(jax.random.PRNGKey(4), tokens,
-                                           0.15, vocab_size, bert=True)
+  inputs, weights = corpus_lib.mask_tokens(
+      jax.random.PRNGKey(4), _tokens(model, t, b, 3), 0.15, vocab_size,
+      bert=True)
   print(f"Exact targets: {b} x {t} tokens, |H|={h}")
-  base = ref = None
-  for method in ("sequential", "parallel", "blocked"):
-    fn = jax.jit(jax.vmap(lambda x, w, m=method: corpus_lib.exact_targets(
-        model, x, w, m)))
-    got = fn(inputs, weights)
-    secs = _median_time(lambda fn=fn: fn(inputs, weights), _REPEATS.value)
-    line = f"  exact_targets, {method:<10s} {secs * 1e3:9.2f} ms per batch"
-    if base is None:
-      base, ref = secs, got
-    else:
-      line += (f"   {secs / base:6.2f}x the scan's time, max |diff| "
-               f"{float(jnp.max(jnp.abs(got - ref))):.1e}")
-    print(line)
+  _against_first(
+      {m: jax.jit(jax.vmap(lambda x, w, m=m: corpus_lib.exact_targets(
+          model, x, w, m))) for m in _METHODS}, (inputs, weights),
+      _REPEATS.value, lambda m, secs: f"  exact_targets, {m:<10s} "
+      f"{secs * 1e3:9.2f} ms per batch", "the scan's time")
 
 
 def main(argv):

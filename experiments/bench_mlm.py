@@ -6,23 +6,9 @@ r"""Train-step throughput: our Flax MLM vs HuggingFace's PyTorch
        --config.corpus.chunk_len=128 --config.model.max_len=128 ...]
   # needs the `bench` extra (torch, transformers)
 
-The shape is that of a pretraining preset (``hmmprompt.pretrain.PRESETS``:
-its model, batch and context), so the benchmark times the step that
-pretraining runs; ``--config.<path>`` overrides any field of it.
-
-Both sides run a full AdamW step (forward, backward, update) on the same
-shapes with 15% of positions predicted; the HF model gets the matching
-hidden size, heads, MLP width, layers and vocabulary, dropout off. On a
-GPU, torch runs on CUDA and, for ``--dtype=bfloat16`` (the default there),
-under bf16 autocast, as our model computes in bf16 with fp32 params.
-
-Model FLOPs per step are ``transformer.train_flops_per_token`` (6 x matmul
-params + 12 x layers x T x d per token, forward + backward); MFU divides
-the achieved FLOP/s by ``--peak_tflops`` (default: the dense bf16 / tf32
-peak of a known GPU, none on CPU).
+A full AdamW step at a pretraining preset's shape (docs/performance.md);
+MFU against ``--peak_tflops`` (default: a known GPU's, none on CPU).
 """
-
-import time
 
 from absl import app
 from absl import flags
@@ -65,45 +51,30 @@ _THREADS = flags.DEFINE_integer("torch_threads", 0,
                                 "torch intra-op threads (0: its default)")
 
 
+_MODEL_KEYS = ("d_model", "num_layers", "num_heads", "d_ff", "dtype",
+               "attention")
+
+
 def resolve_shape() -> dict:
   """The preset's model, batch and context with overrides; validated."""
-  try:
+  with cli.usage_errors():
     cfg = config_flags.apply(pretrain.configure(_PRESET.value),
                              _CONFIG.value())
-  except ValueError as e:
-    raise app.UsageError(str(e)) from e
-  m = cfg.model
-  return dict(d_model=m.d_model, num_layers=m.num_layers,
-              num_heads=m.num_heads, d_ff=m.d_ff,
-              seq_len=cfg.corpus.chunk_len, batch_size=cfg.batch_size,
-              dtype=m.dtype, attention=m.attention)
+  return {**{k: getattr(cfg.model, k) for k in _MODEL_KEYS},
+          "seq_len": cfg.corpus.chunk_len, "batch_size": cfg.batch_size}
 
 
 def model_config(shape: dict, vocab: int) -> transformer.MLMConfig:
-  return transformer.MLMConfig(vocab_size=vocab, d_model=shape["d_model"],
-                               num_heads=shape["num_heads"],
-                               d_ff=shape["d_ff"],
-                               num_layers=shape["num_layers"],
-                               max_len=shape["seq_len"], dtype=shape["dtype"],
-                               attention=shape.get("attention", "auto"))
+  return transformer.MLMConfig(vocab_size=vocab, max_len=shape["seq_len"],
+                               **{k: shape[k] for k in _MODEL_KEYS})
 
 
-def _time(step_fn, sync):
-  step_fn()
-  sync()
-  times = []
-  for _ in range(_REPEATS.value):
-    t0 = time.perf_counter()
-    for _ in range(_STEPS.value):
-      out = step_fn()
-    sync(out)
-    times.append((time.perf_counter() - t0) / _STEPS.value)
-  return float(np.median(times))
+def _time(step_fn, sync=jax.block_until_ready) -> float:
+  return mfu.seconds_per_call(step_fn, _REPEATS.value, _STEPS.value, 1, sync)
 
 
 def bench_ours(shape: dict, vocab=10, targets="sampled"):
-  """Our step; ``targets="exact"`` adds the in-step forward-backward on an
-  ``|H| = --num_states`` HMM (the exact-conditional targets)."""
+  """Our step (``targets="exact"``: on an ``|H| = --num_states`` HMM)."""
   b, t = shape["batch_size"], shape["seq_len"]
   cfg = pretrain.PretrainConfig(
       model=model_config(shape, vocab),
@@ -112,11 +83,10 @@ def bench_ours(shape: dict, vocab=10, targets="sampled"):
   model = hmm.random_hmm(jax.random.PRNGKey(2), _NUM_STATES.value, vocab)
   mesh = sharding.data_mesh()
   # One model: a stack of one (the unbatched body inside the step).
-  holder = {"state": jax.device_put(
-      pretrain.init_states(jax.random.PRNGKey(0)[None], cfg),
-      sharding.replicated(mesh))}
-  n_params = transformer.num_params(
-      jax.tree.map(lambda x: x[0], holder["state"].params))
+  box = [jax.device_put(pretrain.init_states(jax.random.PRNGKey(0)[None], cfg),
+                        sharding.replicated(mesh))]
+  n_params = transformer.num_params(jax.tree.map(lambda x: x[0],
+                                                 box[0].params))
   step = pretrain.make_train_step(cfg, mesh)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, vocab, (1, b, t)), jnp.int32)
@@ -125,12 +95,9 @@ def bench_ours(shape: dict, vocab=10, targets="sampled"):
   hmms = jax.tree.map(lambda x: x[None], model)
 
   def step_fn():
-    holder["state"], loss = step(holder["state"], inputs, tokens, weights,
-                                 hmms)
-    return loss
-
-  return _time(step_fn, lambda out=None: jax.block_until_ready(
-      holder["state"])), n_params
+    box[0], _ = step(box[0], inputs, tokens, weights, hmms)
+    return box[0]
+  return _time(step_fn), n_params
 
 
 def bench_hf(shape: dict, vocab=10):
@@ -146,8 +113,7 @@ def bench_hf(shape: dict, vocab=10):
                    intermediate_size=shape["d_ff"],
                    max_position_embeddings=t,
                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-  model = BertForMaskedLM(cfg).to(device)
-  model.train()
+  model = BertForMaskedLM(cfg).to(device).train()
   opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
   gen = torch.Generator().manual_seed(0)
   ids = torch.randint(0, vocab, (b, t), generator=gen)
@@ -165,9 +131,8 @@ def bench_hf(shape: dict, vocab=10):
     opt.step()
     return loss
 
-  def sync(out=None):
-    if out is not None:
-      out.item()
+  def sync(out):
+    out.item()
     if device == "cuda":
       torch.cuda.synchronize()
 
@@ -199,7 +164,6 @@ def main(argv):
     print(f"  {name:22s} {tokens / sec / 1e3:9.1f}k tokens/s "
           f"({n_params} params, {1e3 * sec:.2f} ms/step, "
           f"{mfu.describe(flops, sec, peak)}{extra})")
-
   t_ours, n_ours = bench_ours(shape, vocab)
   attention = model_config(shape, vocab).resolved_attention
   report("hmmprompt Flax MLM", t_ours, n_ours, f", attention={attention}")
@@ -217,8 +181,8 @@ def main(argv):
   try:
     t_hf, n_hf, desc = bench_hf(shape, vocab)
   except ImportError:
-    print("  torch/transformers not installed (pip install -e '.[bench]')")
-    return
+    return print("  torch/transformers not installed (pip install -e "
+                 "'.[bench]')")
   report("HF BertForMaskedLM", t_hf, n_hf, f", {desc}")
   print(f"  ratio (ours / HF):      {t_hf / t_ours:9.2f}x")
 

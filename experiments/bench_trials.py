@@ -4,19 +4,13 @@ r"""Stacked pretraining steps: K trials in one jitted step, per trial-step.
       [--steps=40] [--batch_size=64] [--trials_per_vmap=0,1,4] \
       [--profile_dir=/tmp/prof]
 
-Times one model's train step (the baseline, measured in the same run), then
-K stacked models (own HMMs, states and batches) stepped by
-``make_stacked_train_step`` at each ``trials_per_vmap`` asked for (0: one
-vmap over all K trials; 1: one trial after another inside the jitted step;
-m: vmaps of m), and prints milliseconds per trial-step and the ratio to the
-single model, and on a known GPU (or with ``--peak_tflops``) the MFU by
-``transformer.train_flops_per_token``.
+One model's step (the baseline), then K stacked models (own HMMs, states
+and batches) at each ``--trials_per_vmap``, with the MFU where known.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 
 from absl import app
 from absl import flags
@@ -47,15 +41,18 @@ _PROFILE = flags.DEFINE_string(
     "the top ops by device time")
 
 
-def _time(step_fn, batch_fn, state, hmm, steps):
-  for s in range(5):  # compile and warm up
-    state, loss = step_fn(state, *batch_fn(s), hmm)
-  jax.block_until_ready(loss)
-  t0 = time.perf_counter()
-  for s in range(steps):
-    state, loss = step_fn(state, *batch_fn(s), hmm)
-  jax.block_until_ready(loss)
-  return (time.perf_counter() - t0) / steps
+def _stepper(step_fn, batch_fn, state, hmm):
+  box = [state, 0]  # one(): the next step (batches 0, 1, ...); its loss
+
+  def one():
+    box[0], loss = step_fn(box[0], *batch_fn(box[1]), hmm)
+    box[1] += 1
+    return loss
+  return one
+
+
+def _time(one) -> float:
+  return mfu.seconds_per_call(one, steps=_STEPS.value, warmup=5)
 
 
 def main(argv):
@@ -66,9 +63,7 @@ def main(argv):
   except ValueError as e:
     raise app.UsageError(f"--trials_per_vmap takes ints: {e}") from None
   base = pretrain.configure(_PRESET.value)
-  # Batches are drawn fresh whatever the preset's corpus: the step's cost
-  # does not depend on where its tokens come from (a fixed corpus, the
-  # paper's, would need each trial's chunks built first).
+  # Fresh batches whatever the preset's corpus: the same cost, no chunks.
   cfg = base.with_overrides(
       corpus=dataclasses.replace(base.corpus, fresh=True),
       steps=base.total_steps, batch_size=_BATCH.value or base.batch_size)
@@ -83,10 +78,12 @@ def main(argv):
       in_axes=(0, None, 0)))
   # The baseline: one model, a stack of one (the unbatched body).
   take1 = lambda tree: jax.tree.map(lambda x: x[:1], tree)
-  single = _time(pretrain.make_train_step(cfg, mesh),
-                 lambda s: take1(batch(keys, s, stacked)),
-                 pretrain.init_states(keys[:1], cfg), take1(hmms),
-                 _STEPS.value)
+  single = _time(_stepper(pretrain.make_train_step(cfg, mesh),
+                          lambda s: take1(batch(keys, s, stacked)),
+                          pretrain.init_states(keys[:1], cfg), take1(hmms)))
+  stacked_steps = lambda c: _stepper(  # the K trials' steps under ``c``
+      pretrain.make_train_step(c, mesh), lambda s: batch(keys, s, stacked),
+      pretrain.init_states(keys, c), hmms)
   flops = transformer.train_flops_per_token(
       cfg.model, cfg.corpus.chunk_len) * cfg.batch_size * cfg.corpus.chunk_len
   peak = mfu.peak_tflops(cfg.model.dtype, _PEAK.value)
@@ -99,24 +96,19 @@ def main(argv):
   for m in per_vmap:
     name = {0: "one vmap", 1: "one trial at a time"}.get(m, f"vmaps of {m}")
     c = dataclasses.replace(cfg, trials_per_vmap=m)
-    t = _time(pretrain.make_train_step(c, mesh),
-              lambda s: batch(keys, s, stacked),
-              pretrain.init_states(keys, c), hmms, _STEPS.value)
+    t = _time(stacked_steps(c))
     print(f"{k} trials, {name:20s}{t * 1e3 / k:7.2f} ms per trial-step "
           f"({t / k / single:.2f}x the single model; "
           f"{mfu.describe(flops * k, t, peak)})")
   if _PROFILE.value and per_vmap:
-    step_fn = pretrain.make_train_step(c, mesh)
-    state = pretrain.init_states(keys, c)
-    state, loss = step_fn(state, *batch(keys, 0, stacked), hmms)  # compile
-    jax.block_until_ready(loss)
+    one = stacked_steps(c)
+    jax.block_until_ready(one())  # compile
     with jax.profiler.trace(_PROFILE.value, create_perfetto_trace=True):
-      for s in range(1, 6):
-        state, loss = step_fn(state, *batch(keys, s, stacked), hmms)
-      jax.block_until_ready(loss)
+      jax.block_until_ready([one() for _ in range(5)])
     print(f"top ops over 5 steps of {k} trials, {name} (ms, share):")
     for op, ms, share in mfu.top_ops(_PROFILE.value):
       print(f"  {ms:9.2f} {100 * share:5.1f}%  {op[:100]}")
+
 
 if __name__ == "__main__":
   app.run(main)

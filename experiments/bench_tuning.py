@@ -1,21 +1,17 @@
 r"""Prompt tuning on a transformer: the MASK's row alone in the last block
-(``Backbone.apply_at``, as shipped) against the full forward sliced after
-(the baseline, measured in the same run).
+(``Backbone.apply_at``, as shipped) against the full forward sliced after.
 
   python -m experiments.bench_tuning [--preset=cpu_paper] [--lanes=4] \
       [--rounds=3]
 
-One ``cpu_paper``-shaped setup: a transformer of the preset's pretraining
-config (random init: the cost does not depend on the weights), an ``|H|`` =
-30 task of its sizes, prompt tuning with its recipe, ``--lanes`` seeds in
-one program. Both programs are compiled first, then timed ``--rounds``
-times each, interleaved; prints seconds per lane and the ratio.
+A random-init transformer of the preset's, an ``|H|`` = 30 task, prompt
+tuning of ``--lanes`` seeds in one program (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
+import functools
 
 from absl import app
 from absl import flags
@@ -28,6 +24,8 @@ from hmmprompt import protocol
 from hmmprompt import tasks
 from hmmprompt import tuning
 from hmmprompt.backbones import transformer
+
+from experiments import mfu
 
 _PRESET = flags.DEFINE_string("preset", "cpu_paper", "figure3 preset")
 _LANES = flags.DEFINE_integer("lanes", 4, "seeds tuned in one program")
@@ -46,19 +44,13 @@ def main(argv):
   data = jax.tree.map(lambda x: jax.numpy.stack([x] * lanes),
                       tuning.data_from_task(task, cfg))
   keys = jax.random.split(jax.random.PRNGKey(2), lanes)
-  mcfg = setup.pretrain.model
-  params = transformer.init_params(jax.random.PRNGKey(3), mcfg)
-  at = transformer.build_backbone(mcfg)
+  params = transformer.init_params(jax.random.PRNGKey(3), setup.pretrain.model)
+  at = transformer.build_backbone(setup.pretrain.model)
   arms = {"full forward (baseline)": dataclasses.replace(at, apply_at=None),
           "MASK row in the last block": at}
-  spent = {name: 0.0 for name in arms}
-  for bb in arms.values():  # compile
-    tuning.tune(keys, bb, params, data, cfg)
-  for _ in range(_ROUNDS.value):
-    for name, bb in arms.items():
-      t0 = time.perf_counter()
-      tuning.tune(keys, bb, params, data, cfg)
-      spent[name] += time.perf_counter() - t0
+  spent = mfu.interleaved({name: functools.partial(
+      tuning.tune, keys, bb, params, data, cfg) for name, bb in arms.items()},
+                          _ROUNDS.value)
   print(f"{_PRESET.value}: prompt tuning, {lanes} lanes, "
         f"{setup.task.num_train} examples x {cfg.epochs} epochs, "
         f"{jax.default_backend()}")

@@ -3,27 +3,17 @@ r"""Does the learned relative-position bias train through cuDNN?
   python -m experiments.check_cudnn_bias [--trials=4] [--batch_size=8] \
       [--seq_len=512] [--dtype=bfloat16] [--also_xla] [--tiny]
 
-Builds the paper's model (``transformer.paper_config``, ``rel_pos="bias"``;
-``--tiny``: 2 layers of width 32, for a CPU), ``--trials`` of them with
-their own params (offset tables perturbed so each trial's bias matters),
-and jits a gradient step vmapped over the trials (as pretraining's
-``map_trials``) once through ``attention="dot_product"`` and once through
-``"manual"``. Prints which cuDNN fMHA calls the lowered and the compiled
-dot_product program hold (none on a CPU), the largest relative difference
-of the offset tables' gradients between the paths (per layer: max |d_dp -
-d_manual| / max |d_manual|), and each path's step time (median of 5 after
-warm-up). ``--also_xla`` times the dot_product path forced onto XLA's
-implementation too. Exits 1 if the dot_product path's bias gradient is
-missing, zero for some trial and layer, or not finite, or further than
-``--max_rel_diff`` from the manual path's.
+A gradient step of ``--trials`` paper models with ``rel_pos="bias"``,
+vmapped, through ``attention="dot_product"`` and ``"manual"``: its cuDNN
+calls, the offset tables' gradient difference (per layer: max |d_dp -
+d_manual| / max |d_manual|) and step times. Exits 1 if the dot_product
+bias gradient is missing, zero, not finite or over ``--max_rel_diff``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import sys
-import time
 from unittest import mock
 
 from absl import app
@@ -34,6 +24,8 @@ import numpy as np
 
 from hmmprompt.backbones import attention
 from hmmprompt.backbones import transformer
+
+from experiments import mfu
 
 _TRIALS = flags.DEFINE_integer("trials", 4, "trials vmapped in the step",
                                lower_bound=1)
@@ -74,21 +66,13 @@ def grad_step(cfg: transformer.MLMConfig):
 
 
 def bias_grads(grads, num_layers: int) -> list[np.ndarray]:
-  """Each layer's ``[K, A, 2 L - 1]`` offset-table gradient (KeyError if
-  the path made none)."""
+  """Each layer's ``[K, A, 2 L - 1]`` offset-table gradient (or KeyError)."""
   return [np.asarray(grads["params"][f"block_{i}"]["rel_bias"], np.float64)
           for i in range(num_layers)]
 
 
-def median_seconds(step, *args) -> float:
-  for _ in range(2):  # compile and warm up
-    jax.block_until_ready(step(*args))
-  times = []
-  for _ in range(_REPEATS):
-    t0 = time.perf_counter()
-    jax.block_until_ready(step(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+def median_seconds(step, args) -> float:
+  return mfu.seconds_per_call(lambda: step(*args), _REPEATS, warmup=2)
 
 
 def main(argv):
@@ -105,21 +89,17 @@ def main(argv):
     table = params["params"][f"block_{i}"]["rel_bias"]
     params["params"][f"block_{i}"]["rel_bias"] = 0.5 * jax.random.normal(
         jax.random.PRNGKey(100 + i), table.shape)
-  kt, kg = jax.random.split(jax.random.PRNGKey(1))
-  tokens = jax.random.randint(kt, (k, b, t), 0, cfg.vocab_size)
-  targets = jax.random.randint(kg, (k, b, t), 0, cfg.vocab_size)
-  args = (params, tokens, targets)
-
+  args = (params, *(jax.random.randint(key, (k, b, t), 0, cfg.vocab_size)
+                    for key in jax.random.split(jax.random.PRNGKey(1))))
   dp_step = grad_step(dataclasses.replace(cfg, attention="dot_product"))
   lowered = dp_step.lower(*args)
   compiled = lowered.compile()
   print("cuDNN fMHA calls, lowered:",
         attention.cudnn_fmha_targets(lowered.as_text()) or "none")
-  compiled_targets = attention.cudnn_fmha_targets(compiled.as_text())
-  print("cuDNN fMHA calls, compiled:", compiled_targets or "none")
+  print("cuDNN fMHA calls, compiled:",
+        attention.cudnn_fmha_targets(compiled.as_text()) or "none")
   print("cuDNN in the compiled step:",
         "yes" if attention.uses_cudnn(compiled.as_text()) else "absent")
-
   failures = []
   manual_step = grad_step(cfg)
   want = bias_grads(manual_step(*args), cfg.num_layers)
@@ -143,18 +123,16 @@ def main(argv):
     if max(rel) > _MAX_REL.value:
       failures.append(f"the bias gradient is {max(rel):.2e} from manual's "
                       f"(> --max_rel_diff={_MAX_REL.value})")
-
-  times = {"dot_product": median_seconds(compiled, *args),
-           "manual": median_seconds(manual_step, *args)}
+  times = {"dot_product": median_seconds(compiled, args),
+           "manual": median_seconds(manual_step, args)}
   if _ALSO_XLA.value:
     with mock.patch.object(attention, "dot_product_implementation",
                            lambda *_: None):
       xla_step = grad_step(dataclasses.replace(cfg, attention="dot_product"))
       times["dot_product (XLA)"] = median_seconds(
-          xla_step.lower(*args).compile(), *args)
+          xla_step.lower(*args).compile(), args)
   for name, sec in times.items():
     print(f"step time, {name}: {1e3 * sec:.2f} ms (median of {_REPEATS})")
-
   if failures:
     print("FAILED:", "; ".join(failures))
     sys.exit(1)

@@ -1,7 +1,5 @@
-"""What every experiment binary's ``main`` does around the library call:
-refuse stray arguments, set up host memory, turn the library's
-``ValueError`` on bad input into a usage error (no traceback), and print
-where the outputs are."""
+"""What the experiment binaries share around the library call: flags,
+the command line's checks, usage errors and the outputs' report."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from absl import app
 from absl import flags
@@ -24,11 +22,8 @@ from hmmprompt import sharding
 
 
 def one_line_errors(main: Callable) -> Callable:
-  """``main`` whose usage errors end the binary with one line on stderr,
-  ``error: <what is wrong>``, and status 2: absl's own handling prints the
-  whole module help (~34 lines) before the one line that matters. Errors
-  absl raises while parsing flags, before ``main``, stay absl's two
-  lines."""
+  """``main`` whose usage errors end the binary with ``error: <what is
+  wrong>`` on stderr and status 2, not absl's whole module help first."""
   @functools.wraps(main)
   def main_with_one_line_errors(argv):
     try:
@@ -40,10 +35,9 @@ def one_line_errors(main: Callable) -> Callable:
 
 
 def define_config(default_cfg, flag_values=flags.FLAGS) -> ConfigOverrides:
-  """Registers ``--config.<path>`` string flags for every leaf of
-  ``default_cfg`` (:func:`config_flags.leaves`; its values shown as the
-  defaults in ``--help``). A binary lists them in its ``--help`` with
-  ``flags.adopt_module_key_flags(cli)``."""
+  """``--config.<path>`` string flags for every leaf of ``default_cfg``
+  (:func:`config_flags.leaves`), which a binary lists in its ``--help``
+  with ``flags.adopt_module_key_flags(cli)``."""
   for path, hint in config_flags.leaves(default_cfg).items():
     value = functools.reduce(getattr, path.split("."), default_cfg)
     flags.DEFINE_string(f"{config_flags.PREFIX}.{path}", None,
@@ -60,25 +54,15 @@ class ConfigOverrides:
 
   def value(self) -> dict[str, str]:
     """The ``--config.*`` flags given on the command line."""
-    out = {}
-    for path in self.paths:
-      v = self.flag_values[f"{config_flags.PREFIX}.{path}"].value
-      if v is not None:
-        out[path] = v
-    return out
+    flag = lambda path: self.flag_values[f"{config_flags.PREFIX}.{path}"]
+    return {p: flag(p).value for p in self.paths
+            if flag(p).value is not None}
 
 
-class WorkerFlags(NamedTuple):
-  workers: flags.FlagHolder  # --workers: the count asked for
-  worker: flags.FlagHolder  # internal: this worker's index
-  claims: flags.FlagHolder  # internal: the shared claims directory
-
-
-def define_worker_flags(what: str) -> WorkerFlags:
-  """Defines a binary's ``--workers`` (each process taking the next
-  unclaimed stack of ``what``, ``hmmprompt.figure3.workers``) and the
-  flags it passes its workers."""
-  return WorkerFlags(
+def define_worker_flags(what: str) -> tuple[flags.FlagHolder, ...]:
+  """``--workers`` (:mod:`hmmprompt.figure3.workers`) and what it passes
+  its workers: ``--worker`` (the index), ``--claims`` (their directory)."""
+  return (
       flags.DEFINE_integer(
           "workers", 1, f"processes on this machine, one per core, each "
           f"taking the next unclaimed stack of {what} (CPU only; 0: one per "
@@ -90,8 +74,6 @@ def define_worker_flags(what: str) -> WorkerFlags:
 
 
 def define_print_config():
-  """``--print_config``: the binary prints the resolved configuration
-  (:func:`print_config`) and runs nothing."""
   return flags.DEFINE_bool(
       "print_config", False, "print the resolved configuration (the "
       "--preset with every --config.<path> override applied; --help shows "
@@ -100,8 +82,7 @@ def define_print_config():
 
 
 def print_config(cfg) -> None:
-  """Prints :func:`config_flags.describe` of ``cfg``."""
-  print("\n".join(config_flags.describe(cfg)))
+  print(*config_flags.describe(cfg), sep="\n")
 
 
 _COMPILATION_CACHE = flags.DEFINE_string(
@@ -111,37 +92,28 @@ _COMPILATION_CACHE = flags.DEFINE_string(
     "CACHE_DIR variable does the same)")
 
 
-def use_compilation_cache(path: str) -> None:
-  """Persists every compiled program under ``path`` (created), whatever
-  its compile time or size, for later processes to load instead of
-  compiling (JAX's persistent compilation cache)."""
-  os.makedirs(path, exist_ok=True)
-  jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
 def start(argv, **required) -> float:
   """Checks the command line (no positional arguments; every ``required``
-  flag value set), turns on ``--compilation_cache`` and retains freed host
-  memory (XLA:CPU's per-step temporaries); returns the start time for
-  :func:`done`."""
+  flag set), turns on ``--compilation_cache`` and retains freed host
+  memory (XLA:CPU's per-step temporaries); returns the start time."""
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   for name, value in required.items():
     if not value:
       raise app.UsageError(f"--{name} is required")
-  if _COMPILATION_CACHE.value:
-    use_compilation_cache(_COMPILATION_CACHE.value)
+  if path := _COMPILATION_CACHE.value:
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   glibc.retain_freed_memory()
   return time.perf_counter()
 
 
 @contextlib.contextmanager
 def usage_errors():
-  """A ``ValueError`` raised inside (bad flags, a bad config, a workdir of
-  another setup) ends the binary as a usage error; anything else keeps its
-  traceback."""
+  """A ``ValueError`` raised inside (bad flags, config or workdir) ends the
+  binary as a usage error; anything else keeps its traceback."""
   try:
     yield
   except ValueError as e:
@@ -149,20 +121,15 @@ def usage_errors():
 
 
 def done(t0: float, **outputs: str) -> None:
-  """Prints ``done in <seconds>s`` and one ``name: path`` line per
-  output."""
+  """Prints ``done in <seconds>s`` and a ``name: path`` line per output."""
   width = max(map(len, outputs), default=0) + 1
   print(f"done in {time.perf_counter() - t0:.0f}s" + "".join(
       f"\n{name + ':':<{width}} {path}" for name, path in outputs.items()))
 
 
 def define_distributed_flags() -> Callable[[], None]:
-  """Defines ``--distributed`` and the three settings it may be given
-  (the binary lists them in its ``--help`` with
-  ``flags.adopt_module_key_flags(cli)``); returns ``initialize()``, which
-  joins the processes (:func:`hmmprompt.sharding.initialize_distributed`)
-  or, without ``--distributed``, refuses the settings by name
-  (``ValueError``). Call it before any JAX computation."""
+  """``--distributed`` and its settings; returns ``initialize()`` (before
+  any JAX computation): joins the processes, or refuses the settings."""
   on = flags.DEFINE_bool(
       "distributed", False, "data-parallel over several processes (hosts): "
       "call jax.distributed.initialize(), which finds the three settings "

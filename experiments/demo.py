@@ -2,9 +2,8 @@ r"""Short demo of the HMM core (`./launch.sh demo`).
 
   python -m experiments.demo [--num_states=10] [--seed=0]
 
-Draws an Appendix D HMM, samples text, prints exact posteriors and the exact
-masked-LM cross-entropy (the Bayes-optimal loss a pretrained MLM can reach),
-then a downstream task and a memory HMM.
+An Appendix D HMM, its text, exact posteriors and the exact masked-LM
+cross-entropy, then a downstream task and a memory HMM.
 """
 
 import time

@@ -1,7 +1,5 @@
 r"""Figure 3 in chunks of whole size stacks, each resuming from committed
-results: on a lent accelerator (``gpu``, docs/figure3_gpu.md) or on the
-2-core CPU (``cpu_paper``, docs/figure3.md); the library is
-:mod:`hmmprompt.figure3.chunks`.
+results (docs/figure3_gpu.md, docs/figure3.md; :mod:`hmmprompt.figure3.chunks`).
 
   python -m experiments.in_chunks --preset=gpu --chunk=all \
       --deadline_s=540 --out=$OUT [--results=docs/results/figure3-gpu] \
@@ -11,23 +9,9 @@ results: on a lent accelerator (``gpu``, docs/figure3_gpu.md) or on the
   python -m experiments.in_chunks --preset=gpu --chunk=left:30 \
       --step_bytes [--config.pretrain.trials_per_vmap=4]
 
-``--results`` defaults to the preset's ``docs/results/figure3-<preset>``.
-
-A run starts from ``--results``' lines (another setup's are refused, what
-differs named), computes the chunk's missing cells, starts no stack after
-``--budget_s``, keeps ``--deadline_s`` itself (no stack started that its
-estimate does not finish, the cheapest first, a stop between steps or
-groups at the deadline) and writes ``OUT/figure3-chunk.tar.gz`` (results,
-stamp, pretraining metrics, ``run.json``; no report: ``--merge`` renders
-it), also after the deadline, an error, SIGTERM or SIGINT (within
-seconds, from a thread of its own). A temporary workdir (no
-``--workdir``) pretrains without checkpoints. ``--merge`` adds archives to ``--results`` by key and renders the
-report again. ``--step_bytes`` prints each stack's pretraining-step
-memory (XLA's buffer assignment, shapes only) against the device's.
-``--workers=N`` (CPU; 0: one per core) computes the chunk in N processes
-pinned one per core, as the Figure 3 binary's flag does
-(:mod:`hmmprompt.figure3.workers`); the budget is theirs together, and
-``run.json`` records the count.
+A run starts from ``--results``' lines, computes the chunk's missing cells
+and writes ``OUT/figure3-chunk.tar.gz`` (no report: ``--merge`` renders
+it), also after the deadline, an error, SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
@@ -44,8 +28,6 @@ from hmmprompt.figure3 import configs
 from hmmprompt.figure3 import sweep
 from hmmprompt.figure3 import workers
 from hmmprompt import scheduling
-
-ARCHIVE = chunks.ARCHIVE
 
 _PRESET = flags.DEFINE_enum("preset", "gpu", list(configs.PRESETS),
                             "config preset; --config.<path> overrides it")
@@ -64,7 +46,7 @@ _DEADLINE_S = flags.DEFINE_float(
     "starts that the run's estimate does not finish by then, the cheapest "
     "stacks run first, and at the deadline the run stops between training "
     "steps or tuning groups and writes its archive; default: none")
-_OUT = flags.DEFINE_string("out", None, f"where {ARCHIVE} is written")
+_OUT = flags.DEFINE_string("out", None, f"where {chunks.ARCHIVE} is written")
 _RESULTS = flags.DEFINE_string(
     "results", None, "the committed results directory (default: "
     "docs/results/figure3-<preset>, _ as -): a run "
@@ -80,7 +62,6 @@ _STEP_MEMORY = flags.DEFINE_bool(
 _MERGE = flags.DEFINE_list(
     "merge", None, "archives to merge into --results (computes nothing)")
 _PRINT_CONFIG = cli.define_print_config()
-# --help lists the --config.* keys (absl shows only a module's key flags).
 _WORKERS, _WORKER, _CLAIMS = cli.define_worker_flags("the chunk")
 flags.adopt_module_key_flags(cli)
 _DEADLINE = flags.DEFINE_float("deadline", None, "internal: the parent's "
@@ -88,13 +69,13 @@ _DEADLINE = flags.DEFINE_float("deadline", None, "internal: the parent's "
 
 
 def _work(setup) -> None:
-  """A ``--workers`` process: claims stacks of the chunk in the parent's
-  workdir until its deadline, lines into its own file."""
-  sweep.run_sweep(chunks.chunk_setup(setup, _CHUNK.value), _WORKDIR.value, "both",
-            _BACKBONE.value, scheduling.Schedule(
-                claim=workers.claims(_CLAIMS.value, _BACKBONE.value),
-                deadline=_DEADLINE.value),
-            results_file=workers.worker_results_path(_WORKDIR.value, _WORKER.value))
+  """A ``--workers`` process: claims the chunk's stacks until the deadline."""
+  sweep.run_sweep(
+      chunks.chunk_setup(setup, _CHUNK.value), _WORKDIR.value, "both",
+      _BACKBONE.value, scheduling.Schedule(
+          claim=workers.claims(_CLAIMS.value, _BACKBONE.value),
+          deadline=_DEADLINE.value),
+      results_file=workers.worker_results_path(_WORKDIR.value, _WORKER.value))
 
 
 @cli.one_line_errors
@@ -133,7 +114,7 @@ def main(argv):
   print(f"{info['cells_computed']} cells, skipped stacks "
         f"{info.get('skipped_stacks')}"
         + (f"; stopped: {info['stopped']}" if "stopped" in info else ""))
-  cli.done(t0, archive=os.path.join(_OUT.value, ARCHIVE))
+  cli.done(t0, archive=os.path.join(_OUT.value, chunks.ARCHIVE))
 
 
 if __name__ == "__main__":

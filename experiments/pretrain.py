@@ -4,23 +4,11 @@ r"""Pretrain the masked LM on text from an HMM (docs/pretraining.md).
       --workdir=DIR [--config.model_kind=memory --config.memory_size=3] \
       [--config.num_states=10] [--config.hmm_seed=0] [--config.trials=K] \
       [--config.pretrain.lr=3e-3 --config.pretrain.model.num_heads=4 ...]
-
-One config tree (:class:`hmmprompt.pretrain.Job`): the generating HMM's
-fields and the ``pretrain`` subtree
-(:class:`hmmprompt.pretrain.PretrainConfig`, whose presets
-``hmmprompt/pretrain/config.py`` states); every leaf is a
-``--config.<path>`` flag, unknown keys are refused by name. ``trials=K``
-pretrains K HMM draws in one stacked run.
-
-Writes DIR/config.json, DIR/hmm.npz, orbax checkpoints under
-DIR/checkpoints/ and DIR/metrics.jsonl; rerunning the same command resumes
-from the newest readable checkpoint (runtime fields may change between
-runs). ``--distributed`` runs one model data-parallel over several
-processes (``jax.distributed.initialize``; SLURM, Open MPI and TPU VMs are
-detected, elsewhere pass the three settings; docs/multihost.md):
-
   python -m experiments.pretrain --preset=tiny --workdir=DIR --distributed \
       --coordinator_address=127.0.0.1:12345 --num_processes=2 --process_id=I
+
+Every leaf of :class:`hmmprompt.pretrain.Job` is a ``--config.<path>``
+flag; rerunning resumes; ``--distributed``: docs/multihost.md.
 """
 
 from __future__ import annotations
@@ -47,7 +35,6 @@ _CONFIG = cli.define_config(pretrain.Job(
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "output directory (required; a rerun with it resumes)")
 _PRINT_CONFIG = cli.define_print_config()
-# --help lists the --config.* keys (absl shows only a module's key flags).
 _CRASH_AT = flags.DEFINE_integer(
     "crash_at_step", None, "testing: SIGKILL this process after this step "
     "(checks that a rerun resumes exactly)")
@@ -59,8 +46,6 @@ flags.adopt_module_key_flags(cli)
 def main(argv):
   t0 = cli.start(argv, **({} if _PRINT_CONFIG.value else
                           {"workdir": _WORKDIR.value}))
-  # Usage errors (flags, config, a workdir holding another run) are found
-  # here, before any work; whatever fails later keeps its traceback.
   with cli.usage_errors():
     if _PRINT_CONFIG.value:
       return cli.print_config(pretrain.Job.of(_PRESET.value,

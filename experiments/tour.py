@@ -1,9 +1,5 @@
-"""The README's tour of the API, runnable: `python -m experiments.tour`.
-
-An HMM, exact inference, head vs prompt tuning on the exact backbone, then
-a small transformer pretrained on the HMM's text and tuned the same way.
-The README shows this file's code (tests/test_tour.py checks that the two
-agree and runs it).
+"""The README's tour of the API, runnable: `python -m experiments.tour`
+(tests/test_tour.py checks that the README shows this code and runs it).
 """
 
 # README tour: begin

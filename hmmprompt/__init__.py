@@ -1,7 +1,6 @@
 """hmmprompt: head and prompt tuning on HMM-pretrained masked LMs (Wei, Xie
-& Ma, NeurIPS 2021) in JAX/Flax. The modules are imported by name
-(``from hmmprompt import hmm``); importing the package imports nothing
-else, so ``import hmmprompt`` stays cheap."""
+& Ma, NeurIPS 2021) in JAX/Flax. Modules are imported by name (``from
+hmmprompt import hmm``): ``import hmmprompt`` alone imports nothing else."""
 
 from importlib import metadata as _metadata
 

@@ -1,5 +1,4 @@
-"""Thin wrapper over orbax-checkpoint: periodic saves, keep the last k (or
-all), resume the latest. Only finite states are ever saved."""
+"""Thin wrapper over orbax-checkpoint; only finite states are ever saved."""
 
 from __future__ import annotations
 
@@ -26,9 +25,7 @@ logging.getLogger("absl").addFilter(_QuietOrbax())
 
 
 class Checkpoints:
-  """Checkpoints of a train-state pytree under ``directory``: the ``keep``
-  newest, or every one saved (``keep=None``: a directory of retained steps,
-  :attr:`PretrainConfig.retain`)."""
+  """The ``keep`` newest (``None``: all) checkpoints under ``directory``."""
 
   def __init__(self, directory: str, keep: int | None = 3):
     if keep is not None and keep < 1:
@@ -38,8 +35,7 @@ class Checkpoints:
     self._mngr = self._open()
 
   def _open(self) -> ocp.CheckpointManager:
-    # The handler named up front: a manager that has not saved yet
-    # otherwise reads no item's metadata (item_tree).
+    # Named up front, or a manager that has not saved reads no metadata.
     return ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=self._keep,
@@ -54,8 +50,7 @@ class Checkpoints:
     return sorted(self._mngr.all_steps())
 
   def item_tree(self, step: int):
-    """The saved tree of ``step`` with each leaf's metadata (``.shape``),
-    read without its arrays."""
+    """``step``'s saved tree of leaf metadata (``.shape``), no arrays."""
     return self._mngr.item_metadata(step).tree
 
   def delete(self, step: int) -> None:
@@ -70,12 +65,8 @@ class Checkpoints:
     self._mngr.wait_until_finished()
 
   def restore(self, abstract_state, step: int | None = None):
-    """The state of ``step`` (default: the latest). A leaf of
-    ``abstract_state`` without a sharding is restored replicated over all
-    devices (of all processes: the data mesh), whatever topology saved it
-    (orbax would otherwise insist on the saving one: a checkpoint of two
-    processes, or of one process on two devices, would not load on one
-    device)."""
+    """The state of ``step`` (default: the latest), leaves without a
+    sharding replicated over the data mesh whatever topology saved them."""
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint under {self.directory}")
@@ -87,20 +78,10 @@ class Checkpoints:
                               args=ocp.args.StandardRestore(abstract_state))
 
   def restore_latest(self, abstract_state, log=logging.warning):
-    """``(step, state)`` of the newest readable checkpoint, or ``(None,
-    None)`` if there is none. ``abstract_state``: the tree to fill, or a
-    function of the step that gives it (checkpoints of different shapes).
-
-    A checkpoint that fails to read (a partial copy, corrupted files) is
-    reported through ``log`` with its step and the reason, and the next
-    older one is tried: ``keep`` is there for this. Once one reads, the
-    newer unreadable ones are moved to ``<directory>.damaged/`` (kept for a
-    look, out of the way of the steps the run saves again).
-
-    Raises:
-      FileNotFoundError: checkpoints exist but none reads (each step's
-        reason named; nothing is moved).
-    """
+    """``(step, state)`` of the newest readable checkpoint (or ``(None,
+    None)``), ``abstract_state`` a tree or a function of the step; the newer
+    unreadable ones are logged and moved to ``<directory>.damaged/``.
+    ``FileNotFoundError`` if none reads (nothing is moved)."""
     failed = []
     for step in sorted(self._mngr.all_steps(), reverse=True):
       try:
@@ -112,8 +93,7 @@ class Checkpoints:
         log(f"checkpoint at step {step} in {self.directory} is unreadable "
             f"({reason}); trying the one before")
         failed.append((step, reason))
-        # orbax infers the item layout from what it read: a manager that
-        # met a damaged step misreads the good ones, so start afresh.
+        # A manager that met a damaged step misreads the good ones.
         self._mngr.close()
         self._mngr = self._open()
         continue
@@ -152,9 +132,7 @@ def _finite_leaves(tree) -> jax.Array:
 
 
 def nonfinite_leaves(tree) -> list[str]:
-  """The paths of ``tree``'s floating leaves holding a NaN or an inf. The
-  check runs where the leaves are, and only its verdicts come back (one
-  small transfer: a BERT-width stack's state is gigabytes)."""
+  """Paths of ``tree``'s float leaves with a NaN or inf (checked on device)."""
   paths = [jax.tree_util.keystr(p) for p, x in
            jax.tree_util.tree_leaves_with_path(tree) if _is_float(x)]
   finite = np.asarray(jax.device_get(_finite_leaves(tree)))

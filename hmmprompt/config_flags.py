@@ -1,23 +1,7 @@
-"""Typed config trees: named presets and path overrides (no absl here).
-
-A binary's configuration is one tree of frozen, validating dataclasses (a
-field whose value is a dataclass is a subtree). The binary picks a named
-preset (its ``--preset`` flag); ``experiments/cli.py``'s ``define_config``
-registers ``--config.<path>=<value>`` for every leaf (:func:`leaves`),
-e.g. ``--config.pretrain.lr=3e-3`` or ``--config.left_sizes=4,8``. A key
-that is not a leaf is refused by absl, naming it ("Unknown command line
-flag 'config.pretrain.lr_typo'"); :func:`apply` (the same overrides from
-Python) refuses it likewise.
-
-Values are parsed by the leaf's annotated type (``int``, ``float``,
-``bool``, ``str``, ``tuple[int, ...]`` as ``4,8`` or ``4:8``, and ``X |
-None`` with ``none``). Overrides are applied with ``dataclasses.replace``
-(or the class's ``with_overrides`` where it keeps fields consistent), so
-every ``__post_init__`` check runs on the final values. This is
-ml_collections' ``config_flags`` convention (what flax's examples and
-nanodo use) for frozen dataclasses: ml_collections sets fields in place,
-which frozen dataclasses refuse and which would skip their validation.
-"""
+"""Typed config trees (frozen, validating dataclasses): named presets and
+``--config.<path>=<value>`` overrides of their :func:`leaves` (the flags
+are ``experiments/cli.py``'s), parsed by type (``4,8`` or ``4:8`` for a
+tuple, ``none``) and applied so every ``__post_init__`` check runs."""
 
 from __future__ import annotations
 
@@ -51,9 +35,7 @@ def leaves(cfg, prefix: str = "") -> dict[str, Any]:
 
 
 def describe(cfg) -> list[str]:
-  """``"path = value"`` for every leaf of ``cfg`` (runtime fields too), in
-  field order: what ``--print_config`` prints, each ``path`` a
-  ``--config.<path>`` flag."""
+  """``"path = value"`` for every leaf of ``cfg`` (``--print_config``)."""
   return [f"{path} = {functools.reduce(getattr, path.split('.'), cfg)!r}"
           for path in leaves(cfg)]
 
@@ -92,12 +74,8 @@ def parse(text: str, hint, path: str = "value"):
 
 
 def apply(cfg, overrides: Mapping[str, Any]):
-  """``cfg`` with ``{"a.b": value}`` overrides (strings are parsed).
-
-  Raises:
-    ValueError: an unknown path (named), an unparsable value, or a value
-      the dataclasses' own checks refuse.
-  """
+  """``cfg`` with ``{"a.b": value}`` overrides (strings are parsed);
+  ``ValueError`` for an unknown path (named) or a bad value."""
   known = leaves(cfg)
   for path in overrides:
     if path not in known:
@@ -110,16 +88,10 @@ def apply(cfg, overrides: Mapping[str, Any]):
 
 def from_preset(presets: Mapping[str, Callable[[], Any]], preset: str,
                 overrides: Mapping[str, Any] | None = None, **fields):
-  """``presets[preset]()`` with ``fields`` (top-level, ``trials=2``) and
-  ``overrides`` (paths to values or strings, ``{"pretrain.lr": 3e-3}``, as
-  ``--config.<path>`` flags give them) applied and validated.
-
-  Raises:
-    ValueError: an unknown preset or key, or a bad value (named).
-  """
+  """``presets[preset]()`` with top-level ``fields`` and path ``overrides``
+  applied (:func:`apply`); ``ValueError`` names an unknown preset."""
   if preset not in presets:
-    raise ValueError(f"unknown preset {preset!r}; known: "
-                     f"{', '.join(presets)}")
+    raise ValueError(f"unknown preset {preset!r}; known: {', '.join(presets)}")
   return apply(presets[preset](), {**fields, **dict(overrides or {})})
 
 

@@ -1,27 +1,13 @@
 """Pretraining text from an HMM, and BERT masking (Appendix D).
 
-Two sources, both deterministic given a key and the step:
-
-* a fixed corpus (the paper: 5000 sequences of 10 240 tokens, chunked to the
-  context length), visited in epochs with a new permutation per epoch;
-* ``fresh`` sampling (small CPU presets): every step draws new sequences of
-  the context length from the HMM. No epoch structure and no overfitting; it
-  is the limit of an unbounded corpus.
-
-Masking: each position is selected with probability ``mask_rate``; selected
-positions become ``MASK`` (80%), a uniformly random symbol (10%) or stay
-(10%), as BERT (``corruption="bert"``), or always become ``MASK``
-(``corruption="mask"``). Evaluation masks with ``MASK`` only, so the
-Bayes-optimal prediction is exactly :func:`hmm.conditionals` of the masked
-input.
-
-Exact targets (:func:`exact_targets`): ``P[X_t | x~, S]``, the conditional of
-each selected position's true token given the corrupted input ``x~`` and the
-selection ``S``. A replaced or kept token is a noisy observation of the true
-one, which enters forward-backward as an evidence vector, so the targets are
-exact under BERT's corruption too. Since the sampled token's one-hot has this
-conditional as its mean, cross-entropy to it has the sampled-target MLM
-loss's expected gradient (and minimiser) with less variance.
+Deterministic given a key and the step: a fixed corpus (the paper: 5000
+sequences of 10 240 tokens, chunked) visited in epochs, or ``fresh``
+sequences every step (small CPU presets; an unbounded corpus). Selected
+positions (rate ``mask_rate``) become ``MASK`` (80%), a random symbol (10%)
+or stay (10%), as BERT (``corruption="bert"``), or always ``MASK``
+(``"mask"``, as evaluation). :func:`exact_targets` are the conditionals of
+the true tokens: the sampled token's one-hot has them as its mean, so
+cross-entropy to them has the same expected gradient with less variance.
 """
 
 from __future__ import annotations
@@ -54,7 +40,7 @@ class CorpusConfig:
   corruption: str = "bert"
   # Added after results were keyed (identity_lib.ADDED): the training
   # batches' masking rate (0: mask_rate); held-out sets keep mask_rate, so
-  # the gap is measured on the same task whatever the training rate.
+  # the gap is measured on one task whatever the training rate.
   train_mask_rate: float = dataclasses.field(default=0.0,
                                              metadata=identity_lib.ADDED)
 
@@ -112,11 +98,9 @@ def mask_tokens(key, tokens_BxT, mask_rate: float, vocab_size: int,
 
 def batch_at(key, step, model, chunks, cfg: CorpusConfig, batch_size: int,
              vocab_size: int):
-  """The training batch of ``step``: ``(inputs, targets, weights)``.
-
-  A pure function of ``(key, step)``, so a resumed run sees the same data.
-  ``chunks`` is ``None`` in fresh mode.
-  """
+  """The training batch of ``step``: ``(inputs, targets, weights)``, a pure
+  function of ``(key, step)`` (a resumed run sees the same data).
+  ``chunks`` is ``None`` in fresh mode."""
   k_steps, k_epochs = jax.random.split(key)
   k_data, k_mask = jax.random.split(jax.random.fold_in(k_steps, step))
   if cfg.fresh:
@@ -135,12 +119,9 @@ def batch_at(key, step, model, chunks, cfg: CorpusConfig, batch_size: int,
 
 
 def corruption_likelihood(inputs_T, selected_T, vocab_size: int) -> jax.Array:
-  """``[T, V]``: ``P(x~_t | X_t = x, S)`` up to a factor per position.
-
-  Unselected: ``x~_t = X_t`` (one-hot). Selected and ``MASK``: no
-  information (ones). Selected and a symbol ``v``: BERT's random (10%, any
-  symbol) or kept (10%) token, ``∝ 1/V + [x = v]``. Traceable.
-  """
+  """``[T, V]``: ``P(x~_t | X_t = x, S)`` up to a factor per position:
+  one-hot if unselected, ones for ``MASK``, and for a selected symbol ``v``
+  (BERT's random or kept token) ``∝ 1/V + [x = v]``. Traceable."""
   sym_T = jnp.where(inputs_T == hmm_lib.MASK, 0, inputs_T)
   onehot_TxV = jax.nn.one_hot(sym_T, vocab_size)
   noisy_TxV = (_BERT_RANDOM / vocab_size + (1 - _BERT_MASK - _BERT_RANDOM)
@@ -152,9 +133,8 @@ def corruption_likelihood(inputs_T, selected_T, vocab_size: int) -> jax.Array:
 
 def exact_state_posterior(hmm: hmm_lib.HMM, inputs_T, selected_T,
                           method: str = "sequential") -> jax.Array:
-  """``[T, H]``: ``P[H_t | x~, S]``, the hidden state's posterior given the
-  whole corrupted input (the auxiliary ``state_loss``'s target).
-  ``method``: :func:`hmm.smooth_by`'s kernel (resolved by the caller)."""
+  """``[T, H]``: ``P[H_t | x~, S]`` (the auxiliary ``state_loss``'s target);
+  ``method`` as :func:`exact_targets`'."""
   lik_TxV = corruption_likelihood(inputs_T, selected_T, hmm.vocab_size)
   evidence_TxH = lik_TxV @ hmm.emission.astype(lik_TxV.dtype).T
   return hmm_lib.smooth_by(hmm, evidence_TxH, method).posterior
@@ -162,16 +142,13 @@ def exact_state_posterior(hmm: hmm_lib.HMM, inputs_T, selected_T,
 
 def exact_targets(hmm: hmm_lib.HMM, inputs_T, selected_T,
                   method: str = "sequential") -> jax.Array:
-  """``[T, V]``: ``P[X_t | x~, S]`` under :func:`mask_tokens`' corruption.
+  """``[T, V]``: ``P[X_t | x~, S]`` under :func:`mask_tokens`' corruption
+  (either), all zero where ``x~`` is impossible. Traceable; vmap it.
 
-  ``inputs_T`` is the corrupted sequence, ``selected_T`` marks the selected
-  positions (the loss weights). The same formula covers both corruptions
-  (with ``"mask"`` no selected position shows a symbol). ``hmm`` is the
-  generating model's vanilla form (:func:`generative.as_hmm`). Rows are all zero
-  where ``x~`` is impossible. Traceable; vmap it over a batch. ``method``:
-  :func:`hmm.smooth_by`'s kernel, ``sequential``, ``parallel`` or
-  ``blocked`` (resolved by the caller, e.g. :func:`hmm.resolve_method`);
-  equal to float rounding.
+  ``inputs_T``: the corrupted sequence; ``selected_T``: the selected
+  positions (the loss weights); ``hmm``: the generating model's vanilla
+  form (:func:`generative.as_hmm`); ``method``: a resolved kernel of
+  :func:`hmm.smooth_by` (:func:`hmm.resolve_method`).
   """
   lik_TxV = corruption_likelihood(inputs_T, selected_T, hmm.vocab_size)
   emission_HxV = hmm.emission.astype(lik_TxV.dtype)

@@ -1,12 +1,6 @@
-"""Result files: atomic writes, typed lines, identities and workdir stamps.
-
-Every write goes to a temporary file in the same directory, is flushed and
-fsynced, then renamed over the target (``os.replace`` is atomic on POSIX):
-a crash never leaves a half-written file behind. Results are typed lines
-(:class:`Line` dataclasses), one JSONL line per finished cell, keyed for
-resume; a workdir is known by the identity its :func:`stamp` records
-(:mod:`hmmprompt.identity`), so that one workdir never mixes two setups.
-"""
+"""Result files: atomic writes (a crash never leaves a half-written file),
+typed lines (:class:`Line`, one JSONL line per finished cell, keyed for
+resume) and workdir stamps (:func:`stamp`: one workdir, one setup)."""
 
 from __future__ import annotations
 
@@ -27,11 +21,8 @@ from hmmprompt import identity as identity_lib
 
 
 def _file_mode() -> int:
-  """The mode ``open()`` gives a new file: 0o666 less the umask. mkstemp
-  makes its file 0o600, so results, reports and plots written through it
-  would be unreadable to the people they are shared with. The umask is
-  read by setting it (the only portable way), which is process-wide: once,
-  at import, before any thread of ours runs."""
+  """The mode ``open()`` gives a new file (mkstemp's 0o600 would hide
+  results). Reading the umask sets it: once, at import, before threads."""
   mask = os.umask(0o022)
   os.umask(mask)
   return 0o666 & ~mask
@@ -41,9 +32,8 @@ _FILE_MODE = _file_mode()
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
-  """Writes ``data`` to ``path`` through a temporary file and a rename (a
-  crash leaves the old file or the new one, never half of one), with the
-  mode a plain ``open()`` would give it."""
+  """Writes ``data`` to ``path`` atomically, with the mode a plain
+  ``open()`` would give it."""
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-",
@@ -66,8 +56,7 @@ def atomic_write_text(path: str, text: str) -> None:
 
 
 def pyplot():
-  """``matplotlib.pyplot`` on the Agg backend (no display needed),
-  imported on first use: the library never needs matplotlib otherwise."""
+  """``matplotlib.pyplot`` on the Agg backend, imported on first use."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -75,9 +64,7 @@ def pyplot():
 
 
 def atomic_write_png(path: str, fig, dpi: int = 110) -> None:
-  """Saves a matplotlib figure as a PNG at ``path`` atomically (no half
-  plot after a crash) and closes it. Takes the figure, so this module
-  never imports matplotlib."""
+  """Saves a matplotlib figure as a PNG at ``path`` atomically; closes it."""
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   buf = io.BytesIO()
   fig.savefig(buf, format="png", dpi=dpi)
@@ -87,8 +74,7 @@ def atomic_write_png(path: str, fig, dpi: int = 110) -> None:
 
 def line_from_json(cls, d: dict, what: str) -> Any:
   """``cls(**d)`` for a dataclass of result lines; ``ValueError`` naming
-  ``what`` and the unknown or missing fields (a file of another version,
-  a hand edit)."""
+  ``what`` and the unknown or missing fields."""
   unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
   if unknown:
     raise ValueError(f"{what} has unknown fields {unknown}")
@@ -99,11 +85,8 @@ def line_from_json(cls, d: dict, what: str) -> Any:
 
 
 def read_jsonl(path: str) -> list[dict]:
-  """All records of a JSONL file ([] if missing).
-
-  Raises:
-    ValueError: a line that is not JSON (names the file and line).
-  """
+  """All records of a JSONL file ([] if missing); ``ValueError`` naming a
+  line that is not JSON."""
   if not os.path.exists(path):
     return []
   records = []
@@ -124,7 +107,8 @@ def append_jsonl(path: str, records: Iterable[dict]) -> None:
   atomic_write_text(path, "".join(line + "\n" for line in lines))
 
 
-def markdown_table(header: Sequence[str], rows: Iterable[Sequence]) -> list[str]:
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence]
+                   ) -> list[str]:
   """A markdown table's lines (header, rule, one line per row)."""
   return (["| " + " | ".join(map(str, header)) + " |",
            "|" + "---|" * len(header)]
@@ -133,13 +117,9 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence]) -> list[str]
 
 def stamp(path: str, identity: dict, what: str = "setup",
           write: bool = True) -> None:
-  """Records ``identity`` (JSON) at ``path`` on a workdir's first use; on
-  later uses checks that it is the same.
-
-  Raises:
-    ValueError: ``path`` records another identity; names every field that
-      differs, so a workdir never holds results of two setups.
-  """
+  """Records ``identity`` (JSON) at ``path`` on a workdir's first use
+  (``write``); later, ``ValueError`` naming every field that differs from
+  the recorded one."""
   want = json.loads(json.dumps(identity))
   if os.path.exists(path):
     with open(path, encoding="utf-8") as f:
@@ -151,8 +131,7 @@ def stamp(path: str, identity: dict, what: str = "setup",
 
 class Line:
   """A typed result line: a frozen dataclass whose ``KEY_FIELDS`` name the
-  fields a rerun looks up (:meth:`key`); written and read as one JSON
-  object per line through :func:`append_lines` and :func:`read_lines`."""
+  fields a rerun looks up (:meth:`key`); see :func:`read_lines`."""
 
   KEY_FIELDS: tuple[str, ...] = ()
   WHAT = "result line"  # what errors call a line
@@ -170,9 +149,8 @@ class Line:
 
 
 def read_lines(pattern: str, cls) -> list:
-  """The lines of every JSONL file matching ``pattern`` (a path or a glob;
-  sorted; [] if none) as ``cls`` (:func:`line_from_json`); ``ValueError``
-  naming the file and line of a bad one."""
+  """The lines of every JSONL file matching ``pattern`` (a path or a glob)
+  as ``cls``; ``ValueError`` naming the file and line of a bad one."""
   out = []
   for path in sorted(glob.glob(pattern)):
     for i, d in enumerate(read_jsonl(path), 1):
@@ -192,8 +170,7 @@ def merge_lines(path: str, lines: Iterable[Line],
                 ignore: Sequence[str] = ()) -> tuple[list, int, list]:
   """Adds to ``path`` the ``lines`` whose key it lacks; returns ``(added,
   kept, conflicts)``: the lines added, how many keys were already there,
-  and those of them whose values differ (fields in ``ignore``, timings,
-  aside). The file's lines win."""
+  and those whose values differ (``ignore`` aside; the file's win)."""
   lines = list(lines)
   if not lines:
     return [], 0, []
@@ -232,9 +209,8 @@ def write_archive(path: str, root: str, members: Sequence[str],
 
 def read_archive(path: str, into: str, allowed: re.Pattern) -> list[str]:
   """Unpacks the regular files of the archive ``path`` into ``into``;
-  returns their names. ``ValueError`` naming a member whose name
-  ``allowed`` does not fully match, or that is no regular file, before
-  anything is written: no path escapes ``into``."""
+  returns their names. ``ValueError`` (before any write) for a member that
+  is no regular file or whose name ``allowed`` does not fully match."""
   with tarfile.open(path, "r:gz") as tar:
     members = tar.getmembers()
     for member in members:

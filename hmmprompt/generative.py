@@ -4,15 +4,6 @@ A *model* is a vanilla :class:`hmm.HMM` or a single-cell
 :class:`memory.MemoryHMM`. Everything above the HMM math (corpus, tasks,
 backbones, pretraining, the sweep) goes through these functions instead of
 telling the kinds apart itself, so a new kind is added here once.
-
-* :func:`kind`: ``"vanilla"`` or ``"memory"`` (``TypeError`` otherwise);
-* :func:`as_hmm`: the equivalent vanilla HMM (product states for memory);
-* :func:`sample_tokens`: ``int32 [T]`` text, traceable and vmappable;
-* :func:`latent_size` / :func:`latent_posterior`: the latent variable a
-  downstream label reads (``H_0`` at a leading ``MASK``, or the memory);
-* :func:`random_model`: Appendix D's random draw of either kind;
-* :func:`save` / :func:`load`: an ``.npz`` written atomically;
-* :func:`model_fingerprint`: a short hash of the parameters.
 """
 
 from __future__ import annotations
@@ -43,13 +34,11 @@ def kind(model) -> str:
     return "memory"
   if isinstance(model, hmm_lib.HMM):
     return "vanilla"
-  raise TypeError(f"expected an HMM or a MemoryHMM, got "
-                  f"{type(model).__name__}")
+  raise TypeError(f"expected an HMM or a MemoryHMM, got {type(model).__name__}")
 
 
 def is_memory(model: Model) -> TypeIs[memory_lib.MemoryHMM]:
-  """Whether ``model`` is a memory HMM (else vanilla); ``TypeError`` naming
-  any other type (:func:`kind`)."""
+  """Whether ``model`` is a memory HMM (else vanilla; :func:`kind`)."""
   return kind(model) == "memory"
 
 
@@ -75,12 +64,9 @@ def sample_tokens(key, model: Model, length: int) -> jax.Array:
 
 
 def latent_posterior(model: Model, tokens_T: jax.Array) -> jax.Array:
-  """``[K]``: the latent's posterior given ``tokens_T`` minus position 0.
-
-  Vanilla: ``P[H_0 | x_{-0}]``; memory: ``P[M | x]`` (the memory is shared
-  by all positions; ``tokens_T[0]`` is ``MASK`` in every task, so the two
-  coincide). Traceable; vmap it.
-  """
+  """``[Z]``: ``P[H_0 | x_{-0}]`` (vanilla) or ``P[M | x]`` (memory; equal
+  to ``P[M | x_{-0}]`` as ``tokens_T[0]`` is ``MASK`` in every task).
+  Traceable; vmap it."""
   if is_memory(model):
     return memory_lib.token_memory_posterior(model, tokens_T)
   return hmm_lib.token_smooth(model, tokens_T).masked_posterior[0]
@@ -88,8 +74,7 @@ def latent_posterior(model: Model, tokens_T: jax.Array) -> jax.Array:
 
 def random_model(key, model_kind: str, num_states: int, vocab_size: int,
                  memory_size: int = 0) -> Model:
-  """Appendix D's random model; ``num_states`` is ``|H|`` (syntax states
-  for memory)."""
+  """Appendix D's random model; ``num_states``: ``|H|`` (syntax states)."""
   if model_kind == "memory":
     return memory_lib.random_memory_hmm(key, memory_size, num_states,
                                         vocab_size)
@@ -98,9 +83,8 @@ def random_model(key, model_kind: str, num_states: int, vocab_size: int,
   raise ValueError(f"model kind must be one of {KINDS}, got {model_kind!r}")
 
 
-# Trials: models of one kind and size stacked on a leading trial axis ``[K]``
-# (every field gains it), so sampling, inference, pretraining and tuning can
-# vmap over trials. Built from concrete arrays they are validated per trial.
+# Trials: models of one kind and size stacked on a leading axis ``[K]`` of
+# every field, so everything can vmap over trials.
 
 
 def num_trials(model: Model) -> int | None:
@@ -127,8 +111,7 @@ def stack(models) -> Model:
     raise ValueError("stack needs at least one model (a trial count >= 1)")
   kinds = {kind(m) for m in models}
   if len(kinds) > 1:
-    raise ValueError(f"cannot stack models of different kinds: "
-                     f"{sorted(kinds)}")
+    raise ValueError(f"cannot stack models of different kinds: {sorted(kinds)}")
   shapes = [tuple(leaf.shape for leaf in m) for m in models]
   for i, sh in enumerate(shapes):
     if sh != shapes[0]:
@@ -150,16 +133,12 @@ def trial(models: Model, k: int) -> Model:
 
 def random_models(key, num: int, model_kind: str, num_states: int,
                   vocab_size: int, memory_size: int = 0) -> Model:
-  """``num`` independent :func:`random_model` draws stacked ``[K]``, in one
-  vmapped call; trial ``k`` is ``random_model(fold_in(key, k), ...)``.
-
-  Raises:
-    ValueError: ``num < 1`` or a bad kind or size (named).
-  """
+  """``num`` :func:`random_model` draws stacked ``[K]`` in one vmapped call;
+  trial ``k`` is ``random_model(fold_in(key, k), ...)``. ``ValueError``:
+  ``num < 1`` or a bad kind or size (named)."""
   if not isinstance(num, int) or num < 1:
     raise ValueError(f"the trial count must be an int >= 1, got {num!r}")
-  # random_model's kind and size checks are Python, so they raise while
-  # the vmap traces, naming the bad value.
+  # random_model's checks are Python: they raise while the vmap traces.
   drawn = _draw_stacked(key, num, model_kind, num_states, vocab_size,
                         memory_size)
   return type(drawn)(*drawn)  # validated, per trial
@@ -174,8 +153,8 @@ def _draw_stacked(key, num, model_kind, num_states, vocab_size, memory_size):
 
 
 def fingerprints(models: Model) -> list[str]:
-  """:func:`model_fingerprint` of every trial of stacked models (each leaf moved
-  to the host once, not one validated trial at a time)."""
+  """:func:`model_fingerprint` of every trial of stacked models (each leaf
+  moved to the host once)."""
   num = num_trials(models)
   if num is None:
     raise ValueError("fingerprints needs [K] stacked models; use "
@@ -210,11 +189,11 @@ def save(path: str, model: Model) -> None:
 
 
 def load(path: str) -> Model:
-  """Reads a model written by :func:`save` (validated on construction).
+  """Reads a model written by :func:`save` (validated).
 
   Raises:
     FileNotFoundError: ``path`` does not exist.
-    ValueError: the file names an unknown kind or holds invalid parameters.
+    ValueError: an unknown kind or invalid parameters.
   """
   if not os.path.exists(path):
     raise FileNotFoundError(f"no model file at {path}")

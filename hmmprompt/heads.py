@@ -1,28 +1,16 @@
 """Classification heads on a frozen backbone's outputs (paper Sections 3-4).
 
-Features: the backbone's probabilities ``G_i`` over the real vocabulary,
-transformed by one of
-
-* ``"raw"``: the probabilities themselves (the paper);
-* ``"log"``: ``log(G + 1e-6)``; near-deterministic HMMs put the signal in
-  small probabilities that a linear map on raw values barely sees;
-* ``"standardized"``: ``(G - mean) / (std + 1e-6)`` per vocabulary entry, with
-  the mean and std of the training set's features at initialisation (fixed
-  for the run, so it is a fixed affine map: the hypothesis class is the raw
-  one, only the optimisation's conditioning changes).
-
-Heads:
-
-* linear (Theorem 3.3 / 3.6): ``logits = w^T f(G_mask) + bias``;
-* attention (eq. 4.1-4.2) over all positions: score
-  ``s_i = q^T (Θ_K f(G_i) + β_i)``, weights ``softmax(exp(log_temp) * s)``
-  (the paper's argmax is the limit of a large inverse temperature), value
-  ``v_i = b^T ((Θ_V f(G_i)) ⊙ e(x_i))`` per class, ``logits = Σ_i a_i v_i``.
-
-Both are registered by name: a :class:`Head` in :data:`HEADS` and a
-:class:`Features` in :data:`TRANSFORMS` (:data:`FEATURES` is the tuple of
-its names). A new head or transform is one such object and one registry
-entry; :mod:`hmmprompt.tuning` only uses the interfaces.
+Features ``f(G_i)`` of the backbone's probabilities: ``"raw"`` (the paper);
+``"log"``, ``log(G + 1e-6)`` (near-deterministic HMMs put the signal in
+small probabilities); ``"standardized"``, ``(G - mean) / (std + 1e-6)``
+with the training set's statistics at initialisation (a fixed affine map:
+only the optimisation's conditioning changes). Heads: linear (Theorem 3.3 /
+3.6), ``logits = w^T f(G_mask) + bias``; attention (eq. 4.1-4.2), score
+``s_i = q^T (Θ_K f(G_i) + β_i)``, weights ``a = softmax(exp(log_temp) *
+s)`` (the paper's argmax in the limit), value ``v_i = b^T ((Θ_V f(G_i)) ⊙
+e(x_i))``, ``logits = Σ_i a_i v_i``. Both registered by name
+(:data:`HEADS`, :data:`TRANSFORMS`); :mod:`hmmprompt.tuning` only uses the
+interfaces.
 """
 
 from __future__ import annotations
@@ -41,16 +29,11 @@ NUM_CLASSES = 2
 """Logits every registered head gives: the paper's tasks are binary."""
 
 
-# ----------------------------------------------------------------------------
-# Feature transforms.
-
-
 @dataclasses.dataclass(frozen=True)
 class Features:
-  """A feature transform ``f``.
+  """A feature transform ``f``, in :data:`TRANSFORMS` under its ``name``.
 
   Attributes:
-    name: its key in :data:`TRANSFORMS`.
     apply: ``(G [.., V], stats | None) -> features [.., V]``.
     needs_stats: whether ``apply`` reads :func:`feature_stats` of the
       training set's features (computed once, at initialisation).
@@ -97,23 +80,16 @@ def transform(probs_xV: jax.Array, kind: str, stats: dict | None):
   return TRANSFORMS[kind].apply(probs_xV, stats)
 
 
-# ----------------------------------------------------------------------------
-# Heads.
-
-
 @dataclasses.dataclass(frozen=True)
 class Head:
-  """A classification head.
+  """A classification head, in :data:`HEADS` under its ``name``.
 
   Attributes:
-    name: its key in :data:`HEADS`.
     init: ``(key, vocab_size V, embed_dim D, input_len T) -> params``;
       ``T`` counts every backbone position, soft prompt included.
     apply: ``(params, feats, emb) -> logits [C]``: ``feats [T, V]`` and
-      ``emb [T, D]`` if ``reads_all_positions``, else ``feats [V]`` of the
-      ``MASK`` position and ``emb`` ``None``.
-    reads_all_positions: what the head reads (and head tuning caches): all
-      positions and the input embeddings, or only ``G`` at the ``MASK``.
+      ``emb [T, D]`` if ``reads_all_positions`` (what head tuning caches),
+      else ``feats [V]`` at the ``MASK`` and ``emb`` ``None``.
   """
 
   name: str
@@ -122,10 +98,8 @@ class Head:
   reads_all_positions: bool
 
 
-def init_linear(key, num_features: int,
-                num_classes: int = NUM_CLASSES) -> dict:
-  # Zero init: the first step is symmetric and deterministic; a linear
-  # model has no symmetry to break.
+def init_linear(key, num_features: int, num_classes: int = NUM_CLASSES) -> dict:
+  # Zero init: a linear model has no symmetry to break.
   del key
   return {"w": jnp.zeros((num_features, num_classes)),
           "bias": jnp.zeros((num_classes,))}

@@ -1,37 +1,24 @@
 """Hidden Markov models: parameters, sampling and exact inference.
 
 Conventions (paper Section 3; Appendix B, D): ``HMM.initial[h] = P(H_0 =
-h)``, the state of the first emitting position (index 0 of a token array);
-``HMM.transition[i,j] = P(H_{t+1} = j | H_t = i)`` (the paper's ``A``
-transposed: rows are "from"); ``HMM.emission[h,x] = P(X_t = x | H_t = h)``
-(the paper's ``W`` transposed). ``MASK`` (= -1) marks an unobserved
-position: its emission is marginalised out (evidence all ones).
+h)`` (the state of token 0), ``HMM.transition[i,j] = P(H_{t+1} = j | H_t =
+i)`` and ``HMM.emission[h,x] = P(X_t = x | H_t = h)`` (the paper's ``A``
+and ``W`` transposed). ``MASK`` (= -1) marks an unobserved position.
+Inference runs on non-negative *evidence vectors* ``e_t [T, H]``: a
+token's ``e(x)[h] = P(X = x | H = h)`` (:func:`embed`; ones for ``MASK``)
+or a soft prompt's vector in ``[0, 1]^H`` (Appendix B).
 
-All inference runs on *evidence vectors* ``e_t[h]`` (non-negative, shape
-``[T, H]``). For tokens these are the paper's proper embeddings
-``e(x)[h] = P(X = x | H = h)`` (:func:`embed`); for a soft prompt they can be any
-vector in ``[0, 1]^H`` (Appendix B's message passing on embedding vectors).
-
-Two public layers (docs/hmm.md): traceable **kernels** with documented
-shapes (:func:`forward_backward`, :func:`token_smooth`, ...; traced code
-calls only these), and jitted **entry points** over them (:func:`sample`,
-:func:`posterior`, ...; :func:`validation.entry_point`), one sequence each,
-which raise ``ValueError`` on bad concrete input, the model included
-(:func:`check_model`: a model made by ``_replace`` or ``tree.map`` skipped
-its constructor's checks). Under a caller's ``jit`` they check only dtypes
-and shapes: :func:`check_model` and :func:`check_tokens` a batch first if
-unsure, or check inside the traced function with :func:`checkify_model`
-and :func:`checkify_tokens` under ``jax.experimental.checkify``.
-
-Messages are rescaled at every step (Rabiner's scaling): float32 is stable
-on 10^4 tokens of Appendix D's HMMs. An impossible sequence gives
-log-likelihood ``-inf``, all-zero posteriors, and all-zero conditionals
-where a context is impossible (Appendix B's convention), never NaN.
+Traceable **kernels** (:func:`forward_backward`, :func:`token_smooth`, ...;
+traced code calls these) and jitted **entry points** over them
+(:func:`sample`, :func:`posterior`, ...), one sequence each, which raise
+``ValueError`` on bad concrete input (docs/hmm.md). Messages are rescaled
+at every step (float32 holds on 10^4 tokens); an impossible sequence gives
+log-likelihood ``-inf`` and all-zero posteriors and conditionals, never NaN.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 from jax.experimental import checkify
@@ -52,8 +39,7 @@ class _HMMFields(NamedTuple):
 
 def _validate_hmm(initial, transition, emission,
                   chk=validation.check_distribution) -> None:
-  """Raises ``ValueError`` naming the field (``chk``: the value checks;
-  :func:`validation.checkify_distribution` for traced arrays)."""
+  """Raises ``ValueError`` naming the field (``chk``: the value checks)."""
   chk("HMM.initial", initial, 1)
   chk("HMM.transition", transition, 2)
   chk("HMM.emission", emission, 2)
@@ -69,15 +55,12 @@ def _validate_hmm(initial, transition, emission,
 
 
 class HMM(validation.ValidatedParams, _HMMFields, validate=_validate_hmm):
-  """HMM parameters (a pytree).
+  """HMM parameters (a pytree; validated when built from concrete arrays).
 
   Attributes:
     initial: ``[H]`` distribution of the first state.
     transition: ``[H, H]`` row-stochastic, ``transition[i, j] = P(j | i)``.
     emission: ``[H, V]`` row-stochastic, ``emission[h, x] = P(x | h)``.
-
-  Built from concrete arrays (or nested lists) it is validated; tracers pass
-  unchecked (:class:`validation.ValidatedParams`).
   """
 
   __slots__ = ()
@@ -91,18 +74,10 @@ class HMM(validation.ValidatedParams, _HMMFields, validate=_validate_hmm):
     return self.emission.shape[-1]
 
 
-# Input checks at the API boundary.
-
-
 def check_model(hmm: HMM) -> HMM:
-  """Checks an existing model's arrays as :class:`HMM`'s constructor does
-  (shapes, finite non-negative entries, rows summing to 1) and returns it.
-
-  Every entry point runs it: a model from ``_replace``, ``tree.map`` or a
-  jitted function was never checked. Values are checked only when every
-  field is concrete; under a caller's ``jit``/``vmap`` the fields are
-  tracers and nothing is checked (nor compiled in): call it on the model
-  before the transformed call, or use :func:`checkify_model` inside it.
+  """Runs :class:`HMM`'s constructor checks on an existing model (one from
+  ``tree.map`` or a jitted function) and returns it; values only when every
+  field is concrete (under ``jit``: :func:`checkify_model`).
 
   Raises:
     ValueError: naming the field and the first bad entry or shape.
@@ -111,35 +86,26 @@ def check_model(hmm: HMM) -> HMM:
 
 
 def checkify_model(hmm: HMM) -> None:
-  """:func:`check_model` inside traced code, as ``checkify`` checks.
-
-  For a function run under ``jax.experimental.checkify.checkify``: shapes
-  and dtypes raise ``ValueError`` while tracing; bad values become its
-  error value (``err.throw()``). Elsewhere under ``jit`` a traced
-  ``checkify.check`` is an error, so call it only there.
-  """
+  """:func:`check_model` under ``jax.experimental.checkify.checkify`` only:
+  bad shapes and dtypes raise ``ValueError`` while tracing, bad values
+  become its error value."""
   _validate_hmm(hmm.initial, hmm.transition, hmm.emission,
                 chk=validation.checkify_distribution)
 
 
 def checkify_tokens(tokens, vocab_size: int) -> None:
-  """:func:`check_tokens` inside traced code, as a ``checkify`` check (see
-  :func:`checkify_model`): a token outside ``[0, vocab_size)`` other than
-  ``MASK``, which under ``jit`` would make its sequence impossible."""
+  """:func:`check_tokens` as a ``checkify`` check (:func:`checkify_model`)."""
   if not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
   bad = (tokens != MASK) & ((tokens < 0) | (tokens >= vocab_size))
-  checkify.check(~jnp.any(bad),
-                 f"a token is out of range: tokens must lie in "
-                 f"[0, {vocab_size}) or equal MASK ({MASK}); the first bad "
-                 f"one is {{tok}}",
-                 tok=tokens.ravel()[jnp.argmax(bad.ravel())])
+  checkify.check(~jnp.any(bad), f"a token is out of range: tokens must lie in "
+                 f"[0, {vocab_size}) or equal MASK ({MASK}); the first bad one "
+                 f"is {{tok}}", tok=tokens.ravel()[jnp.argmax(bad.ravel())])
 
 
 def check_tokens(tokens, vocab_size: int) -> jax.Array:
-  """Checks a token array (any shape; ``MASK`` allowed) and returns it.
-
-  Dtype is always checked; values only when ``tokens`` is concrete.
+  """Checks a token array (any shape; ``MASK`` allowed) and returns it;
+  values only when ``tokens`` is concrete.
 
   Raises:
     ValueError: non-integer dtype, or a value outside ``[0, vocab_size)``
@@ -236,12 +202,9 @@ def random_hmm(key, num_states: int, vocab_size: int, *,
                transition_temp: float = TRANSITION_TEMP,
                emission_temp: float = EMISSION_TEMP,
                initial_temp: float = INITIAL_TEMP) -> HMM:
-  """Appendix D's random HMM.
-
-  Every probability vector is ``softmax((U - 0.5) / temp)``; the transition
-  matrix mixes ``num_states`` random permutation matrices with weights drawn
-  that way. Jittable and vmappable over ``key`` (sizes are static).
-  """
+  """Appendix D's random HMM: each probability vector a
+  :func:`random_simplex`, the transition a :func:`random_transition`.
+  Vmappable over ``key``."""
   if num_states < 1 or vocab_size < 1:
     raise ValueError(f"num_states and vocab_size must be >= 1, got "
                      f"{num_states}, {vocab_size}")
@@ -250,21 +213,13 @@ def random_hmm(key, num_states: int, vocab_size: int, *,
                   ("initial_temp", initial_temp)):
     if not t > 0:
       raise ValueError(f"{name} must be > 0, got {t}")
-  return validation.kernel_args(
-      key, num_states, vocab_size, transition_temp, emission_temp,
-      initial_temp)
-
-
-# Sampling.
+  return validation.kernel_args(key, num_states, vocab_size, transition_temp,
+                                emission_temp, initial_temp)
 
 
 def _cdf(p: jax.Array) -> jax.Array:
-  """Cumulative distribution along the last axis, with last entry exactly 1.
-
-  Dividing by the total makes the entries after the last non-zero
-  probability exactly 1.0, so ``#(cdf <= u)`` for ``u`` in ``[0, 1)`` never
-  selects a zero-probability outcome (not even ``u == 0``).
-  """
+  """Cumulative sum over the last axis divided by its total: entries past the
+  last non-zero probability are exactly 1, so no draw selects them."""
   return (c := jnp.cumsum(p, axis=-1)) / c[..., -1:]
 
 
@@ -289,9 +244,6 @@ def draw_sequence(key, hmm: HMM, length: int):
   # Given the states, the emissions are independent: draw them all at once.
   tokens_T = _draw(_cdf(hmm.emission)[states_T], u_2xT[1])
   return tokens_T, states_T
-
-
-# Inference.
 
 
 class Smoothed(NamedTuple):
@@ -338,16 +290,12 @@ def safe_log(x: jax.Array) -> jax.Array:
 
 
 def forward_backward(hmm: HMM, evidence_TxH: jax.Array) -> Smoothed:
-  """Forward scan, then a backward scan that also emits the posteriors.
+  """Forward scan, then a backward scan that also emits the posteriors
+  (on XLA:CPU faster than forming them afterwards, as is not unrolling).
 
-  ``pred_t``  ∝ P[H_t, e_{<t}]   (forward, before emitting t)
-  ``back_t``  ∝ P[e_{>t} | H_t]  (backward)
-  so ``pred_t ⊙ back_t ∝ P[H_t, e_{-t}]`` and ``⊙ e_t`` gives the posterior.
-  Each message is rescaled to sum 1 at every step; the forward scales are
-  ``c_t = P(e_t | e_{<t})`` and give the log-likelihood. Forming the
-  posteriors inside the backward loop (not from the stacked messages
-  afterwards) and not unrolling are both measurably faster on XLA:CPU
-  (experiments/bench_hmm.py).
+  ``pred_t ∝ P[H_t, e_{<t}]``, ``back_t ∝ P[e_{>t} | H_t]``: ``pred_t ⊙
+  back_t ∝ P[H_t, e_{-t}]``, ``⊙ e_t`` the posterior. Messages are rescaled
+  to sum 1; the forward scales ``c_t = P(e_t | e_{<t})`` give log P(e).
   """
   dtype = jnp.result_type(hmm.transition.dtype, evidence_TxH.dtype)
   trans_HxH = hmm.transition.astype(dtype)
@@ -361,8 +309,7 @@ def forward_backward(hmm: HMM, evidence_TxH: jax.Array) -> Smoothed:
 
 
 def _forward_step(trans_HxH):
-  """One step of the forward scan: ``pred_t -> pred_{t+1}``, emitting
-  ``(pred_t, c_t)``."""
+  """``pred_t -> pred_{t+1}``, emitting ``(pred_t, c_t)``."""
   def forward(pred_H, ev_H):
     filt_H, c = _normalize(pred_H * ev_H)
     return filt_H @ trans_HxH, (pred_H, c)
@@ -370,8 +317,7 @@ def _forward_step(trans_HxH):
 
 
 def _backward_step(trans_HxH):
-  """One step of the backward scan: ``back_t -> back_{t-1}``, emitting the
-  posterior and the masked posterior at ``t``."""
+  """``back_t -> back_{t-1}``, emitting ``(posterior, masked)`` at ``t``."""
   def backward(back_H, pred_ev):
     pred_H, ev_H = pred_ev
     masked_H, _ = _normalize(pred_H * back_H)
@@ -383,22 +329,14 @@ def _backward_step(trans_HxH):
 
 def forward_backward_blocked(hmm: HMM, evidence_TxH: jax.Array,
                              block: int | None = None) -> Smoothed:
-  """:func:`forward_backward` in ``C`` blocks of ``L`` positions
-  (default ``L = ceil(sqrt(T))``): about ``5 sqrt(T)`` dependent steps
-  instead of ``2 T``, for accelerators, where the scan's cost is the
-  latency of its steps, not their work.
+  """:func:`forward_backward` in ``C`` blocks of ``L`` positions (default
+  ``L = ceil(sqrt(T))``): about ``5 sqrt(T)`` dependent steps instead of
+  ``2 T``, for accelerators, where a scan costs the latency of its steps.
 
-  1. Every block's transfer matrices, all blocks at once in ``L`` steps:
-     ``prod_t diag(e_t) A`` (a forward message across the block) and
-     ``prod_t A diag(e_t)`` (a backward one), each rescaled to sum 1.
-  2. The messages entering each block: ``C`` steps each way.
-  3. The sequential kernel's own forward and backward steps inside every
-     block at once, from those messages: ``2 L`` steps.
-
-  Positions past ``T`` (the last block's padding) get all-ones evidence,
-  which marginalises out (as ``MASK`` does). The same :class:`Smoothed` as
-  the sequential kernel, to float rounding (tested); exact zeros stay
-  zeros. Work ``O(T H^3)`` for the transfer matrices.
+  Every block's transfer matrices at once (``L`` steps), the messages
+  entering each block (``C`` steps each way), then the sequential steps in
+  every block at once (``2 L``); the padding's evidence is all ones. Equal
+  to the sequential kernel to float rounding (tested). Work ``O(T H^3)``.
   """
   dtype = jnp.result_type(hmm.transition.dtype, evidence_TxH.dtype)
   trans_HxH = hmm.transition.astype(dtype)
@@ -420,8 +358,7 @@ def forward_backward_blocked(hmm: HMM, evidence_TxH: jax.Array,
   # The messages entering each block: the forward one before its first
   # position, the backward one at its last.
   step_in = lambda m_H, t_HxH: (_normalize(m_H @ t_HxH)[0], m_H)
-  _, pred_in_CxH = jax.lax.scan(step_in, hmm.initial.astype(dtype),
-                                fwd_CxHxH)
+  _, pred_in_CxH = jax.lax.scan(step_in, hmm.initial.astype(dtype), fwd_CxHxH)
   step_back = lambda b_H, t_HxH: (_normalize(t_HxH @ b_H)[0], b_H)
   _, back_in_CxH = jax.lax.scan(step_back, jnp.ones((h,), dtype), bwd_CxHxH,
                                 reverse=True)
@@ -433,19 +370,17 @@ def forward_backward_blocked(hmm: HMM, evidence_TxH: jax.Array,
   post_CxLxH, masked_CxLxH = jax.vmap(backward)(back_in_CxH, pred_CxLxH,
                                                 ev_CxLxH)
   flat = lambda x: x.reshape((blocks * size,) + x.shape[2:])[:num]
-  # log P(e) as the scan gives it for any transition matrix (so that its
-  # gradient is the scan's, off the simplex too): each block's scales, and
-  # the mass its outgoing message had before the next block's entry
-  # message was rescaled to sum 1; the padding's scales left out.
+  # log P(e) as the scan gives it for any transition matrix (its gradient is
+  # the scan's, off the simplex too): the blocks' scales and each outgoing
+  # message's mass before the next block rescaled it (padding left out).
   log_lik = (jnp.sum(safe_log(flat(c_CxL)))
              + jnp.sum(safe_log(jnp.sum(out_CxH[:-1], axis=-1))))
   return Smoothed(log_lik, flat(post_CxLxH), flat(masked_CxLxH))
 
 
 def _combine(left, right):
-  """Associative product of rescaled matrices ``(M [..., H, H], log scale
-  [...])``: ``M_l @ M_r`` rescaled to sum 1 (all-zero stays zero, scale
-  ``-inf``), so no product under- or overflows whatever its length."""
+  """Associative product of ``(M [..., H, H], log scale [...])``: ``M_l @
+  M_r`` rescaled to sum 1 (all-zero stays zero, scale ``-inf``)."""
   (m_l, c_l), (m_r, c_r) = left, right
   prod = jnp.einsum("...ij,...jk->...ik", m_l, m_r)
   shape = prod.shape
@@ -454,27 +389,19 @@ def _combine(left, right):
 
 
 def _rescaled(m_TxHxH):
-  """Each ``H x H`` matrix rescaled to sum 1 (all-zero stays zero), and
-  the log of its sum."""
+  """Each ``H x H`` matrix rescaled to sum 1, and the log of its sum."""
   t, h, _ = m_TxHxH.shape
   flat, total = _normalize(m_TxHxH.reshape(t, h * h))
   return flat.reshape(m_TxHxH.shape), safe_log(total)
 
 
 def forward_backward_parallel(hmm: HMM, evidence_TxH: jax.Array) -> Smoothed:
-  """:func:`forward_backward` by associative scans: ``O(log T)`` steps of
-  ``H x H`` matrix products instead of ``T`` dependent vector steps
-  (Särkkä & García-Fernández's formulation, as dynamax's parallel
-  smoother), for accelerators and long sequences.
-
-  Forward elements ``diag(e_t) A`` and backward elements ``A diag(e_t)``
-  are multiplied by ``jax.lax.associative_scan``; every product is
-  rescaled to sum 1 with its log scale carried beside it, so float32 holds
-  at any length, and exact zeros (the paper's sparse transitions,
-  impossible evidence) stay exact zeros: no ``log`` of a transition is
-  taken, so no NaN (dynamax's parallel smoother differentiates through
-  ``log(A)`` and gives NaN there). The same :class:`Smoothed` as the
-  sequential kernel, to float rounding (tested). Work is ``O(T H^3)``.
+  """:func:`forward_backward` by associative scans (Särkkä &
+  García-Fernández): ``O(log T)`` steps of ``H x H`` matrix products, each
+  rescaled with its log scale carried (float32 holds at any length); no
+  ``log`` of a transition, so exact zeros give no NaN, unlike dynamax's.
+  Equal to the sequential kernel to float rounding (tested). Work
+  ``O(T H^3)``.
   """
   dtype = jnp.result_type(hmm.transition.dtype, evidence_TxH.dtype)
   trans_HxH = hmm.transition.astype(dtype)
@@ -484,18 +411,16 @@ def forward_backward_parallel(hmm: HMM, evidence_TxH: jax.Array) -> Smoothed:
   # Forward: pred_t ∝ pi^T diag(e_0) A ... diag(e_{t-1}) A.
   fwd = jax.lax.associative_scan(
       _combine, _rescaled(ev_TxH[:, :, None] * trans_HxH[None]))
-  # Backward: back_t ∝ A diag(e_{t+1}) ... A diag(e_{T-1}) 1.
-  # (A reverse scan hands fn the later element first: the product's order
-  # is restored by swapping.)
+  # Backward: back_t ∝ A diag(e_{t+1}) ... A diag(e_{T-1}) 1 (a reverse scan
+  # hands fn the later element first).
   bwd = jax.lax.associative_scan(
       lambda later, earlier: _combine(earlier, later),
       _rescaled(trans_HxH[None] * ev_TxH[:, None, :]), reverse=True)
   pred_TxH = jnp.concatenate(
       [init_H[None], jnp.einsum("h,thk->tk", init_H, fwd[0][:-1])])
   pred_scale_T = jnp.concatenate([jnp.zeros((1,), dtype), fwd[1][:-1]])
-  back_TxH = jnp.concatenate(
-      [jnp.sum(bwd[0][1:], axis=-1), jnp.ones((1, trans_HxH.shape[0]),
-                                               dtype)])
+  back_TxH = jnp.concatenate([jnp.sum(bwd[0][1:], axis=-1),
+                              jnp.ones((1, trans_HxH.shape[0]), dtype)])
   pred_TxH, pred_sum_T = _normalize(pred_TxH)
   masked_TxH, _ = _normalize(pred_TxH * back_TxH)
   post_TxH, _ = _normalize(masked_TxH * ev_TxH)
@@ -516,23 +441,17 @@ def token_evidence(hmm: HMM, tokens_T: jax.Array) -> jax.Array:
 
 
 METHODS = ("sequential", "parallel", "blocked", "auto")
-"""The entry points' ``method``: :func:`forward_backward` (a scan over
-time), :func:`forward_backward_parallel` (associative scans),
-:func:`forward_backward_blocked` (scans over blocks and within them) or
-``auto`` (:func:`resolve_method`; it picks no ``blocked`` until an
-accelerator has timed it)."""
-# auto's threshold: on GPUs an associative scan won from long sequences on
-# (T = 10 240) and lost at T = 512 with batches of hundreds (the H100 probe
-# of 2026-11-26, docs/performance.md); on CPUs the scan is the measured
-# default. Provisional until experiments/bench_hmm.py times our own kernel.
+"""The entry points' ``method``: :func:`forward_backward`,
+:func:`forward_backward_parallel`, :func:`forward_backward_blocked` or
+``auto`` (:func:`resolve_method`; never ``blocked``)."""
+# auto's threshold, provisional (docs/hmm.md): from an H100 probe of
+# dynamax's parallel smoother, until experiments/bench_hmm.py times ours.
 _AUTO_PARALLEL_FROM = 2048
 
 
 def resolve_method(method: str, length: int) -> str:
-  """The kernel (``sequential``, ``parallel`` or ``blocked``) for
-  ``method`` on a sequence of ``length`` positions (``auto``: parallel on
-  an accelerator from ``_AUTO_PARALLEL_FROM`` positions on, else
-  sequential); ``ValueError`` naming a bad one."""
+  """The kernel for ``method`` on ``length`` positions (``auto``: parallel
+  on accelerators from 2048 on); ``ValueError`` naming a bad one."""
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
   if method == "auto":
@@ -543,9 +462,7 @@ def resolve_method(method: str, length: int) -> str:
 
 def smooth_by(hmm: HMM, evidence_TxH: jax.Array,
               method: str = "sequential") -> Smoothed:
-  """:func:`forward_backward` (``sequential``),
-  :func:`forward_backward_parallel` (``parallel``) or
-  :func:`forward_backward_blocked` (``blocked``)."""
+  """The kernel of a resolved ``method`` (:data:`METHODS`, not ``auto``)."""
   kernels = {"sequential": forward_backward,
              "parallel": forward_backward_parallel,
              "blocked": forward_backward_blocked}
@@ -570,20 +487,20 @@ def token_smooth(hmm: HMM, tokens_T: jax.Array,
 
 def token_conditionals(hmm: HMM, tokens_T: jax.Array,
                        method: str = "sequential") -> jax.Array:
-  """``[T, V]``: ``P[X_t | x_{-t}]``, :func:`evidence_conditionals` on the
-  tokens' proper embeddings."""
+  """``[T, V]``: ``P[X_t | x_{-t}]`` (:func:`evidence_conditionals`)."""
   return evidence_conditionals(hmm, token_evidence(hmm, tokens_T), method)
 
 
 # Entry points: each checks its input and runs its kernel, jitted.
 
 
-def _with_method(hmm: HMM, inputs, method: str, check) -> tuple:
-  """The check of a method-taking entry point: the model, its inputs
-  ``[T, ...]`` checked by ``check`` and ``method`` resolved for ``T``."""
+def _with_method(hmm: HMM, inputs, method: str, check) -> Any:
+  """The kernel's arguments: the checked model and inputs ``[T, ...]``, and
+  ``method`` resolved for ``T``."""
   hmm = check_model(hmm)
   inputs = check(inputs, hmm)
-  return hmm, inputs, resolve_method(method, inputs.shape[0])
+  return validation.kernel_args(hmm, inputs,
+                                resolve_method(method, inputs.shape[0]))
 
 
 @validation.entry_point(draw_sequence, static_argnums=2)
@@ -603,45 +520,36 @@ def embed(hmm: HMM, tokens) -> jax.Array:
 @validation.entry_point(smooth_by, static_argnums=2)
 def smooth(hmm: HMM, evidence, method: str = "auto") -> Smoothed:
   """Forward-backward on evidence vectors ``[T, H]`` (Appendix B)."""
-  return validation.kernel_args(
-      *_with_method(hmm, evidence, method, check_evidence))
+  return _with_method(hmm, evidence, method, check_evidence)
 
 
 @validation.entry_point(token_smooth, static_argnums=2, field="log_likelihood")
 def log_likelihood(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``log P(x)`` of the observed tokens (``MASK`` positions marginalised)."""
-  return validation.kernel_args(
-      *_with_method(hmm, tokens, method, check_sequence))
+  return _with_method(hmm, tokens, method, check_sequence)
 
 
 @validation.entry_point(token_smooth, static_argnums=2, field="posterior")
 def posterior(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``[T, H]``: ``P[H_t | observed tokens]``."""
-  return validation.kernel_args(
-      *_with_method(hmm, tokens, method, check_sequence))
+  return _with_method(hmm, tokens, method, check_sequence)
 
 
 @validation.entry_point(token_smooth, static_argnums=2, field="masked_posterior")
 def masked_posterior(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``[T, H]``: ``P[H_t | x_{-t}]`` (position ``t`` itself left out)."""
-  return validation.kernel_args(
-      *_with_method(hmm, tokens, method, check_sequence))
+  return _with_method(hmm, tokens, method, check_sequence)
 
 
 @validation.entry_point(token_conditionals, static_argnums=2)
 def conditionals(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
-  """``[T, V]``: ``P[X_t | x_{-t}]`` for every ``t``; the exact masked LM ``G``.
-
-  Row ``t`` does not depend on ``tokens[t]``; all-zero where ``x_{-t}`` is
-  impossible.
-  """
-  return validation.kernel_args(
-      *_with_method(hmm, tokens, method, check_sequence))
+  """``[T, V]``: ``P[X_t | x_{-t}]``, the exact masked LM ``G``; row ``t``
+  does not read ``tokens[t]``, all-zero where ``x_{-t}`` is impossible."""
+  return _with_method(hmm, tokens, method, check_sequence)
 
 
 @validation.entry_point(evidence_conditionals, static_argnums=2)
 def conditionals_from_evidence(hmm: HMM, evidence, method: str = "auto") -> jax.Array:
   """``[T, V]``: Appendix B's ``G-bar``: ``W τ_t / ||τ_t||_1`` on evidence
   vectors, ``τ_t ∝ P[H_t, e_{-t}]``; 0 where ``τ_t = 0``."""
-  return validation.kernel_args(
-      *_with_method(hmm, evidence, method, check_evidence))
+  return _with_method(hmm, evidence, method, check_evidence)

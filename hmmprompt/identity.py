@@ -1,16 +1,9 @@
 """What a result is: config identities, fingerprints and their differences.
 
-No command line and no files here (the binaries parse flags with
-:mod:`hmmprompt.config_flags`; :func:`hmmprompt.files.stamp` keeps the
-identity a workdir was first used with). A config is a tree of frozen
-dataclasses; its identity is the JSON-able dict of the fields that decide
-results. Two field markers say what does not:
-
-* :data:`RUNTIME`: how a run goes (speed, logging, what is kept on disk),
-  never what it computes;
-* :data:`ADDED`: a result field added after results had been keyed,
-  left out while it holds its default (the earlier runs computed exactly
-  that), so existing directory names and fingerprints stand.
+A config is a tree of frozen dataclasses; its identity is the JSON-able dict
+of the fields that decide results: all but those marked :data:`RUNTIME` and
+:data:`ADDED` (at their default). :func:`hmmprompt.files.stamp` keeps the
+identity a workdir was first used with.
 """
 
 from __future__ import annotations
@@ -21,14 +14,15 @@ import json
 from typing import Any
 
 RUNTIME = {"runtime": True}
-"""``dataclasses.field(metadata=RUNTIME)`` marks a field that changes how a
-run goes, never what it computes: :func:`identity` leaves it out, so
-changing it neither re-runs nor invalidates anything."""
+"""``dataclasses.field(metadata=RUNTIME)`` marks a field of how a run goes
+(speed, logging, what is kept), never what it computes: :func:`identity`
+leaves it out, so changing it neither re-runs nor invalidates anything."""
 
 ADDED = {"added": True}
 """``dataclasses.field(default=..., metadata=ADDED)`` marks a result field
 added after results had been keyed: :func:`identity` leaves it out while it
-holds its default, and any other value moves the identity."""
+holds its default (so existing names and fingerprints stand), and any other
+value moves the identity."""
 
 
 def runtime(default) -> Any:
@@ -42,10 +36,9 @@ def added(default) -> Any:
 
 
 def identity(cfg) -> dict:
-  """``cfg`` as a JSON-able dict of the fields that decide results: every
-  field but those marked :data:`RUNTIME` (and those marked :data:`ADDED`
-  while at their default), subtrees recursed. What directory names,
-  fingerprints and resume checks hash or compare."""
+  """``cfg`` as a JSON-able dict of every field but :data:`RUNTIME` ones
+  (and :data:`ADDED` ones at their default), subtrees recursed: what
+  directory names, fingerprints and resume checks hash or compare."""
   out = {}
   for f in dataclasses.fields(cfg):
     if f.metadata.get("runtime"):
@@ -78,11 +71,9 @@ def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
   return out
 
 
-def check_same(had: dict, want: dict, where: str, what: str = "setup"
-               ) -> None:
-  """Raises ``ValueError`` naming every field where ``where``'s recorded
-  identity ``had`` differs from ``want``: a workdir never holds results of
-  two setups."""
+def check_same(had: dict, want: dict, where: str, what: str = "setup") -> None:
+  """``ValueError`` naming every field where ``where``'s recorded identity
+  ``had`` differs from ``want``."""
   diff = differences(had, json.loads(json.dumps(want)))
   if diff:
     raise ValueError(

@@ -1,28 +1,19 @@
 """Memory-augmented HMMs (paper Section 4, Figure 2).
 
 Single cell (:class:`MemoryHMM`, what the experiments use): a memory value
-``M`` in ``|M|`` values is drawn once per sequence, a syntax chain ``H`` with
-``|H|`` states evolves as a vanilla HMM, and token ``t`` is emitted from
-``emission[M, H_t]``. Equivalently an HMM on product states ``(m, h)`` (index
-``m * |H| + h``) whose transition matrix is block-diagonal with the same
-``|H| x |H|`` block repeated (memory never changes): :func:`to_hmm`.
+``M`` is drawn once per sequence, a syntax chain ``H`` evolves as a vanilla
+HMM, and token ``t`` is emitted from ``emission[M, H_t]``: an HMM on product
+states ``(m, h)`` with a block-diagonal transition (:func:`to_hmm`).
 
 Multiple cells (:class:`MultiMemoryHMM`, Figure 2 right): ``N`` cells
-``M_1..M_N`` each in ``|M|`` values, hidden state ``H_t = (J_t, S_t)`` with
-cell index ``J`` and syntax ``S``; token ``t`` is emitted from
-``emission[J_t, M_{J_t}, S_t]``. Exact inference reduces to the product-state
-HMM on ``(m_1..m_N, j, s)``, which has ``|M|^N * N * |S|`` states; that is
-checked against :data:`MAX_PRODUCT_STATES`.
+``M_1..M_N``, hidden state ``H_t = (J_t, S_t)`` (cell index, syntax); token
+``t`` is emitted from ``emission[J_t, M_{J_t}, S_t]``. Exact inference runs
+on the product HMM on ``(m_1..m_N, j, s)``, of at most
+:data:`MAX_PRODUCT_STATES` states.
 
-Posteriors over the memory use the fact that ``M`` is constant: ``P[M = m |
-x] ∝ P(M = m) P(x | M = m)``, one ``|H|``-state likelihood per value ``m``.
-Per-position masked versions come from the product HMM.
-
-As in :mod:`hmm`, each entry point (:func:`sample`, :func:`memory_posterior`,
-...) is a check over a public kernel (:func:`draw_memory_sequence`,
-:func:`token_memory_posterior`, ...); traced code calls the kernels. The
-checks include the model's arrays (:func:`check_model`, for a model that
-bypassed its constructor: ``_replace``, ``tree.map``), when concrete.
+As in :mod:`hmm`, entry points (:func:`sample`, :func:`memory_posterior`,
+...; :func:`check_model`) check their input and run public kernels
+(:func:`draw_memory_sequence`, ...), which traced code calls.
 """
 
 from __future__ import annotations
@@ -38,14 +29,10 @@ from hmmprompt import hmm as hmm_lib
 from hmmprompt import validation
 
 MAX_PRODUCT_STATES = 2048
-"""Largest product-state space exact multi-cell inference will build.
-
-Forward-backward costs ``O(T (MH)^2)`` time and the transition matrix ``(MH)^2``
-floats; at ``MH = 2048`` that is 16 MiB and ~4 GFLOP per 1000 tokens.
-"""
+"""Largest product-state space exact multi-cell inference will build: a
+``(MH)^2`` transition matrix (16 MiB) and ~4 GFLOP per 1000 tokens."""
 
 
-# ----------------------------------------------------------------------------
 # Single memory cell.
 
 
@@ -120,8 +107,7 @@ def draw_random_memory_hmm(key, memory_size: int, num_states: int,
   k_p, k_e = jax.random.split(k_m)
   return MemoryHMM(
       memory_prior=hmm_lib.random_simplex(k_p, (memory_size,), memory_temp),
-      initial=base.initial,
-      transition=base.transition,
+      initial=base.initial, transition=base.transition,
       emission=hmm_lib.random_simplex(
           k_e, (memory_size, num_states, vocab_size), emission_temp))
 
@@ -131,20 +117,15 @@ def random_memory_hmm(key, memory_size: int, num_states: int,
                       vocab_size: int, *, transition_temp: float = 0.01,
                       emission_temp: float = 0.01, initial_temp: float = 10.0,
                       memory_temp: float = 10.0) -> MemoryHMM:
-  """Random single-cell memory HMM, following the authors' choices.
-
-  The syntax transition is Appendix D's mixture of permutation matrices
-  (``transition_temp``); each of the ``|M||H|`` emission rows is an
-  independent ``softmax((U - 0.5) / emission_temp)``; the syntax start
-  distribution and the memory prior use temperature 10 (near uniform). The
-  paper factorises ``P(M, H_0) = P(M) P(H_0)``; so do we.
-  """
+  """Random single-cell memory HMM (the authors' choices): the syntax chain
+  of :func:`hmm.random_hmm`, ``|M||H|`` independent emission rows, and
+  ``P(M, H_0) = P(M) P(H_0)`` near uniform (as the paper)."""
   if min(memory_size, num_states, vocab_size) < 1:
     raise ValueError(f"memory_size, num_states and vocab_size must be >= 1, "
                      f"got {memory_size}, {num_states}, {vocab_size}")
-  return validation.kernel_args(
-      key, memory_size, num_states, vocab_size, transition_temp,
-      emission_temp, initial_temp, memory_temp)
+  return validation.kernel_args(key, memory_size, num_states, vocab_size,
+                                transition_temp, emission_temp, initial_temp,
+                                memory_temp)
 
 
 def vanilla_twin(key, memory_size: int, num_states: int, vocab_size: int,
@@ -160,12 +141,7 @@ def _validator(model):
 
 def check_model(model):
   """:func:`hmm.check_model` for a :class:`MemoryHMM` or
-  :class:`MultiMemoryHMM`: its constructor's checks on its arrays as they
-  are (values only when every field is concrete); returns it.
-
-  Raises:
-    ValueError: naming the field and the first bad entry or shape.
-  """
+  :class:`MultiMemoryHMM`; ``ValueError`` naming the bad field."""
   return validation.check_fields(model, _validator(model))
 
 
@@ -227,8 +203,7 @@ def token_memory_posterior(mhmm: MemoryHMM, tokens_T,
 
 def token_memory_masked_posterior(mhmm: MemoryHMM, tokens_T,
                                   method: str = "sequential") -> jax.Array:
-  """Kernel of :func:`memory_masked_posterior`: ``[T, M]``, through the
-  product HMM."""
+  """Kernel of :func:`memory_masked_posterior`: ``[T, M]`` (product HMM)."""
   masked_TxMH = hmm_lib.token_smooth(to_hmm(mhmm), tokens_T,
                                      method).masked_posterior
   return masked_TxMH.reshape(tokens_T.shape[0], mhmm.memory_size,
@@ -238,11 +213,8 @@ def token_memory_masked_posterior(mhmm: MemoryHMM, tokens_T,
 @validation.entry_point(token_memory_posterior, static_argnums=2)
 def memory_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
                      ) -> jax.Array:
-  """``[M]``: ``P[M | observed tokens]`` (``MASK`` positions marginalised).
-
-  All zeros if the observed tokens are impossible. ``method``: as
-  :func:`hmm.posterior`'s.
-  """
+  """``[M]``: ``P[M | observed tokens]`` (``MASK`` positions marginalised;
+  all zeros if impossible). ``method``: as :func:`hmm.posterior`'s."""
   mhmm = check_model(mhmm)
   tokens = hmm_lib.check_sequence(tokens, mhmm)
   return validation.kernel_args(
@@ -263,13 +235,10 @@ def memory_masked_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
 def conditionals(mhmm: MemoryHMM, tokens, method: str = "auto") -> jax.Array:
   """``[T, V]``: the exact masked LM ``P[X_t | x_{-t}]`` of a memory HMM
   (``method``: as :func:`hmm.conditionals`')."""
-  # Checked first so that a bad model is named by its own fields, not the
-  # product HMM's.
-  return hmm_lib.conditionals(to_hmm(check_model(mhmm)), tokens,
-                              method=method)
+  # Checked first: a bad model is named by its own fields, not the product's.
+  return hmm_lib.conditionals(to_hmm(check_model(mhmm)), tokens, method=method)
 
 
-# ----------------------------------------------------------------------------
 # Multiple memory cells.
 
 
@@ -342,13 +311,11 @@ def draw_random_multi_memory_hmm(key, num_cells: int, memory_size: int,
   """Kernel of :func:`random_multi_memory_hmm` (sizes static)."""
   k_c, k_p, k_e = jax.random.split(key, 3)
   chain = hmm_lib.draw_random_hmm(k_c, num_cells * num_syntax, vocab_size,
-                                  transition_temp, emission_temp,
-                                  initial_temp)
+                                  transition_temp, emission_temp, initial_temp)
   return MultiMemoryHMM(
       memory_prior=hmm_lib.random_simplex(k_p, (num_cells, memory_size),
                                            memory_temp),
-      initial=chain.initial,
-      transition=chain.transition,
+      initial=chain.initial, transition=chain.transition,
       emission=hmm_lib.random_simplex(
           k_e, (num_cells, memory_size, num_syntax, vocab_size),
           emission_temp))
@@ -362,17 +329,14 @@ def random_multi_memory_hmm(key, num_cells: int, memory_size: int,
                             emission_temp: float = 0.01,
                             initial_temp: float = 10.0,
                             memory_temp: float = 10.0) -> MultiMemoryHMM:
-  """Random multi-cell memory HMM with Appendix D's parametrisation.
-
-  The chain on ``(J, S)`` (``N * S`` states) is Appendix D's random HMM; each
-  emission row ``(j, m, s)`` is an independent low-temperature softmax.
-  """
+  """Random multi-cell memory HMM: the chain on ``(J, S)`` is Appendix D's
+  random HMM, each emission row ``(j, m, s)`` an independent softmax."""
   if min(num_cells, memory_size, num_syntax, vocab_size) < 1:
     raise ValueError("num_cells, memory_size, num_syntax and vocab_size must "
                      "be >= 1")
-  return validation.kernel_args(
-      key, num_cells, memory_size, num_syntax, vocab_size,
-      transition_temp, emission_temp, initial_temp, memory_temp)
+  return validation.kernel_args(key, num_cells, memory_size, num_syntax,
+                                vocab_size, transition_temp, emission_temp,
+                                initial_temp, memory_temp)
 
 
 def _check_product_size(mm: MultiMemoryHMM) -> None:
@@ -420,10 +384,8 @@ def multi_sample(key, mm: MultiMemoryHMM, length: int):
 
 
 def token_cell_posteriors(mm: MultiMemoryHMM, tokens_T) -> jax.Array:
-  """Kernel of :func:`cell_posteriors`: ``[N, M]``, through the product
-  HMM."""
-  # Memory is constant, so P[config | x] is any position's marginal; read it
-  # off position 0's posterior.
+  """Kernel of :func:`cell_posteriors`: ``[N, M]`` (product HMM, position
+  0's marginal: memory is constant)."""
   post_MH = hmm_lib.token_smooth(multi_to_hmm(mm), tokens_T).posterior[0]
   n, m = mm.num_cells, mm.memory_size
   post_C = post_MH.reshape(-1, n * mm.num_syntax).sum(-1)
@@ -434,10 +396,8 @@ def token_cell_posteriors(mm: MultiMemoryHMM, tokens_T) -> jax.Array:
 
 @validation.entry_point(token_cell_posteriors)
 def cell_posteriors(mm: MultiMemoryHMM, tokens) -> jax.Array:
-  """``[N, M]``: ``P[M_j | observed tokens]`` for every cell ``j``.
-
-  Mask one position with ``MASK`` for ``P[M_j | x_{-t}]``.
-  """
+  """``[N, M]``: ``P[M_j | observed tokens]`` for every cell ``j`` (mask
+  position ``t`` for ``P[M_j | x_{-t}]``)."""
   mm = check_model(mm)
   _check_product_size(mm)
   return validation.kernel_args(mm, hmm_lib.check_sequence(tokens, mm))

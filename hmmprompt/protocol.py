@@ -1,26 +1,10 @@
-"""The paper's experimental protocol as a library: trials of HMM draws per
-size, their random streams, stacks, tuning lanes and the resume loop that
-Figure 3's sweep, the pretraining curve and a user's own experiment share.
-
-* :class:`TrialsConfig`: the fields every such experiment's config shares
-  (trials, task sizes, tuning and pretraining recipes, seed, runtime
-  bounds) and their checks; each binary's config derives from it.
-* :class:`ModelId`, :class:`Group` and the random streams
-  (:func:`model_key`, :func:`task_key`, :func:`tune_key`): which HMM draws a
-  run makes and which tuning arms it runs on them. Trial ``k`` of a size is
-  ``generative.random_model(fold_in(model_key, k))`` in every experiment, so
-  the same seed gives the same draws everywhere.
-* :func:`draw_stack`: a size's trials stacked ``[K]``, their fingerprints
-  and their tasks; :func:`pretrain_dir` and :func:`pretrain`: their
-  transformers (pretrained, reused or resumed).
-* :func:`tune_lanes`: one :func:`tuning.tune_trials` program over lanes,
-  its results as the fields of typed lines (the one place that unpacks a
-  tuning result).
-* :func:`run_stacks`: the resume loop: one stack in memory at a time, each
-  group's lines appended atomically as it finishes, progress logged, an
-  optional deadline between stacks.
-
-Workdir identities and typed line files are :mod:`hmmprompt.files`'.
+"""The paper's experimental protocol, shared by Figure 3's sweep, the
+pretraining curve and a user's own experiment: the shared config fields
+(:class:`TrialsConfig`), which HMM draws and tuning arms a run makes
+(:class:`ModelId`, :class:`Group` and the random streams from
+:func:`model_key`: one seed, the same draws everywhere), a size's stack of
+trials (:func:`draw_stack`, :func:`pretrain`), one tuning program over
+lanes (:func:`tune_lanes`) and the resume loop (:func:`run_stacks`).
 """
 
 from __future__ import annotations
@@ -50,15 +34,14 @@ BACKBONES = ("exact", "transformer")
 VOCAB = 10
 MEMORY_SYNTAX_STATES = 4
 # Bumped when the HMM drawn for a given (size, trial, seed) changes, so that
-# old result lines are not mistaken for current ones (3: trials).
+# old result lines are not mistaken for current ones.
 MODEL_KEYS_VERSION = 3
 # Memory HMMs draw from their own stream: fold_in(root, size + this).
 MEMORY_MODEL_STREAM = 1500
 # Task s of a model: fold_in(model key, TASK_STREAM + s).
 TASK_STREAM = 10_000
-# A bump here moves every pretraining dir, so no checkpoint of another
-# train-state layout is restored (2: TrainState dataclass, was a dict;
-# 3: a stack of trials).
+# A bump moves every pretraining dir: no checkpoint of another train-state
+# layout is restored.
 PRETRAIN_DIR_VERSION = 3
 
 
@@ -70,15 +53,13 @@ class TrialsConfig:
     trials: HMM draws per size (each with its own backbone and tasks).
     memory_sizes: ``|M|`` of the memory HMMs (``MEMORY_SYNTAX_STATES``
       syntax states each).
-    task: downstream data sizes (``tasks.TaskConfig``).
     tune: the tuning recipe; ``method``, ``head`` (and the sweep's
       ``features`` and ``optimizer``) are set per arm.
-    pretrain: the transformer's pretraining recipe (unused by ``exact``).
+    pretrain: the transformer's recipe (unused by ``exact``).
     seed: root of every random stream (:func:`model_key` and friends).
-    lanes_per_vmap: runtime (speed and memory only): lanes tuned at a time
-      (``lax.map`` over vmapped groups, one program); 0 all at once;
-      ``None`` (auto) 1 on CPU (the fastest there: docs/performance.md),
-      all on accelerators.
+    lanes_per_vmap: runtime: lanes tuned at a time (``lax.map`` over
+      vmapped groups, one program); 0 all at once; ``None`` (auto) 1 on CPU
+      (the fastest there), all on accelerators.
     task_budget_mb: runtime: the MiB drawing a size's tasks may hold at
       once (:data:`tasks.TASK_BUDGET_BYTES`); 0 unbounded.
   """
@@ -89,14 +70,11 @@ class TrialsConfig:
   tune: tuning.TuneConfig
   pretrain: pretrain_lib.PretrainConfig
   seed: int = 0
-  lanes_per_vmap: int | None = dataclasses.field(
-      default=None, metadata=identity_lib.RUNTIME)
-  task_budget_mb: int = dataclasses.field(
-      default=tasks_lib.TASK_BUDGET_BYTES >> 20, metadata=identity_lib.RUNTIME)
+  lanes_per_vmap: int | None = identity_lib.runtime(None)
+  task_budget_mb: int = identity_lib.runtime(tasks_lib.TASK_BUDGET_BYTES >> 20)
 
   def _check(self, counts: Sequence[str], sizes: Sequence[str]) -> None:
-    """The shared checks: ``counts`` ints >= 1 (``None`` allowed where the
-    field defaults to it), ``sizes`` positive ints, the runtime bounds."""
+    """``counts`` ints >= 1 (or a ``None`` default), ``sizes`` positive."""
     name_of = type(self).__name__
     for name in counts:
       v = getattr(self, name)
@@ -127,8 +105,7 @@ class TrialsConfig:
     return tasks_lib.input_len(self.tune.prompt_len, self.task.seq_len)
 
   def check_context(self) -> None:
-    """``ValueError`` if a prompt-tuning input exceeds the transformer's
-    pretrained context."""
+    """``ValueError`` if a prompt-tuning input exceeds the context."""
     if self.input_len > self.pretrain.model.max_len:
       raise ValueError(
           f"prompt_len + 1 + seq_len = {self.input_len} positions exceed the "
@@ -168,8 +145,7 @@ def memory(memory_size: int) -> ModelId:
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-  """One model size and one tuning arm: one program, one append (an
-  experiment subclasses it with what else keys its groups)."""
+  """One model size and one tuning arm: one program, one append."""
 
   model_id: ModelId
   method: str  # "head" | "prompt" | "finetune"
@@ -179,8 +155,7 @@ class Group:
 
   @property
   def method_name(self) -> str:
-    """``<method>_<head>``, ``_<optimizer>`` appended unless Adam (so the
-    paper's arms keep the keys their lines were written with)."""
+    """``<method>_<head>``, ``_<optimizer>`` appended unless Adam."""
     name = f"{self.method}_{self.head}"
     return name if self.optimizer == "adam" else f"{name}_{self.optimizer}"
 
@@ -189,13 +164,12 @@ class Group:
 
   def tune_config(self, tune: tuning.TuneConfig) -> tuning.TuneConfig:
     return dataclasses.replace(tune, method=self.method, head=self.head,
-                               features=self.features,
-                               optimizer=self.optimizer)
+                               features=self.features, optimizer=self.optimizer)
 
 
 def model_key(setup: TrialsConfig, mid: ModelId):
-  """The root of ``mid``'s stack; trial ``k`` draws from ``fold_in(root,
-  k)``."""
+  """The root of ``mid``'s stack; trial ``k`` is
+  ``generative.random_model(fold_in(root, k))``."""
   offset = MEMORY_MODEL_STREAM if mid.hmm == "memory" else 0
   return jax.random.fold_in(jax.random.PRNGKey(setup.seed), mid.size + offset)
 
@@ -211,10 +185,11 @@ def tune_key(setup: TrialsConfig, trial: int, task: int):
       jax.random.fold_in(jax.random.PRNGKey(setup.seed + 1), trial), task)
 
 
-def make_models(setup: TrialsConfig, mid: ModelId, num: int) -> generative.Model:
+def make_models(setup: TrialsConfig, mid: ModelId, num: int
+                ) -> generative.Model:
   """``mid``'s first ``num`` trials, stacked ``[num]``."""
   return generative.random_models(model_key(setup, mid), num, mid.hmm,
-                              mid.num_states, VOCAB, mid.memory_size)
+                                  mid.num_states, VOCAB, mid.memory_size)
 
 
 class Stack(NamedTuple):
@@ -228,9 +203,8 @@ class Stack(NamedTuple):
 
 def draw_stack(setup: TrialsConfig, mid: ModelId, num: int, num_tasks: int = 1,
                verdicts: bool = False) -> Stack:
-  """Draws ``mid``'s ``num`` trials and ``num_tasks`` tasks on each (each
-  task index for all trials in one vmapped draw), with the paper's
-  assumption verdicts per task if asked."""
+  """Draws ``mid``'s ``num`` trials and ``num_tasks`` tasks on each, with
+  the paper's assumption verdicts per task if asked."""
   models_K = make_models(setup, mid, num)
   by_task = [tasks_lib.make_tasks(
       np.stack([task_key(setup, mid, k, s) for k in range(num)]), models_K,
@@ -245,28 +219,25 @@ def draw_stack(setup: TrialsConfig, mid: ModelId, num: int, num_tasks: int = 1,
 
 def pretrain_dir(workdir: str, setup: TrialsConfig, mid: ModelId) -> str:
   """``DIR/pretrain/<model tag>-<8 hex digits>`` of ``mid``'s stacked
-  pretraining run: the digits key the recipe, the seed and the versions of
-  the HMM draws and of the train state's layout."""
+  pretraining run (the digits key recipe, seed and layout versions)."""
   fp = identity_lib.fingerprint(
       {"pretrain": setup.pretrain.identity(), "seed": setup.seed,
-       "model_keys": MODEL_KEYS_VERSION,
-       "state_layout": PRETRAIN_DIR_VERSION}, digits=8)
+       "model_keys": MODEL_KEYS_VERSION, "state_layout": PRETRAIN_DIR_VERSION},
+      digits=8)
   return os.path.join(workdir, "pretrain", f"{mid.tag}-{fp}")
 
 
 def exact_backbones(models_K: generative.Model):
-  """``(backbone, params_K)``: the exact backbone of a stack of trials, its
-  params each trial's vanilla HMM stacked ``[K, ...]`` (one program tunes
-  them all; the backbone's shapes are trial 0's, the stack's)."""
+  """``(backbone, params_K)``: the exact backbone of a stack of trials,
+  each trial's vanilla HMM stacked ``[K, ...]`` as its params."""
   backbone, _ = exact.make(generative.trial(models_K, 0))
   return backbone, jax.vmap(generative.as_hmm)(models_K)
 
 
 def pretrain(pdir: str, cfg: pretrain_lib.PretrainConfig,
-             models_K: generative.Model, stop_at: float | None = None
-             ) -> None:
-  """Pretrains ``models_K``'s transformers in ``pdir`` (or reuses them, or
-  resumes an interrupted run); ``stop_at``: :func:`pretrain.run_trials`'."""
+             models_K: generative.Model, stop_at: float | None = None) -> None:
+  """Pretrains ``models_K``'s transformers in ``pdir`` (or reuses or
+  resumes them); ``stop_at``: :func:`pretrain.run_trials`'."""
   logging.info("pretraining %d trials in %s", generative.num_trials(models_K),
                pdir)
   pretrain_lib.run_trials(pdir, cfg, models_K, log=logging.info,
@@ -276,11 +247,9 @@ def pretrain(pdir: str, cfg: pretrain_lib.PretrainConfig,
 def pretrained(pdir: str, cfg: pretrain_lib.PretrainConfig,
                models_K: generative.Model, checkpoints: bool = True,
                stop_at: float | None = None):
-  """``(backbone, params_K, infos)`` of ``models_K``'s transformers
-  (:func:`pretrain.load_trials`), pretrained in ``pdir`` first (or reused,
-  or resumed). ``checkpoints=False``: none written or read, the params
-  handed over in memory (:func:`pretrain.train_trials`; for a workdir
-  nothing resumes). ``stop_at``: :func:`pretrain.run_trials`'."""
+  """``(backbone, params_K, infos)`` (:func:`pretrain.load_trials`) after
+  :func:`pretrain`; ``checkpoints=False``: none written or read, the params
+  handed over in memory (:func:`pretrain.train_trials`)."""
   if not checkpoints:
     logging.info("pretraining %d trials in %s (no checkpoints)",
                  generative.num_trials(models_K), pdir)
@@ -291,8 +260,7 @@ def pretrained(pdir: str, cfg: pretrain_lib.PretrainConfig,
 
 
 def pretrain_fields(info: pretrain_lib.TrialInfo) -> dict:
-  """The ``pretrain_*`` fields of a result line from its trial's ``info``
-  (:func:`pretrain.load_trials`)."""
+  """The ``pretrain_*`` fields of a result line from its trial's ``info``."""
   m = info.metrics
   return {"pretrain_ce_gap": m.get("ce_gap"), "pretrain_tv": m.get("tv"),
           "pretrain_mlm_ce": m.get("mlm_ce"),
@@ -306,13 +274,9 @@ def tune_lanes(setup: TrialsConfig, cfg: tuning.TuneConfig, backbone,
                stack: Stack) -> list[list[dict]]:
   """Tunes every lane in one :func:`tuning.tune_trials` program: lane
   ``i = (k, tasks)`` is the backbone ``params_L[i]`` tuned on trial ``k``'s
-  ``tasks``, each task with its cell's :func:`tune_key`.
-
-  Returns:
-    ``[L][S_i]`` dicts of the typed lines' result fields
-    (``test_accuracy``, ``val_accuracy``, ``train_accuracy``,
-    ``final_loss``, ``steps``, ``seconds``: the program's).
-  """
+  ``tasks``, each task with its cell's :func:`tune_key`. Returns ``[L][S_i]``
+  dicts of the lines' result fields (``test_accuracy``, ``val_accuracy``,
+  ``train_accuracy``, ``final_loss``, ``steps``, ``seconds``)."""
   data = {}
   for k, ss in lanes:
     for s in ss:
@@ -334,12 +298,11 @@ def tune_lanes(setup: TrialsConfig, cfg: tuning.TuneConfig, backbone,
 DeadlineReached = pretrain_lib.DeadlineReached
 
 
-def missing(plan: dict, done: set, line_keys: Callable[[Any], dict]
-            ) -> dict:
+def missing(plan: dict, done: set, line_keys: Callable[[Any], dict]) -> dict:
   """``{model: {group: its cells without a line}}`` over ``plan``
-  (``{ModelId: [group]}``): ``line_keys(group)`` maps each cell of a group
-  to the key of the line it writes, ``done`` holds the keys on disk. A
-  group with every line is left out (a finished model maps to ``{}``)."""
+  (``{ModelId: [group]}``), ``line_keys(group)`` mapping a group's cells
+  to their lines' keys, ``done`` the keys on disk; finished groups left
+  out."""
   return {mid: {g: cells for g in groups if (cells := {
       cell for cell, key in line_keys(g).items() if key not in done})}
           for mid, groups in plan.items()}
@@ -347,32 +310,15 @@ def missing(plan: dict, done: set, line_keys: Callable[[Any], dict]
 
 def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
                schedule: scheduling.Schedule = scheduling.EVERYTHING,
-               weight: Callable[[ModelId], float] | None = None
-               ) -> list[str]:
+               weight: Callable[[ModelId], float] | None = None) -> list[str]:
   """The resume loop: for each stack of ``todo`` (``{ModelId: [group]}``,
-  the groups still missing lines, in order), ``prepare(mid, groups)``
-  makes it, then each group's ``tune(group, stack)`` lines are appended to
-  ``path`` (atomically) as the group finishes; one stack in memory at a
-  time, progress logged.
-
-  ``schedule`` (:class:`scheduling.Schedule`; ``todo`` is already this
-  process's share, in its order: :meth:`scheduling.Schedule.mine`) bounds
-  the run: no stack starts after ``schedule.deadline``, and a stack started
-  is finished; no stack starts that its estimate does not finish by
-  ``schedule.stop_at`` (``weight(mid)`` times the seconds per unit of
-  weight of the stacks this run finished, or ``seconds_per_weight`` before
-  any), and at ``stop_at`` the run stops between two tuning groups
-  (:class:`DeadlineReached`; the ``prepare`` it was given stops between
-  training steps). ``schedule.claim(mid)``, asked just before a stack
-  starts, lets processes that share ``todo`` split it: a stack whose claim
-  is refused is another's.
-
-  Returns:
-    The tags of the stacks skipped for the deadline (``[]``: none).
-
-  Raises:
-    DeadlineReached: ``stop_at`` came inside a stack.
-  """
+  the groups missing lines, in :meth:`scheduling.Schedule.mine`'s order),
+  ``prepare(mid, groups)`` makes it, then each group's ``tune(group,
+  stack)`` lines are appended to ``path``; one stack in memory at a time.
+  ``schedule`` bounds the run (a stack's estimate: ``weight(mid)`` times
+  the seconds per weight of those finished, or ``seconds_per_weight``).
+  Returns the tags of the stacks skipped for the deadline; raises
+  :class:`DeadlineReached` where ``stop_at`` comes inside a stack."""
   total = sum(len(gs) for gs in todo.values())
   done, t0, skipped = 0, time.perf_counter(), []
   spent: list[tuple[float, float]] = []  # (seconds, weight) of whole stacks

@@ -1,19 +1,5 @@
-"""Which of a run's stacks this process runs, in which order, until when.
-
-One argument, :class:`Schedule`, for the three ways a list of stacks is
-shared and bounded; any run of stacks (:func:`hmmprompt.protocol.run_stacks`:
-Figure 3's sweep, the pretraining curve) takes it:
-
-* host shards (``num_hosts``, ``host_index``): each host runs every
-  ``num_hosts``-th stack, in plan order (a SLURM array);
-* claims (``claim``): processes sharing a machine each take the next stack
-  nobody has claimed, the costliest first (``hmmprompt.figure3.workers``);
-* a deadline (``deadline``, ``stop_at``, ``seconds_per_weight``): a lent
-  machine's time; with ``stop_at`` the cheapest stacks run first, so that
-  a short stretch of time still lands whole stacks (chunks).
-
-No science here: a stack is any hashable key and its cost any number.
-"""
+"""Which of a run's stacks this process runs, in which order, until when
+(:class:`Schedule`, for :func:`hmmprompt.protocol.run_stacks`)."""
 
 from __future__ import annotations
 
@@ -22,19 +8,20 @@ from typing import Any, NamedTuple
 
 
 class Schedule(NamedTuple):
-  """How a run shares and bounds its stacks (the defaults: all of them, in
-  plan order, with no deadline).
+  """How a run shares and bounds its stacks (any hashable keys).
 
   Attributes:
-    num_hosts: hosts sharing the stacks by index.
+    num_hosts: hosts sharing the stacks (a SLURM array); each runs every
+      ``num_hosts``-th.
     host_index: this host's index in ``[0, num_hosts)``.
     claim: ``claim(stack)`` asked just before a stack starts; a refused
-      stack is another process's. With it every stack is this process's to
-      claim (no host shards), the costliest first.
+      stack is another process's (``hmmprompt.figure3.workers``). With it
+      every stack is this process's to claim, the costliest first.
     deadline: a ``time.monotonic()`` value: no stack starts after it, and a
       stack started is finished.
     stop_at: a hard deadline (monotonic): no stack starts that its estimate
-      does not finish by then, and a run stops between two tuning groups
+      does not finish by then, the cheapest run first (so a short stretch
+      still lands whole stacks), and a run stops between two tuning groups
       or training steps when it comes.
     seconds_per_weight: the estimate's seconds per unit of a stack's
       weight before the run has timed a stack of its own.

@@ -1,10 +1,5 @@
-"""Data parallelism with jax.sharding: one mesh axis over all devices.
-
-``jax.devices()`` lists the devices of every process, so after
-``jax.distributed.initialize`` the mesh spans all hosts: each process
-computes its devices' share of the batch and the gradients are summed
-across processes (gloo on CPU; docs/multihost.md).
-"""
+"""Data parallelism with jax.sharding: one mesh axis over all devices (of
+every process after ``jax.distributed.initialize``; docs/multihost.md)."""
 
 from __future__ import annotations
 
@@ -29,8 +24,7 @@ def batch_sharded(mesh: Mesh) -> NamedSharding:
 
 
 def trial_batch_sharded(mesh: Mesh) -> NamedSharding:
-  """``[K, B, ...]`` stacked trials: the trial axis replicated, the batch
-  axis split over the devices."""
+  """``[K, B, ...]``: trials replicated, the batch split over the devices."""
   return NamedSharding(mesh, P(None, DATA))
 
 
@@ -46,10 +40,7 @@ def initialize_distributed(coordinator_address: str | None = None,
                            process_id: int | None = None) -> None:
   """``jax.distributed.initialize`` with the settings given, the rest
   auto-detected (SLURM, Open MPI, TPU VMs); before any JAX computation.
-
-  Raises:
-    ValueError: bad values, or too few given where nothing is detected to
-      fill in the rest (the message says which to pass).
+  ``ValueError``: bad values, or too few (the message says which to pass).
   """
   given = (coordinator_address, num_processes, process_id)
   try:
@@ -63,17 +54,14 @@ def initialize_distributed(coordinator_address: str | None = None,
     raise ValueError(f"--distributed: {e}{hint}") from e
 
 
-# Dense peak TFLOP/s by (device kind substring, dtype), from vendor specs:
-# what model FLOP utilisation (MFU) divides by.
+# Dense peak TFLOP/s by (device kind substring, dtype), from vendor specs.
 PEAK_TFLOPS = {("H100", "bfloat16"): 989.0, ("H100", "float32"): 494.5,
                ("H200", "bfloat16"): 989.0, ("H200", "float32"): 494.5,
                ("A100", "bfloat16"): 312.0, ("A100", "float32"): 156.0}
 
 
 def peak_tflops(dtype: str, override: float | None = None) -> float | None:
-  """``override`` if given, else the first device's listed dense peak for
-  ``dtype`` on a GPU (:data:`PEAK_TFLOPS`); ``None`` where unknown (a
-  CPU: no MFU)."""
+  """``override``, else the GPU's :data:`PEAK_TFLOPS` for ``dtype``, or None."""
   if override is not None:
     return override
   if jax.default_backend() != "gpu":

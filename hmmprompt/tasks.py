@@ -1,27 +1,17 @@
 """Downstream classification tasks (paper Section 5, Appendix D).
 
-An example is ``seq_len`` sampled tokens with ``MASK`` prepended as position 0
-(length ``seq_len + 1``). Its label is ``argmax_c (mu @ p)_c`` where ``p`` is
-the exact posterior of the task's latent variable:
-
-* vanilla HMM: ``p = P[H_0 | x_{1:T}]``, the state at the ``MASK`` position
-  (``Z = |H|``);
-* single-cell memory HMM: ``p = P[M | x_{1:T}]`` (``Z = |M|``).
-
-``mu`` has shape ``(num_classes, Z)`` with ``num_nonzero`` N(0, 1) entries at
-uniformly random positions among its ``num_classes * Z`` entries (all of them
-if there are fewer).
-
-``labeling="authors"`` reproduces the original code instead: the ``seq_len``
+An example is ``MASK`` at position 0 and ``seq_len`` tokens; its label is
+``argmax_c (mu @ p)_c`` (``mu [C, Z]``: :func:`task_weights`) with ``p`` the
+exact posterior of the task's latent: ``P[H_0 | x_{1:T}]``, the state at
+the ``MASK`` (vanilla, ``Z = |H|``), or ``P[M | x_{1:T}]`` (memory, ``Z =
+|M|``). ``labeling="authors"`` reproduces the original code instead: the
 real tokens start from ``HMM.initial`` (the ``MASK`` is prepended, not
-sampled) and the vanilla latent is ``transition @ P[H_1 | x_{1:T}]``, ``H_1``
-being the first real token's state. Memory tasks are labelled the same way in
-both modes (the memory posterior does not depend on the position).
+sampled) and the vanilla latent is ``transition @ P[H_1 | x_{1:T}]``
+(memory tasks are labelled alike in both modes).
 
-A dataset whose majority label (over all splits together) exceeds
-``max_label_share`` is degenerate and is re-drawn from
-``jax.random.fold_in(key, attempt)``, as the original did; ``Task.redraws``
-records how many times.
+A dataset whose majority label (over all splits) exceeds
+``max_label_share`` is re-drawn from ``fold_in(key, attempt)``, as the
+original did; ``Task.redraws`` counts them.
 """
 
 from __future__ import annotations
@@ -45,13 +35,9 @@ LABELINGS = ("paper", "authors")
 """How a label reads the posterior (module doc)."""
 
 TASK_BUDGET_BYTES = 512 << 20
-"""Bytes :func:`make_tasks` lets the exact smoothing of a draw hold at once.
-
-One example's smoothing holds about 5 float32 arrays of ``[T, S]`` (``S``
-the states of the generating vanilla chain): all of the paper protocol's
-20 trials x 5000 examples at ``T = 129, S = 30`` in one vmapped call
-peaked at 8.1 GB; chunks of 500 examples a trial at 1.8 GB, 2.4x faster
-(docs/performance.md, "Bounded memory")."""
+"""Bytes :func:`make_tasks` lets the exact smoothing of a draw hold at once
+(about 5 float32 ``[T, S]`` arrays an example, ``S`` the states of the
+vanilla chain; docs/performance.md, "Bounded memory")."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,14 +71,8 @@ class TaskConfig:
 
 
 def mask_index(num_prompt: int) -> int:
-  """Index of the ``MASK`` in a backbone input ``(prompt, MASK, x_1..x_T)``.
-
-  Every example's tokens start with ``MASK`` (position 0 of
-  :attr:`Split.tokens`); a soft prompt of ``num_prompt`` vectors is
-  prepended in front of it, so the label's position moves to
-  ``num_prompt``. This and :func:`input_len` are the one statement of that
-  layout.
-  """
+  """Index of the ``MASK`` in a backbone input ``(prompt, MASK, x_1..x_T)``
+  (with :func:`input_len`, the one statement of that layout)."""
   return num_prompt
 
 
@@ -125,7 +105,8 @@ def num_latent(model: Model) -> int:
 
 def task_weights(key, num_latent: int, num_classes: int = 2,
                  num_nonzero: int = 6) -> jax.Array:
-  """``mu [num_classes, num_latent]``, sparse with N(0, 1) non-zeros."""
+  """``mu [C, Z]``: ``num_nonzero`` N(0, 1) entries at random positions (all
+  if fewer), the rest zero."""
   size = num_classes * num_latent
   k = min(num_nonzero, size)
   k_pos, k_val = jax.random.split(key)
@@ -136,10 +117,8 @@ def task_weights(key, num_latent: int, num_classes: int = 2,
 
 def label_posterior(model: Model, tokens_T: jax.Array,
                     labeling: str = "paper") -> jax.Array:
-  """``[Z]``: the posterior a label is a linear function of (module doc).
-
-  ``tokens_T`` includes the leading ``MASK``. Traceable; vmap it.
-  """
+  """``[Z]``: the posterior a label is a linear function of (module doc);
+  ``tokens_T`` includes the leading ``MASK``. Traceable; vmap it."""
   if labeling not in LABELINGS:
     raise ValueError(f"labeling must be one of {LABELINGS}, got {labeling!r}")
   if labeling == "authors" and not generative.is_memory(model):
@@ -155,19 +134,13 @@ def labels_from_latent(mu: jax.Array, latent_NxZ: jax.Array) -> jax.Array:
 
 def sample_examples(key, model: Model, n: int, seq_len: int,
                     labeling: str = "paper") -> jax.Array:
-  """``int32 [n, seq_len + 1]`` example inputs, ``MASK`` at position 0.
-
-  ``"paper"``: ``seq_len + 1`` sampled tokens with the first masked;
-  ``"authors"``: ``MASK`` prepended to ``seq_len`` sampled tokens.
-  Traceable (sizes static).
-  """
+  """``int32 [N, T+1]`` examples: ``seq_len + 1`` sampled tokens with the
+  first masked (``"paper"``), or ``MASK`` prepended to ``seq_len``
+  (``"authors"``). Traceable (sizes static)."""
   if labeling not in LABELINGS:
     raise ValueError(f"labeling must be one of {LABELINGS}, got {labeling!r}")
   keys = jax.random.split(key, n)
-  if labeling == "authors":
-    length = seq_len
-  else:
-    length = seq_len + 1
+  length = seq_len if labeling == "authors" else seq_len + 1
   tokens_NxL = jax.vmap(lambda k: generative.sample_tokens(k, model, length))(
       keys)
   mask_N1 = jnp.full((n, 1), hmm_lib.MASK, jnp.int32)
@@ -177,17 +150,10 @@ def sample_examples(key, model: Model, n: int, seq_len: int,
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
-def draw_task(key, model: Model, config: TaskConfig,
-              chunk: int | None = None):
-  """One draw of ``(mu, (train, val, test))``, unchecked for degeneracy.
-
-  :func:`make_tasks` calls it (vmapped over trials) with
-  ``fold_in(key, attempt)`` until the labels are balanced enough. Jitted
-  (``config`` and ``chunk`` static). ``chunk``: the latent posteriors of
-  this many examples at a time (``lax.map``; ``None``: all at once), which
-  bounds the memory of the exact smoothing (``[N, T, |H|]`` messages) and
-  changes no value.
-  """
+def draw_task(key, model: Model, config: TaskConfig, chunk: int | None = None):
+  """One draw of ``(mu, (train, val, test))``, unchecked for degeneracy
+  (:func:`make_tasks`). ``chunk``: latent posteriors of this many examples
+  at a time (``lax.map``; ``None``: all), bounding memory, no value."""
   k_mu, k_tr, k_va, k_te = jax.random.split(key, 4)
   mu = task_weights(k_mu, num_latent(model), config.num_classes,
                     config.num_nonzero)
@@ -208,9 +174,7 @@ def majority_share(labels, num_classes: int = 2) -> float:
 
 
 def make_task(key, model: Model, config: TaskConfig = TaskConfig()) -> Task:
-  """Draws ``mu`` and train/val/test splits; deterministic given ``key``.
-
-  The stack of one: :func:`make_tasks` on ``key`` and ``model`` alone.
+  """:func:`make_tasks` on ``key`` and ``model`` alone.
 
   Raises:
     ValueError: if every one of ``1 + config.max_redraws`` draws is
@@ -222,12 +186,9 @@ def make_task(key, model: Model, config: TaskConfig = TaskConfig()) -> Task:
 
 @functools.cache
 def _draw_tasks(config: TaskConfig, stacked: bool, chunk: int | None):
-  """``(keys [K], attempt, models [K]) -> draws [K]``, jitted once.
-
-  ``K = 1`` (not ``stacked``) runs :func:`draw_task` itself and adds the
-  axis: vmap's batched matmuls round differently (~1e-8 in the authors'
-  latent), and a single task keeps the exact numbers of its unstacked draw.
-  """
+  """``(keys [K], attempt, models [K]) -> draws [K]``, jitted once; ``K = 1``
+  (not ``stacked``) does not vmap, keeping its unstacked draw's numbers
+  (vmap's batched matmuls round differently)."""
   def draw(key, attempt, model):
     return draw_task(jax.random.fold_in(key, attempt), model, config, chunk)
 
@@ -240,10 +201,9 @@ def _draw_tasks(config: TaskConfig, stacked: bool, chunk: int | None):
 
 def latent_chunk(models_K: Model, config: TaskConfig,
                  budget_bytes: int | None = TASK_BUDGET_BYTES) -> int | None:
-  """Examples per trial whose latent posteriors :func:`make_tasks` computes
-  at once: as many as fit ``budget_bytes`` bytes with all K trials in
-  flight (:data:`TASK_BUDGET_BYTES`), at least 1; ``None`` (all) without a
-  budget."""
+  """Examples a trial whose latent posteriors :func:`make_tasks` computes at
+  once: as many as fit ``budget_bytes`` with all K trials in flight, at
+  least 1; ``None`` (all) without a budget."""
   if budget_bytes is None:
     return None
   hmm = generative.as_hmm(generative.trial(models_K, 0))
@@ -252,17 +212,13 @@ def latent_chunk(models_K: Model, config: TaskConfig,
   return max(1, budget_bytes // (per_example * trials))
 
 
-def make_tasks(keys_K, models_K: Model,
-               config: TaskConfig = TaskConfig(),
+def make_tasks(keys_K, models_K: Model, config: TaskConfig = TaskConfig(),
                budget_bytes: int | None = TASK_BUDGET_BYTES) -> list[Task]:
-  """One task per trial of stacked models (:func:`generative.random_models`):
-  trial ``k``'s is drawn from ``fold_in(keys_K[k], attempt)`` at the first
-  attempt whose labels are balanced enough, every attempt drawn for all
-  trials in one vmapped call (a trial whose draw was degenerate takes the
-  next attempt's; the rest ignore it). The exact posteriors that label
-  the examples are computed in chunks sized by ``budget_bytes`` bytes
-  (:func:`latent_chunk`): the chunking changes no label (the posteriors
-  round differently in the last bit, as any change of vmapped batch size).
+  """One task per trial of stacked models (:func:`generative.random_models`),
+  trial ``k``'s from ``fold_in(keys_K[k], attempt)`` at its first attempt
+  with balanced labels; each attempt is one vmapped call for all trials.
+  Posteriors are computed in chunks (:func:`latent_chunk`), which changes
+  no label (only the posteriors' last bit).
 
   Raises:
     ValueError: not stacked models, a key count that is not the trial count,

@@ -1,16 +1,13 @@
 """The paper's assumptions, checked on given parameters, and the constructions
 of its proofs (Theorems 3.3 and 3.6).
 
-Near-one-hot emissions make "linearly independent" a matter of degree, so
-every rank test reports the condition number too. Conventions:
-
-* ``W = emission.T`` (``[V, H]``, the paper's orientation); the paper's
-  ``A_{:, h}`` (successors of ``h``) is our ``transition[h, :]``.
-* A probability counts as non-zero above :data:`SUPPORT_TOL`.
-* A set of columns is linearly independent when its smallest singular value
-  is above :data:`RANK_TOL` times its largest.
-* ``mu`` is the task's ``[C, Z]`` weight matrix; ``supp(mu)`` is the set of
-  latent values with a non-zero weight in any row.
+``W = emission.T`` (``[V, H]``, the paper's orientation); the paper's ``A_{:,
+h}`` (successors of ``h``) is our ``transition[h, :]``. A probability is
+non-zero above :data:`SUPPORT_TOL`; columns are independent when their
+smallest singular value is above :data:`RANK_TOL` times their largest (a
+matter of degree with near-one-hot emissions: rank tests report the
+condition number too). ``mu`` is the task's ``[C, Z]`` weight matrix,
+``supp(mu)`` the latent values with a non-zero weight in any row.
 """
 
 from __future__ import annotations
@@ -71,7 +68,6 @@ def support(mu) -> list[int]:
   return [int(k) for k in np.nonzero(np.any(_np(mu) != 0, axis=0))[0]]
 
 
-# ----------------------------------------------------------------------------
 # Vanilla HMM (Section 3).
 
 
@@ -128,8 +124,7 @@ def assumption_3_2(hmm: hmm_lib.HMM) -> Verdict:
     return Verdict("3.2", False, f"P[H_0] lacks full support (state "
                    f"{int(init.argmin())} has probability {init.min():.3g})",
                    details)
-  return Verdict("3.2", True, "ergodic chain, P[H_0] has full support",
-                 details)
+  return Verdict("3.2", True, "ergodic chain, P[H_0] has full support", details)
 
 
 def _successors(hmm, h) -> frozenset:
@@ -138,11 +133,10 @@ def _successors(hmm, h) -> frozenset:
 
 def assumption_3_5(hmm: hmm_lib.HMM, mu) -> Verdict:
   """Some ``B`` has ``H* = ∪_{h∈B} supp(A_{:,h}) ⊇ supp(mu)`` with
-  independent columns ``W[:, H*]``.
+  independent columns ``W[:, H*]``; reports the best-conditioned ``B``.
 
-  It suffices to search sets ``B`` with one predecessor per state of
-  ``supp(mu)`` (shrinking ``B`` shrinks ``H*``, which keeps independence);
-  the best-conditioned ``B`` found is reported.
+  Searches sets ``B`` of one predecessor per state of ``supp(mu)`` (enough:
+  shrinking ``B`` shrinks ``H*``, which keeps independence).
   """
   w = _np(hmm.emission).T
   trans = _np(hmm.transition)
@@ -185,8 +179,7 @@ def assumption_3_5(hmm: hmm_lib.HMM, mu) -> Verdict:
 
 def theorem_3_3_head(hmm: hmm_lib.HMM, mu) -> dict:
   """Linear head ``{w [V, C], bias [C]}`` on raw ``G_MASK`` computing
-  ``mu @ P[H_0 | x_{1:T}] = mu @ W^† G`` (exact when Assumption 3.1 holds).
-  """
+  ``mu @ P[H_0 | x_{1:T}] = mu @ W^† G`` (exact under Assumption 3.1)."""
   verdict = assumption_3_1(hmm)
   if not verdict.holds:
     raise ValueError(f"Theorem 3.3 needs Assumption 3.1: {verdict.reason}")
@@ -221,7 +214,6 @@ def theorem_3_6_prompt_head(hmm: hmm_lib.HMM, mu) -> tuple[np.ndarray, dict]:
              "bias": np.zeros(np.shape(mu)[0], np.float32)}
 
 
-# ----------------------------------------------------------------------------
 # Memory HMM, single cell (Section 4).
 
 
@@ -274,8 +266,7 @@ def assumption_4_5(mhmm: memory_lib.MemoryHMM, mu) -> Verdict:
 
 def assumption_4_4(mhmm: memory_lib.MemoryHMM, atol: float = 1e-3) -> Verdict:
   """Regularity of the syntax chain and ``P[H_0] = P[H_0] A`` (stationary)."""
-  base = hmm_lib.HMM(mhmm.initial, mhmm.transition,
-                     mhmm.emission[0])
+  base = hmm_lib.HMM(mhmm.initial, mhmm.transition, mhmm.emission[0])
   reg = assumption_3_2(base)
   init = _np(mhmm.initial)
   gap = float(np.abs(init @ _np(mhmm.transition) - init).max())

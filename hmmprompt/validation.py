@@ -1,22 +1,13 @@
-"""Validation at the user-facing boundary, for every module above it.
+"""Validation at the user-facing boundary (imports nothing from the package).
 
-The bottom of the import graph (it imports nothing from the package):
-
-* config checks (:func:`require_positive`, :func:`positive_int`);
-* validated parameter pytrees (:class:`ValidatedParams`,
-  :func:`register_unchecked_pytree`, :func:`check_distribution`): built from
-  concrete arrays they check themselves; JAX's own rebuilds do not;
-* :func:`check_fields`, the same checks on an existing parameter pytree
-  (one that bypassed construction: ``tree.map``, a jitted
-  function's output), which every entry point runs on its model;
-* :func:`entry_point`, the one way a validating, jitted entry point is made
-  from a pure kernel (``hmm.posterior`` over ``hmm.token_smooth``, ...).
-
-Checks see values only when their input is concrete (:func:`is_concrete`);
-under a caller's ``jit``/``vmap`` they check what tracing knows: dtypes,
-shapes and Python numbers. There :func:`checkify_distribution` checks
-values as ``jax.experimental.checkify`` checks, for a caller that wraps
-its function in ``checkify.checkify``.
+Config checks (:func:`require_positive`, :func:`positive_int`); validated
+parameter pytrees (:class:`ValidatedParams`, :func:`check_distribution`)
+and :func:`check_fields`, their checks on an existing pytree; and
+:func:`entry_point`, which makes a validating, jitted entry point from a
+pure kernel. Checks see values only when their input is concrete
+(:func:`is_concrete`); under a caller's ``jit``/``vmap`` only dtypes,
+shapes and Python numbers, or values under ``checkify.checkify``
+(:func:`checkify_distribution`).
 """
 
 from __future__ import annotations
@@ -38,8 +29,7 @@ _SUM_ATOL = 1e-4
 def require_positive(config, *names: str,
                      optional: tuple[str, ...] = ()) -> None:
   """Raises ``ValueError`` naming the first field below 1 or ``None``
-  (``None`` is accepted for the ``optional`` names only: a ``keep=None``
-  would otherwise pass here and fail mid-run)."""
+  (``None`` is accepted for the ``optional`` names only)."""
   for name in (*names, *optional):
     value = getattr(config, name)
     if value is None and name in optional:
@@ -74,11 +64,9 @@ def is_concrete(x) -> bool:
 
 
 def register_unchecked_pytree(cls):
-  """Registers a validating NamedTuple so JAX rebuilds it without checks.
-
-  Gradients, optimizer updates and ``tree.map`` results share the pytree
-  type but are not distributions; only explicit construction validates.
-  """
+  """Registers a validating NamedTuple so JAX rebuilds it without checks:
+  gradients and ``tree.map`` results share its type but are not
+  distributions."""
   jax.tree_util.register_pytree_node(
       cls, lambda x: (tuple(x), None),
       lambda _, children: tuple.__new__(cls, children))
@@ -86,15 +74,13 @@ def register_unchecked_pytree(cls):
 
 
 class ValidatedParams(tuple):
-  """The mixin of validated parameter NamedTuples (HMM, MemoryHMM, ...):
-  ``class HMM(ValidatedParams, _HMMFields, validate=_validate_hmm)``.
-
-  ``_HMMFields`` is a ``typing.NamedTuple`` of the fields; ``validate``
-  gets the fields as ``jnp`` arrays and raises ``ValueError``. Built from
-  concrete arrays (or nested lists) the fields are converted and
-  validated; tracers and non-array leaves (``vmap`` axis specs) pass
-  through unchecked. Subclasses are registered as pytrees that JAX
-  rebuilds *without* checks (:func:`register_unchecked_pytree`).
+  """The mixin of validated parameter NamedTuples:
+  ``class HMM(ValidatedParams, _HMMFields, validate=_validate_hmm)``, with
+  ``_HMMFields`` a ``typing.NamedTuple`` and ``validate`` raising
+  ``ValueError`` on the fields as ``jnp`` arrays. Concrete fields (or
+  nested lists) are converted and validated, ``_replace`` and ``_make``
+  included; tracers and ``vmap`` axis specs pass unchecked, as do JAX's
+  rebuilds (:func:`register_unchecked_pytree`).
   """
 
   __slots__ = ()
@@ -106,13 +92,9 @@ class ValidatedParams(tuple):
     super().__init_subclass__(**kwargs)
     if validate is not None:
       cls._validate = staticmethod(validate)
-    # The NamedTuple of the fields: the first base past this mixin that
-    # defines them.
-    cls._fields_cls = next(b for b in cls.__mro__[1:]
-                           if "_fields" in vars(b))
-    # NamedTuple's _make, like its _replace (below), builds past the
-    # check; set on the class, as mypy holds a method of that name to the
-    # NamedTuple's own signature.
+    # The NamedTuple of the fields: the first base that defines them.
+    cls._fields_cls = next(b for b in cls.__mro__[1:] if "_fields" in vars(b))
+    # Set on the class: mypy holds a method named _make to NamedTuple's.
     setattr(cls, "_make", classmethod(_make))  # noqa: B010 (hidden from mypy)
     register_unchecked_pytree(cls)
 
@@ -124,9 +106,8 @@ class ValidatedParams(tuple):
     return tuple.__new__(cls, fields)
 
   # NamedTuple's own _replace and _make build with tuple.__new__, past the
-  # check: `model._replace(transition=rows_summing_to_3)` would be a model
-  # every entry point then trusts. Both go through __new__ here (JAX's
-  # unflattening stays unchecked: register_unchecked_pytree).
+  # check, making a model every entry point trusts; here both go through
+  # __new__.
   def _replace(self, **changes):
     return type(self)(**{**dict(zip(self._fields_cls._fields, self)),
                          **changes})
@@ -137,15 +118,9 @@ def _make(cls, iterable: Iterable[Any]):
 
 
 def check_fields(params, validate):
-  """Runs a parameter NamedTuple's construction checks on ``params`` as it
-  is, and returns it unchanged.
-
-  ``validate`` is the function the :class:`ValidatedParams` class was
-  given. Only when every field is concrete (:func:`is_concrete`): under a
-  caller's ``jit``/``vmap``/``grad`` the fields are tracers, nothing is
-  checked, and the caller's compiled program carries no check (the check
-  runs on the host, once per call, and only outside traced code).
-  """
+  """Runs ``validate`` (a :class:`ValidatedParams` class's) on ``params`` as
+  it is, on the host, and returns it; only when every field is concrete
+  (under ``jit``/``vmap``/``grad`` nothing is checked, nor compiled in)."""
   if all(is_concrete(f) for f in params):
     validate(*(jnp.asarray(f) for f in params))
   return params
@@ -164,36 +139,25 @@ def _check_event_shape(name: str, p: jax.Array, ndim: int) -> None:
 
 
 def checkify_distribution(name: str, p: jax.Array, ndim: int) -> None:
-  """:func:`check_distribution` for traced ``p``, as ``checkify`` checks.
-
-  Shape and dtype are static, so those raise ``ValueError`` at once; the
-  values become ``checkify.check``s (non-finite, negative, a row sum off 1
-  by more than the same tolerance), which the caller's
-  ``checkify.checkify`` turns into an error value (``err.throw()`` raises
-  ``checkify.JaxRuntimeError``). Outside ``checkify.checkify`` a traced
-  ``checkify.check`` is an error: call this only there.
-  """
+  """:func:`check_distribution` for traced ``p`` under
+  ``checkify.checkify`` only: shape and dtype raise ``ValueError`` at once,
+  bad values become its error value (``err.throw()`` raises
+  ``checkify.JaxRuntimeError``)."""
   _check_event_shape(name, p, ndim)
-  checkify.check(jnp.all(jnp.isfinite(p)),
-                 f"{name} has a non-finite entry")
+  checkify.check(jnp.all(jnp.isfinite(p)), f"{name} has a non-finite entry")
   checkify.check(jnp.all(p >= 0), f"{name} has a negative entry {{low:.3g}}",
                  low=jnp.min(p))
-  # Rows summed in at least float32 (the host check sums in float64): the
-  # rounding of a sum of n entries in [0, 1] is at most ~n * 6e-8, below
-  # _SUM_ATOL for rows of up to ~1000 entries, and a bfloat16 sum would not
-  # be.
+  # Summed in at least float32 (bfloat16's rounding would pass _SUM_ATOL):
+  # ~n * 6e-8 for n entries, below it for rows of up to ~1000 entries.
   wide = p.astype(jnp.promote_types(p.dtype, jnp.float32))
   off = jnp.max(jnp.abs(jnp.sum(wide, axis=-1) - 1.0))
-  checkify.check(off <= _SUM_ATOL,
-                 f"{name} must sum to 1 along its last axis, but a row is "
-                 f"off by {{off:.6g}}", off=off)
+  checkify.check(off <= _SUM_ATOL, f"{name} must sum to 1 along its last axis, "
+                 f"but a row is off by {{off:.6g}}", off=off)
 
 
 def check_distribution(name: str, p: jax.Array, ndim: int) -> None:
-  """Validates concrete probability vectors along the last axis.
-
-  ``p`` has ``ndim`` event dimensions, after any leading batch dimensions.
-  """
+  """Validates concrete probability vectors along the last axis: ``p`` has
+  ``ndim`` event dimensions after any leading batch dimensions."""
   _check_event_shape(name, p, ndim)
   p_np = np.asarray(p, dtype=np.float64)
   if not np.all(np.isfinite(p_np)):
@@ -222,8 +186,8 @@ class _KernelArgs(tuple):
 
 def kernel_args(*args) -> Any:
   """What an :func:`entry_point` check returns: the kernel's positional
-  arguments, converted. Typed ``Any`` so that the check keeps the entry
-  point's own return annotation (what callers, mypy and the docs see)."""
+  arguments. Typed ``Any`` so that the check keeps the entry point's own
+  return annotation."""
   return _KernelArgs(args)
 
 
@@ -232,16 +196,12 @@ def entry_point(kernel: Callable[..., Any], *, static_argnums=(),
                 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
   """Makes a validating entry point over a pure ``kernel`` (a decorator).
 
-  The decorated function is the check: it takes the entry point's arguments
-  (its signature, return annotation and docstring are the entry point's,
-  kept for mypy by ``ParamSpec``), raises ``ValueError`` on bad input and
-  returns :func:`kernel_args`. The entry point then runs ``kernel`` on
-  them, jitted once here (``static_argnums`` as for ``jax.jit``).
-  ``field`` returns one field of a NamedTuple result, selected inside the
-  jit so that XLA drops the work only the other fields need (a
-  log-likelihood needs no backward pass).
-
-  Package code that is itself traced calls the kernel, not the entry point.
+  The decorated function is the check, with the entry point's signature and
+  docstring: it raises ``ValueError`` on bad input and returns
+  :func:`kernel_args`, which ``kernel``, jitted once here
+  (``static_argnums`` as for ``jax.jit``), then runs on. ``field`` selects
+  one field of a NamedTuple result inside the jit, so XLA drops the work
+  only the other fields need. Traced code calls the kernel instead.
   """
   if field is not None:
     whole = kernel

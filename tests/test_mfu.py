@@ -1,5 +1,6 @@
-"""experiments.mfu: the peak a device's MFU is taken against, and a
-profile's top ops (what the accelerator session reads from its trace)."""
+"""experiments.mfu: the peak a device's MFU is taken against, a
+profile's top ops (what the accelerator session reads from its trace) and
+the benchmarks' timers."""
 
 import gzip
 import json
@@ -55,3 +56,16 @@ def test_mfu_is_achieved_over_peak_and_absent_without_one():
   assert mfu.peak_tflops("bfloat16", 123.0) == 123.0
   if jax.default_backend() == "cpu":
     assert mfu.peak_tflops("bfloat16") is None  # no listed peak for a CPU
+
+
+def test_the_timers_call_warmup_then_the_timed_calls():
+  """The benchmarks' shared timers: untimed calls first (the compile),
+  then ``repeats`` x ``steps`` (or a turn per arm and round)."""
+  calls = []
+  fn = lambda: calls.append(1) or jax.numpy.zeros(())
+  assert mfu.seconds_per_call(fn, repeats=3, steps=2, warmup=2) >= 0.0
+  assert len(calls) == 2 + 3 * 2
+  calls.clear()
+  spent = mfu.interleaved({"a": fn, "b": fn}, rounds=3)
+  assert list(spent) == ["a", "b"] and min(spent.values()) >= 0.0
+  assert len(calls) == 2 + 2 * 3

@@ -1,2 +1,1 @@
-"""The Figure 3 binary, ``python -m experiments.figure3`` (``__main__``);
-the library it calls is :mod:`hmmprompt.figure3`."""
+"""The Figure 3 binary (``__main__``) over :mod:`hmmprompt.figure3`."""

@@ -1,5 +1,4 @@
-"""The Figure 3 binary: parse flags into a Setup, run, report (see the
-package docstring for the command line)."""
+"""The Figure 3 binary: parse flags into a Setup, run, report."""
 
 from __future__ import annotations
 
@@ -40,7 +39,6 @@ _NUM_TASKS = flags.DEFINE_integer(
 _TASK_INDEX = flags.DEFINE_integer("task_index", 0,
                                    "this host's index in [0, num_tasks)")
 _PRINT_CONFIG = cli.define_print_config()
-# --help lists the --config.* keys (absl shows only a module's key flags).
 _WORKERS, _WORKER, _CLAIMS = cli.define_worker_flags("the sweep")
 flags.adopt_module_key_flags(cli)
 
@@ -56,9 +54,7 @@ def _schedule(backbone: str) -> scheduling.Schedule:
 def _run(setup, workdir: str, names: list[str]) -> None:
   """This process's part: all of it, a host's share, or a worker's."""
   worker = _WORKER.value
-  # The transformer first, whatever the flag's order: its stacks are the
-  # long ones (the costliest claimed first), so the exact backbone's
-  # minutes fill the end of whichever worker frees up first.
+  # The transformer first: its long stacks are best claimed first.
   for name in sorted(names, key=lambda n: n != "transformer"):
     if name == "transformer" or not _PRETRAIN_ONLY.value:
       logging.info("backbone %s, preset %s, task %d of %d%s", name,
@@ -93,8 +89,7 @@ def main(argv):
   else:
     _run(setup, workdir, names)
   if _PRETRAIN_ONLY.value:
-    print(pretrain_report.write_report(workdir))
-    return
+    return print(pretrain_report.write_report(workdir))
   reporting.write_figure3_report(workdir)
   cli.done(t0, results=schema.results_path(workdir, _NUM_TASKS.value,
                                              _TASK_INDEX.value),

@@ -1,2 +1,1 @@
-"""The pretraining curve's binary (``python -m experiments.pretraining_curve``)
-over its library, :mod:`hmmprompt.pretraining_curve`."""
+"""The pretraining curve's binary over :mod:`hmmprompt.pretraining_curve`."""

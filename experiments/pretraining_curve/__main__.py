@@ -17,7 +17,6 @@ _CONFIG = cli.define_config(curve.PRESETS["cpu"]())
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "output directory (required; a rerun with it resumes)")
 _PRINT_CONFIG = cli.define_print_config()
-# --help lists the --config.* keys (absl shows only a module's key flags).
 flags.adopt_module_key_flags(cli)
 
 

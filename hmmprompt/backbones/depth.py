@@ -1,9 +1,5 @@
-"""Depth surgery on an ``MLM``'s params (any leading axes, such as a trial
-stack): blocks appended as the identity (:func:`pad_layers`), taken off
-again (:func:`take_layers`), or grown for further training
-(:func:`grow_layers`). The fallbacks of pretraining use them
-(``PretrainConfig.fallback_layers``, :mod:`hmmprompt.pretrain.workdir`).
-"""
+"""Depth surgery on an ``MLM``'s params (any leading axes) for pretraining's
+fallbacks (``fallback_layers``, :mod:`hmmprompt.pretrain.workdir`)."""
 
 from __future__ import annotations
 
@@ -16,16 +12,8 @@ def _num_blocks(inner) -> int:
 
 
 def pad_layers(params, num_layers: int):
-  """``params`` (an ``MLM``'s, any leading axes such as a trial stack)
-  with identity blocks appended up to ``num_layers``: the deeper model
-  computes the same function (the same logits, up to float rounding).
-
-  A block adds ``attn_out(.)`` and ``mlp_out(.)`` to its input (pre-norm
-  residual); with both projections' kernels and biases zero it adds
-  exactly 0, whatever its other parameters (zeros here too: every value
-  stays finite). Stacks with another deeper model's params of the same
-  width (:func:`~hmmprompt.pretrain.workdir.load_trials`' fallbacks).
-  """
+  """``params`` with zero blocks up to ``num_layers`` (the same function: a
+  pre-norm block with zero ``attn_out`` and ``mlp_out`` adds exactly 0)."""
   inner = params["params"]
   have = _num_blocks(inner)
   if num_layers < have:
@@ -37,14 +25,10 @@ def pad_layers(params, num_layers: int):
 
 
 def grow_layers(params, fresh):
-  """``fresh`` (a deeper ``MLM``'s params of the same width, any leading
-  axes) started from the shallower ``params``: their embeddings, output
-  layer and blocks, then ``fresh``'s further blocks with both output
-  projections (``attn_out``, ``mlp_out``) zero. Such a block adds exactly
-  0 (:func:`pad_layers`), so the grown model computes ``params``'
-  function; unlike :func:`pad_layers`' all-zero blocks, its other
-  weights keep their init, so its gradients do not vanish and training
-  grows it (a fallback warm-started, ``PretrainConfig.fallback_init``)."""
+  """``fresh`` (a deeper ``MLM``'s params of the same width) started from
+  ``params``, its further blocks' ``attn_out`` and ``mlp_out`` zeroed: it
+  computes ``params``' function (:func:`pad_layers`), yet the rest keeps its
+  init, so gradients do not vanish (``PretrainConfig.fallback_init``)."""
   inner, deep = params["params"], fresh["params"]
   have, want = _num_blocks(inner), _num_blocks(deep)
   if want <= have:
@@ -61,9 +45,8 @@ def grow_layers(params, fresh):
 
 
 def take_layers(params, num_layers: int):
-  """``params`` (any leading axes) with only the first ``num_layers``
-  blocks: :func:`pad_layers` undone, the padded model's own params back
-  (tuned at their own depth, the padding's backward costs nothing)."""
+  """``params`` with only the first ``num_layers`` blocks:
+  :func:`pad_layers` undone."""
   inner = params["params"]
   have = _num_blocks(inner)
   if not 0 < num_layers <= have:

@@ -1,17 +1,8 @@
-"""BERT-style masked LM in Flax (paper Section 5, Appendix D).
-
-Token ids are the HMM's real symbols ``0..V-1`` plus ``[MASK]`` = ``V``
-(``hmm.MASK`` (-1) in inputs is mapped to it), so the embedding table has
-``V + 1`` rows and the output layer predicts only the ``V`` real symbols.
-Pre-LayerNorm blocks (self-attention, GELU MLP), learned position
-embeddings, a final LayerNorm. Params are fp32; ``MLMConfig.dtype`` sets the
-compute dtype (bf16 on accelerators, fp32 on CPU); logits are fp32.
-``MLMConfig.attention`` picks how attention is computed (by hand, the
-default on CPU, or ``jax.nn.dot_product_attention``, the default elsewhere).
-
-``embed`` and ``encode`` split the forward pass so soft prompts can be
-prepended to the token embeddings (positions then count the prompt).
-"""
+"""BERT-style masked LM in Flax (paper Section 5, Appendix D): pre-LayerNorm
+blocks, learned positions, a final LayerNorm; fp32 params and logits. Token
+ids are the HMM's symbols ``0..V-1`` plus ``[MASK]`` = ``V`` (``hmm.MASK``
+maps to it). ``embed`` and ``encode`` split the forward pass so soft prompts
+can be prepended (positions then count the prompt)."""
 
 from __future__ import annotations
 
@@ -30,37 +21,23 @@ from hmmprompt.backbones.attention import dot_product_attention
 
 
 POS_INITS = ("normal", "sinusoid")
-"""How the learned position embeddings start: ``"normal"`` (BERT's N(0,
-0.02^2)) or ``"sinusoid"`` (the Transformer's sin / cos table at the same
-RMS, so that position ``t``'s dot product with ``t + k`` depends on ``k``
-alone from the first step)."""
-
+"""How position embeddings start: ``"normal"`` (BERT's N(0, 0.02^2)) or
+``"sinusoid"`` (same RMS: ``t``'s dot product with ``t + k`` reads ``k``)."""
 
 REL_POS = ("none", "bias", "alibi")
-"""Relative-position terms added to every attention logit, beside the
-absolute position table: ``"none"`` (BERT's), ``"bias"`` (a learned bias
-per layer, head and offset ``j - i``, initialised at 0: attending at a
-fixed offset is one parameter; Shaw et al. 2018, T5 without buckets) or
-``"alibi"`` (a fixed ``-m_a |i - j|`` with ALiBi's slopes ``m_a =
-2^(-8 (a + 1) / A)``, symmetric for a bidirectional model; Press et al.
-2022). Either path of ``ATTENTIONS`` adds it (``"dot_product"`` passes
-it to :func:`dot_product_attention` as a ``[1, A, T, T]`` bias)."""
-
+"""Relative-position terms of the attention logits: ``"none"``, ``"bias"``
+(learned per layer, head and offset ``j - i``, from 0; T5 without buckets)
+or ``"alibi"`` (a fixed ``-m_a |i - j|``, ``m_a = 2^(-8 (a + 1) / A)``)."""
 
 ATTENTIONS = ("auto", "manual", "dot_product")
-"""How ``Block`` computes attention: ``"manual"`` (softmax(Q K^T / sqrt(E))
-V by hand in a heads-major layout, what XLA:CPU runs fastest),
-``"dot_product"`` (``jax.nn.dot_product_attention``, through
-:func:`dot_product_attention`: cuDNN's fused kernel where it applies) or
-``"auto"`` (``"manual"`` on CPU, ``"dot_product"`` elsewhere, by
-``jax.default_backend()`` when the model is traced)."""
+"""How ``Block`` computes attention: ``"manual"`` (fastest on XLA:CPU),
+``"dot_product"`` (:func:`dot_product_attention`, cuDNN where it applies) or
+``"auto"`` (``"manual"`` on CPU, else ``"dot_product"``, at trace time)."""
 
 
-# init_params is one jitted program, yet must give the op-by-op (eager)
-# init's values, which committed results were drawn from. XLA would
-# reassociate constant scalings (sqrt(2) * erfinv(u) * 0.02) and fold the
-# sinusoid's constants; a barrier keeps each op's result as the eager op
-# rounded it (tests/test_transformer.py holds them equal bit for bit).
+# init_params is jitted, yet must give the eager init's values (committed
+# results were drawn from them): a barrier keeps XLA from reassociating or
+# folding constants (tests/test_transformer.py checks them bit for bit).
 _kept = jax.lax.optimization_barrier
 
 
@@ -93,18 +70,13 @@ class MLMConfig:
   max_len: int = 512
   dtype: str = "float32"
   pos_init: str = "normal"
-  # Added after results were keyed (identity_lib.ADDED: out of the
-  # identity at their defaults). rel_pos: REL_POS. state_readout: the
-  # number of hidden states of a linear readout from the final LayerNorm
-  # (``MLM.logits_and_states``), trained only by PretrainConfig.state_loss
-  # (0: none; tuning never reads it).
+  # ADDED: out of identities at their defaults. state_readout: states of a
+  # readout (MLM.logits_and_states; 0: none) for PretrainConfig.state_loss.
   rel_pos: str = dataclasses.field(default="none",
                                    metadata=identity_lib.ADDED)
   state_readout: int = dataclasses.field(default=0,
                                          metadata=identity_lib.ADDED)
-  # How attention is computed (ATTENTIONS): a runtime choice, left out of
-  # PretrainConfig.identity() (directory names, fingerprints, resume
-  # checks), as the paths agree to float rounding.
+  # ATTENTIONS: left out of identities (the paths agree to float rounding).
   attention: str = dataclasses.field(default="auto",
                                      metadata=identity_lib.RUNTIME)
 
@@ -114,12 +86,10 @@ class MLMConfig:
     if self.d_model % self.num_heads:
       raise ValueError(f"MLMConfig.d_model = {self.d_model} must be divisible "
                        f"by num_heads = {self.num_heads}")
-    if self.pos_init not in POS_INITS:
-      raise ValueError(f"MLMConfig.pos_init must be one of {POS_INITS}, got "
-                       f"{self.pos_init!r}")
-    if self.rel_pos not in REL_POS:
-      raise ValueError(f"MLMConfig.rel_pos must be one of {REL_POS}, got "
-                       f"{self.rel_pos!r}")
+    for field, options in (("pos_init", POS_INITS), ("rel_pos", REL_POS)):
+      if getattr(self, field) not in options:
+        raise ValueError(f"MLMConfig.{field} must be one of {options}, got "
+                         f"{getattr(self, field)!r}")
     if not (isinstance(self.state_readout, int) and self.state_readout >= 0):
       raise ValueError(f"MLMConfig.state_readout must be an int >= 0, got "
                        f"{self.state_readout!r}")
@@ -136,8 +106,7 @@ class MLMConfig:
 
   @property
   def resolved_attention(self) -> str:
-    """``"manual"`` or ``"dot_product"`` (``"auto"`` resolved by the
-    default backend: call at trace time)."""
+    """``attention``, ``"auto"`` resolved (call at trace time)."""
     if self.attention == "auto":
       return "manual" if jax.default_backend() == "cpu" else "dot_product"
     return self.attention
@@ -148,11 +117,8 @@ class MLMConfig:
 
 
 class TokenDense(nn.Dense):
-  """``nn.Dense`` over the last axis, applied to the input flattened to
-  ``[N, D]``: the same parameters and values, but XLA:CPU computes the
-  weight gradient of a ``[B, T, D]`` Dense ~2.6x slower than that of the
-  flattened one (a full 2-layer train step 13% slower;
-  docs/performance.md)."""
+  """``nn.Dense`` on the input flattened to ``[N, D]``: the same values, a
+  faster weight gradient on XLA:CPU (docs/performance.md)."""
 
   @nn.compact
   def __call__(self, x):
@@ -178,27 +144,22 @@ class Block(nn.Module):
     b, t, d = x_BxTxD.shape
     a, e = cfg.num_heads, cfg.d_model // cfg.num_heads
     y = nn.LayerNorm(dtype=dt, name="ln_attn")(x_BxTxD)
-    if cfg.resolved_attention == "dot_product":
-      # [B, T, A, E], dot_product_attention's layout (vmaps fold into B,
-      # or into A where the relative-position bias is vmapped).
-      qkv_BxTx3xAxE = TokenDense(3 * d, dtype=dt, name="qkv")(y).reshape(
-          b, t, 3, a, e)
+    qkv_BxTx3xAxE = TokenDense(3 * d, dtype=dt, name="qkv")(y).reshape(
+        b, t, 3, a, e)
+    if cfg.resolved_attention == "dot_product":  # its layout: [B, T, A, E]
       bias_1xAxTxT = (None if cfg.rel_pos == "none"
                       else rel_bias(cfg, t, self._rel_table())[None])
-      out_BxTxAxE = dot_product_attention(qkv_BxTx3xAxE[:, :, 0],
-                                          qkv_BxTx3xAxE[:, :, 1],
-                                          qkv_BxTx3xAxE[:, :, 2],
-                                          bias_1xAxTxT)
+      out_BxTxAxE = dot_product_attention(
+          qkv_BxTx3xAxE[:, :, 0], qkv_BxTx3xAxE[:, :, 1],
+          qkv_BxTx3xAxE[:, :, 2], bias_1xAxTxT)
       x_BxTxD = x_BxTxD + TokenDense(d, dtype=dt, name="attn_out")(
           out_BxTxAxE.reshape(b, t, d))
       if query is not None:
         x_BxTxD = x_BxTxD[:, query:query + 1]
     else:
-      # Heads-major [3, B, A, T, E] so both attention products are batched
-      # matmuls over minor dims: XLA:CPU runs the [B, T, A, E] einsums of
-      # the textbook layout several times slower (experiments/bench_mlm.py).
-      qkv_3xBxAxTxE = TokenDense(3 * d, dtype=dt, name="qkv")(y).reshape(
-          b, t, 3, a, e).transpose(2, 0, 3, 1, 4)
+      # Heads-major [3, B, A, T, E]: XLA:CPU runs the textbook [B, T, A, E]
+      # einsums several times slower (experiments/bench_mlm.py).
+      qkv_3xBxAxTxE = qkv_BxTx3xAxE.transpose(2, 0, 3, 1, 4)
       q, k, v = qkv_3xBxAxTxE[0], qkv_3xBxAxTxE[1], qkv_3xBxAxTxE[2]
       rows = slice(None) if query is None else slice(query, query + 1)
       q = q[:, :, rows]  # [B, A, Q, E], Q = T or 1
@@ -218,8 +179,7 @@ class Block(nn.Module):
     return x_BxTxD + y
 
   def _rel_table(self):
-    """The learned ``[A, 2 max_len - 1]`` offset table (``"bias"``; the
-    param ``rel_bias``), or None (``"alibi"``)."""
+    """The learned ``[A, 2 max_len - 1]`` ``rel_bias`` param, or None."""
     cfg = self.cfg
     if cfg.rel_pos != "bias":
       return None
@@ -261,8 +221,7 @@ class MLM(nn.Module):
     self.blocks = [Block(cfg, name=f"block_{i}")
                    for i in range(cfg.num_layers)]
     self.ln_final = nn.LayerNorm(dtype=cfg.compute_dtype, name="ln_final")
-    self.head = TokenDense(cfg.vocab_size, dtype=cfg.compute_dtype,
-                         name="head")
+    self.head = TokenDense(cfg.vocab_size, dtype=cfg.compute_dtype, name="head")
     if cfg.state_readout:
       self.state_head = TokenDense(cfg.state_readout, dtype=cfg.compute_dtype,
                                  name="state_head")
@@ -275,8 +234,7 @@ class MLM(nn.Module):
     return self.head(self.features(emb_BxTxD)).astype(jnp.float32)
 
   def encode_at(self, emb_BxTxD, query: int):
-    """``encode(emb)[:, query]`` as ``[B, V]``: the last block computes that
-    position alone."""
+    """``encode(emb)[:, query]`` as ``[B, V]``, its last block on that row."""
     return self.head(self.features(emb_BxTxD, query)[:, 0]).astype(
         jnp.float32)
 
@@ -310,13 +268,8 @@ def num_params(params) -> int:
 
 
 def train_flops_per_token(cfg: MLMConfig, seq_len: int) -> float:
-  """Model FLOPs of one training step per token, for MFU.
-
-  Forward + backward = 3 x forward: 6 x the matmul params (attention
-  projections, MLP, output layer) plus 12 x layers x T x d for the
-  attention score and value products; embeddings, norms and softmaxes are
-  not counted (the usual convention; XLA's own count is within ~5%).
-  """
+  """Training FLOPs per token, for MFU: 6 x the matmul params plus 12 x
+  layers x T x d (attention); embeddings, norms and softmaxes not counted."""
   d = cfg.d_model
   matmul_params = (cfg.num_layers * (4 * d * d + 2 * d * cfg.d_ff)
                    + d * cfg.vocab_size)
@@ -324,15 +277,8 @@ def train_flops_per_token(cfg: MLMConfig, seq_len: int) -> float:
 
 
 def make_backbone(cfg: MLMConfig, dtype: str = "float32") -> Backbone:
-  """The backbone interface over ``MLM`` params, computing in ``dtype``
-  (``TuneConfig.backbone_dtype``; float32 by default, whatever ``cfg``
-  was pretrained in).
-
-  Cached per config: a ``Backbone`` is a static jit argument of tuning, so
-  two pretrained models of one config must give the *same* object (its
-  functions are closures) to share compiled tuning programs
-  (``experiments/bench_compiles.py`` measures what that saves).
-  """
+  """The backbone over ``MLM`` params, computing in ``dtype``, cached per
+  config so that its models share compiled tuning programs."""
   return _cached_backbone(dataclasses.replace(cfg, dtype=dtype))
 
 
@@ -361,9 +307,9 @@ def build_backbone(cfg: MLMConfig, dtype: str = "float32") -> Backbone:
     return jax.nn.softmax(logits[0], -1)
 
   return Backbone(name="transformer", embed=embed, apply=apply,
-                  apply_at=apply_at,
-                  prompt_embedding=lambda raw: raw, embed_dim=cfg.d_model,
-                  vocab_size=cfg.vocab_size, finetunable=True)
+                  apply_at=apply_at, prompt_embedding=lambda raw: raw,
+                  embed_dim=cfg.d_model, vocab_size=cfg.vocab_size,
+                  finetunable=True)
 
 
 _cached_backbone = functools.lru_cache(maxsize=None)(build_backbone)

@@ -1,10 +1,7 @@
 """Figure 3 in chunks of whole size stacks, for a machine lent for minutes
 that keeps nothing: each chunk starts from a committed results directory,
-computes only what is missing and ends in one archive that
-:func:`merge` adds back (``experiments/in_chunks.py`` is the binary;
-its docstring has the command lines). Nothing here is device-specific: a
-lent accelerator runs the ``gpu`` preset this way, the 2-core CPU the
-``cpu_paper`` one."""
+computes only what is missing and ends in one archive that :func:`merge`
+adds back (the binary: ``experiments/in_chunks.py``)."""
 
 from __future__ import annotations
 
@@ -35,8 +32,7 @@ from hmmprompt import sharding as sharding_lib
 from hmmprompt.pretrain import report as pretrain_report
 
 ARCHIVE = "figure3-chunk.tar.gz"
-# Result-line fields that time the run and may differ between two runs of
-# one cell.
+# Result-line fields that may differ between two runs of one cell.
 TIMING_FIELDS = ("seconds", "pretrain_wall_s")
 _REPORT_FILES = ("figure3.md", "figure3.png", pretrain_report.PLOT)
 _PRETRAIN_FILES = ("metrics.jsonl", "config.json")
@@ -48,21 +44,16 @@ _MEMBER = re.compile(r"(results\.jsonl|sweep\.json|run\.json|"
 
 
 def results_dir(preset: str) -> str:
-  """The committed results directory of ``preset``'s chunks:
-  ``docs/results/figure3-<preset>`` with ``_`` as ``-``."""
-  return os.path.join("docs", "results",
-                      "figure3-" + preset.replace("_", "-"))
+  """``docs/results/figure3-<preset>``, ``_`` as ``-``."""
+  return os.path.join("docs", "results", "figure3-" + preset.replace("_", "-"))
 
 
 def chunk_sizes(setup: configs.Setup,
                 chunk: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """``(left_sizes, memory_sizes)`` of ``setup`` that ``chunk`` selects,
-  closed over the vanilla stacks both panels share.
-
-  Raises:
-    ValueError: ``chunk`` is not ``all``, ``left[:SIZES]`` or
-      ``right[:SIZES]``, or names a size ``setup`` lacks (all named).
-  """
+  closed over the vanilla stacks both panels share; ``ValueError`` unless
+  ``chunk`` is ``all``, ``left[:SIZES]`` or ``right[:SIZES]`` of sizes
+  ``setup`` has."""
   if chunk == "all":
     return setup.left_sizes, setup.memory_sizes
   panel, sep, text = chunk.partition(":")
@@ -85,8 +76,7 @@ def chunk_sizes(setup: configs.Setup,
           f"{known} ({'|H|' if panel == 'left' else '|M|'}) of this preset")
   left = set(chosen) if panel == "left" else set()
   memory = set(chosen) if panel == "right" else set()
-  # A vanilla stack of syntax * |M| states is the right panel's twin of
-  # |M| and, if a left size too, the left panel's: both or neither.
+  # A vanilla twin of |M| that is a left size too: both panels or neither.
   syntax = protocol.MEMORY_SYNTAX_STATES
   memory |= {m for m in setup.memory_sizes if syntax * m in left}
   left |= {h for h in setup.left_sizes if h in {syntax * m for m in memory}}
@@ -95,9 +85,8 @@ def chunk_sizes(setup: configs.Setup,
 
 
 def chunk_setup(setup: configs.Setup, chunk: str) -> configs.Setup:
-  """``setup`` restricted to ``chunk``'s stacks (the sizes are no part of
-  :meth:`configs.Setup.fingerprint`, so its lines key as the whole
-  sweep's); ``ValueError`` as :func:`chunk_sizes`."""
+  """``setup`` restricted to :func:`chunk_sizes` (its lines key as the
+  whole sweep's: sizes are no part of the fingerprint)."""
   left, memory = chunk_sizes(setup, chunk)
   if chunk != "all":
     logging.info("chunk %s: left sizes %s, memory sizes %s", chunk, left,
@@ -105,19 +94,11 @@ def chunk_setup(setup: configs.Setup, chunk: str) -> configs.Setup:
   return dataclasses.replace(setup, left_sizes=left, memory_sizes=memory)
 
 
-def start_workdir(results_dir: str, workdir: str,
-                  setup: configs.Setup) -> int:
-  """Checks that ``results_dir`` and ``workdir`` hold only ``setup``'s
-  results, stamps ``workdir`` and adds the result lines it lacks (by key);
-  returns the lines it then holds.
-
-  ``workdir`` is new, or a kept one of an earlier run of this setup (one
-  stopped by a machine's time limit mid-stack): its lines and pretraining
-  checkpoints are reused, so that stack resumes.
-
-  Raises:
-    ValueError: either directory holds another setup's results (named).
-  """
+def start_workdir(results_dir: str, workdir: str, setup: configs.Setup) -> int:
+  """Checks that ``results_dir`` and ``workdir`` (new, or kept from an
+  earlier run, which resumes) hold only ``setup``'s results (else
+  ``ValueError``), stamps ``workdir`` and adds the result lines it lacks;
+  returns the lines it then holds."""
   sweep.check_workdir(results_dir, setup, write=False)
   os.makedirs(workdir, exist_ok=True)
   sweep.check_workdir(workdir, setup)
@@ -127,11 +108,10 @@ def start_workdir(results_dir: str, workdir: str,
 
 
 def write_archive(workdir: str, path: str, run_info: dict) -> list[str]:
-  """Writes ``path`` (atomically): the results, ``sweep.json``, the
-  pretraining metrics and configs and ``run_info`` as ``run.json``.
-  Returns the member names. No report: :func:`merge` renders it, so that
-  nothing slow (matplotlib's first import takes seconds on a fresh
-  machine) stands between the last cell and its archive."""
+  """Writes ``path``: the results, ``sweep.json``, the pretraining metrics
+  and configs and ``run_info`` as ``run.json``; returns the member names.
+  No report (:func:`merge` renders it): nothing slow, such as matplotlib's
+  first import, stands between the last cell and its archive."""
   members = [n for n in ("results.jsonl", sweep.STAMP)
              if os.path.exists(os.path.join(workdir, n))]
   for run_dir in sorted(glob.glob(os.path.join(workdir, "pretrain", "*"))
@@ -148,30 +128,21 @@ def write_archive(workdir: str, path: str, run_info: dict) -> list[str]:
 def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
               results_dir: str, out_dir: str, budget_s: float | None = None,
               workdir: str | None = None, preset: str = "",
-              compute: Callable | None = None,
-              info: dict | None = None,
+              compute: Callable | None = None, info: dict | None = None,
               deadline_s: float | None = None) -> dict:
-  """Computes ``chunk``'s missing cells from ``results_dir`` and writes
-  ``out_dir/figure3-chunk.tar.gz`` (also after the budget or an error);
-  returns the archive's ``run.json``.
+  """Computes ``chunk``'s missing cells from ``results_dir`` into the
+  archive ``out_dir/figure3-chunk.tar.gz`` (written also after the budget,
+  an error or a signal); returns its ``run.json``.
 
-  ``workdir`` (kept): compute there, resuming what an earlier run there
-  left (:func:`start_workdir`); ``None``: a temporary directory, deleted.
-  ``compute(chunk_setup, workdir, deadline)`` computes the cells into
-  ``workdir/results.jsonl`` and returns the tags of the stacks it skipped
-  for the deadline; default: :func:`sweep.run_sweep` in this process (the
-  binary's ``--workers`` passes one that runs a process per core).
-  ``info``: more fields for ``run.json`` (the binary's ``workers``).
-  ``deadline_s``: the run's own hard deadline, seconds from its start: it
-  starts no stack that its estimate (:func:`seconds_per_trial` of
-  ``results_dir``, then of the stacks it finished) does not finish in
-  time, runs the cheapest stacks first and stops between training steps
-  or tuning groups when the deadline comes (``run.json``'s ``stopped``
-  says where); the archive holds every cell finished.
+  ``workdir``: kept and resumed (:func:`start_workdir`); ``None``: a
+  temporary one. ``compute(chunk_setup, workdir, deadline)`` computes the
+  cells and returns the tags of the stacks skipped for the deadline
+  (default: :func:`sweep.run_sweep`; :func:`workers.chunk_compute`).
+  ``info``: more ``run.json`` fields. ``deadline_s``: ``Schedule.stop_at``
+  in seconds from the start (``run.json``'s ``stopped`` says where).
 
   Raises:
-    ValueError: a bad chunk, or ``results_dir`` or ``workdir`` holding
-      another setup's results (named).
+    ValueError: a bad chunk, or a directory of another setup (named).
   """
   t0 = time.monotonic()
   deadline = None if budget_s is None else t0 + budget_s
@@ -187,15 +158,15 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
 
   def archive(**more) -> None:
     run_info.update(more)
-    run_info["cells_computed"] = (len(schema.read_results(workdir))
-                                  - at_start)
+    run_info["cells_computed"] = len(schema.read_results(workdir)) - at_start
     run_info["wall_s"] = round(time.monotonic() - t0, 1)
     write_archive(workdir, path, run_info)
 
   try:
     at_start = start_workdir(results_dir, workdir, setup)
     run_info = {"preset": preset, "chunk": chunk, "backbone": backbone,
-                "budget_s": budget_s, "deadline_s": deadline_s, "setup": setup.fingerprint(backbone),
+                "budget_s": budget_s, "deadline_s": deadline_s,
+                "setup": setup.fingerprint(backbone),
                 "left_sizes": list(chunk_cfg.left_sizes),
                 "memory_sizes": list(chunk_cfg.memory_sizes),
                 "device": [str(d) for d in jax.devices()],
@@ -211,8 +182,7 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
                 f"{workdir if keep else 'this machine'} is gone)")):
       try:
         if compute is None:
-          # A temporary workdir is never resumed: no checkpoints (a
-          # 20-trial BERT-width stack's are ~10 GB an evaluation).
+          # A temporary workdir is never resumed: no (large) checkpoints.
           run_info["skipped_stacks"] = sweep.run_sweep(
               chunk_cfg, workdir, "both", backbone, scheduling.Schedule(
                   deadline=deadline, stop_at=stop_at,
@@ -236,12 +206,10 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
   return run_info
 
 
-def seconds_per_trial(results_dir: str, margin: float = 1.2
-                      ) -> float | None:
-  """The seconds a trial took in ``results_dir``'s transformer stacks (their
-  pretraining wall time plus each tuning group's program time, over their
-  trials) times ``margin`` (draws, compiles and evaluations are not in
-  those times); ``None`` where it has none."""
+def seconds_per_trial(results_dir: str, margin: float = 1.2) -> float | None:
+  """Seconds per trial of ``results_dir``'s transformer stacks (pretraining
+  wall time plus each tuning group's program time) times ``margin`` (for
+  draws, compiles and evaluations); ``None`` where it has none."""
   stacks: dict[tuple, dict] = {}
   for r in schema.read_results(results_dir):
     if r.backbone != "transformer" or r.pretrain_wall_s is None:
@@ -259,9 +227,9 @@ def seconds_per_trial(results_dir: str, margin: float = 1.2
 
 
 def step_bytes(setup: configs.Setup, chunk: str) -> list[dict]:
-  """Per stack of ``chunk``: its trial count and pretraining-step memory
-  (:func:`hmmprompt.pretrain.step_bytes`, in bytes), and the device's
-  memory where it reports one (``device_bytes``, else ``None``)."""
+  """Per stack of ``chunk``: its trials, pretraining-step memory
+  (:func:`hmmprompt.pretrain.step_bytes`) and the device's memory
+  (``device_bytes``; ``None`` where it reports none)."""
   part = chunk_setup(setup, chunk)
   cfg = setup.pretrain
   mesh = sharding_lib.data_mesh()
@@ -269,8 +237,8 @@ def step_bytes(setup: configs.Setup, chunk: str) -> list[dict]:
   out = []
   for mid in sweep.plan(part):
     hmms = jax.eval_shape(  # shapes only: no model is drawn
-        lambda mid=mid: jax.vmap(generative.as_hmm)(sweep.make_models(setup,
-                                                                  mid)))
+        lambda mid=mid: jax.vmap(generative.as_hmm)(
+            sweep.make_models(setup, mid)))
     out.append({"stack": mid.tag, "trials": sweep.stack_size(setup, mid),
                 "trials_per_vmap": cfg.trials_per_vmap,
                 **pretrain_lib.step_bytes(cfg, hmms, mesh),
@@ -279,8 +247,7 @@ def step_bytes(setup: configs.Setup, chunk: str) -> list[dict]:
 
 
 def describe_step_bytes(m: dict) -> str:
-  """One line of :func:`step_bytes`: the stack's state, temporaries and
-  step in GiB, and whether the step fits the device (where it says)."""
+  """One line of :func:`step_bytes` in GiB, and whether the step fits."""
   need, gib = m["argument_bytes"] + m["temp_bytes"], 2.0**30
   fits = ("" if m["device_bytes"] is None else
           f" of {m['device_bytes'] / gib:.1f} GiB: "
@@ -293,9 +260,8 @@ def describe_step_bytes(m: dict) -> str:
 
 def check_chunk(setup: configs.Setup, chunk: str, backbone: str,
                 results_dir: str, workdir: str | None) -> None:
-  """Before any work: refuses a bad ``chunk``, inputs beyond the
-  pretrained context, and a ``results_dir`` or ``workdir`` of another
-  setup (what differs named), with a ``ValueError``."""
+  """Before any work: ``ValueError`` for a bad ``chunk``, inputs beyond the
+  context, or a ``results_dir`` or ``workdir`` of another setup."""
   chunk_sizes(setup, chunk)
   configs.check_run(setup, [backbone])
   for where in (results_dir, workdir):
@@ -305,10 +271,7 @@ def check_chunk(setup: configs.Setup, chunk: str, backbone: str,
 
 def merge_all(archives: list[str], results_dir: str) -> list[str]:
   """:func:`merge` of each archive in turn; one line of counts for each.
-
-  Raises:
-    ValueError: an archive that does not exist (named), or :func:`merge`'s.
-  """
+  ``ValueError`` naming a missing archive, or :func:`merge`'s."""
   missing = [a for a in archives if not os.path.isfile(a)]
   if missing:
     raise ValueError(f"--merge: no such archive {missing}")
@@ -323,14 +286,9 @@ def merge_all(archives: list[str], results_dir: str) -> list[str]:
 
 def merge(archive: str, results_dir: str) -> dict:
   """Adds ``archive``'s result lines and pretraining metrics to
-  ``results_dir`` and renders its report again; returns counts (``added``,
-  ``kept``: keys already there, ``conflicts``: of those, the ones whose
-  values differ).
-
-  Raises:
-    ValueError: ``archive`` holds unexpected members, or results of
-      another setup than ``results_dir`` (named).
-  """
+  ``results_dir`` and renders its report again; returns the counts of
+  :func:`files.merge_lines` (``added``, ``kept``, ``conflicts``).
+  ``ValueError`` for unexpected members or another setup's results."""
   with tempfile.TemporaryDirectory() as tmp:
     names = files_lib.read_archive(archive, tmp, _MEMBER)
     try:
@@ -353,16 +311,15 @@ def merge(archive: str, results_dir: str) -> dict:
         _copy_new(os.path.join(tmp, name), os.path.join(results_dir, name))
     if "run.json" in names:
       with open(os.path.join(tmp, "run.json")) as f:
-        files_lib.append_jsonl(os.path.join(results_dir, "runs.jsonl"),
-                                 [{**json.load(f), "archive":
-                                   os.path.basename(archive)}])
+        files_lib.append_jsonl(os.path.join(results_dir, "runs.jsonl"), [{
+            **json.load(f), "archive": os.path.basename(archive)}])
   reporting.write_figure3_report(results_dir)
   return {"added": len(added), "kept": kept, "conflicts": len(conflicts)}
 
 
 def _copy_new(src: str, dest: str) -> None:
-  """Copies ``src`` to ``dest`` unless ``dest`` exists (then a differing
-  ``src`` is logged and ``dest`` kept)."""
+  """Copies ``src`` to ``dest`` unless ``dest`` exists (a difference is
+  logged)."""
   with open(src, "rb") as f:
     blob = f.read()
   if not os.path.exists(dest):
@@ -370,5 +327,4 @@ def _copy_new(src: str, dest: str) -> None:
     return
   with open(dest, "rb") as f:
     if f.read() != blob:
-      logging.warning("%s differs from the archive's copy; kept %s", dest,
-                      dest)
+      logging.warning("%s differs from the archive's copy; kept %s", dest, dest)

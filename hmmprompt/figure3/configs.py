@@ -1,10 +1,8 @@
 """The sweep's config tree (:class:`Setup`) and its named presets.
 
-Every number that decides a result line is a field of :class:`Setup`; each
-preset states its numbers once, here (the pretraining recipes they name
-live in ``hmmprompt/pretrain/config.py``). :func:`get_setup` is the one way
-in for the binary, the notebook and the tests; on the command line every
-leaf is a ``--config.<path>`` flag.
+Every number that decides a result line is a field of :class:`Setup`;
+:func:`get_setup` is the one way in (on the command line every leaf is a
+``--config.<path>`` flag).
 """
 
 from __future__ import annotations
@@ -23,38 +21,30 @@ from hmmprompt import tasks as tasks_lib
 from hmmprompt import tuning
 
 
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Setup(protocol.TrialsConfig):
   """Everything that decides a result line's value besides its key (the
   shared fields: :class:`protocol.TrialsConfig`).
 
-  A trial is one HMM draw of a size, its pretrained backbone and its tasks
-  (the paper's protocol: a new HMM, corpus, model and task per trial).
-
   Attributes:
     trials: HMM draws per size on the left panel (the paper: 20).
     right_trials: HMM draws per size on the right panel (the paper: 5;
-      ``None``: ``trials``). A vanilla HMM that both panels use is one
-      stack of ``max`` of the two; the right panel reads its first
-      ``right_trials``.
-    tasks_per_hmm: tasks (downstream draws) per trial; more than one
-      separates task noise from HMM noise (the report shows both).
+      ``None``: ``trials``). A vanilla HMM both panels use is one stack of
+      the larger count; the right panel reads its first ``right_trials``.
+    tasks_per_hmm: tasks per trial; more than one separates task noise
+      from HMM noise (the report shows both).
     left_sizes: ``|H|`` of the left panel's vanilla HMMs.
     memory_sizes: ``|M|`` of the right panel's memory HMMs and their
       vanilla twins of ``|M||H|``.
     features: head feature transforms, each run as its own arm.
-    tune: ``optimizer`` must stay ``"adam"`` here: ``head_optimum`` adds
-      the L-BFGS arms.
+    tune: ``optimizer`` must stay ``"adam"``: ``head_optimum`` adds the
+      L-BFGS arms.
     finetune: add full fine-tuning of the transformer as a third arm.
-    prompt_attention: Theorem 4.6's arm: on the right panel, prompt
-      tuning with the attention head on each memory HMM, beside its head
-      tuning.
-    head_optimum: add, for every linear-head tuning arm (logistic
-      regression on the frozen features: convex), a twin whose head is
-      solved to its optimum (``TuneConfig.optimizer = "lbfgs"``, the
-      ``tune.lbfgs_*`` settings; lines ``<method>_<head>_lbfgs``): how much
-      of head tuning's gap is the paper's 5 epochs of Adam.
+    prompt_attention: Theorem 4.6's arm: prompt tuning with the attention
+      head on each memory HMM of the right panel.
+    head_optimum: add, for every linear-head arm, a twin whose head is
+      solved to its optimum (``TuneConfig.optimizer = "lbfgs"``; lines
+      ``<method>_<head>_lbfgs``).
   """
 
   tasks_per_hmm: int
@@ -79,21 +69,16 @@ class Setup(protocol.TrialsConfig):
                        f"{self.features}")
 
   def fingerprint(self, backbone: str = "exact") -> str:
-    """12 hex digits keying result lines to the setup that made them.
-
-    The fields of ``tune`` added after lines had been written (the
-    L-BFGS ones: :data:`identity.ADDED`) are hashed only away from their
-    defaults: lines written before those fields existed keep their
-    fingerprint, and a non-default value still moves it. Which arms run (``finetune``, ``prompt_attention``,
-    ``head_optimum``) is in each line's key (its method), not here.
-    """
+    """12 hex digits keying result lines to the setup that made them
+    (:func:`fingerprint_of`). Which arms run is in each line's key (its
+    method), not here; ``tune``'s :data:`identity.ADDED` fields count only
+    away from their defaults."""
     return fingerprint_of(self.identity(), backbone)
 
   def identity(self) -> dict:
-    """What decides the values of a workdir's lines (the fingerprint's
-    inputs with the pretraining recipe) and the trial counts, which decide
-    its stacks' sizes: what ``DIR/sweep.json`` records. Sizes, panels and
-    arms are left out: they add lines to a workdir without changing any."""
+    """What ``DIR/sweep.json`` records: what decides the values of a
+    workdir's lines, and the trial counts (its stacks' sizes). Sizes,
+    panels and arms only add lines, so they are left out."""
     return {"task": identity_lib.identity(self.task),
             "tune": identity_lib.identity(self.tune),
             "seed": self.seed, "model_keys": protocol.MODEL_KEYS_VERSION,
@@ -107,8 +92,7 @@ class Setup(protocol.TrialsConfig):
 
   def trial_counts(self) -> dict:
     """What a workdir's trial stacks depend on."""
-    return {"trials": self.trials,
-            "right_trials": self.panel_trials("right")}
+    return {"trials": self.trials, "right_trials": self.panel_trials("right")}
 
 
 def fingerprint_of(identity: dict, backbone: str = "exact") -> str:
@@ -123,10 +107,9 @@ def fingerprint_of(identity: dict, backbone: str = "exact") -> str:
   return identity_lib.fingerprint(blob)
 
 
-def check_run(setup: Setup, backbones, pretrain_only: bool = False
-              ) -> None:
+def check_run(setup: Setup, backbones, pretrain_only: bool = False) -> None:
   """``ValueError`` naming what is wrong with a run of ``setup`` on
-  ``backbones`` (names, in order) before any work is done."""
+  ``backbones`` (names), before any work is done."""
   bad = [b for b in backbones if b not in protocol.BACKBONES]
   if bad or not backbones:
     raise ValueError(f"--backbone must be from {','.join(protocol.BACKBONES)}; "
@@ -154,61 +137,44 @@ _APPENDIX_D_TASK = tasks_lib.TaskConfig(num_train=5000, num_val=500,
 
 def _tiny() -> Setup:
   """Seconds: for tests and smoke runs."""
-  return Setup(trials=2, tasks_per_hmm=1, left_sizes=(4, 12),
-               memory_sizes=(2,),
+  return Setup(trials=2, tasks_per_hmm=1, left_sizes=(4, 12), memory_sizes=(2,),
                task=tasks_lib.TaskConfig(num_train=128, num_val=32,
                                          num_test=64, seq_len=16),
                tune=_tune(2, 4, 32), pretrain=pretrain_lib.configure("tiny"))
 
 
 def _cpu() -> Setup:
-  """The main job: both panels with the transformer on 2 CPU cores, 3
-  trials per size (an HMM draw, its pretrained transformer and a task
-  each). Vanilla HMMs are shared by the panels (sizes 8, 12, 28), so 7
-  stacks of 3 are pretrained (``cpu_capped``: at most 2000 steps each; a
-  draw above 0.04 nats at the cap, or above 0.06 at step 1000, pretrains
-  again with 4 layers);
-  inputs are 80 positions as in the authors' tuning scripts (20 prompt
-  vectors, MASK, 59 tokens); the head reads the raw output probabilities
-  (the paper's ``G``; ``log`` is the other feature kind)."""
+  """The main job: both panels on 2 CPU cores, 3 trials per size
+  (``cpu_capped``: at most 2000 steps; a draw above 0.04 nats at the cap,
+  or 0.06 at step 1000, pretrains again with 4 layers); 80-position inputs
+  as in the authors' tuning scripts (20 prompt vectors, MASK, 59 tokens);
+  heads on the raw probabilities (the paper's ``G``)."""
   return Setup(trials=3, tasks_per_hmm=1, left_sizes=(4, 8, 12, 28),
                memory_sizes=(2, 3, 7), features=("raw",),
                task=tasks_lib.TaskConfig(num_train=2000, num_val=500,
                                          num_test=1000, seq_len=59),
                tune=_tune(5, 20, 32),
-               pretrain=pretrain_lib.configure("cpu_capped",
-                                               fallback_layers=4,
+               pretrain=pretrain_lib.configure("cpu_capped", fallback_layers=4,
                                                fallback_gap=0.06))
 
 
 def _paper() -> Setup:
   """Figure 3's protocol: every size of both panels, 20 trials per size on
-  the left and 5 on the right (a new HMM, pretrained model and task each),
-  Appendix D's task sizes and pretraining (for accelerators; the exact
-  backbone runs it on 2 CPU cores, docs/figure3.md); heads on the raw
-  probabilities (the paper's ``G``)."""
+  the left and 5 on the right, Appendix D's task sizes and pretraining;
+  heads on the raw probabilities."""
   return Setup(trials=20, right_trials=5, tasks_per_hmm=1,
                left_sizes=_ALL_LEFT, memory_sizes=_ALL_MEMORY,
-               features=("raw",),
-               task=_APPENDIX_D_TASK, tune=_tune(5, 20, 32),
+               features=("raw",), task=_APPENDIX_D_TASK, tune=_tune(5, 20, 32),
                pretrain=pretrain_lib.configure("paper"))
 
 
 def _cpu_paper() -> Setup:
-  """Figure 3's protocol with pretrained transformers on 2 CPU cores:
-  :func:`_paper`'s trials (20 per size on the left, 5 on the right; a new
-  HMM, transformer and task each) and sizes, with :func:`_cpu`'s model,
-  pretraining recipe (``cpu_capped``) and task sizes. The paper's tasks are
-  128 tokens long, beyond the 80 positions the CPU model is pretrained on
-  (and ``check_context`` refuses inputs beyond the context), so the tasks
-  are the main job's 59 tokens (20 prompt vectors, MASK, 59 tokens = 80).
-  Run in chunks of whole size stacks (``experiments/in_chunks.py``),
-  resuming from ``docs/results/figure3-cpu-paper/``. The main job's
-  4-layer fallback included, with two earlier checks: a draw above 0.3
-  nats at step 250 or 0.12 at step 500 falls back then (the 10 that fell
-  back at step 1000 did so without fail, their 2-layer steps after the
-  first checks spent for nothing; docs/figure3.md). The runs before are
-  in git history (docs/figure3.md)."""
+  """Figure 3's protocol on 2 CPU cores: :func:`_paper`'s trials and sizes
+  with :func:`_cpu`'s model, pretraining and tasks (59 tokens: the paper's
+  128 exceed the CPU model's 80-position context), run in chunks
+  (``experiments/in_chunks.py``) into ``docs/results/figure3-cpu-paper/``.
+  The 4-layer fallback also comes early: a draw above 0.3 nats at step 250
+  or 0.12 at step 500 falls back then (docs/figure3.md)."""
   cpu = _cpu()
   return dataclasses.replace(
       cpu, trials=20, right_trials=5, left_sizes=_ALL_LEFT,
@@ -217,31 +183,14 @@ def _cpu_paper() -> Setup:
 
 
 def _gpu() -> Setup:
-  """Figure 3 on one accelerator (``experiments/in_chunks.py``, in chunks
-  of whole size stacks): :func:`_paper`'s protocol and transformer (width
-  768, 6 layers, 12 heads, context 512), pretrained to within 0.04 nats of
-  the Bayes CE at most 2000 steps instead of Appendix D's 3 epochs at lr
-  1e-5: exact-conditional targets on fresh samples every step, MASK-only
-  corruption, a size's trials stacked in one program, learning-rate cycles
-  of 250, 250, 500 and 1000 steps, stopping at the end of the first cycle
-  within the target.
-
-  The optimizer, positions and masking are ``cpu_capped``'s (recipe A):
-  Muon at lr 1e-2, a learned bias per relative offset and training at 40%
-  masking (held-out sets keep 15%). On an H200 AdamW at 3e-4 with learned
-  absolute positions left 19 of 20 draws of ``|H|`` = 30 0.13-1.9 nats
-  above the Bayes CE at step 750; recipe A took all 20 within 0.04 by step
-  500 (docs/figure3_gpu.md).
-
-  Tasks are :func:`_cpu_paper`'s: 2000 / 500 / 1000 examples of 59 tokens,
-  so a tuning input is 80 positions with the prompt (20 vectors, MASK, 59
-  tokens), the length the authors' tuning scripts truncated every input
-  to (Appendix D's text says 128). The GPU and CPU protocols then differ
-  in the model alone: the same seeds give the same HMM draws and tasks,
-  so the exact backbone's lines of ``docs/results/figure3-cpu-paper`` are
-  this protocol's too, and prompt tuning runs 80 positions instead of
-  149. The backbone computes in bf16 while tuning on an accelerator
-  (``tune.backbone_dtype``), as it did in pretraining."""
+  """Figure 3 on one accelerator, in chunks (docs/figure3_gpu.md):
+  :func:`_paper`'s protocol and transformer, pretrained to within 0.04
+  nats of the Bayes CE in at most 2000 steps (learning-rate cycles of 250,
+  250, 500 and 1000 steps, stopping at the first cycle's end within the
+  target) with ``cpu_capped``'s recipe; :func:`_cpu_paper`'s tasks, so the
+  exact backbone's lines of ``docs/results/figure3-cpu-paper`` are this
+  protocol's too. The backbone tunes in bf16 on an accelerator, as it
+  pretrained."""
   cycles = (250, 250, 500, 1000)
   pretrain = pretrain_lib.configure(
       "paper", dtype="auto",  # bf16 compute on accelerators
@@ -250,15 +199,12 @@ def _gpu() -> Setup:
                   corruption="mask", train_mask_rate=0.4),
       targets="exact", batch_size=64, optimizer="muon", lr=1e-2,
       warmup_steps=100, cycles=cycles, steps=sum(cycles), target_gap=0.04,
-      # Runtime: 4 trials per vmap fit an H200 with room (44 GiB by the
-      # GPU's own buffer assignment) and an H100; 20 in one vmap would
-      # not (docs/figure3_gpu.md).
+      # Runtime: fits an H100 (docs/figure3_gpu.md).
       trials_per_vmap=4, eval_every=250, ckpt_every=250, log_every=50,
       keep=1)  # runtime: 20 trials' params + optimizer are ~10 GB
   cpu_paper = _cpu_paper()
   tune = dataclasses.replace(
-      cpu_paper.tune,
-      backbone_dtype=pretrain_lib.resolve_dtype("auto"))
+      cpu_paper.tune, backbone_dtype=pretrain_lib.resolve_dtype("auto"))
   return dataclasses.replace(_paper(), pretrain=pretrain, task=cpu_paper.task,
                              tune=tune)
 
@@ -267,18 +213,11 @@ PRESETS = {"tiny": _tiny, "cpu": _cpu, "cpu_paper": _cpu_paper,
            "paper": _paper, "gpu": _gpu}
 
 
-def get_setup(preset: str = "cpu",
-              overrides: Mapping[str, Any] | None = None,
+def get_setup(preset: str = "cpu", overrides: Mapping[str, Any] | None = None,
               **fields) -> Setup:
-  """The named preset with overrides (:func:`config_flags.from_preset`).
-
-  Raises:
-    ValueError: a bad preset or override, or an override that empties a
-      panel's sizes: ``--config.left_sizes=`` once ran the right panel
-      alone and exited 0 without a left panel, where ``--panel`` is the
-      way to choose panels (a chunk of one panel empties the other's
-      sizes in code, through ``dataclasses.replace``, which stays free).
-  """
+  """The named preset with overrides (:func:`config_flags.from_preset`);
+  ``ValueError`` for a bad preset or override, or one that empties a
+  panel's sizes (``--panel`` chooses panels)."""
   for name in ("left_sizes", "memory_sizes"):
     given = (overrides or {}).get(name, fields.get(name))
     if given is not None and not str(given).strip("(), "):

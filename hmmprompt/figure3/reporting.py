@@ -1,6 +1,5 @@
-"""The report: mean and 95% interval per curve, the table beside the
-paper's numbers, the plot, and the table and gap curves of the pretrained
-models."""
+"""The report: mean and 95% interval per curve beside the paper's numbers,
+the plot, and the pretrained models' table and gap curves."""
 
 from __future__ import annotations
 
@@ -12,18 +11,14 @@ from hmmprompt.figure3 import schema
 from hmmprompt import files as files_lib
 from hmmprompt.pretrain import report as pretrain_report
 
-
 # Read off the authors' Figure 3 (approximate), test accuracy in %.
 PAPER_LEFT = {"prompt": {4: 100, 8: 97, 10: 93, 15: 87, 25: 75, 30: 75},
               "head": {4: 94, 8: 84, 10: 80, 15: 75, 25: 66, 30: 66}}
 PAPER_RIGHT = {"memory": {8: 100, 12: 100, 20: 100, 28: 98},
                "vanilla": {8: 83, 12: 81, 20: 64, 28: 66}}
 
-# Arms beyond the paper's (Setup.prompt_attention, Setup.head_optimum: an
-# L-BFGS twin of the linear-head arms only):
-# their column names, and a note under a table that shows them. The paper's
-# arms keep their names ("prompt linear"), so a report without these lines
-# reads as before.
+# Arms beyond the paper's (Setup.prompt_attention, Setup.head_optimum):
+# their column names, and a note under a table that shows them.
 _ARM_LABELS = {"head_linear_lbfgs": "head optimum",
                "prompt_attention": "attention prompt"}
 _ARM_NOTES = {
@@ -35,13 +30,13 @@ _ARM_NOTES = {
                         "head on the memory HMM (Theorem 4.6).",
 }
 
+
 def mean_ci(values) -> tuple[float, float]:
   """Mean and half-width of the 95% t-interval."""
   v = np.asarray(values, np.float64)
   if len(v) < 2:
     return float(v.mean()), float("nan")
-  # Imported here: scipy.stats costs ~0.8 s to import, in every process
-  # that imports the sweep (binaries, test workers), most never report.
+  # Imported here: slow to import, and most processes never report.
   import scipy.stats  # pylint: disable=g-import-not-at-top
   t = scipy.stats.t.ppf(0.975, len(v) - 1)
   return float(v.mean()), float(t * v.std(ddof=1) / np.sqrt(len(v)))
@@ -64,31 +59,23 @@ def _curves(lines) -> dict:
 
 
 def summarize(lines: list[schema.ResultLine]) -> dict:
-  """(backbone, panel, hmm, method, features) -> {size: (mean, ci, n)}.
-
-  The unit is the trial (an HMM draw with its backbone): a trial's tasks
-  are averaged first, and the interval is over trials (``n`` of them). With
-  one trial the interval is over its tasks (``n`` tasks), which measures
-  task noise only.
-  """
+  """(backbone, panel, hmm, method, features) -> {size: (mean, ci, n)}:
+  over ``n`` trials, each trial's tasks averaged first; with one trial,
+  over its ``n`` tasks (task noise only)."""
   out: dict = {}
   for k, by_size in _curves(lines).items():
     out[k] = {}
     for size, rs in sorted(by_size.items()):
       trials = _by_trial(rs)
-      if len(trials) > 1:
-        values = [np.mean(v) for v in trials.values()]
-      else:
-        values = next(iter(trials.values()))
+      values = ([np.mean(v) for v in trials.values()] if len(trials) > 1
+                else next(iter(trials.values())))
       out[k][size] = (*mean_ci(values), len(values))
   return out
 
 
 def variance_components(lines: list[schema.ResultLine]) -> dict:
-  """Curve key -> {size: (sd between trials, sd within trials)} in points:
-  the SD of the trial means (HMM draws) and the pooled SD of tasks around
-  their trial's mean (task draws); only where both are measurable (>= 2
-  trials with >= 2 tasks each)."""
+  """Curve key -> {size: (SD of the trial means, pooled SD of tasks around
+  their trial's mean)} in points, where >= 2 trials have >= 2 tasks."""
   out: dict = {}
   for k, by_size in _curves(lines).items():
     for size, rs in sorted(by_size.items()):
@@ -104,9 +91,8 @@ def variance_components(lines: list[schema.ResultLine]) -> dict:
 
 
 def trial_table(lines: list[schema.ResultLine]) -> str:
-  """Markdown, one row per (backbone, panel, size, trial): the trial's HMM
-  fingerprint, its pretraining gap (transformer) and its accuracy (mean
-  over its tasks) in every arm, so an outlier draw is visible."""
+  """Markdown, one row per (backbone, panel, size, trial): HMM
+  fingerprint, pretraining gap and mean accuracy in every arm."""
   if not lines:
     return ""
   out = ["## Per trial (HMM draw): test accuracy (%), mean over its tasks",
@@ -143,8 +129,7 @@ def trial_table(lines: list[schema.ResultLine]) -> str:
 
 def wins_table(lines: list[schema.ResultLine]) -> str:
   """Markdown: per backbone and left-panel size, on how many draws prompt
-  tuning beats head tuning (each draw's tasks averaged; same features):
-  the paired view that a mean ± interval hides."""
+  tuning beats head tuning (each draw's tasks averaged)."""
   rows = []
   for backbone in sorted({r.backbone for r in lines}):
     for features in sorted({r.features for r in lines}):
@@ -159,9 +144,8 @@ def wins_table(lines: list[schema.ResultLine]) -> str:
                  and "prompt_linear" in m and "head_linear" in m]
         if pairs:
           p, h = np.array(pairs).T
-          rows.append((backbone, features, size, len(pairs),
-                       int((p > h).sum()), int((p == h).sum()),
-                       int((p < h).sum())))
+          rows.append((backbone, features, size, len(pairs), int((p > h).sum()),
+                       int((p == h).sum()), int((p < h).sum())))
   if not rows:
     return ""
   return "\n".join(["## Prompt vs head tuning, draw by draw (left panel)",
@@ -171,16 +155,14 @@ def wins_table(lines: list[schema.ResultLine]) -> str:
 
 
 def diverged_table(lines: list[schema.ResultLine]) -> str:
-  """Markdown naming every cell whose tuning loss ended non-finite (its
-  accuracy is that of a constant prediction, not of the method)."""
+  """Markdown naming every cell whose tuning loss ended non-finite."""
   bad = [r for r in lines if not np.isfinite(r.final_loss)]
   if not bad:
     return ""
   out = [f"## Diverged tuning: {len(bad)} cell(s) ended with a non-finite "
          "loss (their accuracies are in the tables)", ""]
   out += files_lib.markdown_table(
-      ("backbone", "panel", "size", "trial", "task", "arm", "HMM",
-       "test acc"),
+      ("backbone", "panel", "size", "trial", "task", "arm", "HMM", "test acc"),
       [(r.backbone, r.panel, r.size, r.trial, r.task,
         f"{r.hmm} {r.method} ({r.features})", r.hmm_fingerprint,
         f"{100 * r.test_accuracy:.1f}") for r in bad])
@@ -193,16 +175,14 @@ def components_table(lines: list[schema.ResultLine]) -> str:
     return ""
   out = ["## Variance components (points): SD between trials (HMM draws) "
          "/ SD within a trial (task draws)", ""]
-  out += files_lib.markdown_table(
-      ("curve", "size", "between", "within"),
-      [(_label(k), size, f"{b:.1f}", f"{w:.1f}") for k, d in comps.items()
-       for size, (b, w) in d.items()])
+  out += files_lib.markdown_table(("curve", "size", "between", "within"), [
+      (_label(k), size, f"{b:.1f}", f"{w:.1f}") for k, d in comps.items()
+      for size, (b, w) in d.items()])
   return "\n".join(out + [""])
 
 
 def _method_label(method: str) -> str:
-  """``prompt_linear`` -> ``prompt linear``; the arms beyond the paper by
-  their :data:`_ARM_LABELS` name."""
+  """``prompt_linear`` -> ``prompt linear``, or its :data:`_ARM_LABELS`."""
   return _ARM_LABELS.get(method, method.replace("_", " "))
 
 
@@ -216,9 +196,7 @@ def _cell(m: float, ci: float, n: int) -> str:
 
 
 def inputs_note(lines) -> str:
-  """One sentence: the tuning inputs of ``lines`` (tokens after the
-  ``MASK``, and positions with the prompt) beside the paper's, which the
-  report's paper columns were measured on."""
+  """One sentence: the tuning inputs of ``lines`` beside the paper's."""
   shapes = set()
   for r in lines:
     if r.method.startswith("prompt"):
@@ -256,8 +234,8 @@ def write_table(summary: dict, path: str, extra: str = "",
         [s] + [f"~{paper[p][s]}" if s in paper[p] else "" for p in paper]
         + [_cell(*summary[k][s]) if s in summary[k] else "" for k in cols]
         for s in sizes]) + [""]
-    notes = [_ARM_NOTES[m] for m in _ARM_NOTES if any(k[3] == m
-                                                      for k in cols)]
+    notes = [_ARM_NOTES[m] for m in _ARM_NOTES
+             if any(k[3] == m for k in cols)]
     if notes:
       out += [f"* {n}" for n in notes] + [""]
   if extra:
@@ -267,7 +245,7 @@ def write_table(summary: dict, path: str, extra: str = "",
 
 def write_plot(summary: dict, path: str) -> None:
   fig, axes = files_lib.pyplot().subplots(1, 2, figsize=(12, 4.5))
-  colors: dict = {}  # one colour per (backbone, hmm, method); style per features
+  colors: dict = {}  # one colour per (backbone, hmm, method); style by features
   for ax, panel, paper, xlabel in (
       (axes[0], "left", PAPER_LEFT, "hidden states |H|"),
       (axes[1], "right", PAPER_RIGHT, "|M||H|")):
@@ -302,17 +280,14 @@ def write_plot(summary: dict, path: str) -> None:
 
 
 def write_figure3_report(workdir: str) -> dict:
-  """Writes ``figure3.md`` (the summary beside the paper, variance
-  components, the per-trial table, the pretraining table linking
-  ``pretraining.png``), ``figure3.png`` and ``pretraining.png``; returns the
-  summary."""
+  """Writes ``figure3.md``, ``figure3.png`` and ``pretraining.png`` in
+  ``workdir``; returns :func:`summarize`'s summary."""
   lines = schema.read_results(workdir)
   schema.check_one_setup(lines, workdir)
   summary = summarize(lines)
   extra = [diverged_table(lines), wins_table(lines), components_table(lines),
            trial_table(lines), pretrain_report.section(workdir)]
   write_table(summary, os.path.join(workdir, "figure3.md"),
-              extra="\n".join(e for e in extra if e),
-              inputs=inputs_note(lines))
+              extra="\n".join(e for e in extra if e), inputs=inputs_note(lines))
   write_plot(summary, os.path.join(workdir, "figure3.png"))
   return summary

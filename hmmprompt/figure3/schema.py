@@ -1,10 +1,6 @@
-"""The result line: one typed record per (backbone, arm, size, trial, task).
-
-:class:`ResultLine` is the schema: it is written (atomically, one JSONL
-line each), keyed for resume (:meth:`ResultLine.key`), read back
-(:func:`read_results`) and summarised for the table and plot, all through
-this one definition.
-"""
+"""The result line (:class:`ResultLine`): one typed record per (backbone,
+arm, size, trial, task), written, keyed for resume and read back
+(:func:`read_results`) through this one definition."""
 
 from __future__ import annotations
 
@@ -16,31 +12,21 @@ from hmmprompt import files as files_lib
 
 @dataclasses.dataclass(frozen=True)
 class ResultLine(files_lib.Line):
-  """One finished cell of the sweep.
+  """One finished cell of the sweep, keyed by ``KEY_FIELDS`` (what a rerun
+  looks up; ``setup``: :meth:`configs.Setup.fingerprint`); ``pretrain_*``
+  are ``None`` for the exact backbone."""
 
-  Key fields (what a rerun looks up): ``backbone`` (exact | transformer),
-  ``panel`` (left | right), ``hmm`` (vanilla | memory), ``num_states``
-  (``|H|``, syntax states for memory), ``memory_size`` (0 for vanilla),
-  ``trial`` (the HMM draw of this size, with its pretrained backbone),
-  ``task`` (the downstream draw on that HMM), ``method``
-  (``<method>_<head>``), ``features`` and ``setup``
-  (:meth:`configs.Setup.fingerprint`). The rest are values:
-  ``hmm_fingerprint`` (:func:`generative.model_fingerprint` of the trial's HMM) and
-  the results; ``pretrain_*`` (the trial's transformer) are ``None`` for
-  the exact backbone.
-  """
-
-  backbone: str
-  panel: str
-  hmm: str
-  num_states: int
-  memory_size: int
-  trial: int
-  task: int
-  method: str
+  backbone: str  # exact | transformer
+  panel: str  # left | right
+  hmm: str  # vanilla | memory
+  num_states: int  # |H| (syntax states for memory)
+  memory_size: int  # 0 for vanilla
+  trial: int  # the HMM draw
+  task: int  # the downstream draw on it
+  method: str  # <method>_<head>
   features: str
   setup: str
-  hmm_fingerprint: str
+  hmm_fingerprint: str  # generative.model_fingerprint
   size: int  # the x-axis: |H| (left) or |M||H| (right)
   test_accuracy: float
   val_accuracy: float
@@ -58,8 +44,7 @@ class ResultLine(files_lib.Line):
   pretrain_bayes_ce: float | None = None
   pretrain_steps: int | None = None
   pretrain_wall_s: float | None = None
-  # The fallback model's depth where the trial fell back
-  # (PretrainConfig.fallback_layers), else None: the recipe's own.
+  # The fallback's depth where the trial fell back, else None.
   pretrain_layers: int | None = None
 
   KEY_FIELDS = ("backbone", "panel", "hmm", "num_states", "memory_size",
@@ -82,13 +67,12 @@ def results_path(workdir: str, num_hosts: int = 1, host_index: int = 0):
 def read_results(workdir: str) -> list[ResultLine]:
   """Lines of every results file in ``workdir`` (hosts write their own)."""
   return files_lib.read_lines(os.path.join(workdir, "results*.jsonl"),
-                                ResultLine)
+                              ResultLine)
 
 
 def check_one_setup(lines, where: str) -> None:
-  """``ValueError`` if ``lines`` of one backbone carry several setup
-  fingerprints (their report would mix two setups), named with
-  ``where``."""
+  """``ValueError`` naming ``where`` if ``lines`` of one backbone carry
+  several setup fingerprints."""
   by_backbone: dict[str, set] = {}
   for r in lines:
     by_backbone.setdefault(r.backbone, set()).add(r.setup)

@@ -1,14 +1,8 @@
 """Finished cells survive SIGTERM and SIGINT: :func:`archive_on_signal`
-writes a chunk's archive within seconds of either signal, even while the
-main thread waits inside a compiled program that runs for minutes.
-
-A Python signal handler runs only when the main thread returns to the
-interpreter, which a tuning program of 20 trials does not for minutes: a
-lent machine's time limit then kills the run before any handler runs. So the signal is taken from
-:func:`signal.set_wakeup_fd` by a thread of its own, which the C-level
-handler wakes at once; that thread writes the archive from what is on
-disk (result lines are appended by atomic rewrites, so a concurrent read
-sees whole files) and ends the process.
+writes a chunk's archive within seconds, even inside a compiled program
+that runs for minutes (where a Python handler would run too late): a
+thread of its own, woken through :func:`signal.set_wakeup_fd`, writes it
+from what is on disk (whole files: atomic rewrites) and ends the process.
 """
 
 from __future__ import annotations
@@ -38,14 +32,12 @@ def _ignore(signum, frame) -> None:
 
 
 @contextlib.contextmanager
-def archive_on_signal(save: Callable[[str], None],
-                      workdir: str | None = None,
+def archive_on_signal(save: Callable[[str], None], workdir: str | None = None,
                       resume: str = "") -> Iterator[None]:
   """While inside, SIGTERM or SIGINT calls ``save(signal name)`` from a
-  watcher thread, removes ``workdir`` (a temporary one; ``None``: keep),
-  prints one line naming the signal and ``resume`` and ends the process
-  with status 128 + the signal's number. Outside the main thread (where
-  Python allows no handlers) it does nothing."""
+  watcher thread, removes ``workdir`` (``None``: keep), prints one line
+  naming the signal and ``resume`` and exits with 128 + the signal's
+  number. Outside the main thread it does nothing."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
@@ -76,8 +68,7 @@ def archive_on_signal(save: Callable[[str], None],
             flush=True)
       os._exit(128 + sigs[0])
 
-  thread = threading.Thread(target=watch, name="archive-on-signal",
-                            daemon=True)
+  thread = threading.Thread(target=watch, name="archive-on-signal", daemon=True)
   thread.start()
   try:
     yield

@@ -1,14 +1,8 @@
-"""The sweep, top to bottom: :func:`plan` lists the groups (one tuning arm
-on one model size) by model; :func:`run_sweep` takes each model in turn
-(:func:`protocol.run_stacks`), draws its stack of trials (HMM draws),
-pretrains their backbones and draws their tasks (:func:`prepare`), then
-tunes each group's missing cells, all its trials x tasks in one vmapped
-program (:func:`tune_group`); a cell is one task of one trial of a group,
-one :class:`schema.ResultLine`.
-
-Random streams are :mod:`hmmprompt.protocol`'s: a vanilla HMM depends only
-on its size and trial, so both panels share it (and its pretrained
-transformer).
+"""The sweep: :func:`plan` lists the groups (one tuning arm on one model
+size) by model; :func:`run_sweep` draws and pretrains each model's stack of
+trials (:func:`prepare`), then tunes each group's missing cells (one task
+of one trial, one :class:`schema.ResultLine`) in one program
+(:func:`tune_group`). Both panels share a vanilla HMM and its transformer.
 """
 
 from __future__ import annotations
@@ -49,16 +43,9 @@ class Group(protocol.Group):
 def plan(setup: configs.Setup, panel: str = "both",
          backbone: str = "exact") -> dict[ModelId, list[Group]]:
   """The groups of ``panel`` by model, models vanilla then memory by size
-  (the order they run and are sharded in).
-
-  Left: head and prompt tuning (and fine-tuning) with the linear head.
-  Right: per ``|M|``, the memory HMM's attention head (and, with
-  ``setup.prompt_attention``, prompt tuning with it: Theorem 4.6) and the
-  vanilla twin's linear head. ``setup.head_optimum`` follows every
-  linear-head tuning group with its L-BFGS twin (the convex problem; the
-  attention head's is not, and L-BFGS on it cost minutes a group at the
-  paper's sizes).
-  """
+  (the order they run and are sharded in): the arms of :class:`configs.Setup`
+  (left: linear head; right: the memory HMM's attention head, the vanilla
+  twin's linear head)."""
   out = []
   if panel in ("left", "both"):
     methods = ["head", "prompt"]
@@ -82,15 +69,15 @@ def plan(setup: configs.Setup, panel: str = "both",
         (g, dataclasses.replace(g, optimizer="lbfgs"))
         if g.method == "head" and g.head == "linear" else (g,))]
   by_model: dict[ModelId, list[Group]] = {}
-  for g in sorted(out, key=lambda g: (g.model_id.hmm != "vanilla",
-                                      g.model_id.size)):  # stable
+  for g in sorted(out, key=lambda g: (g.model_id.hmm != "vanilla",  # stable
+                                      g.model_id.size)):
     by_model.setdefault(g.model_id, []).append(g)
   return by_model
 
 
 def stack_sizes(setup: configs.Setup) -> dict[ModelId, int]:
-  """Trials drawn (and pretrained) per model: the most any panel reads,
-  whichever panels this run does, so a stack never changes size."""
+  """Trials drawn per model: the most any panel reads, whichever panels
+  this run does, so a stack never changes size."""
   return {mid: max(setup.panel_trials(g.panel) for g in groups)
           for mid, groups in plan(setup).items()}
 
@@ -108,18 +95,10 @@ def make_models(setup: configs.Setup, mid: ModelId) -> generative.Model:
 def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
               models_K: generative.Model, backbone_name: str,
               checkpoints: bool = True, stop_at: float | None = None):
-  """``(backbone, params_K, pretrain_K, configs_K)`` of ``mid``'s trials;
-  a transformer is pretrained first (or reused, or resumed).
-
-  ``params_K`` is stacked ``[K, ...]``; ``pretrain_K[k]`` holds the
-  ``pretrain_*`` fields of trial ``k``'s result lines (none for exact);
-  ``configs_K[k]``: trial ``k``'s own transformer config (None for exact):
-  a stack with fallbacks is padded to the deepest
-  (:func:`~hmmprompt.pretrain.load_trials`). ``checkpoints=False``: the
-  transformers are pretrained without checkpoints and handed over in
-  memory (a workdir nothing will resume; :func:`protocol.pretrained`).
-  ``stop_at``: pretraining stops there (:func:`pretrain.run_trials`).
-  """
+  """``(backbone, params_K, pretrain_K, configs_K)`` of ``mid``'s trials
+  (:func:`protocol.pretrained`): ``params_K`` ``[K, ...]`` padded to the
+  deepest, ``pretrain_K[k]`` trial ``k``'s ``pretrain_*`` fields,
+  ``configs_K[k]`` its own transformer config (``{}``, ``None``: exact)."""
   if backbone_name == "exact":
     num = generative.num_trials(models_K) or 1
     return (*protocol.exact_backbones(models_K), [{}] * num, [None] * num)
@@ -135,8 +114,7 @@ def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
 
 
 class Trials(NamedTuple):
-  """One :class:`ModelId`'s stack of K trials, ready to tune
-  (:func:`prepare`)."""
+  """One :class:`ModelId`'s stack of K trials, ready to tune."""
 
   stack: protocol.Stack
   backbone: Backbone
@@ -144,13 +122,10 @@ class Trials(NamedTuple):
   pretrain: list[dict]  # [K] the pretrain_* fields of the trial's lines
   mlm_configs: list[transformer.MLMConfig | None]  # [K] own (None: exact)
 
-  def by_depth(self, trial_ids: list[int],
-               dtype: str = "float32") -> list[tuple[Backbone, Any,
-                                                       list[int]]]:
+  def by_depth(self, trial_ids: list[int], dtype: str = "float32"
+               ) -> list[tuple[Backbone, Any, list[int]]]:
     """``(backbone, params_G, ids)`` per depth among ``trial_ids``: each
-    trial tuned at its own depth, not padded to its stack's deepest (a
-    2-layer model padded to 4 pays the 4-layer backward in prompt
-    tuning; docs/figure3.md has the cost)."""
+    trial tuned at its own depth, not padded (a deeper backward)."""
     def depth(k: int) -> int:
       mlm = self.mlm_configs[k]
       return 0 if mlm is None else mlm.num_layers
@@ -174,9 +149,7 @@ class Trials(NamedTuple):
 def prepare(workdir: str, setup: configs.Setup, mid: ModelId, num: int,
             backbone_name: str, checkpoints: bool = True,
             stop_at: float | None = None) -> Trials:
-  """Draws ``mid``'s ``num`` trials (:func:`stack_sizes`) and their tasks,
-  and pretrains their backbones (transformer; ``checkpoints`` as
-  :func:`backbones`)."""
+  """Draws ``mid``'s ``num`` trials, their tasks and :func:`backbones`."""
   stack = protocol.draw_stack(setup, mid, num, setup.tasks_per_hmm,
                               verdicts=True)
   return Trials(stack, *backbones(workdir, setup, mid, stack.models_K,
@@ -186,14 +159,12 @@ def prepare(workdir: str, setup: configs.Setup, mid: ModelId, num: int,
 def tune_group(setup: configs.Setup, backbone_name: str, g: Group,
                trials: Trials, cells) -> list[schema.ResultLine]:
   """Tunes ``g``'s ``cells`` (``(trial, task)`` pairs) in one program (the
-  rectangle of their trials x tasks) per backbone depth
-  (:meth:`Trials.by_depth`); returns their lines."""
+  rectangle of their trials x tasks) per depth; returns their lines."""
   trial_ids = sorted({k for k, _ in cells})
   task_ids = sorted({s for _, s in cells})
   cfg = g.tune_config(setup.tune)
   fields: dict[int, list[dict]] = {}
-  for backbone, params, ids in trials.by_depth(trial_ids,
-                                               cfg.backbone_dtype):
+  for backbone, params, ids in trials.by_depth(trial_ids, cfg.backbone_dtype):
     fields.update(zip(ids, protocol.tune_lanes(
         setup, cfg, backbone, params, [(k, task_ids) for k in ids],
         trials.stack)))
@@ -211,30 +182,24 @@ def tune_group(setup: configs.Setup, backbone_name: str, g: Group,
             setup=fp, hmm_fingerprint=trials.stack.fingerprints[k],
             size=mid.size, **fields[k][j],
             task_redraws=trials.stack.tasks[k][s].redraws,
-            assumptions=verdicts[k][s],
-            tune_config=dataclasses.asdict(cfg),
-            task_config=dataclasses.asdict(setup.task),
-            **trials.pretrain[k]))
+            assumptions=verdicts[k][s], tune_config=dataclasses.asdict(cfg),
+            task_config=dataclasses.asdict(setup.task), **trials.pretrain[k]))
   return lines
 
 
 def check_workdir(workdir: str, setup: configs.Setup,
                   write: bool = True) -> None:
   """Stamps ``DIR/sweep.json`` with :meth:`configs.Setup.identity` on first
-  use (``write``); a workdir of another setup is refused, what differs
-  named, and so is one holding result lines of another setup's
-  fingerprint: a workdir's report never mixes two setups. A stamp of an
-  earlier version (the trial counts alone) is upgraded when its counts are
-  this run's.
+  use (``write``; :func:`stamp`).
 
   Raises:
-    ValueError: the workdir holds another setup's results.
+    ValueError: the workdir's stamp or result lines are another setup's
+      (what differs named where the stamp says).
   """
   identity = setup.identity()
   mine = {configs.fingerprint_of(identity, b) for b in BACKBONES}
   others = sorted({r.setup for r in schema.read_results(workdir)} - mine)
-  # With others, the stamp names what differs (old -> new) if there is
-  # one; the lines' digits alone name nothing a user can act on.
+  # With others, the stamp names what differs; the digits alone do not.
   if not others or os.path.exists(os.path.join(workdir, STAMP)):
     stamp(workdir, identity, write and not others)
   if others:
@@ -245,17 +210,16 @@ def check_workdir(workdir: str, setup: configs.Setup,
 
 
 def stamp(workdir: str, identity: dict, write: bool = True) -> None:
-  """:func:`files_lib.stamp` of ``DIR/sweep.json``, by process 0 only; a
-  stamp of the earlier version (the trial counts alone) is compared on
-  those and, where they agree, upgraded."""
+  """:func:`files.stamp` of ``DIR/sweep.json``, written by process 0 only;
+  an earlier stamp of the trial counts alone is compared on those and,
+  where they agree, upgraded."""
   path = os.path.join(workdir, STAMP)
   write = write and jax.process_index() == 0
   if os.path.exists(path):
     with open(path) as f:
       had = json.load(f)
     if set(had) == {"trials", "right_trials"}:  # the earlier version's
-      files_lib.stamp(path, {k: identity[k] for k in had}, "setup",
-                        write=False)
+      files_lib.stamp(path, {k: identity[k] for k in had}, "setup", write=False)
       if not write:
         return
       os.remove(path)  # upgraded below
@@ -266,10 +230,9 @@ def missing_cells(setup: configs.Setup, workdir: str, panel: str,
                   backbone_name: str,
                   by_model: dict[ModelId, list[Group]] | None = None
                   ) -> dict[ModelId, dict[Group, set]]:
-  """``{model: {group: its (trial, task) cells without a line in
-  workdir}}`` over :func:`plan`'s models (``by_model``, if the caller
-  has it); a group with every line is left out (a finished model maps to
-  ``{}``)."""
+  """:func:`protocol.missing` of ``workdir``'s lines: ``{model: {group:
+  its (trial, task) cells without a line}}`` over :func:`plan`'s models
+  (or ``by_model``)."""
   fp = setup.fingerprint(backbone_name)
   return protocol.missing(
       by_model or plan(setup, panel, backbone_name),
@@ -286,20 +249,13 @@ def run_sweep(setup: configs.Setup, workdir: str, panel: str,
               schedule: scheduling.Schedule = scheduling.EVERYTHING,
               pretrain_only: bool = False, results_file: str | None = None,
               checkpoints: bool = True) -> list[str]:
-  """Runs this process's share of the sweep (whole models: a stack of
-  trials each; ``schedule``: which stacks, in which order, until when,
-  :class:`scheduling.Schedule`, its ``seconds_per_weight`` per trial);
-  finished lines are skipped. ``results_file``: where the lines go
-  (default: :func:`schema.results_path` of the host shard);
-  ``checkpoints=False``: pretraining writes none (:func:`backbones`; a
-  workdir nothing will resume). ``schedule.stop_at`` also stops inside
-  pretraining.
-
-  Returns:
-    The tags of the stacks skipped for the deadline (``[]``: none).
+  """Runs this process's share of the sweep's stacks (``schedule``, a
+  stack's weight its trials), skipping finished lines; ``results_file``
+  defaults to :func:`schema.results_path` of the host shard;
+  ``checkpoints=False``: pretraining writes none (nothing will resume).
+  Returns and raises as :func:`protocol.run_stacks`.
 
   Raises:
-    protocol.DeadlineReached: ``stop_at`` came inside a stack.
     ValueError: a bad backbone, panel or shard, a workdir of another
       setup, or (transformer) inputs longer than the pretrained context.
   """
@@ -331,4 +287,4 @@ def run_sweep(setup: configs.Setup, workdir: str, panel: str,
                                    todo[g.model_id][g]),
       results_file or schema.results_path(workdir, schedule.num_hosts,
                                            schedule.host_index),
-      schedule, weight=sizes.get)
+      schedule, weight=sizes.__getitem__)

@@ -1,16 +1,9 @@
-"""The sweep in one process per core, on one machine.
-
-XLA:CPU spreads the small matmuls of these models poorly over cores, so
-two processes, one per core, train more steps than one process on both
-(``experiments/bench_trials.py`` run on both cores, then two at once under
-``taskset``; the numbers are in docs/performance.md, "One process per
-core"). The binary's
-``--workers=N`` starts N copies of itself (:func:`spawn`), each pinned to
-one core; each takes the next stack nobody has claimed, the
-costliest first (:func:`claims`), into its own results file, and the
-parent merges those into ``DIR/results.jsonl`` (:func:`merge_results`).
-The lines are those of one process, to float rounding (a core's
-summation order), and keyed alike.
+"""The sweep in one process per core, on one machine (XLA:CPU spreads these
+models' small matmuls poorly over cores: docs/performance.md): the
+binary's ``--workers=N`` starts N copies of itself (:func:`spawn`), each
+pinned to one core, claiming stacks (:func:`claims`) into its own results
+file; the parent merges those (:func:`merge_results`). The lines are one
+process's, to float rounding, and keyed alike.
 """
 
 from __future__ import annotations
@@ -37,17 +30,16 @@ SINGLE_THREAD_FLAGS = ("--xla_cpu_multi_thread_eigen=false",)
 
 
 def _cores() -> list[int]:
-  """The cores this process may run on (all of them where the OS has no
-  affinity call, e.g. macOS)."""
+  """The cores this process may run on (all where the OS cannot say)."""
   if hasattr(os, "sched_getaffinity"):
     return sorted(os.sched_getaffinity(0))
   return list(range(os.cpu_count() or 1))
 
 
 def auto_count() -> int:
-  """Workers for ``--workers=0``: the cores this process may run on,
-  at most one per 4 GB of available memory (the main job's largest worker
-  peaked at 2.8 GB)."""
+  """Workers for ``--workers=0``: the cores this process may run on, at
+  most one per 4 GB of available memory (above a worker's peak:
+  docs/figure3.md)."""
   cores = len(_cores())
   try:
     with open("/proc/meminfo") as f:
@@ -60,12 +52,8 @@ def auto_count() -> int:
 
 def resolve_count(requested: int, num_hosts: int = 1) -> int:
   """The ``--workers`` to run (0: :func:`auto_count`; 1 with host
-  sharding or off the CPU).
-
-  Raises:
-    ValueError: a negative count, or several asked for with host sharding
-      or on an accelerator (named).
-  """
+  sharding or off the CPU); ``ValueError`` for a negative count, or
+  several asked for with host sharding or on an accelerator."""
   if requested < 0:
     raise ValueError(f"--workers must be >= 0, got {requested}")
   if requested == 0 and num_hosts > 1:
@@ -85,7 +73,7 @@ def resolve_count(requested: int, num_hosts: int = 1) -> int:
 def run_workers(argv: list[str], count: int, workdir: str) -> None:
   """:func:`spawn` with a fresh claims directory in ``workdir``, then
   :func:`merge_results`; ``SystemExit`` naming the exit codes if a worker
-  failed (what the others finished is kept: a rerun resumes)."""
+  failed (a rerun resumes)."""
   claims_dir = tempfile.mkdtemp(prefix="claims-", dir=workdir)
   try:
     codes = spawn(argv, count, claims_dir)
@@ -98,27 +86,20 @@ def run_workers(argv: list[str], count: int, workdir: str) -> None:
 
 
 def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
-  """Runs ``count`` copies of the binary ``argv`` (``sys.argv``; its
-  ``--workers`` dropped, in either spelling) as workers ``0..count-1``
-  sharing ``claims_dir``, worker ``i`` pinned to the ``i``-th allowed
-  core (``taskset``, from its start; unpinned where there is none);
-  returns their exit codes. Their logs are this process's stderr; if this
-  process is interrupted, they are killed."""
+  """Runs ``count`` copies of the binary ``argv`` (``sys.argv``, without
+  ``--workers``) sharing ``claims_dir``, worker ``i`` pinned to the
+  ``i``-th allowed core; returns their exit codes (killed if this process
+  is interrupted)."""
   os.makedirs(claims_dir, exist_ok=True)
   env = dict(os.environ, XLA_FLAGS=" ".join(
       [os.environ.get("XLA_FLAGS", ""), *SINGLE_THREAD_FLAGS]).strip())
-  # One malloc arena: XLA:CPU allocates a program's temporaries in one
-  # block from a thread of its own, and glibc serves a block over 64 MiB
-  # in a thread's arena with mmap whatever M_MMAP_MAX says (glibc.py), so
-  # a 4-layer step faulted its ~100 MiB in afresh every time (chunk 1 of
-  # the cpu_paper protocol: 471 M minor faults, 15 min of system time).
-  # In the main arena the block is kept; on one core it costs nothing
-  # (docs/performance.md).
+  # One malloc arena: glibc serves a block over 64 MiB in a thread's arena
+  # with mmap (glibc.py), so XLA:CPU's temporaries of a step were faulted
+  # in afresh every time; the main arena keeps them (docs/performance.md).
   env.setdefault("MALLOC_ARENA_MAX", "1")
-  # Shared by the workers (the tuning programs are the same for every
-  # stack of a config), kept no longer than the claims.
-  env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(claims_dir,
-                                                           "xla"))
+  # Shared by the workers (the same tuning programs for every stack), kept
+  # no longer than the claims.
+  env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(claims_dir, "xla"))
   spec = sys.modules["__main__"].__spec__
   if spec is None:
     raise ValueError("--workers needs the binary run as python -m MODULE")
@@ -128,8 +109,7 @@ def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
   procs = []
   try:
     for i in range(count):
-      pin = ([taskset, "-c", str(cores[i % len(cores)])] if taskset
-             else [])
+      pin = [taskset, "-c", str(cores[i % len(cores)])] if taskset else []
       procs.append(subprocess.Popen(
           [*pin, sys.executable, "-m", module,
            *_without(argv[1:], ("workers",)),
@@ -144,8 +124,8 @@ def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
 
 def claims(claims_dir: str, backbone: str
            ) -> Callable[[protocol.ModelId], bool]:
-  """``claim(mid)``: True for exactly one of the processes that ask
-  (an exclusive create of ``claims_dir/<backbone>-<tag>``)."""
+  """``claim(mid)``: True for exactly one of the processes that ask (an
+  exclusive create of ``claims_dir/<backbone>-<tag>``)."""
   def claim(mid: protocol.ModelId) -> bool:
     try:
       os.close(os.open(os.path.join(claims_dir, f"{backbone}-{mid.tag}"),
@@ -157,18 +137,15 @@ def claims(claims_dir: str, backbone: str
 
 
 def worker_results_path(workdir: str, worker: int) -> str:
-  """Worker ``worker``'s own results file (read with the others by
-  :func:`schema.read_results`)."""
+  """Worker ``worker``'s own results file."""
   return os.path.join(workdir, f"results-worker{worker}.jsonl")
 
 
 def merge_results(workdir: str) -> int:
-  """Moves every worker file's lines (a killed run's too) into
-  ``DIR/results.jsonl`` by key, then removes the file; returns the lines
-  added."""
+  """Moves every worker file's lines into ``DIR/results.jsonl`` by key,
+  removing the file; returns the lines added."""
   path, added = schema.results_path(workdir), 0
-  for part in sorted(glob.glob(os.path.join(workdir,
-                                            "results-worker*.jsonl"))):
+  for part in sorted(glob.glob(os.path.join(workdir, "results-worker*.jsonl"))):
     new, _, _ = files_lib.merge_lines(
         path, files_lib.read_lines(part, schema.ResultLine))
     added += len(new)
@@ -177,8 +154,8 @@ def merge_results(workdir: str) -> int:
 
 
 def _without(argv: list[str], names: tuple[str, ...]) -> list[str]:
-  """``argv`` without the flags ``names``, given as ``--name=value`` or
-  ``--name value``."""
+  """``argv`` without the flags ``names`` (``--name=value``, ``--name
+  value``)."""
   out, skip = [], False
   for a in argv:
     if skip:
@@ -192,14 +169,10 @@ def _without(argv: list[str], names: tuple[str, ...]) -> list[str]:
 
 def chunk_compute(argv: list[str], count: int, backbone: str) -> Callable:
   """A ``compute`` for :func:`chunks.run_chunk`: ``count`` workers of the
-  binary ``argv`` (``experiments.in_chunks``) claim the chunk's stacks in
-  its workdir, each until the shared deadline; returns the tags of the
-  stacks still missing cells (those the deadline skipped)."""
-  def compute(chunk_setup, workdir: str, deadline: float | None
-              ) -> list[str]:
-    # Each worker runs the chunk as given on the command line, in this
-    # workdir, under this process's deadline (time.monotonic() is one
-    # clock for every process of a machine).
+  binary ``argv`` claim the chunk's stacks in its workdir, each until the
+  shared deadline; returns the tags of the stacks still missing cells."""
+  def compute(chunk_setup, workdir: str, deadline: float | None) -> list[str]:
+    # time.monotonic() is one clock for every process of a machine.
     args = [*_without(argv, ("workdir", "out", "budget_s")),
             f"--workdir={workdir}"]
     if deadline is not None:

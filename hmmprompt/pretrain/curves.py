@@ -1,39 +1,9 @@
-"""TensorBoard curves of a pretraining run: one TensorBoard run per trial.
-
-Trial ``k``'s event files go to ``<workdir>/tb/trial_<k>/``
-(:func:`trial_logdir`), beside ``metrics.jsonl``; ``tensorboard --logdir
-<workdir>`` (a sweep's ``DIR/pretrain``) shows every trial while it trains.
-Each quantity is written twice, against optimizer steps (``by_step/<name>``)
-and against the tokens the trial has trained on (``by_tokens/<name>``,
-``step * batch_size * chunk_len``), so runs of other batch sizes or context
-lengths compare on one axis:
-
-* ``train_loss``: the training loss, mean over the steps since the last log
-  line (``log_every``);
-* ``tokens_per_s``: the trial's training throughput over those steps (its
-  stack's rate divided among the trials stepping; the first window counts
-  compilation);
-* ``mlm_ce``, ``bayes_ce``, ``ce_gap``, ``tv``: every held-out evaluation
-  (its line of ``metrics.jsonl``).
-
-The event format comes from tensorboardX (the ``tensorboard`` extra; no
-TensorFlow): its protos and record checksums. Without it, or on a process
-other than 0, :class:`Curves` writes nothing. Each write appends its
-records and closes the file (a few hundred bytes per trial every
-``log_every`` steps, never fsynced): a killed run keeps every point written
-before the kill, and nothing needs closing (tensorboardX's
-``SummaryWriter`` queues events to a thread and fsyncs each flush).
-
-A resumed run opens a new event file in each trial's run and writes again
-from its checkpoint's step. TensorBoard reads a run's files in name order
-(the names carry the time), and a point at step ``s`` replaces the tag's
-earlier points at steps ``>= s``: the curves show the resumed run, whose
-losses and evaluations equal the lost ones (resumes are bit-exact) but for
-the throughput and a first ``train_loss`` window that starts at the
-checkpoint. :func:`read_scalars` reads a run back under the same rule,
-which is TensorBoard's default loader's (checked with TensorBoard 2.21; its
-legacy ``--load_fast=false`` loader keeps both points of a rewritten step).
-"""
+"""TensorBoard curves of a pretraining run, one run per trial
+(:func:`trial_logdir`): ``train_loss``, ``tokens_per_s`` and the evaluations
+against steps (``by_step/``) and tokens (``by_tokens/``). Written with
+tensorboardX (the ``tensorboard`` extra), appending and closing the file
+per write, so a killed run keeps every point; a resumed run's points
+replace those at later steps (:func:`read_scalars`)."""
 
 from __future__ import annotations
 
@@ -70,23 +40,20 @@ def trial_logdir(workdir: str, trial: int) -> str:
 
 
 def _frame(data: bytes) -> bytes:
-  """One TFRecord: the length (little-endian u64) and its masked CRC32C,
-  the data and its masked CRC32C."""
+  """One TFRecord: the length (u64) and the data, each with its CRC."""
   header = struct.pack("<Q", len(data))
   return (header + struct.pack("<I", masked_crc32c(header)) + data
           + struct.pack("<I", masked_crc32c(data)))
 
 
 class _EventFile:
-  """One event file, opened for each append: no handle outlives a write,
-  so a crash leaves nothing to close."""
+  """One event file, opened for each append."""
 
   def __init__(self, logdir: str):
     os.makedirs(logdir, exist_ok=True)
     ns = time.time_ns()
-    # TensorBoard reads a run's files in name order: seconds, then
-    # nanoseconds put a resumed run's file after the one it continues, even
-    # within one second (a crash and rerun in one process, as in the tests).
+    # TensorBoard reads files in name order: the nanoseconds put a resumed
+    # run's file after the one it continues, even within one second.
     self.path = os.path.join(logdir, f"events.out.tfevents.{ns // 10**9}."
                              f"{socket.gethostname()}.{ns}.{os.getpid()}")
     self.write([event_pb2.Event(wall_time=ns / 1e9,
@@ -98,22 +65,14 @@ class _EventFile:
 
 
 class Curves:
-  """The event files of a run's trials (:func:`trial_logdir`), or nothing
-  (``enabled`` false: no tensorboardX, or not process 0).
-
-  Cheap by design: :meth:`add_losses` keeps each step's losses on the device
-  (no transfer, no sync); :meth:`train` fetches them once per log line. A
-  trial's file is created at its first point, so a rerun with nothing left
-  to do adds none.
-  """
+  """The event files of a run's trials, or nothing (``enabled`` false)."""
 
   def __init__(self, workdir: str, tokens_per_step: int):
     self.workdir = workdir
     self.tokens_per_step = tokens_per_step  # per trial: batch_size * chunk_len
     self.enabled = available() and jax.process_index() == 0
     self._files: dict[int, _EventFile] = {}
-    # (trials, losses_K) of each step since train()
-    self._losses: list[tuple[Iterable[int], Any]] = []
+    self._losses: list[tuple[Iterable[int], Any]] = []  # (trials, losses_K)
 
   @property
   def status(self) -> str | None:
@@ -127,21 +86,18 @@ class Curves:
             f"{os.path.join(self.workdir, TB_DIR)}")
 
   def add_losses(self, trials: Iterable[int], losses_K) -> None:
-    """Keeps one step's training losses ``losses_K [K]`` (row ``j`` is
-    trial ``trials[j]``) for the next :meth:`train`."""
+    """Keeps one step's ``losses_K [K]`` (row ``j``: trial ``trials[j]``)."""
     if self.enabled:
       self._losses.append((trials, losses_K))
 
   def train(self, step: int, tokens_per_s: float) -> None:
-    """Writes each trial's mean training loss over the steps kept since the
-    last call, and its throughput, at ``step``."""
+    """Writes each trial's mean loss since the last call, and throughput."""
     kept, self._losses = self._losses, []
     if not self.enabled or not kept:
       return
     sums: dict[int, float] = {}
     counts: dict[int, int] = {}
-    # One transfer for the window; the stack may have changed inside it (a
-    # trial stopped), so rows are matched to trials step by step.
+    # One transfer; rows match trials step by step (a trial may stop).
     host = jax.device_get([losses_K for _, losses_K in kept])
     for (trials, _), losses_K in zip(kept, host):
       for j, k in enumerate(map(int, trials)):
@@ -171,8 +127,7 @@ class Curves:
 
 
 def _records(path: str):
-  """The records of one event file; a torn last one (a writer killed
-  mid-record) ends it, as TensorBoard waits for the rest."""
+  """The records of one event file; a torn last one ends it."""
   with open(path, "rb") as f:
     blob = f.read()
   at = 0
@@ -191,15 +146,10 @@ def _records(path: str):
 
 
 def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
-  """Each tag's points ``(step, value)`` in a TensorBoard run as TensorBoard
-  shows them: the event files in name order, and a point at step ``s``
-  replacing the tag's earlier points at steps ``>= s`` (a resumed run's
-  rewrite). Values are float32, as stored.
-
-  Raises:
-    ImportError: tensorboardX is not installed.
-    ValueError: a record fails its checksum (names the file).
-  """
+  """Each tag's points ``(step, value)`` (float32) in a TensorBoard run as
+  TensorBoard shows them (a resumed run's rewrite replaces later points).
+  ``ImportError`` without tensorboardX; ``ValueError`` names a file with a
+  bad checksum."""
   if not available():
     raise ImportError("reading event files needs tensorboardX: pip install "
                       "'hmmprompt[tensorboard]'")

@@ -1,10 +1,5 @@
-"""Held-out quality against the exact Bayes conditionals.
-
-On held-out sequences masked with ``MASK`` at the training rate, ``mlm_ce``
-(the model's cross-entropy at the masked positions) is measured beside
-``bayes_ce`` (that of the exact conditionals, :func:`hmm.conditionals`) and
-``tv`` (mean total variation between the two predicted distributions).
-"""
+"""Held-out quality at ``MASK``ed positions: the model's CE ``mlm_ce``, the
+exact conditionals' ``bayes_ce`` (:func:`hmm.conditionals`), their TV."""
 
 from __future__ import annotations
 
@@ -24,8 +19,7 @@ from hmmprompt.pretrain.config import PretrainConfig
 
 
 class ValidationSet(NamedTuple):
-  """``inputs``/``targets``/``weights`` ``[N, T]`` and the exact
-  conditionals ``exact [N, T, V]`` of the inputs."""
+  """``inputs``/``targets``/``weights`` ``[N, T]``, ``exact [N, T, V]``."""
 
   inputs: jax.Array
   targets: jax.Array
@@ -54,9 +48,8 @@ def validation_set(key, model: generative.Model,
 
 
 def gap_sums(p_model, targets, weights, exact) -> jax.Array:
-  """``[4]``: the weighted sums of the model's CE, the Bayes CE, the TV
-  between the two, and the weight, from predicted distributions
-  ``p_model [..., V]`` (traceable)."""
+  """``[4]``: weighted sums of the model's CE, the Bayes CE, their TV and
+  the weight, from ``p_model [..., V]`` (traceable)."""
   take = lambda p: jnp.take_along_axis(p, targets[..., None], -1)[..., 0]
   ce_model = -jnp.log(jnp.maximum(take(p_model), 1e-30))
   ce_bayes = -jnp.log(jnp.maximum(take(exact), 1e-30))
@@ -68,14 +61,12 @@ def gap_sums(p_model, targets, weights, exact) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=(1,))
 def _eval_sums(params, model_cfg, inputs, targets, weights, exact):
-  p_model = jax.nn.softmax(
-      transformer.MLM(model_cfg).apply(params, inputs), -1)
+  p_model = jax.nn.softmax(transformer.MLM(model_cfg).apply(params, inputs), -1)
   return gap_sums(p_model, targets, weights, exact)
 
 
 def evaluate(params, cfg: PretrainConfig, val: ValidationSet) -> dict:
-  """``{"mlm_ce", "bayes_ce", "tv", "ce_gap", "eval_positions"}`` of the
-  transformer ``params`` (:func:`evaluate_predictions`)."""
+  """``{"mlm_ce", "bayes_ce", "tv", "ce_gap", "eval_positions"}``."""
   return evaluate_predictions(
       lambda sl: _eval_sums(params, cfg.model, val.inputs[sl],
                             val.targets[sl], val.weights[sl], val.exact[sl]),
@@ -92,11 +83,7 @@ def _group_sums(params_N, model_cfg, trials_per_vmap: int, inputs_NxBxT,
 
 def evaluate_group(params_N, cfg: PretrainConfig,
                    vals_N: ValidationSet) -> list[dict]:
-  """:func:`evaluate` of ``N`` trials at once: ``params_N`` and ``vals_N``
-  (each trial's own validation set) stacked ``[N, ...]``. One program per
-  slice of ``eval_batch`` sequences steps every trial, mapped as the
-  train step maps them (``cfg.trials_per_vmap``), so a 20-trial
-  evaluation is not 20 round trips per slice."""
+  """:func:`evaluate` of ``N`` trials, ``params_N``/``vals_N`` ``[N, ...]``."""
   num, seqs = vals_N.inputs.shape[:2]
   tot = np.zeros((num, 4))
   for i in range(0, seqs, cfg.eval_batch):
@@ -107,8 +94,8 @@ def evaluate_group(params_N, cfg: PretrainConfig,
 
 
 def evaluate_predictions(sums_of, val: ValidationSet, batch: int) -> dict:
-  """The metrics from :func:`gap_sums` of each slice of ``batch``
-  sequences (``sums_of(slice) -> [4]``), summed over the held-out set."""
+  """The metrics of ``sums_of(slice) -> [4]`` (:func:`gap_sums`) summed
+  over slices of ``batch`` sequences."""
   tot = np.zeros(4)
   for i in range(0, val.inputs.shape[0], batch):
     tot += np.asarray(sums_of(slice(i, i + batch)))

@@ -1,5 +1,4 @@
-"""A pretraining job: K draws of one HMM family and the recipe that
-pretrains a transformer on each (``python -m experiments.pretrain``)."""
+"""A pretraining job: K draws of one HMM family and their recipe."""
 
 from __future__ import annotations
 
@@ -14,14 +13,9 @@ from hmmprompt.pretrain import config as config_lib
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-  """The generating HMM and the pretraining recipe (the vocabulary is
-  ``pretrain.model.vocab_size``); every leaf is a ``--config.<path>``
-  flag of the binary.
-
-  ``trials=K`` draws K HMMs (trial ``k`` from ``fold_in(PRNGKey(hmm_seed),
-  k)``), pretrained in one stacked run
-  (:func:`~hmmprompt.pretrain.run_trials`).
-  """
+  """The generating HMM (vocabulary ``pretrain.model.vocab_size``) and the
+  recipe; every leaf is a ``--config.<path>`` flag. ``trials=K`` draws K
+  HMMs, pretrained in one :func:`~hmmprompt.pretrain.run_trials`."""
 
   pretrain: config_lib.PretrainConfig
   model_kind: str = "vanilla"
@@ -39,14 +33,12 @@ class Job:
 
   @classmethod
   def of(cls, preset: str = "cpu", **overrides) -> Job:
-    """The preset's recipe with ``{"a.b": value}`` overrides (strings
-    parsed, unknown keys refused by name)."""
+    """The preset's recipe with ``{"a.b": value}`` overrides."""
     return config_flags.apply(cls(pretrain=config_lib.configure(preset)),
                               overrides)
 
   def make_model(self) -> generative.Model:
-    """``[trials]`` stacked draws (one: ``random_model(PRNGKey(hmm_seed))``,
-    stacked)."""
+    """``[trials]`` stacked draws."""
     key = jax.random.PRNGKey(self.hmm_seed)
     args = (self.model_kind, self.num_states, self.pretrain.model.vocab_size,
             self.memory_size)

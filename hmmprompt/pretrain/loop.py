@@ -1,9 +1,6 @@
-"""The pretraining loop: resume, train, evaluate, checkpoint, stop.
-
-The batch of step ``s`` is a pure function of ``(seed, s)``
-(:func:`corpus.batch_at`), so a run resumed from an orbax checkpoint
-continues exactly as an uninterrupted one (tested bit for bit).
-"""
+"""The pretraining loop: resume, train, evaluate, checkpoint, stop. Step
+``s``'s batch is a pure function of ``(seed, s)`` (:func:`corpus.batch_at`),
+so a resumed run is bit for bit an uninterrupted one."""
 
 from __future__ import annotations
 
@@ -50,24 +47,20 @@ def _clock() -> float:
 
 
 class DeadlineReached(Exception):
-  """A run's hard deadline (``stop_at``) came between two training steps or
-  two tuning groups; everything finished before it is on disk (a kept
-  workdir holds a checkpoint of the step it stopped at)."""
+  """A run's ``stop_at`` came; everything finished before it is on disk."""
 
 
 class _Progress:
-  """Collects per-step losses; logs rate and ETA every ``log_every`` steps
-  and raises on a non-finite loss (naming the last good checkpoint)."""
+  """Logs loss, rate and ETA; raises on a non-finite loss."""
 
   def __init__(self, cfg: PretrainConfig, start: int, log, trials: int = 1):
     self.cfg, self.log = cfg, log
-    self.trials = trials  # models stepping together (tokens/s counts all)
+    self.trials = trials  # tokens/s counts all the models stepping
     self.pending: list[jax.Array] = []
     self.t_last, self.step_last = time.perf_counter(), start
     self.t_first: float | None = None
     self.step_first: int | None = None
-    # Model FLOP utilisation where the device's peak is known (GPUs):
-    # the window's tokens/s x FLOPs per token over the devices' peak.
+    # MFU where the device's peak is known (GPUs).
     self.flops_per_token = transformer.train_flops_per_token(
         cfg.model, cfg.corpus.chunk_len)
     self.peak_tflops = sharding_lib.peak_tflops(cfg.model.dtype)
@@ -128,8 +121,7 @@ _put = workdir_lib.put
 def run(workdir: str, cfg: PretrainConfig, model: generative.Model,
         log: Callable[[str], Any] = print,
         after_step: Callable[[int], Any] | None = None) -> dict:
-  """Pretrains one model (a stack of one, :func:`run_trials`); returns its
-  final metrics line."""
+  """:func:`run_trials` of one model; returns its final metrics line."""
   return run_trials(workdir, cfg, generative.stack([model]), log=log,
                     after_step=after_step)[0]
 
@@ -138,50 +130,22 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
                log: Callable[[str], Any] = print,
                after_step: Callable[[int], Any] | None = None,
                stop_at: float | None = None) -> list[dict]:
-  """Pretrains (or resumes) K transformers of one config in ``workdir``, one
-  per trial of ``models_K`` (:func:`generative.random_models`,
-  :func:`generative.stack`), in one jitted step; returns each trial's final
-  metrics (lines of ``metrics.jsonl``, which carry ``trial``).
-
-  Trial ``k`` has its own init, batches and validation set, from
-  ``seed = cfg.seed + k`` (:class:`Keys`): it is the run of ``models_K``'s
-  trial ``k`` alone with that seed (bit for bit at ``trials_per_vmap``
-  1, tested). Each trial stops on its own at the target gap: it is dropped
-  from the stack that steps (so a finished trial costs nothing), and its
-  state is kept as it stopped. A rerun resumes bit for bit from the newest readable checkpoint: the trials still running
-  follow from the evaluations up to it (a checkpoint holds only those;
-  each stopped trial is saved once, as it stopped, in ``stopped/``).
-  ``after_step(step)`` is called
-  after each step's bookkeeping (tests use it to crash at a chosen point).
-  ``stop_at`` (a ``time.monotonic()`` value): past it, the run stops
-  after the step in hand, saves a checkpoint of it and raises
-  :class:`DeadlineReached` (a rerun resumes from that step).
-
-  The states of ``cfg.retain``'s steps (all K trials; a stopped trial's as
-  it stopped) are saved under ``retained/`` as they pass, step 0 the
-  initialisation, and kept whatever ``keep`` says
-  (:func:`~hmmprompt.pretrain.workdir.load_retained` reads them). A
-  resumed run retains its resume step if the crash cut that copy off; the
-  steps before it that were never retained (the schedule is a runtime
-  field: a run started without it) are logged, not recomputed.
+  """Pretrains (or resumes, bit for bit) K transformers in ``workdir``, one
+  per trial of ``models_K``, in one jitted step; returns each trial's final
+  ``metrics.jsonl`` line. Trial ``k`` is trial ``k`` alone with ``seed =
+  cfg.seed + k`` (:class:`Keys`) and stops on its own at the target gap.
+  ``after_step(step)`` runs after each step; past ``stop_at``
+  (``time.monotonic()``) the step in hand is checkpointed and
+  :class:`DeadlineReached` raised. ``cfg.retain``'s steps are saved as they
+  pass (a resume logs those trained past unretained). A trial that
+  :meth:`PretrainConfig.falls_back` trains again in
+  :func:`~hmmprompt.pretrain.workdir.fallback_dir`.
 
   Raises:
-    ValueError: ``models_K`` is not a stack, ``workdir`` holds another run
-      (config, trial count, HMMs), or the batch does not split over the
-      devices.
+    ValueError: ``models_K`` is not a stack, ``workdir`` holds another run,
+      or the batch does not split over the devices.
     FileNotFoundError: checkpoints exist but none is readable.
     FloatingPointError: a non-finite loss; the last checkpoint is kept.
-
-  With ``cfg.fallback_layers``, a trial that :meth:`PretrainConfig.falls_back`
-  (above the target at the cap, above ``fallback_gap`` at the end of
-  the last cycle before it, or above ``fallback_gaps[i]`` at the end of
-  cycle ``i``) then trains again, alone, with that many
-  layers, in ``workdir/fallback-<k>/``
-  (:func:`~hmmprompt.pretrain.workdir.fallback_dir`; it resumes as the
-  stack does), from its own init or, with ``cfg.fallback_init == "warm"``,
-  from trial ``k``'s state as it stopped
-  (:func:`~hmmprompt.pretrain.train.grown_states`); its returned line is
-  :func:`~hmmprompt.pretrain.workdir.fallback_line`.
   """
   return _run_trials(workdir, cfg, models_K, log, after_step,
                      stop_at=stop_at)[0]
@@ -192,17 +156,8 @@ def train_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
                  stop_at: float | None = None
                  ) -> tuple[Backbone, Any, list[workdir_lib.TrialInfo]]:
   """:func:`run_trials` then :func:`~hmmprompt.pretrain.workdir.load_trials`
-  without a checkpoint: the trained params are handed over in memory.
-
-  For a workdir nothing will resume (a chunk's temporary one): a
-  checkpoint of 20 BERT-width trials is ~10 GB, written at every
-  evaluation and read back once for tuning (what that cost a stack:
-  docs/performance.md). The metrics and configs are written as by
-  :func:`run_trials`; the values are the same (tested).
-
-  Returns:
-    ``(backbone, params_K, infos)`` as ``load_trials`` would return them.
-  """
+  with no checkpoint written (same values), for a workdir nothing will
+  resume."""
   finals, states, deeps = _run_trials(workdir, cfg, models_K, log, None,
                                       checkpoints=False, stop_at=stop_at)
   infos = [workdir_lib.TrialInfo(
@@ -219,10 +174,7 @@ def train_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
 
 def _run_trials(workdir, cfg, models_K, log, after_step,
                 checkpoints: bool = True, stop_at: float | None = None):
-  """``(finals, states, deeps)``: :func:`run_trials`' lines, the stack's
-  train states and ``{k: (its own last line, the deep run's, the deep
-  run's states)}`` of the trials that fell back (their ``finals[k]`` is
-  the :func:`~hmmprompt.pretrain.workdir.fallback_line`)."""
+  """``(finals, states, {k: (own last line, deep line, deep states)})``."""
   num = generative.num_trials(models_K)
   if num is None:
     raise ValueError("run_trials needs [K] stacked models "
@@ -249,16 +201,13 @@ def _run_trials(workdir, cfg, models_K, log, after_step,
           generative.stack([generative.trial(models_K, k)]), 1, log,
           after_step, init=init, checkpoints=checkpoints, stop_at=stop_at)
       deeps[k] = (line, deep, deep_states)
-      finals[k] = workdir_lib.fallback_line(line, deep, k,
-                                            cfg.fallback_layers)
+      finals[k] = workdir_lib.fallback_line(line, deep, k, cfg.fallback_layers)
   return finals, states, deeps
 
 
 @functools.lru_cache(maxsize=16)
-def _batch_fn(corpus_cfg, batch_size: int, vocab_size: int, fresh: bool,
-              mesh):
-  """The jitted ``[K]`` batch draw, one per setting (kept across runs, as
-  the train step: no trace and lowering per run)."""
+def _batch_fn(corpus_cfg, batch_size: int, vocab_size: int, fresh: bool, mesh):
+  """The jitted ``[K]`` batch draw, kept across runs as the train step."""
   return jax.jit(jax.vmap(
       functools.partial(corpus_lib.batch_at, cfg=corpus_cfg,
                         batch_size=batch_size, vocab_size=vocab_size),
@@ -268,26 +217,15 @@ def _batch_fn(corpus_cfg, batch_size: int, vocab_size: int, fresh: bool,
 
 def _groups(running: list[int], trials_per_vmap: int
             ) -> list[tuple[np.ndarray, int]]:
-  """``(rows, n)`` per train-step call over the ``running`` trials: all of
-  them in one call (``trials_per_vmap`` 0 or 1: one vmap, or a scan over
-  them), or, above 1, groups of ``trials_per_vmap`` and a last group of
-  the rest padded up to a power of two with copies of its first trial
-  (their results are dropped; the first ``n`` rows are real).
-
-  So a stack's step has at most ``log2(trials_per_vmap) + 1`` shapes,
-  each compiled once, whichever trials stop when (a BERT-width step's
-  compile is tens of seconds; a stack that re-formed at every stop, 20,
-  6, 2, 1 trials, compiled four); a padded trial costs its compute (at
-  most the last group's size again), a lone hard draw runs alone.
-  """
+  """``(rows, n)`` per train-step call: groups of ``trials_per_vmap``, the
+  last padded to a power of two (``n`` rows real), so few shapes compile."""
   if trials_per_vmap <= 1:
     return [(np.asarray(running), len(running))]
   out = []
   for i in range(0, len(running), trials_per_vmap):
     rows = running[i:i + trials_per_vmap]
     size = min(1 << (len(rows) - 1).bit_length(), trials_per_vmap)
-    out.append((np.asarray(rows + [rows[0]] * (size - len(rows))),
-                len(rows)))
+    out.append((np.asarray(rows + [rows[0]] * (size - len(rows))), len(rows)))
   return out
 
 
@@ -298,10 +236,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
                  init: Callable[[jax.Array], Any] | None = None,
                  checkpoints: bool = True,
                  stop_at: float | None = None) -> tuple[list[dict], Any]:
-  """:func:`run_trials` without the fallback; also returns the train
-  states (all K, a stopped trial's as it stopped). ``init(keys_K)``, if
-  given, makes the step-0 states in place of :func:`train.init_states`.
-  ``checkpoints=False``: none saved or restored (:func:`train_trials`)."""
+  """:func:`run_trials` without the fallback, also returning the states."""
   mesh = sharding_lib.data_mesh()
   sharding_lib.check_batch(cfg.batch_size, mesh)  # before writing anything
   paths = workdir_lib.prepare(workdir, cfg, models_K)
@@ -327,9 +262,8 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
       if s > start:  # saved by a run cut before its checkpoint: redone
         stopped.delete(s)
   states = jax.device_put(states, rep)
-  # Retained steps: their own directory, outside the rotation. The state
-  # in hand is step ``start``'s: the init, or a checkpoint whose retained
-  # copy a crash may have cut off (saved here; an existing one is kept).
+  # The state in hand is step ``start``'s: a crash may have cut its
+  # retained copy off.
   retained = (ckpt_lib.Checkpoints(paths.retained, keep=None)
               if cfg.retain else None)
   have = set(retained.all_steps()) if retained else set()
@@ -361,16 +295,14 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
     return [last.get(k, {}) for k in range(num)], states
 
   def save(step, states, stopped_now):
-    """A checkpoint of the trials still running at ``step``; those that
-    stopped at it go to ``stopped/``, once (or, when none runs on, stay
-    in the checkpoint: orbax saves no empty arrays)."""
+    # Those stopped at ``step`` go to ``stopped/`` (or, when none runs on,
+    # stay: orbax saves no empty arrays).
     assert ckpts is not None and stopped is not None  # called only with them
     if running and stopped_now:
       workdir_lib.save_rows(stopped, step, states, stopped_now)
     workdir_lib.save_rows(ckpts, step, states, running or stopped_now)
 
-  # Trials that stopped but are only in the checkpoint resumed from (one
-  # of layout 2, or stopped by a redone evaluation): rotation would drop it.
+  # Stopped trials only in the checkpoint resumed from: rotation drops it.
   unsaved = [k for k in saved_rows if k not in running]
 
   hmms = jax.device_put(jax.vmap(generative.as_hmm)(models_K), rep)
@@ -385,8 +317,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
                                          generative.trial(models_K, k), cfg)
           for k in running}
   progress = _Progress(cfg, start, log, trials=len(running))
-  # TensorBoard event files per trial (curves.py): written beside the
-  # metrics, never read by the loop, so no result depends on them.
+  # Written, never read: no result depends on them.
   curves = curves_lib.Curves(workdir, cfg.batch_size * cfg.corpus.chunk_len)
   if curves.status:
     log(curves.status)
@@ -395,8 +326,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
   t_run = time.perf_counter()
 
   def evaluate(step, sub, rows, n):
-    """Appends (and writes) the metrics of trials ``rows[:n]`` (``sub``'s
-    first rows; a padded group's copies are evaluated and dropped)."""
+    """Appends (and writes) the metrics of trials ``rows[:n]``."""
     wall = wall_before + time.perf_counter() - t_run
     group_vals = jax.tree.map(lambda *xs: jnp.stack(xs),
                               *[vals[int(k)] for k in rows])
@@ -425,8 +355,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
     return [k for k in before if k not in running]
 
   if missing:
-    evaluate(start, _take(states, np.asarray(missing)), missing,
-             len(missing))
+    evaluate(start, _take(states, np.asarray(missing)), missing, len(missing))
     stop_reached(start)
     unsaved = [k for k in saved_rows if k not in running]
   if unsaved and stopped is not None and running and start < total:
@@ -489,19 +418,16 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
 
 def evaluate_checkpoints(cfg: PretrainConfig, models_K: generative.Model,
                          params_QxK) -> list[list[dict]]:
-  """``metrics[q][k]``: :func:`evaluation.evaluate` of trial ``k``'s params
-  at checkpoint ``q`` (``params_QxK``, e.g.
-  :func:`~hmmprompt.pretrain.workdir.load_retained`'s) on the validation
-  set the loop evaluates trial ``k`` on, so at an evaluation step it is
-  that step's ``metrics.jsonl`` line (without ``trial``, ``step`` and
-  ``wall_s``); the other retained steps are measured here alone."""
+  """``metrics[q][k]``: :func:`evaluation.evaluate` of ``params_QxK[q, k]``
+  on the loop's validation set (at an evaluation step, that step's
+  ``metrics.jsonl`` line)."""
   num = cast(int, generative.num_trials(models_K))  # stacked: an int
   keys = Keys.of(cfg.seed, num)
   num_q = jax.tree.leaves(params_QxK)[0].shape[0]
   out: list[list[Any]] = [[None] * num for _ in range(num_q)]
   for k in range(num):
-    val = evaluate_lib.validation_set(keys.val[k], generative.trial(models_K, k),
-                                      cfg)
+    val = evaluate_lib.validation_set(keys.val[k],
+                                      generative.trial(models_K, k), cfg)
     for q in range(num_q):
       out[q][k] = evaluate_lib.evaluate(_take(params_QxK, (q, k)), cfg, val)
   return out

@@ -1,7 +1,5 @@
-"""The report of the pretraining runs under a directory (one run per
-model size, its trials stacked): every trial's final held-out CE gap to
-the Bayes CE in a table, and its gap against training tokens in a plot,
-the trials that ended above their target named."""
+"""The report of the pretraining runs under a directory: every trial's
+final CE gap to Bayes in a table, its gap against tokens in a plot."""
 
 from __future__ import annotations
 
@@ -16,16 +14,14 @@ import numpy as np
 from hmmprompt import files as files_lib
 from hmmprompt.pretrain import workdir as pretrain_workdir
 
-# The gap the cpu and cpu_capped recipes stop at (pretrain/config.py);
-# drawn where a run's own config sets no target.
+# Drawn where a run's config sets no target (the cpu presets' gap).
 TARGET_GAP = 0.04
 PLOT = "pretraining.png"
 
 
 def runs(workdir: str) -> list[tuple[str, Any, dict]]:
-  """``(run name, its PretrainConfig, {trial: [metrics lines]})`` of every
-  pretraining run under ``DIR/pretrain/``, vanilla then memory runs (the
-  sweep's order), sizes numerically (vanilla-h8 before vanilla-h12)."""
+  """``(run name, PretrainConfig, {trial: [metrics lines]})`` of every run
+  under ``DIR/pretrain/``, vanilla then memory, sizes numerically."""
   runs = []
   for mpath in glob.glob(os.path.join(workdir, "pretrain", "*",
                                       "metrics.jsonl")):
@@ -35,8 +31,7 @@ def runs(workdir: str) -> list[tuple[str, Any, dict]]:
     for m in files_lib.read_jsonl(mpath):
       by_trial.setdefault(m.get("trial", 0), []).append(m)
     name = os.path.basename(run_dir)
-    # A trial that fell back (PretrainConfig.fallback_layers) is reported
-    # by its deeper run, the model tuned, named "<run>/fallback-<k>".
+    # A trial that fell back is reported by its deeper run, the one tuned.
     for k, deep_cfg, lines in _fallbacks(run_dir, cfg, by_trial):
       del by_trial[k]
       runs.append((f"{name}/fallback-{k}", deep_cfg, {k: lines}))
@@ -48,8 +43,7 @@ def runs(workdir: str) -> list[tuple[str, Any, dict]]:
 
 
 def _fallbacks(run_dir: str, cfg, by_trial: dict):
-  """``(k, config, metrics lines)`` of the fallback runs of ``run_dir``'s
-  trials that fell back."""
+  """``(k, config, metrics lines)`` of ``run_dir``'s fallback runs."""
   out = []
   for k, ms in sorted(by_trial.items()):
     where = pretrain_workdir.fallback_dir(run_dir, k)
@@ -62,8 +56,7 @@ def _fallbacks(run_dir: str, cfg, by_trial: dict):
 
 
 def table(runs) -> str:
-  """Markdown: the final held-out evaluation of every pretrained trial
-  (``wall`` is its stack's: the trials of a size train together)."""
+  """Markdown: every trial's final held-out evaluation."""
   rows = [(name, k, ms[-1]) for name, _, by_trial in runs
           for k, ms in sorted(by_trial.items())]
   if not rows:
@@ -90,13 +83,9 @@ _TRIAL_COLORS = [f"C{i}" for i in range(10) if i != 3]
 
 
 def write_plot(runs, path: str) -> list[tuple[str, int]]:
-  """Plots every pretrained trial's held-out Bayes gap (``mlm_ce -
-  bayes_ce``, log scale, floored at 1e-3) against its training tokens
-  (``step * batch_size * chunk_len`` from the run's config): one panel per
-  pretraining run (a model size), one line per trial, the target dashed.
-  A trial that ended above the target is drawn red with its number; the
-  title counts those at the target. Returns those trials, ``(run name,
-  trial)``."""
+  """Plots every trial's held-out gap (log scale, floored at 1e-3) against
+  its training tokens, one panel per run, the target dashed, trials that
+  ended above it red; returns those, ``(run name, trial)``."""
   cols = min(len(runs), 4)
   rows = math.ceil(len(runs) / cols)
   fig, axes = files_lib.pyplot().subplots(
@@ -120,8 +109,7 @@ def write_plot(runs, path: str) -> list[tuple[str, int]]:
         stalled.append((name, k))
         ax.annotate(f"trial {k}", (x[-1], gap[-1]), fontsize=7,
                     color="red", xytext=(3, 3), textcoords="offset points")
-    ax.axhline(target, color="black", ls="--", lw=1,
-               label=f"target {target:g}")
+    ax.axhline(target, color="black", ls="--", lw=1, label=f"target {target:g}")
     ax.set_yscale("log")
     ax.set_title(f"{name}: {reached}/{len(by_trial)} at target", fontsize=9)
     ax.set_xlabel("training tokens per trial")
@@ -137,9 +125,8 @@ def write_plot(runs, path: str) -> list[tuple[str, int]]:
 
 
 def section(workdir: str) -> str:
-  """Writes ``DIR/pretraining.png`` (:func:`write_plot`) and returns
-  :func:`table` with a link to it and the trials that ended above their
-  target named ("" without pretraining runs under ``DIR/pretrain/``)."""
+  """Writes ``DIR/pretraining.png`` (:func:`write_plot`); returns
+  :func:`table`, the plot linked, the stalled trials named ("" if none)."""
   found = runs(workdir)
   text = table(found)
   if not found:
@@ -154,9 +141,7 @@ def section(workdir: str) -> str:
 
 
 def write_report(workdir: str) -> str:
-  """Writes ``DIR/pretraining.md`` and ``DIR/pretraining.png``; returns
-  the markdown."""
+  """Writes ``DIR/pretraining.md`` (:func:`section`); returns it."""
   text = section(workdir)
-  files_lib.atomic_write_text(os.path.join(workdir, "pretraining.md"),
-                                text)
+  files_lib.atomic_write_text(os.path.join(workdir, "pretraining.md"), text)
   return text

@@ -20,13 +20,8 @@ from hmmprompt.pretrain.config import PretrainConfig
 
 @flax.struct.dataclass
 class TrainState:
-  """What a checkpoint holds: ``step`` (int32 ``[]``), ``params`` (the
-  ``MLM`` variables) and ``opt_state`` (AdamW's moments and count).
-
-  Our own frozen pytree dataclass rather than flax's ``TrainState``: the
-  optimizer is rebuilt from the config, so the state carries no functions
-  and orbax saves and restores it as plain arrays.
-  """
+  """What a checkpoint holds (no functions, unlike flax's: plain arrays to
+  orbax); ``step`` is int32 ``[]``."""
 
   step: jax.Array
   params: Any
@@ -50,11 +45,9 @@ def lr_schedule(cfg: PretrainConfig):
 
 
 def make_optimizer(cfg: PretrainConfig) -> optax.GradientTransformation:
-  """Global-norm clipping, then AdamW on :func:`lr_schedule` (or Muon on
-  the matrices and AdamW on the rest: ``cfg.optimizer == "muon"``)."""
+  """Global-norm clipping, then AdamW (or Muon) on :func:`lr_schedule`."""
   if cfg.optimizer == "muon":
-    opt = optax.contrib.muon(lr_schedule(cfg),
-                             weight_decay=cfg.weight_decay,
+    opt = optax.contrib.muon(lr_schedule(cfg), weight_decay=cfg.weight_decay,
                              adam_weight_decay=cfg.weight_decay)
   else:
     opt = optax.adamw(lr_schedule(cfg), weight_decay=cfg.weight_decay)
@@ -62,8 +55,7 @@ def make_optimizer(cfg: PretrainConfig) -> optax.GradientTransformation:
 
 
 def _masked_ce(logits_BxTxV, targets, weights_BxT):
-  """Mean cross-entropy over the weighted positions, to the true tokens
-  ``int [B, T]`` or to distributions ``[B, T, V]``."""
+  """:func:`mlm_loss` from the logits."""
   if targets.ndim == logits_BxTxV.ndim:
     # float32: soft targets would lose their small probabilities in bf16.
     ce_BxT = optax.softmax_cross_entropy(
@@ -71,25 +63,20 @@ def _masked_ce(logits_BxTxV, targets, weights_BxT):
   else:
     ce_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV,
                                                              targets)
-  return jnp.sum(ce_BxT * weights_BxT) / jnp.maximum(jnp.sum(weights_BxT),
-                                                     1.0)
+  return jnp.sum(ce_BxT * weights_BxT) / jnp.maximum(jnp.sum(weights_BxT), 1.0)
 
 
 def mlm_loss(params, model_cfg, inputs_BxT, targets, weights_BxT):
-  """Mean cross-entropy over the weighted (masked) positions.
-
-  ``targets``: the true tokens ``int [B, T]``, or distributions
-  ``[B, T, V]`` (exact conditionals).
-  """
+  """Mean cross-entropy over the weighted (masked) positions, to the true
+  tokens ``int [B, T]`` or to distributions ``[B, T, V]``."""
   return _masked_ce(transformer.MLM(model_cfg).apply(params, inputs_BxT),
                     targets, weights_BxT)
 
 
 def mlm_and_state_loss(params, model_cfg, inputs_BxT, targets, weights_BxT,
                        posterior_BxTxH, state_weight):
-  """:func:`mlm_loss` (either kind of ``targets``) plus ``state_weight``
-  times the mean cross-entropy from the model's state readout to the exact
-  posterior ``[B, T, H]`` at every position; returns ``(total, mlm)``."""
+  """``(total, mlm)``: :func:`mlm_loss` plus ``state_weight`` times the mean
+  CE from the state readout to the exact posterior ``[B, T, H]``."""
   logits_BxTxV, states_BxTxH = transformer.MLM(model_cfg).apply(
       params, inputs_BxT, method=transformer.MLM.logits_and_states)
   mlm = _masked_ce(logits_BxTxV, targets, weights_BxT)
@@ -105,20 +92,15 @@ def _init_one(key, cfg: PretrainConfig) -> TrainState:
 
 @functools.partial(jax.jit, static_argnums=1)
 def init_states(keys_K, cfg: PretrainConfig) -> TrainState:
-  """``K`` train states stacked ``[K, ...]``, model ``k`` initialised from
-  ``keys_K[k]`` (one model is a stack of one); one program, with the
-  values of an op-by-op init (:func:`~hmmprompt.backbones.transformer.
-  init_params`)."""
+  """``K`` train states stacked ``[K, ...]``, model ``k`` from ``keys_K[k]``."""
   return jax.vmap(lambda k: _init_one(k, cfg))(keys_K)
 
 
 @functools.partial(jax.jit, static_argnums=2)
 def grown_states(states_K: TrainState, keys_K, cfg: PretrainConfig
                  ) -> TrainState:
-  """``cfg``'s deeper models started from the shallower ``states_K``
-  (:func:`~hmmprompt.backbones.depth.grow_layers` over
-  :func:`init_states`' own init from ``keys_K``), at step 0 with a fresh
-  optimizer state: the same functions, trained on from there."""
+  """``cfg``'s deeper models grown from ``states_K`` (the same functions,
+  :func:`~hmmprompt.backbones.depth.grow_layers`), at step 0."""
   def one(params, key):
     params = depth.grow_layers(params, _init_one(key, cfg).params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
@@ -126,11 +108,9 @@ def grown_states(states_K: TrainState, keys_K, cfg: PretrainConfig
   return jax.vmap(one)(states_K.params, keys_K)
 
 
-def loss_targets(cfg: PretrainConfig, hmm, inputs_BxT, tokens_BxT,
-                 weights_BxT):
-  """What the loss is taken against: the true tokens ``[B, T]``, or with
-  ``cfg.targets == "exact"`` their exact conditionals ``[B, T, V]`` given
-  the corrupted inputs (``hmm``: the generating model's vanilla form)."""
+def loss_targets(cfg: PretrainConfig, hmm, inputs_BxT, tokens_BxT, weights_BxT):
+  """The true tokens ``[B, T]``, or (``cfg.targets == "exact"``) their
+  exact conditionals ``[B, T, V]`` given the inputs under ``hmm``."""
   if cfg.targets == "sampled":
     return tokens_BxT
   exact = functools.partial(corpus_lib.exact_targets,
@@ -142,8 +122,7 @@ def loss_targets(cfg: PretrainConfig, hmm, inputs_BxT, tokens_BxT,
 
 
 def _step_fn(cfg: PretrainConfig):
-  """The pure step ``(state, inputs, tokens, weights, hmm) -> (state, loss)``
-  of one model (the body :func:`make_train_step` maps over the stack)."""
+  """One model's step ``(state, inputs, tokens, weights, hmm)``."""
   opt = make_optimizer(cfg)
   if cfg.state_loss > 0 and not cfg.model.state_readout:
     raise ValueError("PretrainConfig.state_loss needs model.state_readout = "
@@ -177,10 +156,8 @@ def _step_fn(cfg: PretrainConfig):
 
 
 def map_trials(f, xs, trials_per_vmap: int):
-  """``f`` over the leading trial axis of ``xs``: one ``vmap`` (0), one
-  trial after another (1: the unbatched body in a ``scan``), or groups of
-  ``trials_per_vmap`` vmapped. A stack of one always runs the unbatched
-  body: one model trains exactly as it would alone, whatever the setting."""
+  """``f`` over the leading trial axis of ``xs``: one ``vmap`` (0), or
+  ``trials_per_vmap`` at a time (a stack of one: the unbatched body)."""
   num = jax.tree.leaves(xs)[0].shape[0]
   if trials_per_vmap == 0 and num > 1:
     return jax.vmap(f)(xs)
@@ -188,9 +165,7 @@ def map_trials(f, xs, trials_per_vmap: int):
                                         else trials_per_vmap))
 
 
-# One jitted step per (config, mesh), kept across runs: each run_trials
-# call (a sweep's stacks, a fallback, a resume) would otherwise trace and
-# lower the same program again before the compilation cache is consulted.
+# Cached: each run_trials call would trace and lower the same program again.
 @functools.lru_cache(maxsize=16)
 def _jitted_step(cfg: PretrainConfig, mesh):
   rep = sharding_lib.replicated(mesh)
@@ -207,24 +182,14 @@ def _jitted_step(cfg: PretrainConfig, mesh):
 
 
 def make_train_step(cfg: PretrainConfig, mesh):
-  """K models of one config in one jitted step (one model: K = 1).
-
-  ``step(states, inputs, tokens, weights, hmms=None) -> (states,
-  losses_K)``: every leaf of ``states`` (:func:`init_states`) and ``hmms``
-  has a leading model axis ``[K]``; the batch arrays are ``[K, B, T]``,
-  split over the devices along ``B``; params and ``hmms`` replicated, the
-  old states' buffers donated. Models run ``cfg.trials_per_vmap`` at a
-  time (``lax.map`` with that batch size; 0: one ``vmap``). ``hmms``
-  (the generating models as vanilla HMMs, ``jax.vmap(generative.as_hmm)``) is
-  needed only for ``cfg.targets == "exact"``: the targets are computed
-  inside the step, per device on its share of the batch. A model that
-  should stop is dropped from the stack by the caller (the loop), so
-  every model in it steps.
-  """
+  """K models in one jitted ``step(states, inputs, tokens, weights,
+  hmms=None) -> (states, losses_K)``: ``states`` (:func:`init_states`, then
+  donated) and ``hmms`` (``jax.vmap(generative.as_hmm)``, for exact targets
+  or the state loss) lead with ``[K]``; the batch is ``[K, B, T]``, split
+  over the devices along ``B``."""
   jitted = _jitted_step(cfg, mesh)
 
-  def train_step(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT,
-                 hmms=None):
+  def train_step(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT, hmms=None):
     needs_hmms = cfg.targets == "exact" or cfg.state_loss > 0
     if needs_hmms and hmms is None:
       raise ValueError("PretrainConfig.targets='exact' needs the generating "
@@ -237,19 +202,9 @@ def make_train_step(cfg: PretrainConfig, mesh):
 
 
 def step_bytes(cfg: PretrainConfig, hmms_K, mesh) -> dict:
-  """What XLA's buffer assignment gives :func:`make_train_step`'s program
-  for ``K`` stacked models on the default backend, compiled on shapes
-  only (nothing is allocated or run): ``{"state_bytes",
-  "argument_bytes", "output_bytes", "temp_bytes"}``, ``temp_bytes`` the
-  step's temporaries (activations kept for the backward pass, gradients).
-  ``hmms_K``: the generating models as vanilla HMMs (arrays or
-  ``jax.ShapeDtypeStruct``, ``[K, ...]``), for their shapes.
-
-  It says whether a stack fits a device before a run: on a GPU it is that
-  device's own figure; on the CPU it is an upper bound (XLA:CPU keeps
-  bfloat16 work in float32 and materialises attention logits that cuDNN's
-  fused kernel does not store).
-  """
+  """XLA's buffer sizes (``state_bytes``, ``argument_bytes``,
+  ``output_bytes``, ``temp_bytes``) of :func:`make_train_step` for the
+  ``[K]`` ``hmms_K``, compiled on shapes only (on the CPU, an upper bound)."""
   num = jax.tree.leaves(hmms_K)[0].shape[0]
   states = jax.eval_shape(lambda: init_states(
       jax.random.split(jax.random.PRNGKey(0), num), cfg))

@@ -1,23 +1,10 @@
 """A pretraining run's directory, and loading a finished one for tuning.
 
-Layout (version :data:`LAYOUT`): ``config.json`` (``{"layout", "pretrain":
-PretrainConfig}``), ``hmm.npz`` (the generating models stacked ``[K]``,
-:func:`generative.save`), ``checkpoints/`` (orbax, rotated: ``{"trials":
-[R], "states": TrainState [R]}``, the trials still running at that step),
-``stopped/`` (orbax, never rotated: the same, each trial once, as it
-stopped), ``metrics.jsonl`` (one line per trial and evaluation) and, with
-:attr:`PretrainConfig.retain`, ``retained/`` (orbax, the states of all K
-at the retained steps, never rotated out). One model is a stack of one.
-A stopped trial is written once: a 20-trial BERT-width state is ~10 GB,
-and most trials stop at the first evaluation.
-
-Layout 2 (before 2026-11-27) checkpointed all K at every save: its
-workdirs resume and load as they are (a resume moves the stopped trials'
-states to ``stopped/``).
-
-Layout 1 (before 2026-11-23) wrote ``config.json`` as the bare config, and
-a one-model run unstacked: its stacked runs resume and load as they are; a
-one-model run is refused by name (rerun it: it is a stack of one now).
+Layout :data:`LAYOUT`: ``config.json``, ``hmm.npz`` (the models ``[K]``),
+``checkpoints/`` (orbax, rotated: ``{"trials": [R], "states": TrainState
+[R]}``, the trials still running), ``stopped/`` (each trial once, as it
+stopped), ``metrics.jsonl``, ``retained/`` (:attr:`PretrainConfig.retain`).
+Layout 2 and layout-1 stacked runs resume and load as they are.
 """
 
 from __future__ import annotations
@@ -62,17 +49,13 @@ class Paths:
 
   @classmethod
   def of(cls, workdir: str) -> Paths:
-    return cls(config=os.path.join(workdir, "config.json"),
-               model=os.path.join(workdir, "hmm.npz"),
-               ckpt=os.path.join(workdir, "checkpoints"),
-               metrics=os.path.join(workdir, "metrics.jsonl"),
-               retained=os.path.join(workdir, "retained"),
-               stopped=os.path.join(workdir, "stopped"))
+    return cls(*(os.path.join(workdir, name) for name in (
+        "config.json", "hmm.npz", "checkpoints", "metrics.jsonl", "retained",
+        "stopped")))
 
 
 def read_config(paths: Paths) -> tuple[int, PretrainConfig]:
-  """``(layout, config)`` of the run in ``paths`` (its ``config.json``; a
-  layout-1 file holds the bare config)."""
+  """``(layout, config)`` of the run in ``paths``."""
   with open(paths.config) as f:
     blob = json.load(f)
   if "layout" not in blob:  # layout 1: the bare config
@@ -83,14 +66,8 @@ def read_config(paths: Paths) -> tuple[int, PretrainConfig]:
 def prepare(workdir: str, cfg: PretrainConfig,
             models_K: generative.Model) -> Paths:
   """Creates ``workdir`` for a run of ``[K]`` stacked models, or checks
-  that it holds this very run: the same result-deciding config
-  (:meth:`PretrainConfig.identity`; runtime fields may differ), trial
-  count and HMMs.
-
-  Raises:
-    ValueError: the workdir holds another run (what differs named), or a
-      layout-1 one-model run.
-  """
+  that it holds this run (:meth:`PretrainConfig.identity`, trial count,
+  HMMs); ``ValueError`` names what differs, or a layout-1 one-model run."""
   paths = Paths.of(workdir)
   os.makedirs(workdir, exist_ok=True)
   if os.path.exists(paths.config):
@@ -118,8 +95,7 @@ def prepare(workdir: str, cfg: PretrainConfig,
 
 
 def read_metrics(paths: Paths, upto: int | None = None) -> list[dict]:
-  """Evaluation lines (those after step ``upto`` dropped: a rerun redoes
-  them from the checkpoint)."""
+  """Evaluation lines, those after step ``upto`` dropped."""
   lines = files_lib.read_jsonl(paths.metrics)
   return [m for m in lines if upto is None or m["step"] <= upto]
 
@@ -130,8 +106,7 @@ def write_metrics(paths: Paths, metrics: list[dict]) -> None:
         paths.metrics, "".join(json.dumps(m) + "\n" for m in metrics))
 
 
-# Jitted: a tree of states moves in one program (eager indexing compiled
-# one per leaf shape).
+# Jitted: one program per tree, not one eager op per leaf shape.
 @jax.jit
 def take(tree, rows):
   """``tree``'s rows ``rows`` of every leaf."""
@@ -144,21 +119,16 @@ def put(tree, rows, part):
   return jax.tree.map(lambda full, p: full.at[rows].set(p), tree, part)
 
 
-def save_rows(ckpts: ckpt_lib.Checkpoints, step: int, states_K,
-              rows) -> None:
-  """Saves the train states of trials ``rows`` of ``states_K`` at ``step``,
-  with their trial numbers (what :func:`restore` reads)."""
+def save_rows(ckpts: ckpt_lib.Checkpoints, step: int, states_K, rows) -> None:
+  """Saves trials ``rows`` of ``states_K`` at ``step``, numbers included."""
   rows = np.asarray(rows, np.int32)
-  # Replicated over the data mesh: orbax refuses a process-local array
-  # when several processes save.
+  # Replicated: orbax refuses a process-local array from several processes.
   ckpts.save(step, {"trials": jax.device_put(rows, sharding_lib.replicated(
       sharding_lib.data_mesh())), "states": take(states_K, rows)})
 
 
 class Restored(NamedTuple):
-  """What :func:`restore` found: the checkpoint's ``step``, all K trials'
-  ``states`` and ``rows``, the trials that checkpoint itself holds (the
-  others come from ``stopped/``)."""
+  """``step``, all K ``states``, the ``rows`` the checkpoint holds."""
 
   step: int
   states: Any
@@ -168,16 +138,10 @@ class Restored(NamedTuple):
 def restore(ckpts: ckpt_lib.Checkpoints, stopped: ckpt_lib.Checkpoints | None,
             cfg: PretrainConfig, num: int,
             log: Callable[[str], Any] = logging.warning) -> Restored | None:
-  """The states of all ``num`` trials at the newest readable checkpoint
-  (an unreadable newer one is reported and set aside,
-  :meth:`Checkpoints.restore_latest`), or ``None`` if there is none: its
-  rows, and each other trial as ``stopped`` (``stopped/``) holds it, from
-  a step up to that one (a later one is from a run cut before its
-  checkpoint: the loop deletes it).
-
-  Raises:
-    FileNotFoundError: no checkpoint is readable, or a trial is in none.
-  """
+  """All ``num`` trials at the newest readable checkpoint
+  (:meth:`Checkpoints.restore_latest`; ``None`` if none), the others from
+  ``stopped`` at steps up to it. ``FileNotFoundError``: no checkpoint is
+  readable, or a trial is in none."""
   def abstract(step):
     tree = ckpts.item_tree(step)
     return (_abstract_states(cfg, num) if "trials" not in tree  # layout 2
@@ -208,7 +172,7 @@ def restore(ckpts: ckpt_lib.Checkpoints, stopped: ckpt_lib.Checkpoints | None,
 
 
 def _abstract_rows(cfg: PretrainConfig, num: int):
-  """The shapes of a checkpoint of ``num`` trials' rows (:func:`save_rows`)."""
+  """The shapes :func:`save_rows` saves for ``num`` trials."""
   return {"trials": jax.ShapeDtypeStruct((num,), jnp.int32),
           "states": _abstract_states(cfg, num)}
 
@@ -221,8 +185,7 @@ def _abstract_states(cfg: PretrainConfig, num: int):
 
 def _open_run(workdir: str) -> tuple[Paths, PretrainConfig, generative.Model,
                                      int]:
-  """``(paths, config, models_K, K)`` of a stacked run's directory;
-  ``FileNotFoundError`` / ``ValueError`` as :func:`load_trials`."""
+  """``(paths, config, models_K, K)``; raises as :func:`load_trials`."""
   paths = Paths.of(workdir)
   for what in ("config", "model"):
     if not os.path.exists(getattr(paths, what)):
@@ -237,51 +200,30 @@ def _open_run(workdir: str) -> tuple[Paths, PretrainConfig, generative.Model,
 
 
 def fallback_dir(workdir: str, k: int) -> str:
-  """Where trial ``k``'s fallback run lives (``PretrainConfig.fallback_layers``)."""
+  """Where trial ``k``'s fallback run lives."""
   return os.path.join(workdir, f"fallback-{k}")
 
 
 def fallback_line(shallow: dict, deep: dict, k: int, layers: int) -> dict:
-  """Trial ``k``'s final metrics line after a fallback: the deeper run's,
-  with ``layers`` and ``wall_s`` summing both runs."""
+  """The deeper run's line, with ``layers`` and both runs' ``wall_s``."""
   return {**deep, "trial": k, "layers": layers,
           "wall_s": shallow["wall_s"] + deep["wall_s"]}
 
 
 class TrialInfo(NamedTuple):
-  """What a pretrained trial is beside its params (:func:`load_trials`,
-  :func:`load_backbone`).
+  """A pretrained trial beside its params (:func:`load_trials`)."""
 
-  Attributes:
-    config: its ``PretrainConfig`` (a fallback's deeper one where it fell
-      back).
-    model: its generating HMM or memory HMM, unstacked (``hmm.HMM`` or
-      ``memory.MemoryHMM``: feed it to ``exact.make`` or
-      ``tasks.make_task``).
-    metrics: its last ``metrics.jsonl`` line (``ce_gap``, ``bayes_ce``,
-      ``mlm_ce``, ``tv``, ``step``, ``wall_s``; ``{}`` before any
-      evaluation).
-    step: the step it stopped at.
-  """
-
-  config: PretrainConfig
-  model: generative.Model
-  metrics: dict
-  step: int
+  config: PretrainConfig  # the fallback's where it fell back
+  model: generative.Model  # its generating HMM, unstacked
+  metrics: dict  # its last metrics.jsonl line ({} before any)
+  step: int  # the step it stopped at
 
 
 def load_trials(workdir: str) -> tuple[Backbone, Any, list[TrialInfo]]:
-  """``(backbone, params_K, infos)`` of a pretraining run, for tuning.
-
-  ``params_K``: the K transformers' params stacked ``[K, ...]`` (feed them
-  to :func:`tuning.tune_trials`); ``infos[k]``: trial ``k``'s
-  :class:`TrialInfo`.
-
-  Raises:
-    FileNotFoundError: ``workdir`` is not a pretraining workdir, or holds
-      no readable checkpoint (named).
-    ValueError: a layout-1 one-model run (named).
-  """
+  """``(backbone, params_K, infos)`` of a run, for :func:`tuning.tune_trials`
+  (fallbacks: :func:`with_fallbacks`). ``FileNotFoundError``: not a
+  workdir, or no readable checkpoint; ``ValueError``: a layout-1 one-model
+  run."""
   paths, cfg, models_K, num = _open_run(workdir)
   ckpts = ckpt_lib.Checkpoints(paths.ckpt, keep=cfg.keep)
   stopped = (ckpt_lib.Checkpoints(paths.stopped, keep=None)
@@ -317,11 +259,9 @@ def load_trials(workdir: str) -> tuple[Backbone, Any, list[TrialInfo]]:
 def with_fallbacks(cfg, params_K, infos: list[TrialInfo],
                    deeps: dict[int, tuple[Any, TrialInfo]]
                    ) -> tuple[Backbone, Any, list[TrialInfo]]:
-  """``(backbone, params_K, infos)`` of a stack whose trials ``deeps``
-  (``{k: (its fallback run's params [1, ...], that run's info)}``) fell
-  back: their deeper models, the rest padded to that depth with identity
-  blocks, so the K still stack; ``infos[k]["metrics"]`` of a trial that
-  fell back becomes its :func:`fallback_line`."""
+  """``(backbone, params_K, infos)`` with trials ``deeps`` (``{k: (fallback
+  params [1, ...], its info)}``) replaced by their deeper models, the rest
+  padded with identity blocks; their metrics become :func:`fallback_line`."""
   if not deeps:
     return transformer.make_backbone(cfg.model), params_K, infos
   deep_cfg = cfg.fallback(0).model
@@ -338,12 +278,8 @@ def with_fallbacks(cfg, params_K, infos: list[TrialInfo],
 
 
 def load_backbone(workdir: str) -> tuple[Backbone, Any, TrialInfo]:
-  """``(backbone, params, info)`` of a one-model run: :func:`load_trials`'
-  only trial, unstacked; ``info.model`` is the HMM it was pretrained on.
-
-  Raises ``FileNotFoundError`` as :func:`load_trials`, ``ValueError`` for a
-  run of several trials.
-  """
+  """``(backbone, params, info)``: :func:`load_trials`' only trial,
+  unstacked; raises as it does, and ``ValueError`` for several trials."""
   backbone, params_K, infos = load_trials(workdir)
   if len(infos) != 1:
     raise ValueError(f"{workdir} holds {len(infos)} stacked trials: load it "
@@ -351,25 +287,13 @@ def load_backbone(workdir: str) -> tuple[Backbone, Any, TrialInfo]:
   return backbone, jax.tree.map(lambda x: x[0], params_K), infos[0]
 
 
-def load_retained(workdir: str) -> tuple[Backbone, Any, list[int],
-                                         list[dict]]:
-  """``(backbone, params_QxK, steps, infos)``: the retained checkpoints of a
-  run (:attr:`PretrainConfig.retain`), for tuning them all at once.
-
-  ``steps [Q]``: the retained steps found, ascending (what ``retained/``
-  holds, whatever schedule the call that wrote them had).
-  ``params_QxK``: every leaf with two leading axes, retained step ``q``
-  then trial ``k``; ``reshape(Q * K, ...)`` makes them one trial stack of
-  :func:`tuning.tune_trials` (lane ``q * K + k``). ``infos[k]`` holds trial
-  ``k``'s ``config``, its generating ``model`` (unstacked) and ``steps``,
-  its own step at each checkpoint (the retained step, or where the trial
-  stopped at its target gap before it).
-
-  Raises:
-    FileNotFoundError: ``workdir`` is not a pretraining workdir, or has no
-      retained checkpoint (named).
-    ValueError: a layout-1 one-model run (named).
-  """
+def load_retained(workdir: str) -> tuple[Backbone, Any, list[int], list[dict]]:
+  """``(backbone, params_QxK, steps [Q], infos)``: a run's retained
+  checkpoints, ascending; ``params_QxK`` reshaped ``(Q * K, ...)`` is one
+  :func:`tuning.tune_trials` stack (lane ``q * K + k``); ``infos[k]``:
+  ``config``, ``model``, ``steps`` (its own, earlier where it stopped).
+  ``FileNotFoundError``: not a workdir, or nothing retained;
+  ``ValueError``: layout 1, or trials that fell back."""
   paths, cfg, models_K, num = _open_run(workdir)
   fell = sorted({m.get("trial", 0) for m in read_metrics(paths)
                  if cfg.falls_back(m)})

@@ -1,26 +1,11 @@
-r"""Accuracy against pretraining quality: head and prompt tuning on the
-checkpoints of one pretraining run, from the random init to the end
-(docs/pretraining_curve.md).
-
-  python -m experiments.pretraining_curve --preset=tiny|cpu --workdir=DIR \
-      [--config.pretrain.steps=1000 --config.pretrain.retain=0,10,100,1000] \
-      [--config.trials=2 --config.vanilla_sizes=8 --config.memory_sizes= ...]
-
-Per model (vanilla ``|H|`` with a linear head, memory ``|M|`` with an
-attention head; ``trials`` HMM draws each, Figure 3's draws for the same
-seed), one stacked pretraining run without early stop retains its
-checkpoints at ``pretrain.retain`` (step 0 the init), each evaluated
-(held-out CE gap and TV at ``MASK``); head and prompt tuning run on every
-checkpoint x trial in one program per (model, method), lane ``q * K + k``
-for retained step ``q`` and trial ``k``, each with its trial's task and
-tuning key, so the checkpoints of a trial differ in nothing but their
-params; the exact backbone on the same tasks is the limit.
-
-Writes DIR/curve.json (the setup's identity: another setup is refused,
-what differs named), DIR/pretrain/<model>/, DIR/curve.jsonl (one
-:class:`CurveLine` per model, trial, checkpoint and method, appended one
-group at a time: a rerun resumes with nothing lost or duplicated), and
-the report (:mod:`.report`): DIR/curve.md and DIR/curve.png.
+"""Accuracy against pretraining quality (docs/pretraining_curve.md; the
+binary: ``python -m experiments.pretraining_curve``): head and prompt tuning
+(:func:`tune_group`) on the checkpoints retained at ``pretrain.retain`` by
+one stacked pretraining run per model without early stop, from the init
+(step 0) on, the exact backbone on the same tasks the limit. Writes
+DIR/curve.json (the setup's identity), DIR/pretrain/<model>/,
+DIR/curve.jsonl (:class:`CurveLine`, appended a group at a time: a rerun
+resumes) and the report (:mod:`.report`).
 """
 
 from __future__ import annotations
@@ -45,12 +30,10 @@ from hmmprompt import tasks as tasks_lib
 from hmmprompt import tuning
 from hmmprompt.backbones import exact
 
-# Bumped when a line's meaning changes for the same setup (the fingerprint
-# hashes it, and DIR/curve.json records it).
+# Bumped when a line's meaning changes for the same setup.
 LAYOUT = 1
 BACKBONES = ("transformer", "exact")
-# TuneConfig fields the curve's identity holds whatever their value
-# (:meth:`CurveSetup.identity`).
+# TuneConfig fields the curve's identity holds whatever their value.
 _TUNE_KEYED = ("optimizer", "lbfgs_tol", "lbfgs_max_steps", "lbfgs_l2")
 
 
@@ -62,10 +45,9 @@ class CurveSetup(protocol.TrialsConfig):
   Attributes:
     vanilla_sizes: ``|H|`` of the vanilla models (linear head).
     memory_sizes: ``|M|`` of the memory models (attention head).
-    pretrain: ``retain`` (a runtime field of the pretraining, but the
-      curve's x points) is the checkpoint schedule and part of this
-      setup's identity; no ``target_gap`` (a trial stopped early would
-      repeat its state at every later checkpoint).
+    pretrain: ``retain`` (runtime for pretraining) is the checkpoint
+      schedule, part of this setup's identity; no ``target_gap`` (an early
+      stop would repeat a state at every later checkpoint).
   """
 
   vanilla_sizes: tuple[int, ...]
@@ -88,21 +70,18 @@ class CurveSetup(protocol.TrialsConfig):
 
   def identity(self) -> dict:
     """What DIR/curve.json records and :meth:`fingerprint` hashes: every
-    result-deciding field, the checkpoint schedule and the key streams'
-    version."""
+    result-deciding field, the checkpoint schedule and the versions."""
     ident = identity_lib.identity(self)
-    # The curve was first keyed when TuneConfig's L-BFGS fields were in
-    # every identity (they became identity.ADDED for Figure 3's older
-    # lines later): its identity keeps them at any value.
+    # Keyed before TuneConfig's L-BFGS fields became identity.ADDED: the
+    # curve's identity keeps them at any value.
     ident["tune"].update({n: getattr(self.tune, n) for n in _TUNE_KEYED})
     return json.loads(json.dumps(
         {**ident, "retain": self.pretrain.retain,
          "model_keys": protocol.MODEL_KEYS_VERSION, "layout": LAYOUT}))
 
   def fingerprint(self) -> str:
-    """12 hex digits keying the lines to what decides a line's values:
-    :meth:`identity` without the trial count, the models and the schedule,
-    which decide which lines there are (their keys), not their values."""
+    """12 hex digits keying the lines: :meth:`identity` without what
+    decides which lines there are (trials, models, schedule)."""
     return identity_lib.fingerprint({
         k: v for k, v in self.identity().items()
         if k not in ("trials", "vanilla_sizes", "memory_sizes", "retain")})
@@ -126,12 +105,9 @@ def _tiny() -> CurveSetup:
 def _cpu() -> CurveSetup:
   """2 cores in <= 15 minutes (docs/pretraining_curve.md): Figure 3's
   cpu-preset models at |H| = 8, 12, 28 and |M| = 7, 3 trials; the
-  ``cpu_adamw`` transformer (the main job's before issue 30) trained for one learning-rate cycle with no
+  ``cpu_adamw`` transformer trained for one learning-rate cycle with no
   early stop, checkpoints log-spaced from the init; 80-position inputs as
-  the main job (20 prompt vectors, MASK, 59 tokens), smaller task sets."""
-  # Measured on 2 cores: a stack of 3 trials costs ~24 ms per trial-step,
-  # prompt tuning ~3.7 s per lane and head tuning ~0.4 s (1000 training
-  # examples); 1500 steps and 8 checkpoints came to ~17 minutes.
+  Figure 3's, smaller task sets."""
   steps = 1000
   return CurveSetup(
       trials=3, vanilla_sizes=(8, 12, 28), memory_sizes=(7,),
@@ -147,43 +123,31 @@ def _cpu() -> CurveSetup:
 PRESETS = {"tiny": _tiny, "cpu": _cpu}
 
 
-def get_setup(preset: str = "cpu",
-              overrides: Mapping[str, Any] | None = None,
+def get_setup(preset: str = "cpu", overrides: Mapping[str, Any] | None = None,
               **fields) -> CurveSetup:
   """The named preset with overrides (:func:`config_flags.from_preset`)."""
   return config_flags.from_preset(PRESETS, preset, overrides, **fields)
 
 
-# ----------------------------------------------------------------------------
-# Result lines.
-
-
 @dataclasses.dataclass(frozen=True)
 class CurveLine(files_lib.Line):
-  """One tuned (model, trial, checkpoint, method).
+  """One tuned (model, trial, checkpoint, method), keyed by ``KEY_FIELDS``
+  (``setup``: :meth:`CurveSetup.fingerprint`). ``ce_gap``, ``tv``,
+  ``mlm_ce``, ``bayes_ce``: :func:`pretrain.evaluate_checkpoints`' (0, 0,
+  ``None``, ``None`` for exact). ``seconds``: the group's program."""
 
-  Key fields (what a rerun looks up): ``model`` (:attr:`ModelId.tag`),
-  ``trial``, ``backbone`` (transformer | exact), ``step`` (the retained
-  checkpoint; ``None`` for exact), ``method`` (``<method>_<head>``) and
-  ``setup`` (:meth:`CurveSetup.fingerprint`). ``ce_gap`` / ``tv``: the
-  checkpoint's held-out CE gap to the Bayes CE and TV at ``MASK``
-  (:func:`pretrain.evaluate_checkpoints`); 0 for the exact backbone, whose
-  conditionals are the Bayes ones by construction (``mlm_ce`` and
-  ``bayes_ce`` are ``None`` there). ``seconds``: the group's program.
-  """
-
-  model: str
+  model: str  # ModelId.tag
   trial: int
-  backbone: str
-  step: int | None
-  method: str
+  backbone: str  # transformer | exact
+  step: int | None  # the retained checkpoint; None for exact
+  method: str  # <method>_<head>
   setup: str
   hmm: str
   num_states: int
   memory_size: int
   hmm_fingerprint: str
-  ce_gap: float
-  tv: float
+  ce_gap: float  # held-out CE gap to the Bayes CE
+  tv: float  # at MASK
   mlm_ce: float | None
   bayes_ce: float | None
   test_accuracy: float
@@ -216,8 +180,7 @@ class Group(protocol.Group):
 
   def keys(self, setup: CurveSetup) -> dict[tuple, tuple]:
     """``{(trial, step): key}`` of the lines this group writes."""
-    steps = (setup.pretrain.retain if self.backbone == "transformer"
-             else (None,))
+    steps = setup.pretrain.retain if self.backbone == "transformer" else (None,)
     fp = setup.fingerprint()
     return {(k, s): (self.model_id.tag, k, self.backbone, s,
                      self.method_name, fp)
@@ -225,8 +188,7 @@ class Group(protocol.Group):
 
 
 def plan(setup: CurveSetup) -> dict[protocol.ModelId, list[Group]]:
-  """The groups by model, in the order they run: head then prompt tuning,
-  each on the transformer then the exact backbone (the limit)."""
+  """The groups by model, in the order they run."""
   return {mid: [Group(mid, method, "attention" if mid.hmm == "memory"
                       else "linear", backbone=bb)
                 for method in ("head", "prompt") for bb in BACKBONES]
@@ -234,14 +196,10 @@ def plan(setup: CurveSetup) -> dict[protocol.ModelId, list[Group]]:
 
 
 def check_workdir(workdir: str, setup: CurveSetup) -> None:
-  """Stamps DIR/curve.json with the setup's identity on first use.
-
-  Raises:
-    ValueError: the workdir holds another setup's curve (what differs
-      named).
-  """
+  """Stamps DIR/curve.json with the setup's identity on first use;
+  ``ValueError`` naming what differs if it holds another setup's."""
   files_lib.stamp(os.path.join(workdir, "curve.json"), setup.identity(),
-                    "curve setup")
+                  "curve setup")
 
 
 class Checkpoints(NamedTuple):
@@ -254,8 +212,8 @@ class Checkpoints(NamedTuple):
 
 def checkpoints(workdir: str, setup: CurveSetup, mid: protocol.ModelId,
                 models_K: generative.Model) -> Checkpoints:
-  """Pretrains ``mid``'s stack in :func:`protocol.pretrain_dir` (or reuses
-  or resumes it) and returns its retained checkpoints, evaluated."""
+  """``mid``'s retained checkpoints, evaluated, after
+  :func:`protocol.pretrain`."""
   pdir = protocol.pretrain_dir(workdir, setup, mid)
   protocol.pretrain(pdir, setup.pretrain, models_K)
   backbone, params_QxK, steps, _ = pretrain_lib.load_retained(pdir)
@@ -273,14 +231,15 @@ def checkpoints(workdir: str, setup: CurveSetup, mid: protocol.ModelId,
 
 def tune_group(setup: CurveSetup, g: Group, stack: protocol.Stack,
                ckpts: Checkpoints | None) -> list[CurveLine]:
-  """Tunes ``g``: every retained checkpoint x trial (transformer, lanes
-  ``[Q * K]``, lane ``q * K + k``) or every trial (exact) in one program,
-  each lane on its trial's task 0 from the same tuning key, so the
-  checkpoints of a trial differ in nothing but their params."""
+  """Tunes ``g`` in one program: every retained checkpoint x trial (lanes
+  ``[Q * K]``, lane ``q * K + k``) or every trial (exact), each on its
+  trial's task 0 and tuning key: a trial's checkpoints differ in params
+  alone."""
   num = setup.trials
   steps: tuple[int | None, ...]
   if g.backbone == "transformer":
-    assert ckpts is not None, "run_curve() prepares a transformer group's checkpoints"
+    assert ckpts is not None, (
+        "run_curve() prepares a transformer group's checkpoints")
     steps, backbone = setup.pretrain.retain, ckpts.backbone
     params = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]),
                           ckpts.params_QxK)
@@ -289,7 +248,7 @@ def tune_group(setup: CurveSetup, g: Group, stack: protocol.Stack,
     backbone, params = protocol.exact_backbones(stack.models_K)
   lanes = [(q, k) for q in range(len(steps)) for k in range(num)]
   fields = protocol.tune_lanes(setup, g.tune_config(setup.tune), backbone,
-                             params, [(k, [0]) for _, k in lanes], stack)
+                               params, [(k, [0]) for _, k in lanes], stack)
   mid, fp, lines = g.model_id, setup.fingerprint(), []
   for (q, k), (f,) in zip(lanes, fields):
     quality: dict[str, Any]
@@ -309,18 +268,12 @@ def tune_group(setup: CurveSetup, g: Group, stack: protocol.Stack,
 
 
 def run_curve(setup: CurveSetup, workdir: str,
-        schedule: scheduling.Schedule = scheduling.EVERYTHING
-        ) -> list[CurveLine]:
-  """Runs the groups without lines in DIR/curve.jsonl (pretraining a
-  model's stack only if one of its transformer groups is left); returns
-  all lines. ``schedule``: this process's share of the models and its
-  deadline (:class:`scheduling.Schedule`, a stack's weight its trials; a
-  host shard or a worker writes the same file, so give each its own
-  workdir or run them one after another).
-
-  Raises:
-    ValueError: the workdir holds another setup's curve.
-  """
+              schedule: scheduling.Schedule = scheduling.EVERYTHING
+              ) -> list[CurveLine]:
+  """Runs the groups without lines in DIR/curve.jsonl; returns all lines.
+  ``schedule``: a stack's weight is its trials (shards and workers write
+  the same file: give each its own workdir). ``ValueError``: the workdir
+  holds another setup's curve."""
   check_workdir(workdir, setup)
   done = {line.key() for line in read_lines(workdir)}
   missing = protocol.missing(plan(setup), done, lambda g: g.keys(setup))
@@ -337,6 +290,6 @@ def run_curve(setup: CurveSetup, workdir: str,
 
   protocol.run_stacks(todo, prepare, lambda g, sc: [
       r for r in tune_group(setup, g, *sc) if r.key() not in done],
-                    lines_path(workdir), schedule,
-                    weight=lambda mid: setup.trials)
+                      lines_path(workdir), schedule,
+                      weight=lambda mid: setup.trials)
   return read_lines(workdir)

@@ -1,7 +1,5 @@
-"""The curve's report: DIR/curve.md (per model, accuracy at each retained
-checkpoint beside the exact backbone; when each method comes within
-:data:`WITHIN` of it; rank correlations of the accuracy deficit with the
-CE gap and TV) and DIR/curve.png (test accuracy against CE gap)."""
+"""The curve's report: DIR/curve.md (:func:`markdown`) and DIR/curve.png
+(:func:`write_plot`)."""
 
 from __future__ import annotations
 
@@ -14,23 +12,21 @@ from hmmprompt import pretraining_curve as curve
 from hmmprompt import files as files_lib
 
 WITHIN = 0.02  # "within 2 points of the exact backbone"
-# The log x axis has no 0: a gap at or below this (float noise on the
-# held-out set) is drawn here.
+# The log x axis has no 0: a gap at or below this (float noise) is drawn here.
 GAP_FLOOR = 1e-3
 
 
 def _spearman(x, y) -> float:
   if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
     return float("nan")
-  # Imported here: scipy.stats costs ~0.8 s to import, in every process
-  # that imports the sweep (binaries, test workers), most never report.
+  # Imported here: slow to import, and most processes never report.
   import scipy.stats  # pylint: disable=g-import-not-at-top
   return float(scipy.stats.spearmanr(x, y).statistic)
 
 
 def _per_decade(gaps, deficits) -> float:
-  """Least-squares slope of the accuracy deficit (points) against
-  log10 of the CE gap: how much accuracy a tenfold larger gap costs."""
+  """Least-squares slope of the accuracy deficit (points) against log10 of
+  the CE gap: how much accuracy a tenfold larger gap costs."""
   x = np.log10(np.maximum(np.asarray(gaps, np.float64), GAP_FLOOR))
   if len(x) < 2 or np.ptp(x) == 0:
     return float("nan")
@@ -42,9 +38,8 @@ def summarize(lines: list[curve.CurveLine]) -> dict:
   "exact": mean, "within": (step, gap) | None, "points": [(gap, tv,
   deficit)], "trial_points": [(gap, accuracy)]}}}``: means over trials at
   each checkpoint; ``within``: the first checkpoint from which every later
-  one's mean accuracy is within :data:`WITHIN` of the exact backbone's;
-  ``points``: per (trial, checkpoint), the accuracy below that trial's
-  exact backbone (what the rank correlations read)."""
+  one is within :data:`WITHIN` of the exact backbone; ``points``: per
+  (trial, checkpoint), the accuracy below that trial's exact backbone."""
   out: dict[str, dict[str, dict[str, Any]]] = {}
   models_seen: dict[str, tuple[bool, int]] = {}
   for r in lines:
@@ -61,19 +56,19 @@ def summarize(lines: list[curve.CurveLine]) -> dict:
       steps = sorted({cast(int, r.step) for r in tr})
       at = {s: [r for r in tr if r.step == s] for s in steps}
       mean = lambda f, s: float(np.mean([getattr(r, f) for r in at[s]]))
-      d: dict[str, Any] = {"steps": steps, "gap": [mean("ce_gap", s) for s in steps],
-           "tv": [mean("tv", s) for s in steps],
-           "acc": [mean("test_accuracy", s) for s in steps],
-           "sd": [float(np.std([r.test_accuracy for r in at[s]]))
-                  for s in steps],
-           "exact": float(np.mean(list(ex.values()))) if ex else float("nan"),
-           "points": [(r.ce_gap, r.tv, ex[r.trial] - r.test_accuracy)
-                      for r in tr if r.trial in ex],
-           "trial_points": [(r.ce_gap, r.test_accuracy) for r in tr]}
+      d: dict[str, Any] = {
+          "steps": steps, "gap": [mean("ce_gap", s) for s in steps],
+          "tv": [mean("tv", s) for s in steps],
+          "acc": [mean("test_accuracy", s) for s in steps],
+          "sd": [float(np.std([r.test_accuracy for r in at[s]]))
+                 for s in steps],
+          "exact": float(np.mean(list(ex.values()))) if ex else float("nan"),
+          "points": [(r.ce_gap, r.tv, ex[r.trial] - r.test_accuracy)
+                     for r in tr if r.trial in ex],
+          "trial_points": [(r.ce_gap, r.test_accuracy) for r in tr]}
       close = [a >= d["exact"] - WITHIN for a in d["acc"]]
       first = next((i for i in range(len(steps)) if all(close[i:])), None)
-      d["within"] = (None if first is None
-                     else (steps[first], d["gap"][first]))
+      d["within"] = None if first is None else (steps[first], d["gap"][first])
       out[tag][method] = d
   return out
 
@@ -83,7 +78,9 @@ def _pct(x: float) -> str:
 
 
 def markdown(summary: dict) -> str:
-  """The tables of DIR/curve.md."""
+  """DIR/curve.md: per model, accuracy at each retained checkpoint beside
+  the exact backbone; when each method comes within :data:`WITHIN` of it;
+  rank correlations of the accuracy deficit with the CE gap and TV."""
   out = ["# Accuracy against pretraining quality", "",
          "Test accuracy (%), mean ± sd over trials, at each retained "
          "checkpoint with its mean held-out CE gap to the Bayes CE (nats) "
@@ -130,11 +127,11 @@ def markdown(summary: dict) -> str:
 
 
 def write_plot(summary: dict, path: str) -> None:
-  """Test accuracy against CE gap (log x), one panel per model: head and
-  prompt tuning over the checkpoints (means; each trial a faint dot), the
-  exact backbone as horizontal lines in the same colours."""
-  fig, axes = files_lib.pyplot().subplots(1, len(summary), figsize=(4 * len(summary), 3.8),
-                           squeeze=False)
+  """Test accuracy against CE gap (log x), one panel per model: each
+  method's means over the checkpoints, each trial a faint dot, the exact
+  backbone a dashed line."""
+  fig, axes = files_lib.pyplot().subplots(
+      1, len(summary), figsize=(4 * len(summary), 3.8), squeeze=False)
   for ax, (tag, methods) in zip(axes[0], summary.items()):
     for i, (name, d) in enumerate(methods.items()):
       color = f"C{i}"

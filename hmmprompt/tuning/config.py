@@ -1,6 +1,5 @@
-"""What a tuning run is: :class:`TuneConfig`, the methods it names
-(:class:`Method` objects in :data:`METHODS`) and one seed's arrays
-(:class:`Data`)."""
+"""What a tuning run is: :class:`TuneConfig`, the :class:`Method` objects it
+names (:data:`METHODS`) and one seed's arrays (:class:`Data`)."""
 
 from __future__ import annotations
 
@@ -31,16 +30,12 @@ class Method:
   Attributes:
     name: its key in :data:`METHODS`.
     init_extra: ``(key, backbone, bparams, cfg) -> dict``: the tunable
-      entries besides ``"head"`` (none, ``"prompt"``, ``"backbone"``, ...).
+      entries besides ``"head"``.
     head_inputs: ``(backbone, bparams, tunable, cfg, tokens [T]) -> (G,
-      emb)``, what the head reads (see :func:`backbone_head_inputs`).
-    caches_features: ``head_inputs`` does not depend on ``tunable``, so it
-      is computed once per example before training (and the training loop
-      sees the cached ``(G, emb)`` as the example).
-    uses_prompt: inputs carry ``cfg.prompt_len`` soft prompt vectors in
-      front of the ``MASK`` (sets :attr:`TuneConfig.num_prompt`).
-    slow_keys: tunable entries trained at ``cfg.backbone_lr`` instead of
-      ``cfg.lr``.
+      emb)``, what the head reads (:func:`backbone_head_inputs`).
+    caches_features: ``head_inputs`` ignores ``tunable``: computed up front.
+    uses_prompt: inputs carry ``cfg.prompt_len`` soft prompt vectors.
+    slow_keys: tunable entries trained at ``cfg.backbone_lr``.
     needs_finetunable: only for backbones whose params are free parameters.
   """
 
@@ -58,60 +53,31 @@ class TuneConfig:
   """Downstream tuning (defaults: the paper, Appendix D).
 
   Attributes:
-    method: ``"head"`` (frozen backbone, train the head), ``"prompt"``
-      (train a soft prompt and the head) or ``"finetune"`` (train a copy of
-      the backbone and the head); any key of :data:`METHODS`.
-    head: ``"linear"`` (on the ``MASK`` position) or ``"attention"``; any
-      key of :data:`hmmprompt.heads.HEADS`.
+    method: a key of :data:`METHODS`: ``"head"``, ``"prompt"`` (a soft
+      prompt and the head) or ``"finetune"`` (a backbone copy and the head).
+    head: a key of :data:`hmmprompt.heads.HEADS`.
     features: see :mod:`hmmprompt.heads`.
     prompt_len: soft prompt vectors (paper: 20).
     prompt_init: raw prompt entries start Uniform[-prompt_init, prompt_init].
-    lr: peak learning rate of Adam (paper: 0.01).
-    backbone_lr: peak learning rate of the backbone's params when
-      fine-tuning (0.01 would wreck a pretrained transformer).
-    warmup_steps: linear warmup; ``None`` means ``warmup_frac`` of the steps.
-      Then linear decay to 0.
+    lr: Adam's peak learning rate (paper: 0.01).
+    backbone_lr: the backbone's, when fine-tuning (0.01 would wreck it).
+    warmup_steps: linear warmup, then decay to 0 (``None``: ``warmup_frac``).
     epochs: passes over the training set (paper: 5).
-    batch_size: examples per step (the paper does not say; 32 here).
+    batch_size: examples per step (the paper does not say).
     max_len: truncate inputs to this many positions, prompt included
       (``None``: no truncation; the authors' scripts used 80).
     eval_chunk: examples per chunk when computing accuracies.
-    optimizer: ``"adam"`` (the paper's recipe above: mini-batch Adam on the
-      learning-rate schedule, unregularised) or ``"lbfgs"``: the head's
-      optimum. With the backbone frozen, a head on cached features is a
-      fixed model of fixed inputs (for the linear head, logistic
-      regression: convex), so instead of 5 epochs of Adam it is solved:
-      full-batch L-BFGS (``optax.lbfgs``, zoom line search) on the whole
-      training set's cached features until the gradient norm is below
-      ``lbfgs_tol``, ``lbfgs_max_steps`` steps, or 20 steps without a new
-      lowest objective (then the lowest point is kept). Only for methods
-      whose features are cached (:attr:`Method.caches_features`: head
-      tuning); the attention head is not convex, so there it reaches a
-      stationary point from its initialisation, not necessarily the
-      optimum. ``lr``, ``warmup_*``, ``epochs`` and ``batch_size`` are
-      unused then.
-    lbfgs_tol: L-BFGS stops when the objective's gradient (all head
-      leaves, one L2 norm) is below this. In float32 the gradient's
-      rounding can keep it above a small tolerance at the optimum; the run
-      then stops when the objective stops falling (20 steps without a new
-      lowest value).
-    lbfgs_max_steps: at most this many L-BFGS steps (each one line search
-      of full-batch evaluations).
-    lbfgs_l2: L-BFGS minimises the mean cross-entropy plus ``lbfgs_l2 / 2``
-      times the squared norm of the head's weights (every head leaf but
-      ``bias``). Unregularised logistic regression on separable features
-      has no finite optimum (the weights grow forever and the gradient
-      only tends to 0), so the stopping rule would measure nothing; a small
-      L2 makes the optimum unique and finite. 0 is allowed (then on
-      separable data the weights grow until float32's rounding or
-      ``lbfgs_max_steps`` stops them). Adam stays unregularised.
-    backbone_dtype: the compute dtype of a pretrained transformer's
-      forward (and backward, for prompt tuning) while tuning:
-      ``"float32"`` (the default, every CPU preset) or ``"bfloat16"``
-      (the ``gpu`` preset on an accelerator: bf16 matmuls and cuDNN's
-      fused attention, as in pretraining; outputs are cast to float32
-      before the softmax). The exact backbone ignores it. Parameters, the
-      prompt, the head and the optimizer stay float32.
+    optimizer: ``"adam"`` (the paper's, unregularised) or ``"lbfgs"``: the
+      head solved on cached features (:func:`optim.solve_lbfgs`), to the
+      optimum for the convex linear head; ``lr``, ``warmup_*``, ``epochs``
+      and ``batch_size`` are then unused.
+    lbfgs_tol: L-BFGS stops when the gradient's L2 norm is below this.
+    lbfgs_max_steps: at most this many L-BFGS steps.
+    lbfgs_l2: the L2 penalty of L-BFGS (:func:`optim.lbfgs_objective`): on
+      separable features the unregularised optimum is at infinity.
+    backbone_dtype: a pretrained transformer's compute dtype while tuning
+      (``"bfloat16"``: the ``gpu`` preset); params, prompt, head, optimizer
+      and softmax stay float32. The exact backbone ignores it.
   """
 
   method: str = "head"
@@ -136,10 +102,8 @@ class TuneConfig:
   backbone_dtype: str = identity_lib.added("float32")
 
   def __post_init__(self):
-    if self.backbone_dtype not in BACKBONE_DTYPES:
-      raise ValueError(f"TuneConfig.backbone_dtype must be one of "
-                       f"{BACKBONE_DTYPES}, got {self.backbone_dtype!r}")
-    for field, registry in (("method", METHODS), ("head", heads.HEADS),
+    for field, registry in (("backbone_dtype", BACKBONE_DTYPES),
+                            ("method", METHODS), ("head", heads.HEADS),
                             ("features", heads.TRANSFORMS),
                             ("optimizer", OPTIMIZERS)):
       if getattr(self, field) not in registry:
@@ -178,8 +142,7 @@ class TuneConfig:
 
   @classmethod
   def authors(cls, **overrides) -> TuneConfig:
-    """The original fine-tuning scripts: batch 128, 100 epochs, 500 warmup
-    steps, inputs truncated to 80 positions (prompt included)."""
+    """The recipe of the authors' original fine-tuning scripts."""
     kw: dict[str, Any] = dict(lr=0.01, warmup_steps=500, batch_size=128,
                               epochs=100, max_len=80)
     kw.update(overrides)
@@ -214,26 +177,18 @@ def data_from_task(task: tasks_lib.Task, cfg: TuneConfig) -> Data:
 
 
 def num_steps(num_train: int, cfg: TuneConfig) -> int:
-  """The steps a run is given (the length of its losses): Adam takes all
-  ``epochs`` x whole batches; L-BFGS at most ``lbfgs_max_steps``, fewer
-  when its gradient norm meets ``lbfgs_tol``."""
+  """The length of a run's losses: Adam's ``epochs`` x whole batches, or
+  ``lbfgs_max_steps`` (L-BFGS may stop sooner)."""
   if cfg.optimizer == "lbfgs":
     return cfg.lbfgs_max_steps
   return cfg.epochs * max(num_train // cfg.batch_size, 1)
 
 
-# ----------------------------------------------------------------------------
-# Methods: what each trains (``init_extra``) and what its head reads.
-
-
 def backbone_head_inputs(backbone: Backbone, params, cfg: TuneConfig,
                          tokens_T: jax.Array, prompt_raw_PxD=None):
-  """``(G, emb)`` that ``cfg.head`` reads from one backbone input.
-
-  The backbone sees ``(prompt, MASK, x_1, ...)``. Heads reading all
-  positions get ``(G [P+T, V], emb [P+T, D])``; the others get ``(G [V],
-  None)`` at the ``MASK``, which is all head tuning then needs to cache.
-  """
+  """``(G, emb)`` that ``cfg.head`` reads from ``(prompt, MASK, x_1,
+  ...)``: ``(G [P+T, V], emb [P+T, D])`` for heads reading all positions,
+  else ``(G [V], None)`` at the ``MASK``."""
   if heads.HEADS[cfg.head].reads_all_positions:
     return backbone.outputs(params, tokens_T, prompt_raw_PxD)
   return backbone.output_at(params, tokens_T, prompt_raw_PxD,

@@ -24,16 +24,11 @@ from hmmprompt.tuning.config import TuneConfig
 from hmmprompt.tuning.config import num_steps
 
 
-# ----------------------------------------------------------------------------
-# One seed, step by step (all traceable).
-
-
 def init_tunable(key, backbone: Backbone, bparams, cfg: TuneConfig,
                  num_tokens: int) -> dict:
-  """The tunable params before training, ``{"head": ..., **extra}`` (the
-  method's extra entries, e.g. ``"prompt" [P, D]``); ``num_tokens``
-  counts the ``MASK``. :func:`run_seed` starts from ``init_tunable(
-  jax.random.split(key)[0], ...)``."""
+  """The tunable params before training, ``{"head": ..., **extra}``
+  (``num_tokens`` counts the ``MASK``); :func:`run_seed` passes it
+  ``jax.random.split(key)[0]``."""
   k_head, k_extra = jax.random.split(key)
   length = tasks_lib.input_len(cfg.num_prompt, num_tokens - 1)
   head = heads.HEADS[cfg.head].init(k_head, backbone.vocab_size,
@@ -44,12 +39,9 @@ def init_tunable(key, backbone: Backbone, bparams, cfg: TuneConfig,
 
 def _prepare_examples(backbone: Backbone, bparams, tunable, data: Data,
                       cfg: TuneConfig):
-  """``(inputs_fn, examples)``: ``examples[split]`` has one leading ``N``
-  axis and ``inputs_fn(tunable, example) -> (G, emb)``.
-
-  A caching method's examples are its head inputs, computed once; the
-  others' are the tokens ``[N, T]``.
-  """
+  """``(inputs_fn, examples)``: ``inputs_fn(tunable, example) -> (G, emb)``;
+  ``examples[split]`` ``[N, ...]``: a caching method's head inputs, else
+  the tokens."""
   method = METHODS[cfg.method]
   inputs_fn = lambda tunable, tokens_T: method.head_inputs(
       backbone, bparams, tunable, cfg, tokens_T)
@@ -63,8 +55,7 @@ def _prepare_examples(backbone: Backbone, bparams, tunable, data: Data,
 
 
 def _feature_stats(inputs_fn, tunable, train_examples, cfg: TuneConfig):
-  """Statistics of the training set's ``G`` at initialisation, or ``None``
-  if ``cfg.features`` reads none."""
+  """The training set's ``G`` statistics at init (``None`` if unused)."""
   if not heads.TRANSFORMS[cfg.features].needs_stats:
     return None
   g_train = jax.lax.map(lambda ex: inputs_fn(tunable, ex)[0], train_examples,
@@ -89,8 +80,8 @@ def _logits_fn(inputs_fn, stats, cfg: TuneConfig):
 
 
 def _batch_indices(key, n: int, cfg: TuneConfig) -> jax.Array:
-  """``[S, B]`` training example indices: a fresh permutation per epoch
-  (``fold_in(key, epoch)``), its tail that fills no batch dropped."""
+  """``[U, B]`` training example indices: a fresh permutation per epoch
+  (``fold_in(key, epoch)``), the tail that fills no batch dropped."""
   steps_per_epoch = max(n // cfg.batch_size, 1)
   batch = min(cfg.batch_size, n)
   perms = jax.vmap(lambda e: jax.random.permutation(
@@ -107,25 +98,10 @@ def _accuracy(logits_fn, tunable, examples, labels_N, cfg: TuneConfig):
 
 
 def run_seed(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
-  """One seed end to end: init, feature cache, training, accuracies.
-
-  Pure and traceable (no host work): jit it, or vmap it over any of
-  ``key``, ``bparams`` and ``data`` (:func:`tune` does both).
-
-  Args:
-    key: a PRNG key (head / prompt init and batch order).
-    bparams: the frozen backbone's params; never differentiated.
-    data: one seed's splits, ``tokens [N, T]`` and ``labels [N]`` each.
-    backbone: static, as is ``cfg``.
-    cfg: the recipe.
-
-  Returns:
-    ``(tunable, losses [U], {split: accuracy []})``, ``U`` =
-    :func:`num_steps`: Adam's mini-batch losses, or (``cfg.optimizer`` =
-    ``"lbfgs"``) the lowest full-batch objective after each step, the
-    final value repeated after the last step taken
-    (:func:`optim.solve_lbfgs`).
-  """
+  """One seed end to end, pure (jit or vmap it over ``key``, ``bparams`` or
+  ``data``, as :func:`tune` does): ``(tunable, losses [U], {split: accuracy
+  []})``, ``U`` = :func:`num_steps` (:func:`optim.solve_lbfgs`' losses for
+  L-BFGS); ``data`` holds ``tokens [N, T]`` and ``labels [N]``."""
   tunable, losses, accs, _ = _run(key, bparams, data, backbone, cfg)
   return tunable, losses, accs
 
@@ -157,14 +133,9 @@ def _run(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
 @functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
 def _run_lanes(key_L, bparams, data_L: Data, backbone: Backbone,
                cfg: TuneConfig, param_axes: int, lane_group: int | None):
-  """:func:`run_seed` vmapped over the lanes ``L`` (the leading axes of
-  ``data_L``'s labels but the last); ``bparams`` has the first
-  ``param_axes`` of them, and is shared along the rest.
-
-  ``lane_group``: the first lane axis runs this many entries at a time
-  (``lax.map`` over vmapped groups, one program); ``None``: all at once.
-  Lanes never interact, so only the memory a step holds changes: it is
-  the group's, not all lanes'."""
+  """:func:`run_seed` vmapped over the lanes (``bparams``: the first
+  ``param_axes``); ``lane_group`` lanes of the first axis at a time (a
+  ``lax.map`` over vmapped groups, bounding memory; ``None``: all)."""
   fn = functools.partial(_run, backbone=backbone, cfg=cfg)
   for axis in reversed(range(1, data_L.train_labels.ndim - 1)):
     fn = jax.vmap(fn, in_axes=(0, 0 if axis < param_axes else None, 0))
@@ -182,27 +153,20 @@ def _run_lanes(key_L, bparams, data_L: Data, backbone: Backbone,
 
 def lane_group_for(lanes_per_vmap: int | None) -> int | None:
   """:func:`tune`'s ``lane_group`` from a "lanes per vmap" setting: ``None``
-  (auto) is 1 on CPU (one lane at a time ran fastest there and holds a
-  lane's memory only) and all lanes elsewhere; 0 is all lanes."""
+  (auto) is 1 on CPU (fastest there) and all lanes elsewhere; 0 is all."""
   if lanes_per_vmap is None:
     return 1 if jax.default_backend() == "cpu" else None
   return lanes_per_vmap or None
 
 
 class Result(NamedTuple):
-  """What :func:`tune` measured, on the host: ``[*L]`` arrays over its lanes
-  (0-d for one seed) and the program's totals."""
+  """What :func:`tune` measured: host arrays ``[*L]`` (0-d for one seed)."""
 
   train_accuracy: np.ndarray
   val_accuracy: np.ndarray
   test_accuracy: np.ndarray
-  # Adam: the mean mini-batch loss of the last 10 steps; L-BFGS: the
-  # objective it minimised (regularised, full batch) at the end.
-  final_loss: np.ndarray
-  # Adam: the optimizer steps of every lane (num_steps); L-BFGS: the most
-  # steps any lane took (each lane's are lane_steps; a run that stops on
-  # its patience counts the steps after its lowest point too).
-  steps: int
+  final_loss: np.ndarray  # Adam: mean of the last 10 losses; L-BFGS: final
+  steps: int  # Adam: num_steps; L-BFGS: the most any lane took
   seconds: float  # the whole program's wall time, compilation included
   lane_steps: np.ndarray | None = None  # [*L] steps each lane took
 
@@ -239,17 +203,11 @@ def tune(key_L, backbone: Backbone, bparams, data_L: Data, cfg: TuneConfig,
   """Tunes every lane of ``data_L`` in one jitted program.
 
   Lanes ``L`` are leading axes (none for one seed): ``data_L`` has
-  ``tokens [*L, N, T]`` and ``labels [*L, N]``, ``key_L`` a key per lane.
-  ``bparams`` carries the first ``param_axes`` lane axes (0: one backbone
-  for every lane; 1: one per trial, e.g. ``[K]`` of :func:`tune_trials`).
-  Each lane gets what :func:`run_seed` gives it alone. ``lane_group``: the
-  first lane axis runs this many at a time (``lax.map`` over vmapped
-  groups, still one program), which bounds memory and on CPU runs faster
-  (1 there: docs/performance.md); values move only by float rounding
-  (batched matmuls of another batch size).
-
-  Returns:
-    ``(Result, tunable)``, the tunable params stacked ``[*L, ...]``.
+  ``tokens [*L, N, T]`` and ``labels [*L, N]``, ``key_L`` a key per lane,
+  ``bparams`` the first ``param_axes`` (1: one backbone per trial, as
+  :func:`tune_trials`); ``lane_group``: :func:`lane_group_for`. Each lane
+  gets what :func:`run_seed` gives it alone, to float rounding. Returns
+  ``(Result, tunable)``, the tunable params stacked ``[*L, ...]``.
 
   Raises:
     ValueError: shapes that disagree, or fine-tuning a backbone without
@@ -282,7 +240,7 @@ def stack_data(datas: Sequence[Data]) -> Data:
 def tune_many(keys, backbone: Backbone, bparams, datas: Sequence[Data],
               cfg: TuneConfig, lane_group: int | None = None
               ) -> tuple[Result, Any]:
-  """:func:`tune` on ``len(datas)`` seeds (lanes ``[S]``: tasks or seeds), one backbone."""
+  """:func:`tune` on ``[S]`` seeds (or tasks), one backbone."""
   if len(keys) != len(datas):
     raise ValueError(f"{len(keys)} keys for {len(datas)} datasets")
   return tune(jnp.stack(list(keys)), backbone, bparams, stack_data(datas),
@@ -292,14 +250,9 @@ def tune_many(keys, backbone: Backbone, bparams, datas: Sequence[Data],
 def tune_trials(keys, backbone: Backbone, bparams_K,
                 datas: Sequence[Sequence[Data]], cfg: TuneConfig,
                 lane_group: int | None = None) -> tuple[Result, Any]:
-  """:func:`tune` on K trials x S tasks (lanes ``[K, S]``), every trial on
-  its own backbone params, shared by its tasks.
-
-  ``bparams_K``: the params of K backbones of one size stacked on a leading
-  trial axis (``jax.vmap(generative.as_hmm)`` of :func:`generative.random_models`
-  for the exact backbone, or :func:`pretrain.load_trials`' params);
-  ``datas[k][s]`` and ``keys[k][s]`` are trial ``k``'s task ``s``.
-  """
+  """:func:`tune` on K trials x S tasks (lanes ``[K, S]``), ``bparams_K``
+  stacked per trial (:func:`pretrain.load_trials`' params, or exact HMMs);
+  ``datas[k][s]`` and ``keys[k][s]`` are trial ``k``'s task ``s``."""
   k = jax.tree.leaves(bparams_K)[0].shape[0]
   if k != len(datas) or k != len(keys):
     raise ValueError(f"backbone params for {k} trials, {len(datas)} trials "

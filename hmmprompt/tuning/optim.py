@@ -1,6 +1,5 @@
-"""The optimisers of tuning: Adam on a warmup-then-decay schedule over
-mini-batches (the paper's recipe), and full-batch L-BFGS on the head's
-L2-regularised objective (the convex problem solved to its optimum)."""
+"""Tuning's optimisers: mini-batch Adam (the paper's recipe) and full-batch
+L-BFGS on the head's L2-regularised objective."""
 
 from __future__ import annotations
 
@@ -15,9 +14,8 @@ from hmmprompt.tuning.config import TuneConfig
 
 
 def tuning_lr(total: int, cfg: TuneConfig):
-  """The learning rate at each of ``total`` steps: a linear warmup over
-  ``cfg.warmup_steps`` (or ``warmup_frac`` of ``total``; at most ``total -
-  1``) from 0 to ``cfg.lr``, then a linear decay to 0 at ``total``."""
+  """The learning rate of ``total`` steps: linear from 0 to ``cfg.lr`` over
+  the warmup (at most ``total - 1`` steps), then linear to 0 at ``total``."""
   warmup = cfg.warmup_steps
   if warmup is None:
     warmup = int(cfg.warmup_frac * total)
@@ -66,16 +64,14 @@ def train_adam(logits_fn, opt, tunable, examples, labels_N, idx_UxB):
 
 def l2_leaves(head_params) -> list:
   """The head leaves :attr:`TuneConfig.lbfgs_l2` penalises: all but those
-  named ``bias`` (an offset, which a penalty would only pull off the
-  class balance)."""
+  named ``bias`` (a penalty would pull an offset off the class balance)."""
   return [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(
       head_params) if getattr(path[-1], "key", None) != "bias"]
 
 
 def lbfgs_objective(logits_fn, examples, labels_N, cfg: TuneConfig):
-  """``tunable -> []``: what L-BFGS minimises, the mean cross-entropy over
-  the whole training split plus ``lbfgs_l2 / 2`` times the squared norm of
-  the head's weights (:func:`l2_leaves`)."""
+  """``tunable -> []``: the mean cross-entropy over the whole training
+  split plus ``lbfgs_l2 / 2`` times the squared :func:`l2_leaves`."""
 
   def objective(tunable):
     logits_NxC = jax.vmap(lambda ex: logits_fn(tunable, ex))(examples)
@@ -87,38 +83,18 @@ def lbfgs_objective(logits_fn, examples, labels_N, cfg: TuneConfig):
   return objective
 
 
-# L-BFGS stops after this many steps without a new lowest objective (and
-# returns the lowest point): float32's floor, where the gradient's rounding
-# keeps its norm above lbfgs_tol. One step is not enough: after a failed line
-# search L-BFGS recovers (on log features, stopping at the first step without
-# a decrease ended 11% above the optimum).
+# L-BFGS's steps without a new lowest objective before it stops (not 1: it
+# recovers after a failed line search; stopping there ends above the optimum).
 LBFGS_PATIENCE = 20
 
 
 def solve_lbfgs(objective, tunable, cfg: TuneConfig):
-  """Full-batch L-BFGS (``optax.lbfgs``, its zoom line search) from
-  ``tunable``, in one ``lax.while_loop``, until the gradient norm is below
-  ``cfg.lbfgs_tol``, after ``cfg.lbfgs_max_steps`` steps, or after
-  :data:`LBFGS_PATIENCE` steps without a new lowest objective; returns
-  the lowest point seen. The last rule is float32's: near the optimum the
-  gradient's rounding can keep its norm above the tolerance for ever
-  (measured: a floor of 2.5e-6 on 64 near-separable examples, 5e-5 on log
-  features) while the steps only trade rounding noise.
-
-  Under vmap the loop runs until every lane has stopped; a stopped lane's
-  carry is held (the batching rule selects it), so each lane ends where it
-  would alone, to rounding. The value and gradient the line search
-  computed at the accepted point are carried to the next step, as
-  ``optax.value_and_grad_from_state`` would fetch them from the state, but
-  without its ``lax.cond``, which under vmap evaluates both branches (a
-  full-batch gradient more per step).
-
-  Returns:
-    ``(tunable, losses [U], steps [])``: ``U`` = ``cfg.lbfgs_max_steps``,
-    ``losses[u]`` the lowest objective after step ``u`` (the final one
-    repeated after the last step), ``steps`` the steps taken (0 when the
-    start already meets the tolerance).
-  """
+  """Full-batch L-BFGS (``optax.lbfgs``) in one ``lax.while_loop`` until
+  the gradient norm is below ``cfg.lbfgs_tol``, after ``cfg.lbfgs_max_steps``
+  steps or after :data:`LBFGS_PATIENCE` steps without a new lowest objective
+  (float32 rounding can keep the norm above the tolerance). Under vmap each
+  lane ends where it would alone. Returns ``(the lowest point, losses [U],
+  steps [])``: the lowest objective after each step, the steps taken."""
   opt = optax.lbfgs()
   total = cfg.lbfgs_max_steps
   value, grad = jax.value_and_grad(objective)(tunable)
@@ -129,6 +105,8 @@ def solve_lbfgs(objective, tunable, cfg: TuneConfig):
             & (optax.tree.norm(grad) >= cfg.lbfgs_tol))
 
   def step_fn(carry):
+    # The line search's value and grad are carried, not refetched by
+    # value_and_grad_from_state, whose lax.cond runs both branches in vmap.
     (params, value), state, grad, step, best, since_best, losses_U = carry
     updates, state = opt.update(grad, state, params, value=value, grad=grad,
                                 value_fn=objective)
