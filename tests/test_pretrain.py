@@ -1618,8 +1618,29 @@ def test_a_stopped_trial_keeps_its_state_while_the_others_train(
   assert [ckpts.item_tree(s)["trials"].shape for s in (30, 40)] == [(1,)] * 2
   ckpts.close()
   assert rows(paths.ckpt, 40) == [1] and rows(paths.stopped, 20) == [0]
-  # Killed after step 30 (trial 0 in stopped/ alone), a rerun ends as the
-  # uninterrupted run.
+  # A workdir that lost stopped/ names the trial it cannot load.
+  shutil.rmtree(paths.stopped)
+  with pytest.raises(FileNotFoundError, match=re.escape(
+      f"trials [0] are in neither the checkpoint of step 40 in {paths.ckpt} "
+      f"nor in stopped/ beside it: the workdir lost files; pretrain in a "
+      f"new workdir")):
+    pretrain.load_trials(workdir)
+
+
+@pytest.mark.slow
+def test_a_run_killed_after_a_trial_stopped_resumes_from_stopped(
+    tmp_path, monkeypatch):
+  """Killed after step 30, when trial 0 (stopped at 20) is in ``stopped/``
+  alone and the checkpoints hold trial 1, a rerun ends as the
+  uninterrupted run, states included."""
+  from hmmprompt.pretrain import loop
+  monkeypatch.setattr(loop, "_reached",
+                      lambda cfg, m: m.get("trial") == 0)
+  cfg = dataclasses.replace(TINY, targets="exact")
+  stacked = generative.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6,
+                                     10)
+  whole = str(tmp_path / "whole")
+  final = pretrain.run_trials(whole, cfg, stacked, log=lambda s: None)
   cut = str(tmp_path / "cut")
   with pytest.raises(_Crash):
     pretrain.run_trials(cut, cfg, stacked, log=lambda s: None,
@@ -1628,11 +1649,4 @@ def test_a_stopped_trial_keeps_its_state_while_the_others_train(
   drop = lambda m: {a: b for a, b in m.items() if a != "wall_s"}
   assert [drop(m) for m in again] == [drop(m) for m in final]
   jax.tree.map(np.testing.assert_array_equal, pretrain.load_trials(cut)[1],
-               params_K)
-  # A workdir that lost stopped/ names the trial it cannot load.
-  shutil.rmtree(paths.stopped)
-  with pytest.raises(FileNotFoundError, match=re.escape(
-      f"trials [0] are in neither the checkpoint of step 40 in {paths.ckpt} "
-      f"nor in stopped/ beside it: the workdir lost files; pretrain in a "
-      f"new workdir")):
-    pretrain.load_trials(workdir)
+               pretrain.load_trials(whole)[1])
