@@ -133,8 +133,10 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   """Pretrains (or resumes, bit for bit) K transformers in ``workdir``, one
   per trial of ``models_K``, in one jitted step; returns each trial's final
   ``metrics.jsonl`` line. Trial ``k`` is trial ``k`` alone with ``seed =
-  cfg.seed + k`` (:class:`Keys`) and stops on its own at the target gap.
-  ``after_step(step)`` runs after each step; past ``stop_at``
+  cfg.seed + k`` (:class:`Keys`) and stops on its own at the target gap:
+  it leaves the stack that steps and is saved once, as it stopped, while
+  the checkpoints hold the trials still running (the layout:
+  :mod:`~hmmprompt.pretrain.workdir`). ``after_step(step)`` runs after each step; past ``stop_at``
   (``time.monotonic()``) the step in hand is checkpointed and
   :class:`DeadlineReached` raised. ``cfg.retain``'s steps are saved as they
   pass (a resume logs those trained past unretained). A trial that
