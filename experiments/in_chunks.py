@@ -103,7 +103,7 @@ def main(argv):
                        _WORKDIR.value)
   if _STEP_MEMORY.value:
     return print(*map(chunks.describe_step_bytes,
-                      chunks.step_bytes(setup, _CHUNK.value)), sep="\n")
+                      chunks.chunk_step_bytes(setup, _CHUNK.value)), sep="\n")
   count = workers.resolve_count(_WORKERS.value)
   info = chunks.run_chunk(
       setup, _CHUNK.value, _BACKBONE.value, results, _OUT.value,

@@ -807,7 +807,7 @@ def test_a_chunk_archive_carries_fallback_metrics_into_the_merge(tmp_path):
            and r.size == 25]
   files_lib.append_lines(schema.results_path(str(work)), lines)
   archive = str(tmp_path / "chunk.tar.gz")
-  names = chunks.write_archive(str(work), archive, {"chunk": "left:25"})
+  names = chunks.write_chunk_archive(str(work), archive, {"chunk": "left:25"})
   fallbacks = sorted({n.split("/")[2] for n in names if "/fallback-" in n})
   assert fallbacks == ["fallback-13", "fallback-18", "fallback-2"]
   assert chunks.merge(archive, results)["added"] == len(lines)

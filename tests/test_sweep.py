@@ -202,7 +202,7 @@ def test_a_bad_run_is_refused_by_name_before_any_work(tmp_path, tuned,
 
 
 def test_exact_backbones_are_the_stacks_hmms(tmp_path):
-  models = sweep.make_models(SETUP, H8)
+  models = protocol.make_models(SETUP, H8, sweep.stack_size(SETUP, H8))
   assert generative.num_trials(models) == 2
   bb, params_K, fields, configs = sweep.backbones(str(tmp_path), SETUP, H8,
                                                   models, "exact")
@@ -326,7 +326,8 @@ def test_a_transformer_sweep_pretrains_each_stack_in_its_own_directory(
       (protocol.pretrain_dir(workdir, setup, mid), setup.pretrain)
       for mid in (H4, H8)]
   for (_, _, models), mid in zip(pretrained, (H4, H8)):
-    assert generative.same(models, sweep.make_models(setup, mid))
+    assert generative.same(models, protocol.make_models(setup, mid,
+                                                      sweep.stack_size(setup, mid)))
   assert [c[:3] for c in tuned] == [
       ("head", "linear", "adam"), ("prompt", "linear", "adam"),
       ("finetune", "linear", "adam")] * 2

@@ -107,7 +107,7 @@ def start_workdir(results_dir: str, workdir: str, setup: configs.Setup) -> int:
   return len(schema.read_results(workdir))
 
 
-def write_archive(workdir: str, path: str, run_info: dict) -> list[str]:
+def write_chunk_archive(workdir: str, path: str, run_info: dict) -> list[str]:
   """Writes ``path``: the results, ``sweep.json``, the pretraining metrics
   and configs and ``run_info`` as ``run.json``; returns the member names.
   No report (:func:`merge` renders it): nothing slow, such as matplotlib's
@@ -160,7 +160,7 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
     run_info.update(more)
     run_info["cells_computed"] = len(schema.read_results(workdir)) - at_start
     run_info["wall_s"] = round(time.monotonic() - t0, 1)
-    write_archive(workdir, path, run_info)
+    write_chunk_archive(workdir, path, run_info)
 
   try:
     at_start = start_workdir(results_dir, workdir, setup)
@@ -226,7 +226,7 @@ def seconds_per_trial(results_dir: str, margin: float = 1.2) -> float | None:
                       for st in stacks.values()) / trials
 
 
-def step_bytes(setup: configs.Setup, chunk: str) -> list[dict]:
+def chunk_step_bytes(setup: configs.Setup, chunk: str) -> list[dict]:
   """Per stack of ``chunk``: its trials, pretraining-step memory
   (:func:`hmmprompt.pretrain.step_bytes`) and the device's memory
   (``device_bytes``; ``None`` where it reports none)."""
@@ -234,12 +234,12 @@ def step_bytes(setup: configs.Setup, chunk: str) -> list[dict]:
   cfg = setup.pretrain
   mesh = sharding_lib.data_mesh()
   limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
-  out = []
+  sizes, out = sweep.stack_sizes(setup), []
   for mid in sweep.plan(part):
     hmms = jax.eval_shape(  # shapes only: no model is drawn
         lambda mid=mid: jax.vmap(generative.as_hmm)(
-            sweep.make_models(setup, mid)))
-    out.append({"stack": mid.tag, "trials": sweep.stack_size(setup, mid),
+            protocol.make_models(setup, mid, sizes[mid])))
+    out.append({"stack": mid.tag, "trials": sizes[mid],
                 "trials_per_vmap": cfg.trials_per_vmap,
                 **pretrain_lib.step_bytes(cfg, hmms, mesh),
                 "device_bytes": limit})
@@ -247,7 +247,7 @@ def step_bytes(setup: configs.Setup, chunk: str) -> list[dict]:
 
 
 def describe_step_bytes(m: dict) -> str:
-  """One line of :func:`step_bytes` in GiB, and whether the step fits."""
+  """One line of :func:`chunk_step_bytes` in GiB, and whether the step fits."""
   need, gib = m["argument_bytes"] + m["temp_bytes"], 2.0**30
   fits = ("" if m["device_bytes"] is None else
           f" of {m['device_bytes'] / gib:.1f} GiB: "

@@ -87,11 +87,6 @@ def stack_size(setup: configs.Setup, mid: ModelId) -> int:
   return stack_sizes(setup)[mid]
 
 
-def make_models(setup: configs.Setup, mid: ModelId) -> generative.Model:
-  """``mid``'s trials, stacked ``[K]``."""
-  return protocol.make_models(setup, mid, stack_size(setup, mid))
-
-
 def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
               models_K: generative.Model, backbone_name: str,
               checkpoints: bool = True, stop_at: float | None = None):

@@ -164,7 +164,7 @@ def lines_path(workdir: str) -> str:
   return os.path.join(workdir, "curve.jsonl")
 
 
-def read_lines(workdir: str) -> list[CurveLine]:
+def read_curve_lines(workdir: str) -> list[CurveLine]:
   """The lines of DIR/curve.jsonl; ``ValueError`` naming a bad one."""
   return files_lib.read_lines(lines_path(workdir), CurveLine)
 
@@ -275,7 +275,7 @@ def run_curve(setup: CurveSetup, workdir: str,
   the same file: give each its own workdir). ``ValueError``: the workdir
   holds another setup's curve."""
   check_workdir(workdir, setup)
-  done = {line.key() for line in read_lines(workdir)}
+  done = {line.key() for line in read_curve_lines(workdir)}
   missing = protocol.missing(plan(setup), done, lambda g: g.keys(setup))
   mine = schedule.mine(list(missing),
                        lambda mid: mid.num_states * max(mid.memory_size, 1))
@@ -292,4 +292,4 @@ def run_curve(setup: CurveSetup, workdir: str,
       r for r in tune_group(setup, g, *sc) if r.key() not in done],
                       lines_path(workdir), schedule,
                       weight=lambda mid: setup.trials)
-  return read_lines(workdir)
+  return read_curve_lines(workdir)

@@ -221,7 +221,7 @@ def test_transformer_chunk_archives_pretraining_metrics(tmp_path,
 
 def test_step_bytes_per_stack_of_the_chunk():
   setup = dataclasses.replace(SETUP, memory_sizes=())
-  got = chunks.step_bytes(setup, "left:8")
+  got = chunks.chunk_step_bytes(setup, "left:8")
   assert [(m["stack"], m["trials"]) for m in got] == [("vanilla-h8", 2)]
   m = got[0]
   assert m["temp_bytes"] > 0 and m["state_bytes"] > 0

@@ -207,7 +207,7 @@ def test_interrupted_curve_resumes_without_loss_or_duplicates(
   monkeypatch.setattr(protocol.tuning, "tune_trials", dies_second)
   with pytest.raises(_Crash):
     curve.run_curve(setup, workdir)
-  first = curve.read_lines(workdir)
+  first = curve.read_curve_lines(workdir)
   assert len(first) == 3 * 2  # head, transformer: 3 checkpoints x 2 trials
 
   def no_training(*a, **k):
