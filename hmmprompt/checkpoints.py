@@ -36,11 +36,9 @@ class Checkpoints:
 
   def _open(self) -> ocp.CheckpointManager:
     # Named up front, or a manager that has not saved reads no metadata.
-    return ocp.CheckpointManager(
-        self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=self._keep,
-                                             create=True),
-        item_handlers=ocp.StandardCheckpointHandler())
+    options = ocp.CheckpointManagerOptions(max_to_keep=self._keep, create=True)
+    return ocp.CheckpointManager(self.directory, options=options,
+                                 item_handlers=ocp.StandardCheckpointHandler())
 
   def latest_step(self) -> int | None:
     return self._mngr.latest_step()

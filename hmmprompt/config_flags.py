@@ -16,21 +16,16 @@ from typing import Any
 PREFIX = "config"
 
 
-def _hints(cls) -> dict:
-  return typing.get_type_hints(cls)
-
-
 def leaves(cfg, prefix: str = "") -> dict[str, Any]:
   """``{"a.b.c": type hint}`` for every non-dataclass field of ``cfg``."""
   out = {}
-  hints = _hints(type(cfg))
+  hints = typing.get_type_hints(type(cfg))
   for f in dataclasses.fields(cfg):
     value = getattr(cfg, f.name)
-    path = f"{prefix}{f.name}"
     if dataclasses.is_dataclass(value):
-      out.update(leaves(value, path + "."))
+      out.update(leaves(value, f"{prefix}{f.name}."))
     else:
-      out[path] = hints[f.name]
+      out[prefix + f.name] = hints[f.name]
   return out
 
 
@@ -45,10 +40,10 @@ def parse(text: str, hint, path: str = "value"):
   text = text.strip()
   origin = typing.get_origin(hint)
   if origin in (typing.Union, types.UnionType):
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
     if text.lower() == "none":
       return None
-    return parse(text, args[0], path)
+    return parse(text, next(a for a in typing.get_args(hint)
+                            if a is not type(None)), path)
   if origin is tuple:
     (elem, *_) = typing.get_args(hint) or (str,)
     parts = [p for p in text.replace(":", ",").split(",") if p.strip()]
@@ -59,15 +54,11 @@ def parse(text: str, hint, path: str = "value"):
                        f"tuple of {elem.__name__} (e.g. 4,8)") from None
   try:
     if hint is bool:
-      low = text.lower()
-      if low in ("true", "1", "yes"):
-        return True
-      if low in ("false", "0", "no"):
-        return False
-      raise ValueError(text)
+      return {"true": True, "1": True, "yes": True, "false": False,
+              "0": False, "no": False}[text.lower()]
     if hint in (int, float, str):
       return hint(text)
-  except ValueError:
+  except (KeyError, ValueError):
     raise ValueError(f"--{PREFIX}.{path}={text!r} is not a valid "
                      f"{getattr(hint, '__name__', hint)}") from None
   raise ValueError(f"--{PREFIX}.{path}: cannot parse type {hint}")

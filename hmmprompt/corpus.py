@@ -151,8 +151,7 @@ def exact_targets(hmm: hmm_lib.HMM, inputs_T, selected_T,
   :func:`hmm.smooth_by` (:func:`hmm.resolve_method`).
   """
   lik_TxV = corruption_likelihood(inputs_T, selected_T, hmm.vocab_size)
-  emission_HxV = hmm.emission.astype(lik_TxV.dtype)
-  evidence_TxH = lik_TxV @ emission_HxV.T
+  evidence_TxH = lik_TxV @ hmm.emission.astype(lik_TxV.dtype).T
   prior_TxV = hmm_lib.evidence_conditionals(hmm, evidence_TxH, method)
   joint_TxV = prior_TxV * lik_TxV
   total_T = jnp.sum(joint_TxV, -1, keepdims=True)

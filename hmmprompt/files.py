@@ -32,8 +32,7 @@ _FILE_MODE = _file_mode()
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
-  """Writes ``data`` to ``path`` atomically, with the mode a plain
-  ``open()`` would give it."""
+  """Writes ``data`` to ``path`` atomically, with a plain ``open()``'s mode."""
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-",
@@ -73,8 +72,7 @@ def atomic_write_png(path: str, fig, dpi: int = 110) -> None:
 
 
 def line_from_json(cls, d: dict, what: str) -> Any:
-  """``cls(**d)`` for a dataclass of result lines; ``ValueError`` naming
-  ``what`` and the unknown or missing fields."""
+  """``cls(**d)``; ``ValueError`` naming ``what`` and bad or missing fields."""
   unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
   if unknown:
     raise ValueError(f"{what} has unknown fields {unknown}")
@@ -85,8 +83,7 @@ def line_from_json(cls, d: dict, what: str) -> Any:
 
 
 def read_jsonl(path: str) -> list[dict]:
-  """All records of a JSONL file ([] if missing); ``ValueError`` naming a
-  line that is not JSON."""
+  """A JSONL file's records ([] if missing); ``ValueError`` at a bad line."""
   if not os.path.exists(path):
     return []
   records = []
@@ -102,9 +99,8 @@ def read_jsonl(path: str) -> list[dict]:
 
 def append_jsonl(path: str, records: Iterable[dict]) -> None:
   """Appends records by atomically rewriting the whole file."""
-  lines = [json.dumps(r, sort_keys=True) for r in read_jsonl(path)]
-  lines += [json.dumps(r, sort_keys=True) for r in records]
-  atomic_write_text(path, "".join(line + "\n" for line in lines))
+  atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n"
+                                  for r in [*read_jsonl(path), *records]))
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence]
@@ -118,8 +114,7 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence]
 def stamp(path: str, identity: dict, what: str = "setup",
           write: bool = True) -> None:
   """Records ``identity`` (JSON) at ``path`` on a workdir's first use
-  (``write``); later, ``ValueError`` naming every field that differs from
-  the recorded one."""
+  (``write``); later, ``ValueError`` naming every field that differs."""
   want = json.loads(json.dumps(identity))
   if os.path.exists(path):
     with open(path, encoding="utf-8") as f:
@@ -176,10 +171,7 @@ def merge_lines(path: str, lines: Iterable[Line],
     return [], 0, []
   had = {r.key(): r for r in read_lines(path, type(lines[0]))}
   added, kept, conflicts = [], 0, []
-
-  def values(r):
-    return {k: v for k, v in r.to_json().items() if k not in ignore}
-
+  values = lambda r: {k: v for k, v in r.to_json().items() if k not in ignore}
   for r in lines:
     if r.key() in had:
       kept += 1

@@ -12,7 +12,6 @@ import functools
 import hashlib
 import io
 import os
-from typing import Any
 
 from typing_extensions import TypeIs
 
@@ -44,32 +43,25 @@ def is_memory(model: Model) -> TypeIs[memory_lib.MemoryHMM]:
 
 def as_hmm(model: Model) -> hmm_lib.HMM:
   """The vanilla HMM that generates the same text (``|M||H|`` states)."""
-  if is_memory(model):
-    return memory_lib.to_hmm(model)
-  return model
+  return memory_lib.to_hmm(model) if is_memory(model) else model
 
 
 def latent_size(model: Model) -> int:
   """``Z``: ``|H|`` for a vanilla HMM, ``|M|`` for a memory HMM."""
-  if is_memory(model):
-    return model.memory_size
-  return model.num_states
+  return model.memory_size if is_memory(model) else model.num_states
 
 
 def sample_tokens(key, model: Model, length: int) -> jax.Array:
   """``int32 [length]`` tokens from the initial distribution; traceable."""
-  if is_memory(model):
-    return memory_lib.draw_memory_sequence(key, model, length)[0]
-  return hmm_lib.draw_sequence(key, model, length)[0]
+  return hmm_lib.draw_sequence(key, as_hmm(model), length)[0]
 
 
 def latent_posterior(model: Model, tokens_T: jax.Array) -> jax.Array:
   """``[Z]``: ``P[H_0 | x_{-0}]`` (vanilla) or ``P[M | x]`` (memory; equal
   to ``P[M | x_{-0}]`` as ``tokens_T[0]`` is ``MASK`` in every task).
   Traceable; vmap it."""
-  if is_memory(model):
-    return memory_lib.token_memory_posterior(model, tokens_T)
-  return hmm_lib.token_smooth(model, tokens_T).masked_posterior[0]
+  return (memory_lib.token_memory_posterior(model, tokens_T) if is_memory(model)
+          else hmm_lib.token_smooth(model, tokens_T).masked_posterior[0])
 
 
 def random_model(key, model_kind: str, num_states: int, vocab_size: int,
@@ -101,11 +93,8 @@ def num_trials(model: Model) -> int | None:
 
 
 def stack(models) -> Model:
-  """``[K]`` stacked models from a sequence of models of one kind and size.
-
-  Raises:
-    ValueError: empty, mixed kinds, or different sizes (named).
-  """
+  """``[K]`` stacked models from a sequence of models of one kind and size;
+  ``ValueError`` if empty, of mixed kinds or of different sizes (named)."""
   models = list(models)
   if not models:
     raise ValueError("stack needs at least one model (a trial count >= 1)")
@@ -159,21 +148,19 @@ def fingerprints(models: Model) -> list[str]:
   if num is None:
     raise ValueError("fingerprints needs [K] stacked models; use "
                      "fingerprint for one model")
-  model_kind = kind(models)
   host = [np.asarray(leaf, np.float32) for leaf in models]
-  return [_fingerprint(model_kind, [a[k] for a in host]) for k in range(num)]
+  return [_fingerprint(kind(models), [a[k] for a in host]) for k in range(num)]
 
 
 def model_fingerprint(model: Model) -> str:
   """12 hex digits of a hash of the kind and the float32 parameters."""
-  return _fingerprint(kind(model), [np.asarray(leaf, np.float32)
-                                    for leaf in model])
+  return _fingerprint(kind(model), model)
 
 
 def _fingerprint(model_kind: str, leaves) -> str:
   h = hashlib.sha256(model_kind.encode())
   for leaf in leaves:
-    a = np.ascontiguousarray(leaf)
+    a = np.ascontiguousarray(leaf, np.float32)
     h.update(str(a.shape).encode())
     h.update(a.tobytes())
   return h.hexdigest()[:12]
@@ -182,19 +169,13 @@ def _fingerprint(model_kind: str, leaves) -> str:
 def save(path: str, model: Model) -> None:
   """Writes ``model`` to ``path`` (``.npz``) atomically."""
   buf = io.BytesIO()
-  arrays: dict[str, Any] = {k: np.asarray(v)
-                            for k, v in model._asdict().items()}
-  np.savez(buf, kind=np.array(kind(model)), **arrays)
+  np.savez(buf, kind=np.array(kind(model)), **model._asdict())
   files_lib.atomic_write_bytes(path, buf.getvalue())
 
 
 def load(path: str) -> Model:
-  """Reads a model written by :func:`save` (validated).
-
-  Raises:
-    FileNotFoundError: ``path`` does not exist.
-    ValueError: an unknown kind or invalid parameters.
-  """
+  """Reads a model written by :func:`save` (validated): ``FileNotFoundError``
+  if ``path`` does not exist, ``ValueError`` on a bad kind or parameters."""
   if not os.path.exists(path):
     raise FileNotFoundError(f"no model file at {path}")
   with np.load(path) as z:

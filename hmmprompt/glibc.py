@@ -13,22 +13,19 @@ import functools
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_MAX = -4
-_TRIM_THRESHOLD = 2**31 - 1  # an int: mallopt's largest value
-_TOP_PAD = 256 << 20
 
 
 @functools.cache
 def retain_freed_memory() -> bool:
   """Sets glibc's ``M_MMAP_MAX = 0``, ``M_TRIM_THRESHOLD`` = 2 GiB - 1 and
   ``M_TOP_PAD`` = 256 MiB; ``True`` if all took effect (``False``: no glibc)."""
-  name = ctypes.util.find_library("c")
   try:
-    libc = ctypes.CDLL(name)
-    mallopt = libc.mallopt
+    mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
   except (OSError, AttributeError, TypeError):
     return False
   mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
   mallopt.restype = ctypes.c_int
   return all(mallopt(param, value) == 1 for param, value in (
-      (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD),
-      (_M_TOP_PAD, _TOP_PAD)))
+      (_M_MMAP_MAX, 0),
+      (_M_TRIM_THRESHOLD, 2**31 - 1),  # an int: mallopt's largest value
+      (_M_TOP_PAD, 256 << 20)))

@@ -50,23 +50,13 @@ def feature_stats(probs_NxV: jax.Array) -> dict:
   return {"mean": flat.mean(0), "std": flat.std(0)}
 
 
-def _raw(probs_xV: jax.Array, stats: dict | None) -> jax.Array:
-  del stats
-  return probs_xV
-
-
-def _log(probs_xV: jax.Array, stats: dict | None) -> jax.Array:
-  del stats
-  return jnp.log(probs_xV + _LOG_EPS)
-
-
 def _standardize(probs_xV: jax.Array, stats: dict) -> jax.Array:
   return (probs_xV - stats["mean"]) / (stats["std"] + _STD_EPS)
 
 
 TRANSFORMS: dict[str, Features] = {
-    "raw": Features("raw", _raw),
-    "log": Features("log", _log),
+    "raw": Features("raw", lambda probs, stats: probs),
+    "log": Features("log", lambda probs, stats: jnp.log(probs + _LOG_EPS)),
     "standardized": Features("standardized", _standardize, needs_stats=True),
 }
 FEATURES = tuple(TRANSFORMS)
@@ -115,17 +105,15 @@ def init_attention(key, vocab_size: int, embed_dim: int, seq_len: int,
   """``key_dim`` defaults to ``embed_dim + 1`` (the paper's ``|H| + 1``)."""
   key_dim = key_dim or embed_dim + 1
   k_k, k_q, k_v, k_b = jax.random.split(key, 4)
-  scale = lambda n: 1.0 / jnp.sqrt(n)
+  normal = lambda k, shape, fan_in: jax.random.normal(k, shape) * (
+      1.0 / jnp.sqrt(fan_in))
   return {
-      "theta_k": jax.random.normal(k_k, (key_dim, vocab_size)) * scale(
-          vocab_size),
+      "theta_k": normal(k_k, (key_dim, vocab_size), vocab_size),
       "beta": jnp.zeros((seq_len, key_dim)),
-      "q": jax.random.normal(k_q, (key_dim,)) * scale(key_dim),
+      "q": normal(k_q, (key_dim,), key_dim),
       "log_temp": jnp.zeros(()),
-      "theta_v": jax.random.normal(k_v, (embed_dim, vocab_size)) * scale(
-          vocab_size),
-      "b": jax.random.normal(k_b, (embed_dim, num_classes)) * scale(
-          embed_dim),
+      "theta_v": normal(k_v, (embed_dim, vocab_size), vocab_size),
+      "b": normal(k_b, (embed_dim, num_classes), embed_dim),
       "bias": jnp.zeros((num_classes,)),
   }
 
@@ -141,9 +129,7 @@ def apply_attention(params: dict, feats_TxV: jax.Array,
 
 
 LINEAR = Head(
-    "linear",
-    init=lambda key, vocab_size, embed_dim, input_len: init_linear(
-        key, vocab_size),
+    "linear", init=lambda key, vocab_size, *_: init_linear(key, vocab_size),
     apply=lambda params, feats_V, emb: apply_linear(params, feats_V),
     reads_all_positions=False)
 

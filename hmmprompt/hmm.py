@@ -1,19 +1,17 @@
 """Hidden Markov models: parameters, sampling and exact inference.
 
-Conventions (paper Section 3; Appendix B, D): ``HMM.initial[h] = P(H_0 =
-h)`` (the state of token 0), ``HMM.transition[i,j] = P(H_{t+1} = j | H_t =
-i)`` and ``HMM.emission[h,x] = P(X_t = x | H_t = h)`` (the paper's ``A``
-and ``W`` transposed). ``MASK`` (= -1) marks an unobserved position.
-Inference runs on non-negative *evidence vectors* ``e_t [T, H]``: a
-token's ``e(x)[h] = P(X = x | H = h)`` (:func:`embed`; ones for ``MASK``)
-or a soft prompt's vector in ``[0, 1]^H`` (Appendix B).
+:class:`HMM`'s ``transition`` and ``emission`` are the paper's ``A`` and
+``W`` transposed (Section 3; Appendix B, D); ``MASK`` (= -1) marks an
+unobserved position. Inference runs on non-negative *evidence vectors*
+``e_t [T, H]``: a token's ``e(x)[h] = P(X = x | H = h)`` (:func:`embed`;
+ones for ``MASK``) or a soft prompt's vector in ``[0, 1]^H`` (Appendix B).
 
-Traceable **kernels** (:func:`forward_backward`, :func:`token_smooth`, ...;
-traced code calls these) and jitted **entry points** over them
-(:func:`sample`, :func:`posterior`, ...), one sequence each, which raise
-``ValueError`` on bad concrete input (docs/hmm.md). Messages are rescaled
-at every step (float32 holds on 10^4 tokens); an impossible sequence gives
-log-likelihood ``-inf`` and all-zero posteriors and conditionals, never NaN.
+Traceable **kernels** (:func:`forward_backward`, :func:`token_smooth`, ...)
+and jitted **entry points** over them (:func:`sample`, :func:`posterior`,
+...), one sequence each, which raise ``ValueError`` on bad concrete input
+(docs/hmm.md). Messages are rescaled at every step (float32 holds on 10^4
+tokens); an impossible sequence gives log-likelihood ``-inf`` and all-zero
+posteriors and conditionals, never NaN.
 """
 
 from __future__ import annotations
@@ -77,11 +75,8 @@ class HMM(validation.ValidatedParams, _HMMFields, validate=_validate_hmm):
 def check_model(hmm: HMM) -> HMM:
   """Runs :class:`HMM`'s constructor checks on an existing model (one from
   ``tree.map`` or a jitted function) and returns it; values only when every
-  field is concrete (under ``jit``: :func:`checkify_model`).
-
-  Raises:
-    ValueError: naming the field and the first bad entry or shape.
-  """
+  field is concrete (under ``jit``: :func:`checkify_model`). ``ValueError``
+  names the field and the first bad entry or shape."""
   return validation.check_fields(hmm, _validate_hmm)
 
 
@@ -104,20 +99,15 @@ def checkify_tokens(tokens, vocab_size: int) -> None:
 
 
 def check_tokens(tokens, vocab_size: int) -> jax.Array:
-  """Checks a token array (any shape; ``MASK`` allowed) and returns it;
-  values only when ``tokens`` is concrete.
-
-  Raises:
-    ValueError: non-integer dtype, or a value outside ``[0, vocab_size)``
-      other than ``MASK``.
-  """
-  if isinstance(tokens, jax.core.Tracer):
-    if not jnp.issubdtype(tokens.dtype, jnp.integer):
-      raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
-    return tokens
-  arr = np.asarray(tokens)
-  if not (np.issubdtype(arr.dtype, np.integer)):
+  """Checks a token array (any shape; ``MASK`` allowed) and returns it:
+  ``ValueError`` on a non-integer dtype or (when ``tokens`` is concrete) a
+  value outside ``[0, vocab_size)`` other than ``MASK``."""
+  traced = isinstance(tokens, jax.core.Tracer)
+  arr = tokens if traced else np.asarray(tokens)
+  if not jnp.issubdtype(arr.dtype, jnp.integer):
     raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
+  if traced:
+    return tokens
   bad = (arr != MASK) & ((arr < 0) | (arr >= vocab_size))
   if np.any(bad):
     idx = np.argwhere(bad)[0]
@@ -146,17 +136,17 @@ def check_sequence(tokens, hmm: HasVocab) -> jax.Array:
 def check_evidence(evidence, hmm: HMM) -> jax.Array:
   """Checks evidence vectors ``[T, H]`` (finite, non-negative when concrete)
   and returns them as an array."""
-  if not isinstance(evidence, jax.core.Tracer):
+  concrete = not isinstance(evidence, jax.core.Tracer)
+  if concrete:
     evidence = jnp.asarray(evidence)
-  if evidence.ndim != 2 or evidence.shape[1:] != (hmm.num_states,) or (
-      evidence.shape[0] == 0):
+  if evidence.shape[1:] != (hmm.num_states,) or not evidence.shape[0]:
     raise ValueError(f"evidence must have shape [T, H] with H = "
                      f"{hmm.num_states} and T >= 1, got {evidence.shape}")
   if not jnp.issubdtype(evidence.dtype, jnp.floating):
     raise ValueError(f"evidence must be floating point, got {evidence.dtype}")
-  if not isinstance(evidence, jax.core.Tracer):
+  if concrete:
     ev = np.asarray(evidence)
-    if not np.all(np.isfinite(ev)) or np.any(ev < 0):
+    if not np.all(np.isfinite(ev) & (ev >= 0)):
       idx = np.argwhere(~(np.isfinite(ev) & (ev >= 0)))[0].tolist()
       raise ValueError(f"evidence must be finite and non-negative; entry "
                        f"{idx} is {ev[tuple(idx)]}")
@@ -168,8 +158,7 @@ def check_evidence(evidence, hmm: HMM) -> jax.Array:
 
 def random_simplex(key, shape, temp: float) -> jax.Array:
   """``softmax((U - 0.5) / temp)`` over the last axis, ``U ~ Uniform[0, 1)``."""
-  u = jax.random.uniform(key, shape)
-  return jax.nn.softmax((u - 0.5) / temp, axis=-1)
+  return jax.nn.softmax((jax.random.uniform(key, shape) - 0.5) / temp, axis=-1)
 
 
 # Appendix D's temperatures (near-permutation, near-deterministic, uniform).
@@ -202,15 +191,13 @@ def random_hmm(key, num_states: int, vocab_size: int, *,
                transition_temp: float = TRANSITION_TEMP,
                emission_temp: float = EMISSION_TEMP,
                initial_temp: float = INITIAL_TEMP) -> HMM:
-  """Appendix D's random HMM: each probability vector a
-  :func:`random_simplex`, the transition a :func:`random_transition`.
-  Vmappable over ``key``."""
+  """Appendix D's random HMM: each probability vector a :func:`random_simplex`,
+  the transition a :func:`random_transition`. Vmappable over ``key``."""
   if num_states < 1 or vocab_size < 1:
     raise ValueError(f"num_states and vocab_size must be >= 1, got "
                      f"{num_states}, {vocab_size}")
-  for name, t in (("transition_temp", transition_temp),
-                  ("emission_temp", emission_temp),
-                  ("initial_temp", initial_temp)):
+  for name, t in zip(("transition_temp", "emission_temp", "initial_temp"),
+                     (transition_temp, emission_temp, initial_temp)):
     if not t > 0:
       raise ValueError(f"{name} must be > 0, got {t}")
   return validation.kernel_args(key, num_states, vocab_size, transition_temp,
@@ -297,15 +284,19 @@ def forward_backward(hmm: HMM, evidence_TxH: jax.Array) -> Smoothed:
   back_t ∝ P[H_t, e_{-t}]``, ``⊙ e_t`` the posterior. Messages are rescaled
   to sum 1; the forward scales ``c_t = P(e_t | e_{<t})`` give log P(e).
   """
-  dtype = jnp.result_type(hmm.transition.dtype, evidence_TxH.dtype)
-  trans_HxH = hmm.transition.astype(dtype)
-  ev_TxH = evidence_TxH.astype(dtype)
-  _, (pred_TxH, c_T) = jax.lax.scan(_forward_step(trans_HxH),
-                                    hmm.initial.astype(dtype), ev_TxH)
+  init_H, trans_HxH, ev_TxH = _promoted(hmm, evidence_TxH)
+  _, (pred_TxH, c_T) = jax.lax.scan(_forward_step(trans_HxH), init_H, ev_TxH)
   _, (post_TxH, masked_TxH) = jax.lax.scan(
       _backward_step(trans_HxH), jnp.ones_like(pred_TxH[0]),
       (pred_TxH, ev_TxH), reverse=True)
   return Smoothed(jnp.sum(safe_log(c_T)), post_TxH, masked_TxH)
+
+
+def _promoted(hmm: HMM, evidence_TxH: jax.Array):
+  """``(initial, transition, evidence)`` in their common dtype."""
+  dtype = jnp.result_type(hmm.transition.dtype, evidence_TxH.dtype)
+  return (hmm.initial.astype(dtype), hmm.transition.astype(dtype),
+          evidence_TxH.astype(dtype))
 
 
 def _forward_step(trans_HxH):
@@ -338,14 +329,12 @@ def forward_backward_blocked(hmm: HMM, evidence_TxH: jax.Array,
   every block at once (``2 L``); the padding's evidence is all ones. Equal
   to the sequential kernel to float rounding (tested). Work ``O(T H^3)``.
   """
-  dtype = jnp.result_type(hmm.transition.dtype, evidence_TxH.dtype)
-  trans_HxH = hmm.transition.astype(dtype)
-  num, h = evidence_TxH.shape
+  init_H, trans_HxH, ev_TxH = _promoted(hmm, evidence_TxH)
+  dtype, (num, h) = ev_TxH.dtype, ev_TxH.shape
   size = block or max(1, int(np.ceil(np.sqrt(num))))
   blocks = -(-num // size)
-  ev_CxLxH = jnp.concatenate(
-      [evidence_TxH.astype(dtype),
-       jnp.ones((blocks * size - num, h), dtype)]).reshape(blocks, size, h)
+  pad_PxH = jnp.ones((blocks * size - num, h), dtype)
+  ev_CxLxH = jnp.concatenate([ev_TxH, pad_PxH]).reshape(blocks, size, h)
 
   def transfer(carry, ev_CxH):
     fwd_CxHxH, bwd_CxHxH = carry
@@ -358,7 +347,7 @@ def forward_backward_blocked(hmm: HMM, evidence_TxH: jax.Array,
   # The messages entering each block: the forward one before its first
   # position, the backward one at its last.
   step_in = lambda m_H, t_HxH: (_normalize(m_H @ t_HxH)[0], m_H)
-  _, pred_in_CxH = jax.lax.scan(step_in, hmm.initial.astype(dtype), fwd_CxHxH)
+  _, pred_in_CxH = jax.lax.scan(step_in, init_H, fwd_CxHxH)
   step_back = lambda b_H, t_HxH: (_normalize(t_HxH @ b_H)[0], b_H)
   _, back_in_CxH = jax.lax.scan(step_back, jnp.ones((h,), dtype), bwd_CxHxH,
                                 reverse=True)
@@ -382,32 +371,25 @@ def _combine(left, right):
   """Associative product of ``(M [..., H, H], log scale [...])``: ``M_l @
   M_r`` rescaled to sum 1 (all-zero stays zero, scale ``-inf``)."""
   (m_l, c_l), (m_r, c_r) = left, right
-  prod = jnp.einsum("...ij,...jk->...ik", m_l, m_r)
-  shape = prod.shape
-  flat, total = _normalize(prod.reshape(shape[:-2] + (shape[-2] * shape[-1],)))
-  return flat.reshape(shape), c_l + c_r + safe_log(total)
+  m, c = _rescaled(jnp.einsum("...ij,...jk->...ik", m_l, m_r))
+  return m, c_l + c_r + c
 
 
-def _rescaled(m_TxHxH):
-  """Each ``H x H`` matrix rescaled to sum 1, and the log of its sum."""
-  t, h, _ = m_TxHxH.shape
-  flat, total = _normalize(m_TxHxH.reshape(t, h * h))
-  return flat.reshape(m_TxHxH.shape), safe_log(total)
+def _rescaled(m):
+  """Each matrix of ``m [..., H, H]`` rescaled to sum 1, and its log sum."""
+  shape = m.shape
+  flat, total = _normalize(m.reshape(shape[:-2] + (shape[-2] * shape[-1],)))
+  return flat.reshape(shape), safe_log(total)
 
 
 def forward_backward_parallel(hmm: HMM, evidence_TxH: jax.Array) -> Smoothed:
-  """:func:`forward_backward` by associative scans (Särkkä &
-  García-Fernández): ``O(log T)`` steps of ``H x H`` matrix products, each
-  rescaled with its log scale carried (float32 holds at any length); no
-  ``log`` of a transition, so exact zeros give no NaN, unlike dynamax's.
-  Equal to the sequential kernel to float rounding (tested). Work
-  ``O(T H^3)``.
-  """
-  dtype = jnp.result_type(hmm.transition.dtype, evidence_TxH.dtype)
-  trans_HxH = hmm.transition.astype(dtype)
-  ev_TxH = evidence_TxH.astype(dtype)
-  init_H = hmm.initial.astype(dtype)
-  num = ev_TxH.shape[0]
+  """:func:`forward_backward` by associative scans (Särkkä & García-Fernández):
+  ``O(log T)`` steps of ``H x H`` matrix products, each rescaled with its log
+  scale carried (float32 holds at any length); no ``log`` of a transition,
+  so exact zeros give no NaN, unlike dynamax's. Equal to the sequential
+  kernel to float rounding (tested). Work ``O(T H^3)``."""
+  init_H, trans_HxH, ev_TxH = _promoted(hmm, evidence_TxH)
+  dtype, last = ev_TxH.dtype, ev_TxH.shape[0] - 1
   # Forward: pred_t ∝ pi^T diag(e_0) A ... diag(e_{t-1}) A.
   fwd = jax.lax.associative_scan(
       _combine, _rescaled(ev_TxH[:, :, None] * trans_HxH[None]))
@@ -424,7 +406,6 @@ def forward_backward_parallel(hmm: HMM, evidence_TxH: jax.Array) -> Smoothed:
   pred_TxH, pred_sum_T = _normalize(pred_TxH)
   masked_TxH, _ = _normalize(pred_TxH * back_TxH)
   post_TxH, _ = _normalize(masked_TxH * ev_TxH)
-  last = num - 1
   log_lik = (safe_log(jnp.sum(pred_TxH[last] * ev_TxH[last]))
              + safe_log(pred_sum_T[last]) + pred_scale_T[last])
   return Smoothed(log_lik, post_TxH, masked_TxH)

@@ -1,10 +1,7 @@
 """What a result is: config identities, fingerprints and their differences.
-
-A config is a tree of frozen dataclasses; its identity is the JSON-able dict
-of the fields that decide results: all but those marked :data:`RUNTIME` and
-:data:`ADDED` (at their default). :func:`hmmprompt.files.stamp` keeps the
-identity a workdir was first used with.
-"""
+A config (frozen dataclasses) has as its identity the JSON-able dict of the
+fields that decide results: all but :data:`RUNTIME` ones (and :data:`ADDED`
+ones at their default)."""
 
 from __future__ import annotations
 
@@ -36,18 +33,14 @@ def added(default) -> Any:
 
 
 def identity(cfg) -> dict:
-  """``cfg`` as a JSON-able dict of every field but :data:`RUNTIME` ones
-  (and :data:`ADDED` ones at their default), subtrees recursed: what
-  directory names, fingerprints and resume checks hash or compare."""
+  """``cfg``'s identity, subtrees recursed: what directory names,
+  fingerprints and resume checks hash or compare."""
   out = {}
   for f in dataclasses.fields(cfg):
-    if f.metadata.get("runtime"):
-      continue
-    value = getattr(cfg, f.name)
-    if f.metadata.get("added") and value == f.default:
-      continue
-    out[f.name] = (identity(value) if dataclasses.is_dataclass(value)
-                   else value)
+    v = getattr(cfg, f.name)
+    if not (f.metadata.get("runtime")
+            or f.metadata.get("added") and v == f.default):
+      out[f.name] = identity(v) if dataclasses.is_dataclass(v) else v
   return out
 
 
@@ -72,8 +65,7 @@ def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 
 def check_same(had: dict, want: dict, where: str, what: str = "setup") -> None:
-  """``ValueError`` naming every field where ``where``'s recorded identity
-  ``had`` differs from ``want``."""
+  """``ValueError`` naming every field where ``had`` differs from ``want``."""
   diff = differences(had, json.loads(json.dumps(want)))
   if diff:
     raise ValueError(

@@ -9,11 +9,7 @@ Multiple cells (:class:`MultiMemoryHMM`, Figure 2 right): ``N`` cells
 ``M_1..M_N``, hidden state ``H_t = (J_t, S_t)`` (cell index, syntax); token
 ``t`` is emitted from ``emission[J_t, M_{J_t}, S_t]``. Exact inference runs
 on the product HMM on ``(m_1..m_N, j, s)``, of at most
-:data:`MAX_PRODUCT_STATES` states.
-
-As in :mod:`hmm`, entry points (:func:`sample`, :func:`memory_posterior`,
-...; :func:`check_model`) check their input and run public kernels
-(:func:`draw_memory_sequence`, ...), which traced code calls.
+:data:`MAX_PRODUCT_STATES` states. Entry points and kernels as in :mod:`hmm`.
 """
 
 from __future__ import annotations
@@ -33,14 +29,24 @@ MAX_PRODUCT_STATES = 2048
 ``(MH)^2`` transition matrix (16 MiB) and ~4 GFLOP per 1000 tokens."""
 
 
-# Single memory cell.
-
-
 class _MemoryFields(NamedTuple):
+  """The fields of both memory HMMs (``emission [..., M, H or S, V]``)."""
+
   memory_prior: jax.Array
   initial: jax.Array
   transition: jax.Array
   emission: jax.Array
+
+  @property
+  def memory_size(self) -> int:
+    return self.emission.shape[-3]
+
+  @property
+  def vocab_size(self) -> int:
+    return self.emission.shape[-1]
+
+
+# Single memory cell.
 
 
 def _validate_memory(memory_prior, initial, transition, emission,
@@ -73,28 +79,25 @@ class MemoryHMM(validation.ValidatedParams, _MemoryFields,
   __slots__ = ()
 
   @property
-  def memory_size(self) -> int:
-    return self.emission.shape[-3]
-
-  @property
   def num_states(self) -> int:
     """Syntax states ``|H|``."""
     return self.emission.shape[-2]
 
-  @property
-  def vocab_size(self) -> int:
-    return self.emission.shape[-1]
+
+def _product_hmm(prior_C, chain, emission_CxKxV) -> hmm_lib.HMM:
+  """The HMM on states ``c * K + k``: ``c`` drawn once from ``prior_C``, then
+  ``k`` by ``chain``'s initial and transition, emitting ``[c, k]``."""
+  c, k = prior_C.shape[0], chain.initial.shape[0]
+  return hmm_lib.HMM(
+      initial=(prior_C[:, None] * chain.initial[None, :]).reshape(c * k),
+      transition=jnp.kron(jnp.eye(c, dtype=chain.transition.dtype),
+                          chain.transition),
+      emission=emission_CxKxV.reshape(c * k, emission_CxKxV.shape[-1]))
 
 
 def to_hmm(mhmm: MemoryHMM) -> hmm_lib.HMM:
   """The equivalent vanilla HMM on ``|M||H|`` product states ``m*|H| + h``."""
-  m, h = mhmm.memory_size, mhmm.num_states
-  return hmm_lib.HMM(
-      initial=(mhmm.memory_prior[:, None] * mhmm.initial[None, :]).reshape(
-          m * h),
-      transition=jnp.kron(jnp.eye(m, dtype=mhmm.transition.dtype),
-                          mhmm.transition),
-      emission=mhmm.emission.reshape(m * h, mhmm.vocab_size))
+  return _product_hmm(mhmm.memory_prior, mhmm, mhmm.emission)
 
 
 def draw_random_memory_hmm(key, memory_size: int, num_states: int,
@@ -167,21 +170,11 @@ def sample(key, mhmm: MemoryHMM, length: int
                                 validation.positive_int("length", length))
 
 
-def _syntax_hmms(mhmm: MemoryHMM) -> hmm_lib.HMM:
-  """An ``[M]``-batched HMM pytree: the syntax chain with emission ``m``."""
-  m = mhmm.memory_size
-  return hmm_lib.HMM(jnp.broadcast_to(mhmm.initial, (m,) + mhmm.initial.shape),
-                     jnp.broadcast_to(mhmm.transition,
-                                      (m,) + mhmm.transition.shape),
-                     mhmm.emission)
-
-
 def _normalize_log(logits: jax.Array) -> jax.Array:
   """Softmax over the last axis; all ``-inf`` gives zeros, not NaN."""
   mx = jnp.max(logits, axis=-1, keepdims=True)
   ok = jnp.isfinite(mx)
-  w = jnp.exp(logits - jnp.where(ok, mx, 0.0))
-  w = jnp.where(ok, w, 0.0)
+  w = jnp.where(ok, jnp.exp(logits - jnp.where(ok, mx, 0.0)), 0.0)
   s = jnp.sum(w, axis=-1, keepdims=True)
   return w / jnp.where(s > 0, s, 1.0)
 
@@ -190,14 +183,13 @@ def token_memory_posterior(mhmm: MemoryHMM, tokens_T,
                            method: str = "sequential") -> jax.Array:
   """Kernel of :func:`memory_posterior`: ``[M]``, one ``|H|``-state
   likelihood per memory value (``method``: :func:`hmm.smooth_by`'s)."""
-  evidence_MxTxH = jnp.swapaxes(
-      jnp.take(mhmm.emission, jnp.where(tokens_T == hmm_lib.MASK, 0, tokens_T),
-               axis=-1, mode="fill", fill_value=0), -1, -2)
-  evidence_MxTxH = jnp.where((tokens_T == hmm_lib.MASK)[:, None], 1.0,
-                             evidence_MxTxH)
+  # An [M]-batched HMM: the syntax chain with emission m.
+  m = mhmm.memory_size
+  initial, transition = (jnp.broadcast_to(x, (m,) + x.shape)
+                         for x in (mhmm.initial, mhmm.transition))
   loglik_M = jax.vmap(
-      lambda h, e: hmm_lib.smooth_by(h, e, method).log_likelihood)(
-          _syntax_hmms(mhmm), evidence_MxTxH)
+      lambda h: hmm_lib.token_smooth(h, tokens_T, method).log_likelihood)(
+          hmm_lib.HMM(initial, transition, mhmm.emission))
   return _normalize_log(hmm_lib.safe_log(mhmm.memory_prior) + loglik_M)
 
 
@@ -210,15 +202,19 @@ def token_memory_masked_posterior(mhmm: MemoryHMM, tokens_T,
                             mhmm.num_states).sum(-1)
 
 
+def _with_method(mhmm: MemoryHMM, tokens, method: str):
+  mhmm = check_model(mhmm)
+  tokens = hmm_lib.check_sequence(tokens, mhmm)
+  return validation.kernel_args(
+      mhmm, tokens, hmm_lib.resolve_method(method, tokens.shape[0]))
+
+
 @validation.entry_point(token_memory_posterior, static_argnums=2)
 def memory_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
                      ) -> jax.Array:
   """``[M]``: ``P[M | observed tokens]`` (``MASK`` positions marginalised;
   all zeros if impossible). ``method``: as :func:`hmm.posterior`'s."""
-  mhmm = check_model(mhmm)
-  tokens = hmm_lib.check_sequence(tokens, mhmm)
-  return validation.kernel_args(
-      mhmm, tokens, hmm_lib.resolve_method(method, tokens.shape[0]))
+  return _with_method(mhmm, tokens, method)
 
 
 @validation.entry_point(token_memory_masked_posterior, static_argnums=2)
@@ -226,10 +222,7 @@ def memory_masked_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
                             ) -> jax.Array:
   """``[T, M]``: ``P[M | x_{-t}]`` for every position ``t`` (``method``:
   as :func:`hmm.posterior`'s)."""
-  mhmm = check_model(mhmm)
-  tokens = hmm_lib.check_sequence(tokens, mhmm)
-  return validation.kernel_args(
-      mhmm, tokens, hmm_lib.resolve_method(method, tokens.shape[0]))
+  return _with_method(mhmm, tokens, method)
 
 
 def conditionals(mhmm: MemoryHMM, tokens, method: str = "auto") -> jax.Array:
@@ -240,13 +233,6 @@ def conditionals(mhmm: MemoryHMM, tokens, method: str = "auto") -> jax.Array:
 
 
 # Multiple memory cells.
-
-
-class _MultiFields(NamedTuple):
-  memory_prior: jax.Array
-  initial: jax.Array
-  transition: jax.Array
-  emission: jax.Array
 
 
 def _validate_multi(memory_prior, initial, transition, emission,
@@ -269,7 +255,7 @@ def _validate_multi(memory_prior, initial, transition, emission,
                      f"{initial.shape} and {transition.shape}")
 
 
-class MultiMemoryHMM(validation.ValidatedParams, _MultiFields,
+class MultiMemoryHMM(validation.ValidatedParams, _MemoryFields,
                      validate=_validate_multi):
   """Memory HMM with ``N`` cells (a pytree).
 
@@ -288,16 +274,8 @@ class MultiMemoryHMM(validation.ValidatedParams, _MultiFields,
     return self.emission.shape[-4]
 
   @property
-  def memory_size(self) -> int:
-    return self.emission.shape[-3]
-
-  @property
   def num_syntax(self) -> int:
     return self.emission.shape[-2]
-
-  @property
-  def vocab_size(self) -> int:
-    return self.emission.shape[-1]
 
   @property
   def num_product_states(self) -> int:
@@ -312,13 +290,12 @@ def draw_random_multi_memory_hmm(key, num_cells: int, memory_size: int,
   k_c, k_p, k_e = jax.random.split(key, 3)
   chain = hmm_lib.draw_random_hmm(k_c, num_cells * num_syntax, vocab_size,
                                   transition_temp, emission_temp, initial_temp)
+  cells = (num_cells, memory_size)
   return MultiMemoryHMM(
-      memory_prior=hmm_lib.random_simplex(k_p, (num_cells, memory_size),
-                                           memory_temp),
+      memory_prior=hmm_lib.random_simplex(k_p, cells, memory_temp),
       initial=chain.initial, transition=chain.transition,
       emission=hmm_lib.random_simplex(
-          k_e, (num_cells, memory_size, num_syntax, vocab_size),
-          emission_temp))
+          k_e, cells + (num_syntax, vocab_size), emission_temp))
 
 
 @validation.entry_point(draw_random_multi_memory_hmm,
@@ -358,29 +335,21 @@ def multi_to_hmm(mm: MultiMemoryHMM) -> hmm_lib.HMM:
   """Product-state HMM on ``(m_1..m_N, j, s)``; index ``c * N*S + j*S + s``
   where ``c`` enumerates memory configs as :func:`_memory_configs`."""
   _check_product_size(mm)
-  n, m, s, v = mm.num_cells, mm.memory_size, mm.num_syntax, mm.vocab_size
-  configs_CxN = jnp.asarray(_memory_configs(n, m))
+  n = mm.num_cells
+  configs_CxN = jnp.asarray(_memory_configs(n, mm.memory_size))
   prior_C = jnp.prod(mm.memory_prior[jnp.arange(n), configs_CxN], axis=-1)
   # emission for config c at (j, s) is emission[j, m_j(c), s].
   emis_CxNxSxV = mm.emission[jnp.arange(n)[None, :], configs_CxN]
-  c = configs_CxN.shape[0]
-  return hmm_lib.HMM(
-      initial=(prior_C[:, None] * mm.initial[None, :]).reshape(c * n * s),
-      transition=jnp.kron(jnp.eye(c, dtype=mm.transition.dtype),
-                          mm.transition),
-      emission=emis_CxNxSxV.reshape(c * n * s, v))
+  return _product_hmm(prior_C, mm, emis_CxNxSxV)
 
 
 def multi_sample(key, mm: MultiMemoryHMM, length: int):
   """Samples ``(tokens [T], cells J [T], syntax S [T], memory [N])``."""
   check_model(mm)
-  _check_product_size(mm)
   tokens, states = hmm_lib.sample(key, multi_to_hmm(mm), length)
-  ns = mm.num_cells * mm.num_syntax
+  config_T, js_T = jnp.divmod(states, mm.num_cells * mm.num_syntax)
   configs = jnp.asarray(_memory_configs(mm.num_cells, mm.memory_size))
-  js = states % ns
-  return tokens, js // mm.num_syntax, js % mm.num_syntax, configs[
-      states[0] // ns]
+  return (tokens, *jnp.divmod(js_T, mm.num_syntax), configs[config_T[0]])
 
 
 def token_cell_posteriors(mm: MultiMemoryHMM, tokens_T) -> jax.Array:

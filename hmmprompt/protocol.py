@@ -1,15 +1,12 @@
 """The paper's experimental protocol, shared by Figure 3's sweep, the
-pretraining curve and a user's own experiment: the shared config fields
-(:class:`TrialsConfig`), which HMM draws and tuning arms a run makes
-(:class:`ModelId`, :class:`Group` and the random streams from
-:func:`model_key`: one seed, the same draws everywhere), a size's stack of
-trials (:func:`draw_stack`, :func:`pretrain`), one tuning program over
-lanes (:func:`tune_lanes`) and the resume loop (:func:`run_stacks`).
-"""
+pretraining curve and a user's own experiment: config fields, HMM draws and
+tuning arms (one seed, the same draws everywhere), a size's stack of trials,
+one tuning program over lanes and the resume loop (:func:`run_stacks`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from typing import Any, NamedTuple
@@ -74,22 +71,18 @@ class TrialsConfig:
   task_budget_mb: int = identity_lib.runtime(tasks_lib.TASK_BUDGET_BYTES >> 20)
 
   def _check(self, counts: Sequence[str], sizes: Sequence[str]) -> None:
-    """``counts`` ints >= 1 (or a ``None`` default), ``sizes`` positive."""
-    name_of = type(self).__name__
-    for name in counts:
-      v = getattr(self, name)
-      if v is None and _default(self, name) is None:
-        continue
-      if not (isinstance(v, int) and v >= 1):
-        raise ValueError(f"{name_of}.{name} must be an int >= 1 (a trial "
-                         f"count < 1 runs nothing), got {v!r}")
+    """``counts`` ints >= 1, ``sizes`` positive, runtime bounds ints >= 0."""
+    self._check_ints(counts, 1, "a trial count < 1 runs nothing")
     validation.require_positive_ints(self, *sizes)
-    for name in ("lanes_per_vmap", "task_budget_mb"):
+    self._check_ints(("lanes_per_vmap", "task_budget_mb"), 0, "0: no bound")
+
+  def _check_ints(self, names: Sequence[str], low: int, why: str) -> None:
+    for name in names:
       v = getattr(self, name)
-      if not (v is None and name == "lanes_per_vmap") and not (
-          isinstance(v, int) and v >= 0):
-        raise ValueError(f"{name_of}.{name} must be an int >= 0 (0: no "
-                         f"bound), got {v!r}")
+      if not (isinstance(v, int) and v >= low or v is None
+              and self.__dataclass_fields__[name].default is None):
+        raise ValueError(f"{type(self).__name__}.{name} must be an int >= "
+                         f"{low} ({why}), got {v!r}")
 
   def lane_group(self) -> int | None:
     """``tuning.tune``'s ``lane_group`` (``None``: all lanes at once)."""
@@ -111,10 +104,6 @@ class TrialsConfig:
           f"prompt_len + 1 + seq_len = {self.input_len} positions exceed the "
           f"pretrained context of {self.pretrain.model.max_len}; lower "
           f"--config.task.seq_len or --config.tune.prompt_len")
-
-
-def _default(cfg, name: str):
-  return next(f.default for f in dataclasses.fields(cfg) if f.name == name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,8 +192,7 @@ class Stack(NamedTuple):
 
 def draw_stack(setup: TrialsConfig, mid: ModelId, num: int, num_tasks: int = 1,
                verdicts: bool = False) -> Stack:
-  """Draws ``mid``'s ``num`` trials and ``num_tasks`` tasks on each, with
-  the paper's assumption verdicts per task if asked."""
+  """``mid``'s ``num`` trials, ``num_tasks`` tasks each, verdicts if asked."""
   models_K = make_models(setup, mid, num)
   by_task = [tasks_lib.make_tasks(
       np.stack([task_key(setup, mid, k, s) for k in range(num)]), models_K,
@@ -236,8 +224,7 @@ def exact_backbones(models_K: generative.Model):
 
 def pretrain(pdir: str, cfg: pretrain_lib.PretrainConfig,
              models_K: generative.Model, stop_at: float | None = None) -> None:
-  """Pretrains ``models_K``'s transformers in ``pdir`` (or reuses or
-  resumes them); ``stop_at``: :func:`pretrain.run_trials`'."""
+  """Pretrains, reuses or resumes ``models_K``'s transformers in ``pdir``."""
   logging.info("pretraining %d trials in %s", generative.num_trials(models_K),
                pdir)
   pretrain_lib.run_trials(pdir, cfg, models_K, log=logging.info,
@@ -248,8 +235,7 @@ def pretrained(pdir: str, cfg: pretrain_lib.PretrainConfig,
                models_K: generative.Model, checkpoints: bool = True,
                stop_at: float | None = None):
   """``(backbone, params_K, infos)`` (:func:`pretrain.load_trials`) after
-  :func:`pretrain`; ``checkpoints=False``: none written or read, the params
-  handed over in memory (:func:`pretrain.train_trials`)."""
+  :func:`pretrain`, or :func:`pretrain.train_trials`' (no checkpoints)."""
   if not checkpoints:
     logging.info("pretraining %d trials in %s (no checkpoints)",
                  generative.num_trials(models_K), pdir)
@@ -272,16 +258,11 @@ def pretrain_fields(info: pretrain_lib.TrialInfo) -> dict:
 def tune_lanes(setup: TrialsConfig, cfg: tuning.TuneConfig, backbone,
                params_L: Any, lanes: Sequence[tuple[int, Sequence[int]]],
                stack: Stack) -> list[list[dict]]:
-  """Tunes every lane in one :func:`tuning.tune_trials` program: lane
-  ``i = (k, tasks)`` is the backbone ``params_L[i]`` tuned on trial ``k``'s
-  ``tasks``, each task with its cell's :func:`tune_key`. Returns ``[L][S_i]``
-  dicts of the lines' result fields (``test_accuracy``, ``val_accuracy``,
-  ``train_accuracy``, ``final_loss``, ``steps``, ``seconds``)."""
-  data = {}
-  for k, ss in lanes:
-    for s in ss:
-      if (k, s) not in data:
-        data[k, s] = tuning.data_from_task(stack.tasks[k][s], cfg)
+  """Tunes every lane in one :func:`tuning.tune_trials` program: lane ``i``,
+  ``(k, tasks)``, is ``params_L[i]`` on trial ``k``'s ``tasks`` (each cell
+  with its :func:`tune_key`); returns ``[L][S_i]`` dicts of result fields."""
+  data = {(k, s): tuning.data_from_task(stack.tasks[k][s], cfg)
+          for k, s in {(k, s) for k, ss in lanes for s in ss}}
   res, _ = tuning.tune_trials(
       [[tune_key(setup, k, s) for s in ss] for k, ss in lanes], backbone,
       params_L, [[data[k, s] for s in ss] for k, ss in lanes], cfg,
@@ -301,8 +282,7 @@ DeadlineReached = pretrain_lib.DeadlineReached
 def missing(plan: dict, done: set, line_keys: Callable[[Any], dict]) -> dict:
   """``{model: {group: its cells without a line}}`` over ``plan``
   (``{ModelId: [group]}``), ``line_keys(group)`` mapping a group's cells
-  to their lines' keys, ``done`` the keys on disk; finished groups left
-  out."""
+  to their lines' keys, ``done`` the keys on disk."""
   return {mid: {g: cells for g in groups if (cells := {
       cell for cell, key in line_keys(g).items() if key not in done})}
           for mid, groups in plan.items()}
@@ -312,13 +292,11 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
                schedule: scheduling.Schedule = scheduling.EVERYTHING,
                weight: Callable[[ModelId], float] | None = None) -> list[str]:
   """The resume loop: for each stack of ``todo`` (``{ModelId: [group]}``,
-  the groups missing lines, in :meth:`scheduling.Schedule.mine`'s order),
-  ``prepare(mid, groups)`` makes it, then each group's ``tune(group,
-  stack)`` lines are appended to ``path``; one stack in memory at a time.
-  ``schedule`` bounds the run (a stack's estimate: ``weight(mid)`` times
-  the seconds per weight of those finished, or ``seconds_per_weight``).
-  Returns the tags of the stacks skipped for the deadline; raises
-  :class:`DeadlineReached` where ``stop_at`` comes inside a stack."""
+  in :meth:`scheduling.Schedule.mine`'s order), ``prepare(mid, groups)``
+  makes it, then each group's ``tune(group, stack)`` lines are appended to
+  ``path``; ``schedule`` bounds the run (a stack's estimate: ``weight(mid)``
+  times the seconds per weight so far). Returns the tags of the stacks
+  skipped for the deadline; raises :class:`DeadlineReached` inside one."""
   total = sum(len(gs) for gs in todo.values())
   done, t0, skipped = 0, time.perf_counter(), []
   spent: list[tuple[float, float]] = []  # (seconds, weight) of whole stacks
@@ -329,13 +307,11 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
     now = time.monotonic()
     rate = (sum(s for s, _ in spent) / sum(w for _, w in spent) if spent
             else schedule.seconds_per_weight)
-    left = None if stop_at is None else stop_at - now
-    need = (None if left is None or weight is None or rate is None
+    left = math.inf if stop_at is None else stop_at - now
+    need = (math.nan if stop_at is None or weight is None or rate is None
             else rate * weight(mid))
-    if ((deadline is not None and now >= deadline)
-        or (left is not None and left <= 0)
-        or (need is not None and left is not None and need > left)):
-      if need is not None and left is not None and left > 0:
+    if (deadline is not None and now >= deadline) or left <= 0 or need > left:
+      if left > 0 and not math.isnan(need):
         logging.info("%s: ~%.0f s by this run's estimate, %.0f s left: not "
                      "started", mid.tag, need, left)
       skipped.append((mid.tag, len(groups)))

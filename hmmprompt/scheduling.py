@@ -43,9 +43,8 @@ class Schedule(NamedTuple):
     return self
 
   def mine(self, stacks: Sequence, cost: Callable[[Any], Any]) -> list:
-    """This process's stacks of ``stacks`` (in plan order), in the order it
-    runs them: every one, costliest first, to claim; every
-    ``num_hosts``-th otherwise, cheapest first under ``stop_at``."""
+    """This process's ``stacks`` in its order: every one, costliest first, to
+    claim; else every ``num_hosts``-th, cheapest first under ``stop_at``."""
     self.check()
     if self.claim is not None:  # the long stacks first: no long one last
       return sorted(stacks, key=cost, reverse=True)

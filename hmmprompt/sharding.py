@@ -40,8 +40,7 @@ def initialize_distributed(coordinator_address: str | None = None,
                            process_id: int | None = None) -> None:
   """``jax.distributed.initialize`` with the settings given, the rest
   auto-detected (SLURM, Open MPI, TPU VMs); before any JAX computation.
-  ``ValueError``: bad values, or too few (the message says which to pass).
-  """
+  ``ValueError``: bad values, or too few (the message says which to pass)."""
   given = (coordinator_address, num_processes, process_id)
   try:
     jax.distributed.initialize(coordinator_address=coordinator_address,
@@ -67,7 +66,5 @@ def peak_tflops(dtype: str, override: float | None = None) -> float | None:
   if jax.default_backend() != "gpu":
     return None
   kind = jax.devices()[0].device_kind
-  for (name, dt), peak in PEAK_TFLOPS.items():
-    if name in kind and dt == dtype:
-      return peak
-  return None
+  return next((peak for (name, dt), peak in PEAK_TFLOPS.items()
+               if name in kind and dt == dtype), None)

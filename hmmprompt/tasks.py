@@ -10,8 +10,7 @@ sampled) and the vanilla latent is ``transition @ P[H_1 | x_{1:T}]``
 (memory tasks are labelled alike in both modes).
 
 A dataset whose majority label (over all splits) exceeds
-``max_label_share`` is re-drawn from ``fold_in(key, attempt)``, as the
-original did; ``Task.redraws`` counts them.
+``max_label_share`` is re-drawn (:func:`make_tasks`), as the original did.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hmmprompt import hmm as hmm_lib
+from hmmprompt import corpus
 from hmmprompt import generative
 from hmmprompt import validation
 
@@ -139,13 +139,10 @@ def sample_examples(key, model: Model, n: int, seq_len: int,
   (``"authors"``). Traceable (sizes static)."""
   if labeling not in LABELINGS:
     raise ValueError(f"labeling must be one of {LABELINGS}, got {labeling!r}")
-  keys = jax.random.split(key, n)
   length = seq_len if labeling == "authors" else seq_len + 1
-  tokens_NxL = jax.vmap(lambda k: generative.sample_tokens(k, model, length))(
-      keys)
-  mask_N1 = jnp.full((n, 1), hmm_lib.MASK, jnp.int32)
+  tokens_NxL = corpus.sample_sequences(key, model, n, length)
   if labeling == "authors":
-    return jnp.concatenate([mask_N1, tokens_NxL], axis=1)
+    return jnp.pad(tokens_NxL, ((0, 0), (1, 0)), constant_values=hmm_lib.MASK)
   return tokens_NxL.at[:, 0].set(hmm_lib.MASK)
 
 
@@ -174,12 +171,9 @@ def majority_share(labels, num_classes: int = 2) -> float:
 
 
 def make_task(key, model: Model, config: TaskConfig = TaskConfig()) -> Task:
-  """:func:`make_tasks` on ``key`` and ``model`` alone.
-
-  Raises:
-    ValueError: if every one of ``1 + config.max_redraws`` draws is
-      degenerate (e.g. ``mu`` has no non-zero weight on a reachable state).
-  """
+  """:func:`make_tasks` on ``key`` and ``model`` alone; ``ValueError`` if
+  every one of ``1 + config.max_redraws`` draws is degenerate (e.g. ``mu``
+  has no non-zero weight on a reachable state)."""
   # generative.stack names a non-model (TypeError) or a stack (ValueError).
   return make_tasks(jnp.asarray(key)[None], generative.stack([model]), config)[0]
 
@@ -218,12 +212,9 @@ def make_tasks(keys_K, models_K: Model, config: TaskConfig = TaskConfig(),
   trial ``k``'s from ``fold_in(keys_K[k], attempt)`` at its first attempt
   with balanced labels; each attempt is one vmapped call for all trials.
   Posteriors are computed in chunks (:func:`latent_chunk`), which changes
-  no label (only the posteriors' last bit).
-
-  Raises:
-    ValueError: not stacked models, a key count that is not the trial count,
-      or a trial whose every draw was degenerate (named).
-  """
+  no label (only the posteriors' last bit). ``ValueError``: not stacked
+  models, a key count other than the trial count, or a trial whose every
+  draw was degenerate (named)."""
   num = generative.num_trials(models_K)
   if num is None:
     raise ValueError("make_tasks needs [K] stacked models; use make_task "
@@ -243,8 +234,7 @@ def make_tasks(keys_K, models_K: Model, config: TaskConfig = TaskConfig(),
     for k in (k for k in range(num) if out[k] is None):
       mu, (train, val, test) = jax.tree.map(lambda x: x[k], (mu_K, splits_K))
       share[k] = share_k = majority_share(np.concatenate(
-          [np.asarray(s.labels) for s in (train, val, test)]),
-          config.num_classes)
+          [s.labels for s in (train, val, test)]), config.num_classes)
       if share_k <= config.max_label_share:
         out[k] = Task(mu, train, val, test, attempt)
   bad = [k for k in range(num) if out[k] is None]

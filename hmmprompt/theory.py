@@ -42,7 +42,7 @@ class Verdict(NamedTuple):
 def _jsonable(v):
   if isinstance(v, (np.floating, float)):
     return float(v) if np.isfinite(v) else str(v)
-  if isinstance(v, (np.integer,)):
+  if isinstance(v, np.integer):
     return int(v)
   if isinstance(v, (list, tuple, np.ndarray)):
     return [_jsonable(x) for x in v]
@@ -59,8 +59,7 @@ def rank_and_condition(cols_VxZ: np.ndarray) -> tuple[int, float]:
     return 0, 1.0
   s = np.linalg.svd(cols_VxZ, compute_uv=False)
   rank = int(np.sum(s > RANK_TOL * s[0])) if s[0] > 0 else 0
-  full = min(cols_VxZ.shape)
-  cond = float(s[0] / s[full - 1]) if s[full - 1] > 0 else float("inf")
+  cond = float(s[0] / s[-1]) if s[-1] > 0 else float("inf")
   return rank, cond
 
 
@@ -89,24 +88,17 @@ def assumption_3_1(hmm: hmm_lib.HMM) -> Verdict:
 
 
 def _primitive(support_HxH: np.ndarray) -> bool:
-  """Irreducible and aperiodic iff some power is all-positive (Wielandt:
-  the power ``(H - 1)^2 + 1`` suffices)."""
-  h = support_HxH.shape[0]
-  s = support_HxH.astype(np.int64)
-  reach = s.copy()
-  for _ in range((h - 1) ** 2 + 1):
-    if reach.all():
-      return True
-    reach = np.minimum(reach @ s, 1)
+  """Irreducible and aperiodic iff some power is all-positive (Wielandt: any
+  power from ``(H - 1)^2 + 1`` on), so squaring past it tells."""
+  reach = support_HxH.astype(np.int64)
+  for _ in range(((len(reach) - 1) ** 2).bit_length()):
+    reach = np.minimum(reach @ reach, 1)
   return bool(reach.all())
 
 
 def _strongly_connected(support_HxH: np.ndarray) -> bool:
-  h = support_HxH.shape[0]
-  reach = np.eye(h, dtype=np.int64) | support_HxH.astype(np.int64)
-  for _ in range(h):
-    reach = np.minimum(reach + reach @ reach, 1)
-  return bool(reach.all())
+  # Irreducible iff I + A is primitive.
+  return _primitive(support_HxH | np.eye(len(support_HxH), dtype=bool))
 
 
 def assumption_3_2(hmm: hmm_lib.HMM) -> Verdict:
@@ -127,10 +119,6 @@ def assumption_3_2(hmm: hmm_lib.HMM) -> Verdict:
   return Verdict("3.2", True, "ergodic chain, P[H_0] has full support", details)
 
 
-def _successors(hmm, h) -> frozenset:
-  return frozenset(np.nonzero(_np(hmm.transition)[h] > SUPPORT_TOL)[0].tolist())
-
-
 def assumption_3_5(hmm: hmm_lib.HMM, mu) -> Verdict:
   """Some ``B`` has ``H* = ∪_{h∈B} supp(A_{:,h}) ⊇ supp(mu)`` with
   independent columns ``W[:, H*]``; reports the best-conditioned ``B``.
@@ -148,29 +136,26 @@ def assumption_3_5(hmm: hmm_lib.HMM, mu) -> Verdict:
     if not p:
       return Verdict("3.5", False, f"state {s} in supp(mu) has no "
                      f"predecessor, so no H* can contain it", details)
-  best = None
-  seen = set()
-  searched = 0
-  exhausted = True
+  best, seen = None, set()
   for choice in itertools.product(*preds.values()):
     b = frozenset(choice)
     if b in seen:
       continue
     seen.add(b)
-    searched += 1
-    if searched > MAX_SEARCH:
-      exhausted = False
+    if len(seen) > MAX_SEARCH:
       break
-    h_star = sorted(frozenset().union(*(_successors(hmm, x) for x in b)))
+    # The union of the successors of B's states, sorted.
+    h_star = np.nonzero((trans[list(b)] > SUPPORT_TOL).any(axis=0))[0].tolist()
     if len(h_star) > w.shape[0]:
       continue
     rank, cond = rank_and_condition(w[:, h_star])
     if rank == len(h_star) and (best is None or cond < best[2]):
       best = (sorted(b), h_star, cond)
-  details["sets_searched"] = searched
+  details["sets_searched"] = len(seen)
   if best is None:
-    why = ("no set B gives an H* with independent W columns" if exhausted
-           else f"none of the first {MAX_SEARCH} sets B works (search cut)")
+    why = ("no set B gives an H* with independent W columns"
+           if len(seen) <= MAX_SEARCH else f"none of the first {MAX_SEARCH} "
+           "sets B works (search cut)")
     return Verdict("3.5", False, why, details)
   details.update(B=best[0], H_star=best[1], condition_number=best[2])
   return Verdict("3.5", True, f"B = {best[0]} gives H* = {best[1]} with "
@@ -200,8 +185,7 @@ def theorem_3_6_prompt_head(hmm: hmm_lib.HMM, mu) -> tuple[np.ndarray, dict]:
   verdict = assumption_3_5(hmm, mu)
   if not verdict.holds:
     raise ValueError(f"Theorem 3.6 needs Assumption 3.5: {verdict.reason}")
-  h = hmm.num_states
-  u = np.zeros((1, h), np.float32)
+  u = np.zeros((1, hmm.num_states), np.float32)
   u[0, verdict.details["B"]] = 1.0
   init = _np(hmm.initial)
   prior = (init * u[0]) @ _np(hmm.transition)

@@ -1,13 +1,9 @@
-"""Validation at the user-facing boundary (imports nothing from the package).
-
-Config checks (:func:`require_positive`, :func:`positive_int`); validated
-parameter pytrees (:class:`ValidatedParams`, :func:`check_distribution`)
-and :func:`check_fields`, their checks on an existing pytree; and
-:func:`entry_point`, which makes a validating, jitted entry point from a
-pure kernel. Checks see values only when their input is concrete
-(:func:`is_concrete`); under a caller's ``jit``/``vmap`` only dtypes,
-shapes and Python numbers, or values under ``checkify.checkify``
-(:func:`checkify_distribution`).
+"""Validation at the user-facing boundary (imports nothing from the package):
+config checks, validated parameter pytrees (:class:`ValidatedParams`) and
+validating, jitted entry points over pure kernels (:func:`entry_point`).
+Checks see values only when their input is concrete (:func:`is_concrete`);
+under a caller's ``jit``/``vmap`` only dtypes, shapes and Python numbers,
+or values under ``checkify.checkify`` (:func:`checkify_distribution`).
 """
 
 from __future__ import annotations
@@ -58,9 +54,8 @@ def positive_int(name: str, value) -> int:
 
 def is_concrete(x) -> bool:
   """Whether ``x`` is a concrete array-like (not a tracer), i.e. checkable."""
-  if isinstance(x, jax.core.Tracer):
-    return False
-  return isinstance(x, (np.ndarray, jax.Array, list, tuple))
+  return not isinstance(x, jax.core.Tracer) and isinstance(
+      x, (np.ndarray, jax.Array, list, tuple))
 
 
 def register_unchecked_pytree(cls):
@@ -139,10 +134,9 @@ def _check_event_shape(name: str, p: jax.Array, ndim: int) -> None:
 
 
 def checkify_distribution(name: str, p: jax.Array, ndim: int) -> None:
-  """:func:`check_distribution` for traced ``p`` under
-  ``checkify.checkify`` only: shape and dtype raise ``ValueError`` at once,
-  bad values become its error value (``err.throw()`` raises
-  ``checkify.JaxRuntimeError``)."""
+  """:func:`check_distribution` for traced ``p`` under ``checkify.checkify``
+  only: shape and dtype raise ``ValueError`` at once, bad values become its
+  error value (``err.throw()`` raises ``checkify.JaxRuntimeError``)."""
   _check_event_shape(name, p, ndim)
   checkify.check(jnp.all(jnp.isfinite(p)), f"{name} has a non-finite entry")
   checkify.check(jnp.all(p >= 0), f"{name} has a negative entry {{low:.3g}}",

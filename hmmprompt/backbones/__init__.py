@@ -8,8 +8,7 @@ static argument) plus a params pytree that tuning never differentiates:
 optionally ``apply_at(params, embeddings, i) -> [V]``, row ``i`` (static)
 of ``apply``, the others skipped where it can; ``prompt_embedding(raw [P,
 D]) -> [P, D]``, raw prompt parameters to valid embeddings; ``finetunable``:
-every params leaf is free (not the exact backbone's stochastic matrices).
-"""
+every params leaf is free (not the exact backbone's stochastic matrices)."""
 
 from __future__ import annotations
 

@@ -45,8 +45,7 @@ def grow_layers(params, fresh):
 
 
 def take_layers(params, num_layers: int):
-  """``params`` with only the first ``num_layers`` blocks:
-  :func:`pad_layers` undone."""
+  """``params``' first ``num_layers`` blocks: :func:`pad_layers` undone."""
   inner = params["params"]
   have = _num_blocks(inner)
   if not 0 < num_layers <= have:

@@ -23,8 +23,7 @@ def make(model: generative.Model) -> tuple[Backbone, hmm_lib.HMM]:
   :func:`hmm.token_evidence` and :func:`hmm.evidence_conditionals` on the
   (product-state) HMM, ``params``."""
   hmm = generative.as_hmm(model)
-  backbone = Backbone(name=BACKBONE_NAME, embed=hmm_lib.token_evidence,
-                      apply=hmm_lib.evidence_conditionals,
-                      prompt_embedding=jax.nn.sigmoid,
-                      embed_dim=hmm.num_states, vocab_size=hmm.vocab_size)
-  return backbone, hmm
+  return Backbone(name=BACKBONE_NAME, embed=hmm_lib.token_evidence,
+                  apply=hmm_lib.evidence_conditionals,
+                  prompt_embedding=jax.nn.sigmoid, embed_dim=hmm.num_states,
+                  vocab_size=hmm.vocab_size), hmm

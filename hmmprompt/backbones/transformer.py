@@ -72,13 +72,10 @@ class MLMConfig:
   pos_init: str = "normal"
   # ADDED: out of identities at their defaults. state_readout: states of a
   # readout (MLM.logits_and_states; 0: none) for PretrainConfig.state_loss.
-  rel_pos: str = dataclasses.field(default="none",
-                                   metadata=identity_lib.ADDED)
-  state_readout: int = dataclasses.field(default=0,
-                                         metadata=identity_lib.ADDED)
+  rel_pos: str = identity_lib.added("none")
+  state_readout: int = identity_lib.added(0)
   # ATTENTIONS: left out of identities (the paths agree to float rounding).
-  attention: str = dataclasses.field(default="auto",
-                                     metadata=identity_lib.RUNTIME)
+  attention: str = identity_lib.runtime("auto")
 
   def __post_init__(self):
     validation.require_positive(self, "vocab_size", "d_model", "num_heads",
@@ -86,7 +83,8 @@ class MLMConfig:
     if self.d_model % self.num_heads:
       raise ValueError(f"MLMConfig.d_model = {self.d_model} must be divisible "
                        f"by num_heads = {self.num_heads}")
-    for field, options in (("pos_init", POS_INITS), ("rel_pos", REL_POS)):
+    for field, options in (("pos_init", POS_INITS), ("rel_pos", REL_POS),
+                           ("attention", ATTENTIONS)):
       if getattr(self, field) not in options:
         raise ValueError(f"MLMConfig.{field} must be one of {options}, got "
                          f"{getattr(self, field)!r}")
@@ -96,9 +94,6 @@ class MLMConfig:
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"MLMConfig.dtype must be float32 or bfloat16, got "
                        f"{self.dtype!r}")
-    if self.attention not in ATTENTIONS:
-      raise ValueError(f"MLMConfig.attention must be one of {ATTENTIONS}, "
-                       f"got {self.attention!r}")
 
   @property
   def mask_id(self) -> int:
@@ -192,8 +187,7 @@ def rel_bias(cfg: MLMConfig, t: int, table_AxO=None):
   (``table_AxO``: the learned ``"bias"``, offsets ``-(L-1)..L-1``)."""
   offset_TxT = jnp.arange(t)[None, :] - jnp.arange(t)[:, None]
   if cfg.rel_pos == "alibi":
-    slope_A = 2.0 ** (-8.0 * (jnp.arange(cfg.num_heads) + 1)
-                      / cfg.num_heads)
+    slope_A = 2.0 ** (-8.0 * (jnp.arange(cfg.num_heads) + 1) / cfg.num_heads)
     return -slope_A[:, None, None] * jnp.abs(offset_TxT)[None]
   # The Toeplitz matrix M[i, j] = w[j - i + t - 1] by tiling and reshaping
   # (no gather: its gradient, a scatter-add, was the slow part on CPU).
@@ -218,8 +212,7 @@ class MLM(nn.Module):
     self.pos_embed = self.param(
         "pos_embed", sinusoid_init if cfg.pos_init == "sinusoid" else init,
         (cfg.max_len, cfg.d_model))
-    self.blocks = [Block(cfg, name=f"block_{i}")
-                   for i in range(cfg.num_layers)]
+    self.blocks = [Block(cfg, name=f"block_{i}") for i in range(cfg.num_layers)]
     self.ln_final = nn.LayerNorm(dtype=cfg.compute_dtype, name="ln_final")
     self.head = TokenDense(cfg.vocab_size, dtype=cfg.compute_dtype, name="head")
     if cfg.state_readout:
@@ -235,8 +228,7 @@ class MLM(nn.Module):
 
   def encode_at(self, emb_BxTxD, query: int):
     """``encode(emb)[:, query]`` as ``[B, V]``, its last block on that row."""
-    return self.head(self.features(emb_BxTxD, query)[:, 0]).astype(
-        jnp.float32)
+    return self.head(self.features(emb_BxTxD, query)[:, 0]).astype(jnp.float32)
 
   def features(self, emb_BxTxD, query: int | None = None):
     t = emb_BxTxD.shape[-2]

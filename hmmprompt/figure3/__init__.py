@@ -3,16 +3,11 @@
 ``experiments/in_chunks.py``). Every trial is a new HMM draw with its own
 backbone and tasks; a size's trials are one stack (:mod:`hmmprompt.protocol`).
 
-* :mod:`.configs`: the config tree :class:`Setup` and its presets;
-* :mod:`.sweep`: the plan, the stacks, :func:`run_sweep`;
-* :mod:`.schema`: :class:`ResultLine`, the declared schema of a line;
-* :mod:`.reporting`: tables and plots; :mod:`.chunks`: the sweep in
-  chunks for a lent machine; :mod:`.workers`: one process per core.
-
-Outputs, written atomically (a rerun skips finished lines): DIR/sweep.json
-(the setup's identity), DIR/results.jsonl, DIR/figure3.{md,png} and
-DIR/pretrain/.
-"""
+:mod:`.configs` (:class:`Setup`, presets), :mod:`.sweep`, :mod:`.schema`
+(:class:`ResultLine`), :mod:`.reporting`, :mod:`.chunks` (for a lent
+machine) and :mod:`.workers` (one process per core) write, atomically (a
+rerun skips finished lines), DIR/sweep.json (the setup's identity),
+DIR/results.jsonl, DIR/figure3.{md,png} and DIR/pretrain/."""
 
 from hmmprompt.figure3.configs import PRESETS
 from hmmprompt.figure3.configs import Setup

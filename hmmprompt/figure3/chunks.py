@@ -9,6 +9,7 @@ import dataclasses
 import glob
 import json
 import os
+import pathlib
 import re
 import shutil
 import tempfile
@@ -50,10 +51,9 @@ def results_dir(preset: str) -> str:
 
 def chunk_sizes(setup: configs.Setup,
                 chunk: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """``(left_sizes, memory_sizes)`` of ``setup`` that ``chunk`` selects,
-  closed over the vanilla stacks both panels share; ``ValueError`` unless
-  ``chunk`` is ``all``, ``left[:SIZES]`` or ``right[:SIZES]`` of sizes
-  ``setup`` has."""
+  """``(left_sizes, memory_sizes)`` that ``chunk`` (``all``, ``left[:SIZES]``
+  or ``right[:SIZES]``, else ``ValueError``) selects, closed over the
+  vanilla stacks both panels share."""
   if chunk == "all":
     return setup.left_sizes, setup.memory_sizes
   panel, sep, text = chunk.partition(":")
@@ -95,23 +95,21 @@ def chunk_setup(setup: configs.Setup, chunk: str) -> configs.Setup:
 
 
 def start_workdir(results_dir: str, workdir: str, setup: configs.Setup) -> int:
-  """Checks that ``results_dir`` and ``workdir`` (new, or kept from an
-  earlier run, which resumes) hold only ``setup``'s results (else
-  ``ValueError``), stamps ``workdir`` and adds the result lines it lacks;
-  returns the lines it then holds."""
+  """Checks that ``results_dir`` and ``workdir`` (new, or kept: it resumes)
+  hold only ``setup``'s results (else ``ValueError``), stamps ``workdir``,
+  adds the lines it lacks and returns its line count."""
   sweep.check_workdir(results_dir, setup, write=False)
   os.makedirs(workdir, exist_ok=True)
   sweep.check_workdir(workdir, setup)
-  path = schema.results_path(workdir)
-  files_lib.merge_lines(path, schema.read_results(results_dir))
+  files_lib.merge_lines(schema.results_path(workdir),
+                        schema.read_results(results_dir))
   return len(schema.read_results(workdir))
 
 
 def write_chunk_archive(workdir: str, path: str, run_info: dict) -> list[str]:
   """Writes ``path``: the results, ``sweep.json``, the pretraining metrics
   and configs and ``run_info`` as ``run.json``; returns the member names.
-  No report (:func:`merge` renders it): nothing slow, such as matplotlib's
-  first import, stands between the last cell and its archive."""
+  No report (:func:`merge` renders it): nothing slow comes after the cells."""
   members = [n for n in ("results.jsonl", sweep.STAMP)
              if os.path.exists(os.path.join(workdir, n))]
   for run_dir in sorted(glob.glob(os.path.join(workdir, "pretrain", "*"))
@@ -132,31 +130,25 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
               deadline_s: float | None = None) -> dict:
   """Computes ``chunk``'s missing cells from ``results_dir`` into the
   archive ``out_dir/figure3-chunk.tar.gz`` (written also after the budget,
-  an error or a signal); returns its ``run.json``.
+  an error or a signal); returns its ``run.json``; ``ValueError`` for a
+  bad chunk, or a directory of another setup (named).
 
   ``workdir``: kept and resumed (:func:`start_workdir`); ``None``: a
   temporary one. ``compute(chunk_setup, workdir, deadline)`` computes the
   cells and returns the tags of the stacks skipped for the deadline
   (default: :func:`sweep.run_sweep`; :func:`workers.chunk_compute`).
   ``info``: more ``run.json`` fields. ``deadline_s``: ``Schedule.stop_at``
-  in seconds from the start (``run.json``'s ``stopped`` says where).
-
-  Raises:
-    ValueError: a bad chunk, or a directory of another setup (named).
-  """
+  in seconds from the start (``run.json``'s ``stopped`` says where)."""
   t0 = time.monotonic()
   deadline = None if budget_s is None else t0 + budget_s
   stop_at = None if deadline_s is None else t0 + deadline_s
   chunk_cfg = chunk_setup(setup, chunk)
   configs.check_run(setup, [backbone])
-  sweep.check_workdir(results_dir, setup, write=False)
   keep = workdir is not None
   workdir = workdir or tempfile.mkdtemp(prefix="figure3-chunk-")
   path = os.path.join(out_dir, ARCHIVE)
-  at_start = 0
-  run_info: dict = {}
 
-  def archive(**more) -> None:
+  def archive(**more) -> None:  # once run_info and at_start are set
     run_info.update(more)
     run_info["cells_computed"] = len(schema.read_results(workdir)) - at_start
     run_info["wall_s"] = round(time.monotonic() - t0, 1)
@@ -164,15 +156,16 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
 
   try:
     at_start = start_workdir(results_dir, workdir, setup)
-    run_info = {"preset": preset, "chunk": chunk, "backbone": backbone,
-                "budget_s": budget_s, "deadline_s": deadline_s,
-                "setup": setup.fingerprint(backbone),
-                "left_sizes": list(chunk_cfg.left_sizes),
-                "memory_sizes": list(chunk_cfg.memory_sizes),
-                "device": [str(d) for d in jax.devices()],
-                "device_kind": jax.devices()[0].device_kind,
-                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                **(info or {})}
+    run_info: dict = {
+        "preset": preset, "chunk": chunk, "backbone": backbone,
+        "budget_s": budget_s, "deadline_s": deadline_s,
+        "setup": setup.fingerprint(backbone),
+        "left_sizes": list(chunk_cfg.left_sizes),
+        "memory_sizes": list(chunk_cfg.memory_sizes),
+        "device": [str(d) for d in jax.devices()],
+        "device_kind": jax.devices()[0].device_kind,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **(info or {})}
     with signals.archive_on_signal(
         lambda name: archive(error=f"stopped by {name}"),
         workdir=None if keep else workdir,
@@ -227,23 +220,18 @@ def seconds_per_trial(results_dir: str, margin: float = 1.2) -> float | None:
 
 
 def chunk_step_bytes(setup: configs.Setup, chunk: str) -> list[dict]:
-  """Per stack of ``chunk``: its trials, pretraining-step memory
-  (:func:`hmmprompt.pretrain.step_bytes`) and the device's memory
-  (``device_bytes``; ``None`` where it reports none)."""
-  part = chunk_setup(setup, chunk)
-  cfg = setup.pretrain
-  mesh = sharding_lib.data_mesh()
+  """Per stack of ``chunk``: its trials, :func:`hmmprompt.pretrain.step_bytes`
+  and the device's memory (``device_bytes``; ``None`` if it reports none)."""
+  part, cfg = chunk_setup(setup, chunk), setup.pretrain
+  mesh, sizes = sharding_lib.data_mesh(), sweep.stack_sizes(setup)
   limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
-  sizes, out = sweep.stack_sizes(setup), []
-  for mid in sweep.plan(part):
-    hmms = jax.eval_shape(  # shapes only: no model is drawn
-        lambda mid=mid: jax.vmap(generative.as_hmm)(
-            protocol.make_models(setup, mid, sizes[mid])))
-    out.append({"stack": mid.tag, "trials": sizes[mid],
-                "trials_per_vmap": cfg.trials_per_vmap,
-                **pretrain_lib.step_bytes(cfg, hmms, mesh),
-                "device_bytes": limit})
-  return out
+  hmms = lambda mid: jax.eval_shape(  # shapes only: no model is drawn
+      lambda: jax.vmap(generative.as_hmm)(
+          protocol.make_models(setup, mid, sizes[mid])))
+  return [{"stack": mid.tag, "trials": sizes[mid],
+           "trials_per_vmap": cfg.trials_per_vmap,
+           **pretrain_lib.step_bytes(cfg, hmms(mid), mesh),
+           "device_bytes": limit} for mid in sweep.plan(part)]
 
 
 def describe_step_bytes(m: dict) -> str:
@@ -286,9 +274,9 @@ def merge_all(archives: list[str], results_dir: str) -> list[str]:
 
 def merge(archive: str, results_dir: str) -> dict:
   """Adds ``archive``'s result lines and pretraining metrics to
-  ``results_dir`` and renders its report again; returns the counts of
-  :func:`files.merge_lines` (``added``, ``kept``, ``conflicts``).
-  ``ValueError`` for unexpected members or another setup's results."""
+  ``results_dir``, renders its report again and returns the counts of
+  :func:`files.merge_lines`; ``ValueError`` for unexpected members or
+  another setup's results."""
   with tempfile.TemporaryDirectory() as tmp:
     names = files_lib.read_archive(archive, tmp, _MEMBER)
     try:
@@ -318,13 +306,9 @@ def merge(archive: str, results_dir: str) -> dict:
 
 
 def _copy_new(src: str, dest: str) -> None:
-  """Copies ``src`` to ``dest`` unless ``dest`` exists (a difference is
-  logged)."""
-  with open(src, "rb") as f:
-    blob = f.read()
+  """Copies ``src`` to ``dest`` unless it exists (a difference is logged)."""
+  blob = pathlib.Path(src).read_bytes()
   if not os.path.exists(dest):
     files_lib.atomic_write_bytes(dest, blob)
-    return
-  with open(dest, "rb") as f:
-    if f.read() != blob:
-      logging.warning("%s differs from the archive's copy; kept %s", dest, dest)
+  elif pathlib.Path(dest).read_bytes() != blob:
+    logging.warning("%s differs from the archive's copy; kept %s", dest, dest)

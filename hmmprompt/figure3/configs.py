@@ -1,9 +1,6 @@
-"""The sweep's config tree (:class:`Setup`) and its named presets.
-
-Every number that decides a result line is a field of :class:`Setup`;
-:func:`get_setup` is the one way in (on the command line every leaf is a
-``--config.<path>`` flag).
-"""
+"""The sweep's config tree (:class:`Setup`) and its named presets: every
+number that decides a result line is a field of :class:`Setup`;
+:func:`get_setup` is the one way in (each leaf a ``--config.<path>`` flag)."""
 
 from __future__ import annotations
 
@@ -37,8 +34,7 @@ class Setup(protocol.TrialsConfig):
     memory_sizes: ``|M|`` of the right panel's memory HMMs and their
       vanilla twins of ``|M||H|``.
     features: head feature transforms, each run as its own arm.
-    tune: ``optimizer`` must stay ``"adam"``: ``head_optimum`` adds the
-      L-BFGS arms.
+    tune: ``optimizer`` stays ``"adam"`` (``head_optimum`` adds L-BFGS arms).
     finetune: add full fine-tuning of the transformer as a third arm.
     prompt_attention: Theorem 4.6's arm: prompt tuning with the attention
       head on each memory HMM of the right panel.
@@ -70,9 +66,8 @@ class Setup(protocol.TrialsConfig):
 
   def fingerprint(self, backbone: str = "exact") -> str:
     """12 hex digits keying result lines to the setup that made them
-    (:func:`fingerprint_of`). Which arms run is in each line's key (its
-    method), not here; ``tune``'s :data:`identity.ADDED` fields count only
-    away from their defaults."""
+    (:func:`fingerprint_of`); not which arms run (each line's method), nor
+    ``tune``'s :data:`identity.ADDED` fields at their defaults."""
     return fingerprint_of(self.identity(), backbone)
 
   def identity(self) -> dict:
@@ -108,8 +103,7 @@ def fingerprint_of(identity: dict, backbone: str = "exact") -> str:
 
 
 def check_run(setup: Setup, backbones, pretrain_only: bool = False) -> None:
-  """``ValueError`` naming what is wrong with a run of ``setup`` on
-  ``backbones`` (names), before any work is done."""
+  """Before any work: ``ValueError`` naming what is wrong with the run."""
   bad = [b for b in backbones if b not in protocol.BACKBONES]
   if bad or not backbones:
     raise ValueError(f"--backbone must be from {','.join(protocol.BACKBONES)}; "
@@ -145,10 +139,9 @@ def _tiny() -> Setup:
 
 def _cpu() -> Setup:
   """The main job: both panels on 2 CPU cores, 3 trials per size
-  (``cpu_capped``: at most 2000 steps; a draw above 0.04 nats at the cap,
-  or 0.06 at step 1000, pretrains again with 4 layers); 80-position inputs
-  as in the authors' tuning scripts (20 prompt vectors, MASK, 59 tokens);
-  heads on the raw probabilities (the paper's ``G``)."""
+  (``cpu_capped``, a draw above its gaps pretrained again with 4 layers);
+  80-position inputs as in the authors' tuning scripts; heads on the raw
+  probabilities (the paper's ``G``)."""
   return Setup(trials=3, tasks_per_hmm=1, left_sizes=(4, 8, 12, 28),
                memory_sizes=(2, 3, 7), features=("raw",),
                task=tasks_lib.TaskConfig(num_train=2000, num_val=500,
@@ -159,9 +152,8 @@ def _cpu() -> Setup:
 
 
 def _paper() -> Setup:
-  """Figure 3's protocol: every size of both panels, 20 trials per size on
-  the left and 5 on the right, Appendix D's task sizes and pretraining;
-  heads on the raw probabilities."""
+  """Figure 3's protocol: every size, 20 trials per size left and 5 right,
+  Appendix D's task sizes and pretraining; heads on the raw probabilities."""
   return Setup(trials=20, right_trials=5, tasks_per_hmm=1,
                left_sizes=_ALL_LEFT, memory_sizes=_ALL_MEMORY,
                features=("raw",), task=_APPENDIX_D_TASK, tune=_tune(5, 20, 32),
@@ -170,11 +162,9 @@ def _paper() -> Setup:
 
 def _cpu_paper() -> Setup:
   """Figure 3's protocol on 2 CPU cores: :func:`_paper`'s trials and sizes
-  with :func:`_cpu`'s model, pretraining and tasks (59 tokens: the paper's
-  128 exceed the CPU model's 80-position context), run in chunks
-  (``experiments/in_chunks.py``) into ``docs/results/figure3-cpu-paper/``.
-  The 4-layer fallback also comes early: a draw above 0.3 nats at step 250
-  or 0.12 at step 500 falls back then (docs/figure3.md)."""
+  with :func:`_cpu`'s model, pretraining and tasks (the paper's 128 tokens
+  exceed its context), in chunks into ``docs/results/figure3-cpu-paper/``;
+  the 4-layer fallback also comes early (docs/figure3.md)."""
   cpu = _cpu()
   return dataclasses.replace(
       cpu, trials=20, right_trials=5, left_sizes=_ALL_LEFT,
@@ -184,13 +174,11 @@ def _cpu_paper() -> Setup:
 
 def _gpu() -> Setup:
   """Figure 3 on one accelerator, in chunks (docs/figure3_gpu.md):
-  :func:`_paper`'s protocol and transformer, pretrained to within 0.04
-  nats of the Bayes CE in at most 2000 steps (learning-rate cycles of 250,
-  250, 500 and 1000 steps, stopping at the first cycle's end within the
-  target) with ``cpu_capped``'s recipe; :func:`_cpu_paper`'s tasks, so the
-  exact backbone's lines of ``docs/results/figure3-cpu-paper`` are this
-  protocol's too. The backbone tunes in bf16 on an accelerator, as it
-  pretrained."""
+  :func:`_paper`'s protocol and transformer, pretrained with
+  ``cpu_capped``'s recipe, stopping at the first cycle's end within the
+  target; :func:`_cpu_paper`'s tasks, so the exact backbone's lines of
+  ``docs/results/figure3-cpu-paper`` are this protocol's too. The backbone
+  tunes in bf16 on an accelerator, as it pretrained."""
   cycles = (250, 250, 500, 1000)
   pretrain = pretrain_lib.configure(
       "paper", dtype="auto",  # bf16 compute on accelerators

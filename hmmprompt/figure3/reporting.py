@@ -42,12 +42,12 @@ def mean_ci(values) -> tuple[float, float]:
   return float(v.mean()), float(t * v.std(ddof=1) / np.sqrt(len(v)))
 
 
-def _by_trial(lines) -> dict:
-  """trial -> test accuracies (%) of its tasks."""
+def _by_trial(lines) -> list[list[float]]:
+  """Per trial, the test accuracies (%) of its tasks."""
   out: dict = {}
   for r in lines:
     out.setdefault(r.trial, []).append(100.0 * r.test_accuracy)
-  return out
+  return list(out.values())
 
 
 def _curves(lines) -> dict:
@@ -64,12 +64,10 @@ def summarize(lines: list[schema.ResultLine]) -> dict:
   over its ``n`` tasks (task noise only)."""
   out: dict = {}
   for k, by_size in _curves(lines).items():
-    out[k] = {}
     for size, rs in sorted(by_size.items()):
       trials = _by_trial(rs)
-      values = ([np.mean(v) for v in trials.values()] if len(trials) > 1
-                else next(iter(trials.values())))
-      out[k][size] = (*mean_ci(values), len(values))
+      values = [np.mean(v) for v in trials] if len(trials) > 1 else trials[0]
+      out.setdefault(k, {})[size] = (*mean_ci(values), len(values))
   return out
 
 
@@ -80,11 +78,11 @@ def variance_components(lines: list[schema.ResultLine]) -> dict:
   for k, by_size in _curves(lines).items():
     for size, rs in sorted(by_size.items()):
       trials = _by_trial(rs)
-      if len(trials) < 2 or min(len(v) for v in trials.values()) < 2:
+      if len(trials) < 2 or min(len(v) for v in trials) < 2:
         continue
-      between = np.std([np.mean(v) for v in trials.values()], ddof=1)
-      dev = [x - np.mean(v) for v in trials.values() for x in v]
-      dof = sum(len(v) - 1 for v in trials.values())
+      between = np.std([np.mean(v) for v in trials], ddof=1)
+      dev = [x - np.mean(v) for v in trials for x in v]
+      dof = sum(len(v) - 1 for v in trials)
       within = np.sqrt(np.sum(np.square(dev)) / dof)
       out.setdefault(k, {})[size] = (float(between), float(within))
   return out
@@ -113,15 +111,14 @@ def trial_table(lines: list[schema.ResultLine]) -> str:
         row.setdefault((r.hmm, r.method, r.features), []).append(
             100.0 * r.test_accuracy)
       hmms = sorted({a[0] for a in arms})
+      gaps = hmms if backbone == "transformer" else []
       head = (["size", "trial"] + [f"{h} HMM" for h in hmms]
-              + ([f"{h} gap" for h in hmms] if backbone == "transformer"
-                 else []) + [f"{h}: {_method_label(m)} ({f})"
-                             for h, m, f in arms])
+              + [f"{h} gap" for h in gaps]
+              + [f"{h}: {_method_label(m)} ({f})" for h, m, f in arms])
       out += [f"### {backbone}, {panel} panel", ""] + (
           files_lib.markdown_table(head, [
               [size, trial] + [row["fp"].get(h, "") for h in hmms]
-              + ([row["gap"].get(h, "")
-                  for h in hmms] if backbone == "transformer" else [])
+              + [row["gap"].get(h, "") for h in gaps]
               + [f"{np.mean(row[a]):.1f}" if a in row else "" for a in arms]
               for (size, trial), row in sorted(rows.items())])) + [""]
   return "\n".join(out)
@@ -146,39 +143,38 @@ def wins_table(lines: list[schema.ResultLine]) -> str:
           p, h = np.array(pairs).T
           rows.append((backbone, features, size, len(pairs), int((p > h).sum()),
                        int((p == h).sum()), int((p < h).sum())))
-  if not rows:
-    return ""
-  return "\n".join(["## Prompt vs head tuning, draw by draw (left panel)",
-                    ""] + files_lib.markdown_table(
-      ("backbone", "features", "size", "draws", "prompt wins", "ties",
-       "head wins"), rows) + [""])
+  return _section("Prompt vs head tuning, draw by draw (left panel)",
+                  ("backbone", "features", "size", "draws", "prompt wins",
+                   "ties", "head wins"), rows)
 
 
 def diverged_table(lines: list[schema.ResultLine]) -> str:
   """Markdown naming every cell whose tuning loss ended non-finite."""
   bad = [r for r in lines if not np.isfinite(r.final_loss)]
-  if not bad:
-    return ""
-  out = [f"## Diverged tuning: {len(bad)} cell(s) ended with a non-finite "
-         "loss (their accuracies are in the tables)", ""]
-  out += files_lib.markdown_table(
+  return _section(
+      f"Diverged tuning: {len(bad)} cell(s) ended with a non-finite loss "
+      "(their accuracies are in the tables)",
       ("backbone", "panel", "size", "trial", "task", "arm", "HMM", "test acc"),
       [(r.backbone, r.panel, r.size, r.trial, r.task,
         f"{r.hmm} {r.method} ({r.features})", r.hmm_fingerprint,
         f"{100 * r.test_accuracy:.1f}") for r in bad])
-  return "\n".join(out + [""])
 
 
 def components_table(lines: list[schema.ResultLine]) -> str:
-  comps = variance_components(lines)
-  if not comps:
+  return _section(
+      "Variance components (points): SD between trials (HMM draws) / SD "
+      "within a trial (task draws)", ("curve", "size", "between", "within"),
+      [(_label(k), size, f"{b:.1f}", f"{w:.1f}")
+       for k, d in variance_components(lines).items()
+       for size, (b, w) in d.items()])
+
+
+def _section(title: str, header: tuple[str, ...], rows: list) -> str:
+  """``## title`` over a markdown table of ``rows``; "" without rows."""
+  if not rows:
     return ""
-  out = ["## Variance components (points): SD between trials (HMM draws) "
-         "/ SD within a trial (task draws)", ""]
-  out += files_lib.markdown_table(("curve", "size", "between", "within"), [
-      (_label(k), size, f"{b:.1f}", f"{w:.1f}") for k, d in comps.items()
-      for size, (b, w) in d.items()])
-  return "\n".join(out + [""])
+  return "\n".join([f"## {title}", ""]
+                   + files_lib.markdown_table(header, rows) + [""])
 
 
 def _method_label(method: str) -> str:
@@ -234,8 +230,7 @@ def write_table(summary: dict, path: str, extra: str = "",
         [s] + [f"~{paper[p][s]}" if s in paper[p] else "" for p in paper]
         + [_cell(*summary[k][s]) if s in summary[k] else "" for k in cols]
         for s in sizes]) + [""]
-    notes = [_ARM_NOTES[m] for m in _ARM_NOTES
-             if any(k[3] == m for k in cols)]
+    notes = [_ARM_NOTES[m] for m in _ARM_NOTES if any(k[3] == m for k in cols)]
     if notes:
       out += [f"* {n}" for n in notes] + [""]
   if extra:
@@ -246,9 +241,13 @@ def write_table(summary: dict, path: str, extra: str = "",
 def write_plot(summary: dict, path: str) -> None:
   fig, axes = files_lib.pyplot().subplots(1, 2, figsize=(12, 4.5))
   colors: dict = {}  # one colour per (backbone, hmm, method); style by features
-  for ax, panel, paper, xlabel in (
-      (axes[0], "left", PAPER_LEFT, "hidden states |H|"),
-      (axes[1], "right", PAPER_RIGHT, "|M||H|")):
+  prompted = any(k[1] == "right" and k[3].startswith("prompt")
+                 for k in summary)  # Theorem 4.6's arm
+  for ax, panel, paper, xlabel, title in (
+      (axes[0], "left", PAPER_LEFT, "hidden states |H|",
+       "Head vs prompt tuning"),
+      (axes[1], "right", PAPER_RIGHT, "|M||H|", "Memory vs vanilla HMM"
+       + ("" if prompted else " (head tuning)"))):
     for name, pts in paper.items():
       xs = sorted(pts)
       ax.plot(xs, [pts[x] for x in xs], ":", color="gray", alpha=0.7,
@@ -265,14 +264,8 @@ def write_plot(summary: dict, path: str) -> None:
       ax.plot(xs, m, style, marker=marker, color=color, label=_label(k))
       ax.fill_between(xs, np.maximum(m - ci, 0), np.minimum(m + ci, 100),
                       color=color, alpha=0.12)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_ylim(top=101)
-    prompted = any(k[1] == "right" and k[3].startswith("prompt")
-                   for k in summary)  # Theorem 4.6's arm
-    ax.set_title({"left": "Head vs prompt tuning",
-                  "right": "Memory vs vanilla HMM" + (
-                      "" if prompted else " (head tuning)")}[panel])
+    ax.set(xlabel=xlabel, ylabel="test accuracy (%)", ylim=(None, 101),
+           title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
   fig.tight_layout()

@@ -71,8 +71,7 @@ def read_results(workdir: str) -> list[ResultLine]:
 
 
 def check_one_setup(lines, where: str) -> None:
-  """``ValueError`` naming ``where`` if ``lines`` of one backbone carry
-  several setup fingerprints."""
+  """``ValueError`` naming ``where`` if a backbone's lines mix setups."""
   by_backbone: dict[str, set] = {}
   for r in lines:
     by_backbone.setdefault(r.backbone, set()).add(r.setup)

@@ -2,8 +2,7 @@
 writes a chunk's archive within seconds, even inside a compiled program
 that runs for minutes (where a Python handler would run too late): a
 thread of its own, woken through :func:`signal.set_wakeup_fd`, writes it
-from what is on disk (whole files: atomic rewrites) and ends the process.
-"""
+from what is on disk (whole files: atomic rewrites) and ends the process."""
 
 from __future__ import annotations
 

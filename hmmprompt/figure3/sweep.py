@@ -1,9 +1,7 @@
 """The sweep: :func:`plan` lists the groups (one tuning arm on one model
 size) by model; :func:`run_sweep` draws and pretrains each model's stack of
-trials (:func:`prepare`), then tunes each group's missing cells (one task
-of one trial, one :class:`schema.ResultLine`) in one program
-(:func:`tune_group`). Both panels share a vanilla HMM and its transformer.
-"""
+trials, then tunes each group's missing cells (a :class:`schema.ResultLine`
+each) in one program. Both panels share a vanilla HMM and its transformer."""
 
 from __future__ import annotations
 
@@ -42,28 +40,24 @@ class Group(protocol.Group):
 
 def plan(setup: configs.Setup, panel: str = "both",
          backbone: str = "exact") -> dict[ModelId, list[Group]]:
-  """The groups of ``panel`` by model, models vanilla then memory by size
-  (the order they run and are sharded in): the arms of :class:`configs.Setup`
-  (left: linear head; right: the memory HMM's attention head, the vanilla
-  twin's linear head)."""
+  """The groups (the arms of :class:`configs.Setup`) of ``panel`` by model,
+  models vanilla then memory by size (the order they run and shard in)."""
   out = []
   if panel in ("left", "both"):
-    methods = ["head", "prompt"]
-    if setup.finetune and backbone == "transformer":
-      methods.append("finetune")
+    methods = ["head", "prompt"] + (
+        ["finetune"] if setup.finetune and backbone == "transformer" else [])
     out += [Group(protocol.vanilla(h), method, "linear", f, panel="left")
             for h in setup.left_sizes for method in methods
             for f in setup.features]
   if panel in ("right", "both"):
-    for m in setup.memory_sizes:
-      arms = [("memory", "head", "attention")]
-      if setup.prompt_attention:
-        arms.append(("memory", "prompt", "attention"))
-      arms.append(("vanilla", "head", "linear"))
-      out += [Group(protocol.memory(m) if hmm == "memory" else
-                    protocol.vanilla(protocol.MEMORY_SYNTAX_STATES * m),
-                    method, head, f, panel="right")
-              for hmm, method, head in arms for f in setup.features]
+    arms = [("memory", "head", "attention")] + (
+        [("memory", "prompt", "attention")] if setup.prompt_attention else [])
+    out += [Group(protocol.memory(m) if hmm == "memory" else
+                  protocol.vanilla(protocol.MEMORY_SYNTAX_STATES * m),
+                  method, head, f, panel="right")
+            for m in setup.memory_sizes
+            for hmm, method, head in arms + [("vanilla", "head", "linear")]
+            for f in setup.features]
   if setup.head_optimum:
     out = [twin for g in out for twin in (
         (g, dataclasses.replace(g, optimizer="lbfgs"))
@@ -121,19 +115,15 @@ class Trials(NamedTuple):
                ) -> list[tuple[Backbone, Any, list[int]]]:
     """``(backbone, params_G, ids)`` per depth among ``trial_ids``: each
     trial tuned at its own depth, not padded (a deeper backward)."""
-    def depth(k: int) -> int:
-      mlm = self.mlm_configs[k]
-      return 0 if mlm is None else mlm.num_layers
-
-    deepest = max(depth(k) for k in range(len(self.mlm_configs)))
+    depths = [0 if m is None else m.num_layers for m in self.mlm_configs]
     out = []
-    for d in sorted({depth(k) for k in trial_ids}):
-      ids = [k for k in trial_ids if depth(k) == d]
+    for d in sorted({depths[k] for k in trial_ids}):
+      ids = [k for k in trial_ids if depths[k] == d]
       params = self.params_K
-      if ids != list(range(len(self.mlm_configs))):
+      if ids != list(range(len(depths))):
         params = jax.tree.map(lambda x, ids=ids: x[np.asarray(ids)], params)
       backbone = self.backbone
-      if d != deepest:  # shallow models inside a padded stack
+      if d != max(depths):  # shallow models inside a padded stack
         params = depth_lib.take_layers(params, d)
         backbone = transformer.make_backbone(
             cast(transformer.MLMConfig, self.mlm_configs[ids[0]]), dtype)
@@ -163,34 +153,26 @@ def tune_group(setup: configs.Setup, backbone_name: str, g: Group,
     fields.update(zip(ids, protocol.tune_lanes(
         setup, cfg, backbone, params, [(k, task_ids) for k in ids],
         trials.stack)))
-  fp, mid, lines = setup.fingerprint(backbone_name), g.model_id, []
+  fp, mid = setup.fingerprint(backbone_name), g.model_id
   verdicts = trials.stack.verdicts
   if verdicts is None:  # prepare draws its stacks with them
     raise ValueError(f"{mid}: the stack has no assumption verdicts")
-  for k in trial_ids:
-    for j, s in enumerate(task_ids):
-      if (k, s) in cells:
-        lines.append(schema.ResultLine(
-            backbone=backbone_name, panel=g.panel, hmm=mid.hmm,
-            num_states=mid.num_states, memory_size=mid.memory_size,
-            trial=k, task=s, method=g.method_name, features=g.features,
-            setup=fp, hmm_fingerprint=trials.stack.fingerprints[k],
-            size=mid.size, **fields[k][j],
-            task_redraws=trials.stack.tasks[k][s].redraws,
-            assumptions=verdicts[k][s], tune_config=dataclasses.asdict(cfg),
-            task_config=dataclasses.asdict(setup.task), **trials.pretrain[k]))
-  return lines
+  return [schema.ResultLine(
+      backbone=backbone_name, panel=g.panel, hmm=mid.hmm,
+      num_states=mid.num_states, memory_size=mid.memory_size, trial=k,
+      task=s, method=g.method_name, features=g.features, setup=fp,
+      hmm_fingerprint=trials.stack.fingerprints[k], size=mid.size,
+      **fields[k][j], task_redraws=trials.stack.tasks[k][s].redraws,
+      assumptions=verdicts[k][s], tune_config=dataclasses.asdict(cfg),
+      task_config=dataclasses.asdict(setup.task), **trials.pretrain[k])
+          for k in trial_ids for j, s in enumerate(task_ids) if (k, s) in cells]
 
 
 def check_workdir(workdir: str, setup: configs.Setup,
                   write: bool = True) -> None:
   """Stamps ``DIR/sweep.json`` with :meth:`configs.Setup.identity` on first
-  use (``write``; :func:`stamp`).
-
-  Raises:
-    ValueError: the workdir's stamp or result lines are another setup's
-      (what differs named where the stamp says).
-  """
+  use (``write``; :func:`stamp`); ``ValueError`` where its stamp or result
+  lines are another setup's (what differs named where the stamp says)."""
   identity = setup.identity()
   mine = {configs.fingerprint_of(identity, b) for b in BACKBONES}
   others = sorted({r.setup for r in schema.read_results(workdir)} - mine)
@@ -225,9 +207,8 @@ def missing_cells(setup: configs.Setup, workdir: str, panel: str,
                   backbone_name: str,
                   by_model: dict[ModelId, list[Group]] | None = None
                   ) -> dict[ModelId, dict[Group, set]]:
-  """:func:`protocol.missing` of ``workdir``'s lines: ``{model: {group:
-  its (trial, task) cells without a line}}`` over :func:`plan`'s models
-  (or ``by_model``)."""
+  """:func:`protocol.missing` of ``workdir``'s lines over :func:`plan`'s
+  models (or ``by_model``), cells ``(trial, task)``."""
   fp = setup.fingerprint(backbone_name)
   return protocol.missing(
       by_model or plan(setup, panel, backbone_name),
@@ -245,15 +226,11 @@ def run_sweep(setup: configs.Setup, workdir: str, panel: str,
               pretrain_only: bool = False, results_file: str | None = None,
               checkpoints: bool = True) -> list[str]:
   """Runs this process's share of the sweep's stacks (``schedule``, a
-  stack's weight its trials), skipping finished lines; ``results_file``
-  defaults to :func:`schema.results_path` of the host shard;
-  ``checkpoints=False``: pretraining writes none (nothing will resume).
-  Returns and raises as :func:`protocol.run_stacks`.
-
-  Raises:
-    ValueError: a bad backbone, panel or shard, a workdir of another
-      setup, or (transformer) inputs longer than the pretrained context.
-  """
+  stack's weight its trials), skipping finished lines, into ``results_file``
+  (default: the host shard's); ``checkpoints=False``: pretraining writes
+  none. Returns and raises as :func:`protocol.run_stacks`; ``ValueError``
+  for a bad backbone, panel or shard, a workdir of another setup, or
+  (transformer) inputs longer than the pretrained context."""
   if backbone_name not in BACKBONES:
     raise ValueError(f"backbone must be one of {BACKBONES}, got "
                      f"{backbone_name!r}")

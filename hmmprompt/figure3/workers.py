@@ -1,10 +1,8 @@
 """The sweep in one process per core, on one machine (XLA:CPU spreads these
-models' small matmuls poorly over cores: docs/performance.md): the
-binary's ``--workers=N`` starts N copies of itself (:func:`spawn`), each
-pinned to one core, claiming stacks (:func:`claims`) into its own results
-file; the parent merges those (:func:`merge_results`). The lines are one
-process's, to float rounding, and keyed alike.
-"""
+models' small matmuls poorly over cores: docs/performance.md): the binary's
+``--workers=N`` starts N copies of itself, each pinned to one core, claiming
+stacks into its own results file; the parent merges those. The lines are
+one process's, to float rounding, and keyed alike."""
 
 from __future__ import annotations
 
@@ -38,8 +36,7 @@ def _cores() -> list[int]:
 
 def auto_count() -> int:
   """Workers for ``--workers=0``: the cores this process may run on, at
-  most one per 4 GB of available memory (above a worker's peak:
-  docs/figure3.md)."""
+  most one per 4 GB of available memory (docs/figure3.md)."""
   cores = len(_cores())
   try:
     with open("/proc/meminfo") as f:
@@ -72,8 +69,7 @@ def resolve_count(requested: int, num_hosts: int = 1) -> int:
 
 def run_workers(argv: list[str], count: int, workdir: str) -> None:
   """:func:`spawn` with a fresh claims directory in ``workdir``, then
-  :func:`merge_results`; ``SystemExit`` naming the exit codes if a worker
-  failed (a rerun resumes)."""
+  :func:`merge_results`; ``SystemExit`` naming the codes if a worker failed."""
   claims_dir = tempfile.mkdtemp(prefix="claims-", dir=workdir)
   try:
     codes = spawn(argv, count, claims_dir)
@@ -87,9 +83,8 @@ def run_workers(argv: list[str], count: int, workdir: str) -> None:
 
 def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
   """Runs ``count`` copies of the binary ``argv`` (``sys.argv``, without
-  ``--workers``) sharing ``claims_dir``, worker ``i`` pinned to the
-  ``i``-th allowed core; returns their exit codes (killed if this process
-  is interrupted)."""
+  ``--workers``) sharing ``claims_dir``, worker ``i`` on the ``i``-th
+  allowed core; returns their exit codes (killed if this one is stopped)."""
   os.makedirs(claims_dir, exist_ok=True)
   env = dict(os.environ, XLA_FLAGS=" ".join(
       [os.environ.get("XLA_FLAGS", ""), *SINGLE_THREAD_FLAGS]).strip())
@@ -103,7 +98,6 @@ def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
   spec = sys.modules["__main__"].__spec__
   if spec is None:
     raise ValueError("--workers needs the binary run as python -m MODULE")
-  module = spec.name
   cores = _cores()
   taskset = shutil.which("taskset")
   procs = []
@@ -111,7 +105,7 @@ def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
     for i in range(count):
       pin = [taskset, "-c", str(cores[i % len(cores)])] if taskset else []
       procs.append(subprocess.Popen(
-          [*pin, sys.executable, "-m", module,
+          [*pin, sys.executable, "-m", spec.name,
            *_without(argv[1:], ("workers",)),
            f"--worker={i}", f"--claims={claims_dir}"], env=env))
     return [p.wait() for p in procs]
@@ -142,8 +136,7 @@ def worker_results_path(workdir: str, worker: int) -> str:
 
 
 def merge_results(workdir: str) -> int:
-  """Moves every worker file's lines into ``DIR/results.jsonl`` by key,
-  removing the file; returns the lines added."""
+  """Moves worker files' lines into ``DIR/results.jsonl``; returns how many."""
   path, added = schema.results_path(workdir), 0
   for part in sorted(glob.glob(os.path.join(workdir, "results-worker*.jsonl"))):
     new, _, _ = files_lib.merge_lines(
@@ -154,8 +147,7 @@ def merge_results(workdir: str) -> int:
 
 
 def _without(argv: list[str], names: tuple[str, ...]) -> list[str]:
-  """``argv`` without the flags ``names`` (``--name=value``, ``--name
-  value``)."""
+  """``argv`` without the flags ``names`` (``--name=value``, ``--name v``)."""
   out, skip = [], False
   for a in argv:
     if skip:
@@ -174,9 +166,8 @@ def chunk_compute(argv: list[str], count: int, backbone: str) -> Callable:
   def compute(chunk_setup, workdir: str, deadline: float | None) -> list[str]:
     # time.monotonic() is one clock for every process of a machine.
     args = [*_without(argv, ("workdir", "out", "budget_s")),
-            f"--workdir={workdir}"]
-    if deadline is not None:
-      args.append(f"--deadline={deadline!r}")
+            f"--workdir={workdir}",
+            *([] if deadline is None else [f"--deadline={deadline!r}"])]
     run_workers(args, count, workdir)
     return [mid.tag for mid, groups in sweep.missing_cells(
         chunk_setup, workdir, "both", backbone).items() if groups]

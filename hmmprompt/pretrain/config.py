@@ -20,30 +20,21 @@ OPTIMIZERS = ("adamw", "muon")
 FALLBACK_INITS = ("scratch", "warm")
 
 
-def _runtime(default):
-  return dataclasses.field(default=default, metadata=identity_lib.RUNTIME)
-
-
-def _added(default):
-  return dataclasses.field(default=default, metadata=identity_lib.ADDED)
-
-
 @dataclasses.dataclass(frozen=True)
 class PretrainConfig:
   """Defaults: Appendix D (lr 1e-5, batch 8, 3 epochs, 500 warmup steps).
 
-  ``target_gap``: stop at the first evaluation (with ``cycles``, at a
-  cycle's end) whose ``mlm_ce - bayes_ce`` is at most this; ``steps`` is
-  then a cap. ``cycles``: learning-rate cycles summing to ``steps``, each
-  a warmup then a linear decay to 0, the later ones peaking at
-  ``cycle_lr * lr``. ``targets``: ``"sampled"`` (the true token) or
-  ``"exact"`` (:func:`corpus.exact_targets`: same expected gradient, lower
-  variance).
-  ``trials_per_vmap``: trials :func:`~hmmprompt.pretrain.run_trials` steps
-  at a time (0: all; speed, not results; docs/performance.md, "Stacked
-  trials"). ``retain``: steps (0: the init) kept for good under
-  ``retained/`` (:func:`~hmmprompt.pretrain.workdir.load_retained`); a
-  runtime field, so a step trained past is not retained by a later one.
+  ``target_gap``: stop at the first evaluation (with ``cycles``, at a cycle's
+  end) whose ``mlm_ce - bayes_ce`` is at most this; ``steps`` is then a cap.
+  ``cycles``: learning-rate cycles summing to ``steps``, each a warmup then a
+  linear decay to 0, the later ones peaking at ``cycle_lr * lr``. ``targets``:
+  ``"sampled"`` (the true token) or ``"exact"`` (:func:`corpus.exact_targets`:
+  same expected gradient, lower variance). ``trials_per_vmap``: trials
+  :func:`~hmmprompt.pretrain.run_trials` steps at a time (0: all; speed, not
+  results; docs/performance.md, "Stacked trials"). ``retain``: steps (0: the
+  init) kept for good under ``retained/``
+  (:func:`~hmmprompt.pretrain.workdir.load_retained`); a runtime field, so a
+  step trained past is not retained by a later one.
   """
 
   model: transformer.MLMConfig = transformer.MLMConfig()
@@ -63,29 +54,29 @@ class PretrainConfig:
   targets: str = "sampled"
   # Added after results were keyed (identity_lib.ADDED: out of the identity
   # at their defaults). "muon": optax.contrib.muon on the matrices.
-  optimizer: str = _added("adamw")
+  optimizer: str = identity_lib.added("adamw")
   # An auxiliary CE from model.state_readout to the exact P[H_t | input],
   # decaying to 0 at state_loss_steps (0: constant); it reads the latent
   # state MLM never sees: for experiments only.
-  state_loss: float = _added(0.0)
-  state_loss_steps: int = _added(0)
+  state_loss: float = identity_lib.added(0.0)
+  state_loss_steps: int = identity_lib.added(0)
   # A trial above target_gap at the cap trains again with fallback_layers
   # (docs/pretraining.md, "The hard set"); fallback_gap: also above it at the
   # end of the last cycle before the cap, fallback_gaps[i] at that of cycle i
   # (0: no check); "warm": from the trial as it stopped (depth.grow_layers).
-  fallback_layers: int = _added(0)
-  fallback_gap: float = _added(0.0)
-  fallback_gaps: tuple[float, ...] = _added(())
-  fallback_init: str = _added("scratch")
+  fallback_layers: int = identity_lib.added(0)
+  fallback_gap: float = identity_lib.added(0.0)
+  fallback_gaps: tuple[float, ...] = identity_lib.added(())
+  fallback_init: str = identity_lib.added("scratch")
   # Runtime settings (identity_lib.RUNTIME): how a run goes, not what it
   # computes. exact_method: hmm.METHODS ("auto": hmm.resolve_method).
-  log_every: int = _runtime(100)
-  ckpt_every: int = _runtime(1000)
-  keep: int = _runtime(3)
-  eval_batch: int = _runtime(64)
-  trials_per_vmap: int = _runtime(0)
-  retain: tuple[int, ...] = _runtime(())
-  exact_method: str = _runtime("auto")
+  log_every: int = identity_lib.runtime(100)
+  ckpt_every: int = identity_lib.runtime(1000)
+  keep: int = identity_lib.runtime(3)
+  eval_batch: int = identity_lib.runtime(64)
+  trials_per_vmap: int = identity_lib.runtime(0)
+  retain: tuple[int, ...] = identity_lib.runtime(())
+  exact_method: str = identity_lib.runtime("auto")
 
   def __post_init__(self):
     for name, known in (("targets", TARGETS), ("optimizer", OPTIMIZERS),
@@ -128,10 +119,6 @@ class PretrainConfig:
     validation.require_positive(self, "batch_size", "epochs", "log_every",
                                 "eval_every", "ckpt_every", "keep",
                                 "eval_batch", optional=("steps",))
-    for name in ("lr", "cycle_lr"):
-      if not getattr(self, name) > 0:
-        raise ValueError(f"PretrainConfig.{name} must be > 0, got "
-                         f"{getattr(self, name)}")
     if self.corpus.fresh and self.steps is None:
       raise ValueError("a fresh-sample corpus has no epochs: set steps")
     if self.cycles is not None:
@@ -154,9 +141,10 @@ class PretrainConfig:
       raise ValueError(f"PretrainConfig.retain must be a tuple of strictly "
                        f"increasing int steps in [0, total_steps = "
                        f"{self.total_steps}], got {retain!r}")
-    if self.target_gap is not None and not self.target_gap > 0:
-      raise ValueError(f"PretrainConfig.target_gap must be > 0, got "
-                       f"{self.target_gap}")
+    for name in ("lr", "cycle_lr", "target_gap"):
+      value = getattr(self, name)
+      if not (value is None and name == "target_gap" or value > 0):
+        raise ValueError(f"PretrainConfig.{name} must be > 0, got {value}")
 
   @property
   def total_steps(self) -> int:
@@ -177,15 +165,10 @@ class PretrainConfig:
     overrides = dict(overrides)
     if (overrides.get("steps") is not None and "cycles" not in overrides
         and self.cycles is not None):
-      left, kept = int(overrides["steps"]), []
-      for n in self.cycles:
-        if left <= 0:
-          break
-        kept.append(min(n, left))
-        left -= kept[-1]
-      if left > 0:
-        kept[-1] += left
-      overrides["cycles"] = tuple(kept)
+      steps, starts = int(overrides["steps"]), (0, *self.cycle_ends)
+      n = next((i for i, end in enumerate(starts[1:]) if end >= steps),
+               len(self.cycles) - 1)
+      overrides["cycles"] = (*self.cycles[:n], steps - starts[n])
     elif overrides.get("cycles") and overrides.get("steps") is None:
       overrides["steps"] = sum(overrides["cycles"])
     return dataclasses.replace(self, **overrides)
@@ -217,13 +200,11 @@ class PretrainConfig:
 
   @classmethod
   def from_json(cls, d: dict) -> PretrainConfig:
-    d = dict(d)
-    d["model"] = transformer.MLMConfig(**d["model"])
-    d["corpus"] = corpus_lib.CorpusConfig(**d["corpus"])
-    if d.get("cycles") is not None:
-      d["cycles"] = tuple(d["cycles"])
-    for name in ("retain", "fallback_gaps"):  # absent from older files
-      if name in d:
+    d = dict(d, model=transformer.MLMConfig(**d["model"]),
+             corpus=corpus_lib.CorpusConfig(**d["corpus"]))
+    # JSON lists; retain and fallback_gaps are absent from older files.
+    for name in ("cycles", "retain", "fallback_gaps"):
+      if d.get(name) is not None:
         d[name] = tuple(d[name])
     return cls(**d)
 
@@ -250,8 +231,8 @@ def _cpu(vocab_size: int) -> PretrainConfig:
                                      fresh=True, val_seqs=256),
       lr=3e-3, warmup_steps=200, batch_size=64, steps=31000,
       cycles=(1000, 2000, 4000, 8000, 16000), target_gap=0.04,
-      log_every=100, eval_every=500, ckpt_every=500, keep=2,
-      targets="exact", trials_per_vmap=1)
+      eval_every=500, ckpt_every=500, keep=2, targets="exact",
+      trials_per_vmap=1)
 
 
 def _cpu_adamw(vocab_size: int) -> PretrainConfig:
@@ -275,13 +256,9 @@ def _cpu_capped(vocab_size: int) -> PretrainConfig:
 
 
 def _paper(vocab_size: int) -> PretrainConfig:
-  return PretrainConfig(
-      model=transformer.paper_config(vocab_size),
-      corpus=corpus_lib.CorpusConfig(num_seqs=5000, seq_len=10240,
-                                     chunk_len=512, mask_rate=0.05,
-                                     val_seqs=64),
-      lr=1e-5, warmup_steps=500, batch_size=8, epochs=3, log_every=100,
-      eval_every=2000, ckpt_every=2000, keep=3)
+  # Every default (PretrainConfig's, CorpusConfig's) is Appendix D's.
+  return PretrainConfig(model=transformer.paper_config(vocab_size),
+                        eval_every=2000, ckpt_every=2000)
 
 
 PRESETS = {"tiny": _tiny, "cpu": _cpu, "cpu_adamw": _cpu_adamw,
@@ -313,12 +290,10 @@ def configure(preset: str, vocab_size: int = 10, *, context: int | None = None,
   ``corpus`` :class:`MLMConfig` / :class:`CorpusConfig` fields, the rest
   :meth:`PretrainConfig.with_overrides`; ``ValueError`` names a bad value."""
   cfg = preset_config(preset, vocab_size)
-  model_kw = dict(model or {})
-  model_kw["dtype"] = resolve_dtype(dtype)
-  corpus_kw = dict(corpus or {})
+  model = {**(model or {}), "dtype": resolve_dtype(dtype)}
+  corpus = dict(corpus or {})
   if context is not None:
-    corpus_kw["chunk_len"] = context
-    model_kw["max_len"] = context
+    corpus["chunk_len"] = model["max_len"] = context
   return cfg.with_overrides(
-      model=dataclasses.replace(cfg.model, **model_kw),
-      corpus=dataclasses.replace(cfg.corpus, **corpus_kw), **overrides)
+      model=dataclasses.replace(cfg.model, **model),
+      corpus=dataclasses.replace(cfg.corpus, **corpus), **overrides)

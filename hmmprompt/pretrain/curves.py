@@ -95,16 +95,14 @@ class Curves:
     kept, self._losses = self._losses, []
     if not self.enabled or not kept:
       return
-    sums: dict[int, float] = {}
-    counts: dict[int, int] = {}
+    losses: dict[int, list[float]] = {}
     # One transfer; rows match trials step by step (a trial may stop).
     host = jax.device_get([losses_K for _, losses_K in kept])
     for (trials, _), losses_K in zip(kept, host):
-      for j, k in enumerate(map(int, trials)):
-        sums[k] = sums.get(k, 0.0) + float(losses_K[j])
-        counts[k] = counts.get(k, 0) + 1
-    for k in sorted(sums):
-      self._write(k, step, {"train_loss": sums[k] / counts[k],
+      for k, loss in zip(map(int, trials), losses_K):
+        losses.setdefault(k, []).append(float(loss))
+    for k, ls in sorted(losses.items()):
+      self._write(k, step, {"train_loss": sum(ls) / len(ls),
                             "tokens_per_s": tokens_per_s})
 
   def eval(self, line: dict) -> None:
@@ -132,14 +130,12 @@ def _records(path: str):
     blob = f.read()
   at = 0
   while at + 12 <= len(blob):
-    header = blob[at:at + 8]
-    (size,) = struct.unpack("<Q", header)
+    (size,) = struct.unpack("<Q", blob[at:at + 8])
     end = at + 12 + size + 4
     if end > len(blob):
       return
     data = blob[at + 12:end - 4]
-    if (struct.unpack("<I", blob[at + 8:at + 12])[0] != masked_crc32c(header)
-        or struct.unpack("<I", blob[end - 4:end])[0] != masked_crc32c(data)):
+    if _frame(data) != blob[at:end]:  # either CRC wrong
       raise ValueError(f"{path}: corrupted record at byte {at}")
     yield data
     at = end

@@ -54,9 +54,8 @@ def gap_sums(p_model, targets, weights, exact) -> jax.Array:
   ce_model = -jnp.log(jnp.maximum(take(p_model), 1e-30))
   ce_bayes = -jnp.log(jnp.maximum(take(exact), 1e-30))
   tv = 0.5 * jnp.sum(jnp.abs(p_model - exact), -1)
-  w = weights
-  return jnp.stack([jnp.sum(ce_model * w), jnp.sum(ce_bayes * w),
-                    jnp.sum(tv * w), jnp.sum(w)])
+  return jnp.stack([jnp.sum(ce_model * weights), jnp.sum(ce_bayes * weights),
+                    jnp.sum(tv * weights), jnp.sum(weights)])
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
@@ -68,9 +67,8 @@ def _eval_sums(params, model_cfg, inputs, targets, weights, exact):
 def evaluate(params, cfg: PretrainConfig, val: ValidationSet) -> dict:
   """``{"mlm_ce", "bayes_ce", "tv", "ce_gap", "eval_positions"}``."""
   return evaluate_predictions(
-      lambda sl: _eval_sums(params, cfg.model, val.inputs[sl],
-                            val.targets[sl], val.weights[sl], val.exact[sl]),
-      val, cfg.eval_batch)
+      lambda sl: _eval_sums(params, cfg.model, *(x[sl] for x in val)), val,
+      cfg.eval_batch)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

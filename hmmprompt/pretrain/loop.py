@@ -58,12 +58,12 @@ class _Progress:
     self.trials = trials  # tokens/s counts all the models stepping
     self.pending: list[jax.Array] = []
     self.t_last, self.step_last = time.perf_counter(), start
-    self.t_first: float | None = None
-    self.step_first: int | None = None
+    self.first: tuple[float, int] | None = None  # (time, step)
     # MFU where the device's peak is known (GPUs).
     self.flops_per_token = transformer.train_flops_per_token(
         cfg.model, cfg.corpus.chunk_len)
-    self.peak_tflops = sharding_lib.peak_tflops(cfg.model.dtype)
+    peak = sharding_lib.peak_tflops(cfg.model.dtype)
+    self.peak_flops = peak and peak * 1e12 * jax.device_count()
 
   def add(self, loss) -> None:
     self.pending.append(loss)
@@ -79,19 +79,17 @@ class _Progress:
           f"checkpoint (step {last_ckpt}) is in {ckpt_dir}; lower --lr or "
           f"raise --warmup_steps")
     now, total = time.perf_counter(), self.cfg.total_steps
-    # Exclude compilation from the rate (the two are set together).
-    if self.t_first is None or self.step_first is None:
-      self.t_first, self.step_first = now, done
+    # The ETA excludes compilation: it counts from the first flush.
+    self.first = self.first or (now, done)
+    t_first, step_first = self.first
     tokens = self.cfg.batch_size * self.cfg.corpus.chunk_len * self.trials
     rate = tokens * (done - self.step_last) / max(now - self.t_last, 1e-9)
-    if done > self.step_first:
-      sec_per_step = (now - self.t_first) / (done - self.step_first)
+    if done > step_first:
+      sec_per_step = (now - t_first) / (done - step_first)
     else:
       sec_per_step = (now - self.t_last) / max(done - self.step_last, 1)
-    mfu = ""
-    if self.peak_tflops:
-      peak = self.peak_tflops * 1e12 * jax.device_count()
-      mfu = f" MFU {100 * rate * self.flops_per_token / peak:.1f}%"
+    mfu = (f" MFU {100 * rate * self.flops_per_token / self.peak_flops:.1f}%"
+           if self.peak_flops else "")
     self.log(f"step {done}/{total} loss {losses.mean():.4f} "
              f"{rate / 1e3:.1f}k tokens/s{mfu} ETA "
              f"{sec_per_step * (total - done):.0f}s")
@@ -136,11 +134,11 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   cfg.seed + k`` (:class:`Keys`) and stops on its own at the target gap:
   it leaves the stack that steps and is saved once, as it stopped, while
   the checkpoints hold the trials still running (the layout:
-  :mod:`~hmmprompt.pretrain.workdir`). ``after_step(step)`` runs after each step; past ``stop_at``
-  (``time.monotonic()``) the step in hand is checkpointed and
-  :class:`DeadlineReached` raised. ``cfg.retain``'s steps are saved as they
-  pass (a resume logs those trained past unretained). A trial that
-  :meth:`PretrainConfig.falls_back` trains again in
+  :mod:`~hmmprompt.pretrain.workdir`). ``after_step(step)`` runs after each
+  step; past ``stop_at`` (``time.monotonic()``) the step in hand is
+  checkpointed and :class:`DeadlineReached` raised. ``cfg.retain``'s steps
+  are saved as they pass (a resume logs those trained past unretained). A
+  trial that :meth:`PretrainConfig.falls_back` trains again in
   :func:`~hmmprompt.pretrain.workdir.fallback_dir`.
 
   Raises:
@@ -231,13 +229,12 @@ def _groups(running: list[int], trials_per_vmap: int
   return out
 
 
-def _train_stack(workdir: str, cfg: PretrainConfig,
-                 models_K: generative.Model, num: int,
-                 log: Callable[[str], Any],
+def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
+                 num: int, log: Callable[[str], Any],
                  after_step: Callable[[int], Any] | None,
                  init: Callable[[jax.Array], Any] | None = None,
-                 checkpoints: bool = True,
-                 stop_at: float | None = None) -> tuple[list[dict], Any]:
+                 checkpoints: bool = True, stop_at: float | None = None
+                 ) -> tuple[list[dict], Any]:
   """:func:`run_trials` without the fallback, also returning the states."""
   mesh = sharding_lib.data_mesh()
   sharding_lib.check_batch(cfg.batch_size, mesh)  # before writing anything
@@ -296,17 +293,6 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
     _close(ckpts, retained, stopped)
     return [last.get(k, {}) for k in range(num)], states
 
-  def save(step, states, stopped_now):
-    # Those stopped at ``step`` go to ``stopped/`` (or, when none runs on,
-    # stay: orbax saves no empty arrays).
-    assert ckpts is not None and stopped is not None  # called only with them
-    if running and stopped_now:
-      workdir_lib.save_rows(stopped, step, states, stopped_now)
-    workdir_lib.save_rows(ckpts, step, states, running or stopped_now)
-
-  # Stopped trials only in the checkpoint resumed from: rotation drops it.
-  unsaved = [k for k in saved_rows if k not in running]
-
   hmms = jax.device_put(jax.vmap(generative.as_hmm)(models_K), rep)
   chunks = (None if cfg.corpus.fresh else jnp.stack(
       [corpus_lib.build_chunks(keys.corpus[k], generative.trial(models_K, k),
@@ -359,7 +345,8 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
   if missing:
     evaluate(start, _take(states, np.asarray(missing)), missing, len(missing))
     stop_reached(start)
-    unsaved = [k for k in saved_rows if k not in running]
+  # Stopped trials only in the checkpoint resumed from: rotation drops it.
+  unsaved = [k for k in saved_rows if k not in running]
   if unsaved and stopped is not None and running and start < total:
     workdir_lib.save_rows(stopped, start, states, unsaved)
 
@@ -367,14 +354,13 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
     idx = np.asarray(running)
     groups = _groups(running, cfg.trials_per_vmap)
     subs = [_take(states, rows) for rows, _ in groups]
-    data = [(keys.data[rows], _take(models_K, rows),
+    data = [(n, keys.data[rows], _take(models_K, rows),
              None if chunks is None else chunks[rows], _take(hmms, rows))
-            for rows, _ in groups]
+            for rows, n in groups]
     progress.trials = len(running)
     for step in range(start, total):
       parts = []
-      for g, ((_, n), (data_keys, models, chunk, group_hmms)) in enumerate(
-          zip(groups, data)):
+      for g, (n, data_keys, models, chunk, group_hmms) in enumerate(data):
         batch = get_batch(data_keys, step, models, chunk)
         subs[g], losses = train_step(subs[g], *batch, group_hmms)
         parts.append(losses[:n])  # a padded group's copies are dropped
@@ -397,15 +383,19 @@ def _train_stack(workdir: str, cfg: PretrainConfig,
           for (rows, n), sub in zip(groups, subs):
             evaluate(done, sub, rows, n)
           stopped_now = stop_reached(done)
-        if is_ckpt and ckpts is not None:
-          save(done, states, stopped_now)
+        if is_ckpt and ckpts is not None and stopped is not None:
+          # Those stopped now go to stopped/ (or, when none runs on, stay:
+          # orbax saves no empty arrays).
+          if running and stopped_now:
+            workdir_lib.save_rows(stopped, done, states, stopped_now)
+          workdir_lib.save_rows(ckpts, done, states, running or stopped_now)
       if after_step is not None:
         after_step(done)
       if stop_at is not None and _clock() >= stop_at:
         for (rows, n), sub in zip(groups, subs):
           states = _put(states, rows[:n], _take(sub, np.arange(n)))
         if ckpts is not None and not is_ckpt:
-          save(done, states, [])
+          workdir_lib.save_rows(ckpts, done, states, running)
         _close(ckpts, retained, stopped)
         raise DeadlineReached(
             f"the deadline came at pretraining step {done} of {workdir}"
@@ -425,14 +415,12 @@ def evaluate_checkpoints(cfg: PretrainConfig, models_K: generative.Model,
   ``metrics.jsonl`` line)."""
   num = cast(int, generative.num_trials(models_K))  # stacked: an int
   keys = Keys.of(cfg.seed, num)
-  num_q = jax.tree.leaves(params_QxK)[0].shape[0]
-  out: list[list[Any]] = [[None] * num for _ in range(num_q)]
-  for k in range(num):
-    val = evaluate_lib.validation_set(keys.val[k],
+  vals = [evaluate_lib.validation_set(keys.val[k],
                                       generative.trial(models_K, k), cfg)
-    for q in range(num_q):
-      out[q][k] = evaluate_lib.evaluate(_take(params_QxK, (q, k)), cfg, val)
-  return out
+          for k in range(num)]
+  return [[evaluate_lib.evaluate(_take(params_QxK, (q, k)), cfg, val)
+           for k, val in enumerate(vals)]
+          for q in range(jax.tree.leaves(params_QxK)[0].shape[0])]
 
 
 def _close(*managers) -> None:

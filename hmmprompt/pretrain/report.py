@@ -32,27 +32,20 @@ def runs(workdir: str) -> list[tuple[str, Any, dict]]:
       by_trial.setdefault(m.get("trial", 0), []).append(m)
     name = os.path.basename(run_dir)
     # A trial that fell back is reported by its deeper run, the one tuned.
-    for k, deep_cfg, lines in _fallbacks(run_dir, cfg, by_trial):
-      del by_trial[k]
-      runs.append((f"{name}/fallback-{k}", deep_cfg, {k: lines}))
+    for k, ms in sorted(by_trial.items()):
+      deep = pretrain_workdir.Paths.of(
+          pretrain_workdir.fallback_dir(run_dir, k))
+      if cfg.falls_back(ms[-1]) and os.path.exists(deep.metrics):
+        del by_trial[k]
+        runs.append((f"{name}/fallback-{k}",
+                     pretrain_workdir.read_config(deep)[1],
+                     {k: [{**m, "trial": k}
+                          for m in files_lib.read_jsonl(deep.metrics)]}))
     if by_trial:
       runs.append((name, cfg, by_trial))
   return sorted(runs, key=lambda r: (
       not r[0].startswith("vanilla"),
       [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", r[0])]))
-
-
-def _fallbacks(run_dir: str, cfg, by_trial: dict):
-  """``(k, config, metrics lines)`` of ``run_dir``'s fallback runs."""
-  out = []
-  for k, ms in sorted(by_trial.items()):
-    where = pretrain_workdir.fallback_dir(run_dir, k)
-    paths = pretrain_workdir.Paths.of(where)
-    if cfg.falls_back(ms[-1]) and os.path.exists(paths.metrics):
-      out.append((k, pretrain_workdir.read_config(paths)[1],
-                  [{**m, "trial": k} for m in
-                   files_lib.read_jsonl(paths.metrics)]))
-  return out
 
 
 def table(runs) -> str:
@@ -101,10 +94,9 @@ def write_plot(runs, path: str) -> list[tuple[str, int]]:
       ok = ms[-1]["ce_gap"] <= target
       reached += ok
       # Stalled trials in red and labelled: visible among converged ones.
-      color = _TRIAL_COLORS[k % len(_TRIAL_COLORS)] if ok else "red"
-      ax.plot(x, gap, "-", lw=1.0 if ok else 1.8, color=color,
-              alpha=0.8 if ok else 1.0, marker="o" if ok else "X",
-              markevery=[len(ms) - 1])
+      ax.plot(x, gap, "-", lw=1.0 if ok else 1.8, alpha=0.8 if ok else 1.0,
+              color=_TRIAL_COLORS[k % len(_TRIAL_COLORS)] if ok else "red",
+              marker="o" if ok else "X", markevery=[len(ms) - 1])
       if not ok:
         stalled.append((name, k))
         ax.annotate(f"trial {k}", (x[-1], gap[-1]), fontsize=7,

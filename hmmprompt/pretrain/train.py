@@ -84,8 +84,7 @@ def mlm_and_state_loss(params, model_cfg, inputs_BxT, targets, weights_BxT,
   return mlm + state_weight * aux, mlm
 
 
-def _init_one(key, cfg: PretrainConfig) -> TrainState:
-  params = transformer.init_params(key, cfg.model)
+def _at_zero(params, cfg: PretrainConfig) -> TrainState:
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                     opt_state=make_optimizer(cfg).init(params))
 
@@ -93,7 +92,14 @@ def _init_one(key, cfg: PretrainConfig) -> TrainState:
 @functools.partial(jax.jit, static_argnums=1)
 def init_states(keys_K, cfg: PretrainConfig) -> TrainState:
   """``K`` train states stacked ``[K, ...]``, model ``k`` from ``keys_K[k]``."""
-  return jax.vmap(lambda k: _init_one(k, cfg))(keys_K)
+  return jax.vmap(lambda k: _at_zero(transformer.init_params(k, cfg.model),
+                                     cfg))(keys_K)
+
+
+def abstract_states(cfg: PretrainConfig, num: int) -> TrainState:
+  """The shapes of ``num`` stacked train states (what a restore fills)."""
+  return jax.eval_shape(lambda: init_states(
+      jax.random.split(jax.random.PRNGKey(0), num), cfg))
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -101,11 +107,9 @@ def grown_states(states_K: TrainState, keys_K, cfg: PretrainConfig
                  ) -> TrainState:
   """``cfg``'s deeper models grown from ``states_K`` (the same functions,
   :func:`~hmmprompt.backbones.depth.grow_layers`), at step 0."""
-  def one(params, key):
-    params = depth.grow_layers(params, _init_one(key, cfg).params)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=make_optimizer(cfg).init(params))
-  return jax.vmap(one)(states_K.params, keys_K)
+  return jax.vmap(lambda params, key: _at_zero(depth.grow_layers(
+      params, transformer.init_params(key, cfg.model)), cfg))(
+          states_K.params, keys_K)
 
 
 def loss_targets(cfg: PretrainConfig, hmm, inputs_BxT, tokens_BxT, weights_BxT):
@@ -140,10 +144,9 @@ def _step_fn(cfg: PretrainConfig):
       w = jnp.float32(cfg.state_loss)
       if cfg.state_loss_steps:
         w = w * jnp.maximum(0.0, 1.0 - state.step / cfg.state_loss_steps)
-      (_, loss), grads = jax.value_and_grad(
-          mlm_and_state_loss, has_aux=True)(
-              state.params, cfg.model, inputs_BxT, targets, weights_BxT,
-              post_BxTxH, w)
+      (_, loss), grads = jax.value_and_grad(mlm_and_state_loss, has_aux=True)(
+          state.params, cfg.model, inputs_BxT, targets, weights_BxT,
+          post_BxTxH, w)
     else:
       loss, grads = jax.value_and_grad(mlm_loss)(
           state.params, cfg.model, inputs_BxT, targets, weights_BxT)
@@ -172,10 +175,8 @@ def _jitted_step(cfg: PretrainConfig, mesh):
   bat = sharding_lib.trial_batch_sharded(mesh)
   one = _step_fn(cfg)
 
-  def step(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT, hmms):
-    return map_trials(lambda a: one(*a), (states, inputs_KxBxT, tokens_KxBxT,
-                                          weights_KxBxT, hmms),
-                      cfg.trials_per_vmap)
+  def step(*args):  # (states, inputs, tokens, weights, hmms), each [K, ...]
+    return map_trials(lambda a: one(*a), args, cfg.trials_per_vmap)
 
   return jax.jit(step, in_shardings=(rep, bat, bat, bat, rep),
                  out_shardings=(rep, rep), donate_argnums=0)
@@ -206,8 +207,7 @@ def step_bytes(cfg: PretrainConfig, hmms_K, mesh) -> dict:
   ``output_bytes``, ``temp_bytes``) of :func:`make_train_step` for the
   ``[K]`` ``hmms_K``, compiled on shapes only (on the CPU, an upper bound)."""
   num = jax.tree.leaves(hmms_K)[0].shape[0]
-  states = jax.eval_shape(lambda: init_states(
-      jax.random.split(jax.random.PRNGKey(0), num), cfg))
+  states = abstract_states(cfg, num)
   tokens = jax.ShapeDtypeStruct((num, cfg.batch_size, cfg.corpus.chunk_len),
                                 jnp.int32)
   weights = jax.ShapeDtypeStruct(tokens.shape, jnp.float32)

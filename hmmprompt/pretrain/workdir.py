@@ -14,7 +14,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -78,7 +78,8 @@ def prepare(workdir: str, cfg: PretrainConfig,
                        f"({'; '.join(diff)}); use a new --workdir (or "
                        f"delete it) to start another")
     old_models = generative.load(paths.model)
-    had, has = generative.num_trials(old_models), generative.num_trials(models_K)
+    had = generative.num_trials(old_models)
+    has = generative.num_trials(models_K)
     if had is None:
       raise ValueError(_LAYOUT1_SINGLE.format(workdir=workdir))
     if had != has:
@@ -142,22 +143,25 @@ def restore(ckpts: ckpt_lib.Checkpoints, stopped: ckpt_lib.Checkpoints | None,
   (:meth:`Checkpoints.restore_latest`; ``None`` if none), the others from
   ``stopped`` at steps up to it. ``FileNotFoundError``: no checkpoint is
   readable, or a trial is in none."""
-  def abstract(step):
-    tree = ckpts.item_tree(step)
-    return (_abstract_states(cfg, num) if "trials" not in tree  # layout 2
-            else _abstract_rows(cfg, tree["trials"].shape[0]))
+  def abstract(mngr, step):
+    """What :func:`save_rows` saved at ``step`` (layout 2: all K states)."""
+    tree = mngr.item_tree(step)
+    if "trials" not in tree:
+      return train.abstract_states(cfg, num)
+    rows = tree["trials"].shape[0]
+    return {"trials": jax.ShapeDtypeStruct((rows,), jnp.int32),
+            "states": train.abstract_states(cfg, rows)}
 
-  step, saved = ckpts.restore_latest(abstract, log=log)
+  step, saved = ckpts.restore_latest(lambda s: abstract(ckpts, s), log=log)
   if step is None:
     return None
   if not isinstance(saved, dict):  # layout 2: all K
     return Restored(step, saved, list(range(num)))
   parts = ([] if stopped is None else
-           [stopped.restore(_abstract_rows(
-               cfg, stopped.item_tree(s)["trials"].shape[0]), s)
+           [stopped.restore(abstract(stopped, s), s)
             for s in stopped.all_steps() if s <= step])
   states = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                        _abstract_states(cfg, num))
+                        train.abstract_states(cfg, num))
   found: set[int] = set()
   for part in parts + [saved]:  # the checkpoint's own rows last: they win
     states = put(states, part["trials"], part["states"])
@@ -171,26 +175,14 @@ def restore(ckpts: ckpt_lib.Checkpoints, stopped: ckpt_lib.Checkpoints | None,
   return Restored(step, states, [int(k) for k in np.asarray(saved["trials"])])
 
 
-def _abstract_rows(cfg: PretrainConfig, num: int):
-  """The shapes :func:`save_rows` saves for ``num`` trials."""
-  return {"trials": jax.ShapeDtypeStruct((num,), jnp.int32),
-          "states": _abstract_states(cfg, num)}
-
-
-def _abstract_states(cfg: PretrainConfig, num: int):
-  """The shapes of ``num`` stacked train states (what a restore fills)."""
-  return jax.eval_shape(lambda: train.init_states(
-      jax.random.split(jax.random.PRNGKey(0), num), cfg))
-
-
 def _open_run(workdir: str) -> tuple[Paths, PretrainConfig, generative.Model,
                                      int]:
   """``(paths, config, models_K, K)``; raises as :func:`load_trials`."""
   paths = Paths.of(workdir)
-  for what in ("config", "model"):
-    if not os.path.exists(getattr(paths, what)):
-      raise FileNotFoundError(f"{getattr(paths, what)} not found: {workdir} "
-                              f"is not a pretraining workdir")
+  for path in (paths.config, paths.model):
+    if not os.path.exists(path):
+      raise FileNotFoundError(f"{path} not found: {workdir} is not a "
+                              f"pretraining workdir")
   _, cfg = read_config(paths)
   models_K = generative.load(paths.model)
   num = generative.num_trials(models_K)
@@ -245,16 +237,11 @@ def load_trials(workdir: str) -> tuple[Backbone, Any, list[TrialInfo]]:
       stopped.close()
   if found is None:
     raise FileNotFoundError(f"no checkpoints in {paths.ckpt}")
-  state = found.states
-  metrics = read_metrics(paths)
-  infos = []
-  for k in range(cast(int, generative.num_trials(models_K))):
-    mine = [m for m in metrics if m.get("trial", 0) == k]
-    infos.append(TrialInfo(cfg, generative.trial(models_K, k),
-                           mine[-1] if mine else {}, int(state.step[k])))
-  fell = [k for k, info in enumerate(infos) if cfg.falls_back(info.metrics)]
+  last = {m.get("trial", 0): m for m in read_metrics(paths)}
+  infos = [TrialInfo(cfg, generative.trial(models_K, k), last.get(k, {}),
+                     int(found.states.step[k])) for k in range(num)]
   deeps = {}
-  for k in fell:
+  for k in [k for k in range(num) if cfg.falls_back(last.get(k, {}))]:
     where = fallback_dir(workdir, k)
     if not os.path.exists(Paths.of(where).config):
       raise FileNotFoundError(
@@ -262,7 +249,7 @@ def load_trials(workdir: str) -> tuple[Backbone, Any, list[TrialInfo]]:
           f"its fallback run {where} is missing: run run_trials to train it")
     _, deep_K, (deep,) = load_trials(where)
     deeps[k] = (deep_K, deep)
-  return with_fallbacks(cfg, state.params, infos, deeps)
+  return with_fallbacks(cfg, found.states.params, infos, deeps)
 
 
 def with_fallbacks(cfg, params_K, infos: list[TrialInfo],
@@ -322,14 +309,12 @@ def load_retained(workdir: str) -> tuple[Backbone, Any, list[int], list[dict]]:
           f"no retained checkpoints in {paths.retained}: pretrain with "
           f"PretrainConfig.retain set (a runtime field: the steps already "
           f"trained past are not retained by a rerun)")
-    abstract = _abstract_states(cfg, num)
+    abstract = train.abstract_states(cfg, num)
     states_Q = [retained.restore(abstract, step) for step in steps]
   finally:
     retained.close()
   params_QxK = jax.tree.map(lambda *xs: jnp.stack(xs),
                             *[s.params for s in states_Q])
-  state_steps_QxK = np.stack([np.asarray(s.step) for s in states_Q])
   infos = [{"config": cfg, "model": generative.trial(models_K, k),
-            "steps": [int(x) for x in state_steps_QxK[:, k]]}
-           for k in range(num)]
+            "steps": [int(s.step[k]) for s in states_Q]} for k in range(num)]
   return transformer.make_backbone(cfg.model), params_QxK, steps, infos

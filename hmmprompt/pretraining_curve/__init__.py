@@ -1,12 +1,9 @@
 """Accuracy against pretraining quality (docs/pretraining_curve.md; the
 binary: ``python -m experiments.pretraining_curve``): head and prompt tuning
-(:func:`tune_group`) on the checkpoints retained at ``pretrain.retain`` by
-one stacked pretraining run per model without early stop, from the init
-(step 0) on, the exact backbone on the same tasks the limit. Writes
-DIR/curve.json (the setup's identity), DIR/pretrain/<model>/,
-DIR/curve.jsonl (:class:`CurveLine`, appended a group at a time: a rerun
-resumes) and the report (:mod:`.report`).
-"""
+on the checkpoints retained at ``pretrain.retain`` by one stacked
+pretraining run per model without early stop, the exact backbone on the
+same tasks the limit. Writes DIR/curve.json, DIR/pretrain/<model>/,
+DIR/curve.jsonl (:class:`CurveLine`; a rerun resumes) and the report."""
 
 from __future__ import annotations
 
@@ -104,10 +101,9 @@ def _tiny() -> CurveSetup:
 
 def _cpu() -> CurveSetup:
   """2 cores in <= 15 minutes (docs/pretraining_curve.md): Figure 3's
-  cpu-preset models at |H| = 8, 12, 28 and |M| = 7, 3 trials; the
-  ``cpu_adamw`` transformer trained for one learning-rate cycle with no
-  early stop, checkpoints log-spaced from the init; 80-position inputs as
-  Figure 3's, smaller task sets."""
+  cpu-preset models and inputs, smaller task sets; the ``cpu_adamw``
+  transformer trained for one learning-rate cycle, checkpoints log-spaced
+  from the init."""
   steps = 1000
   return CurveSetup(
       trials=3, vanilla_sizes=(8, 12, 28), memory_sizes=(7,),
@@ -231,62 +227,54 @@ def checkpoints(workdir: str, setup: CurveSetup, mid: protocol.ModelId,
 
 def tune_group(setup: CurveSetup, g: Group, stack: protocol.Stack,
                ckpts: Checkpoints | None) -> list[CurveLine]:
-  """Tunes ``g`` in one program: every retained checkpoint x trial (lanes
-  ``[Q * K]``, lane ``q * K + k``) or every trial (exact), each on its
-  trial's task 0 and tuning key: a trial's checkpoints differ in params
-  alone."""
-  num = setup.trials
+  """Tunes ``g`` in one program, lane ``q * K + k`` checkpoint ``q`` of
+  trial ``k`` (exact: lane ``k``), each on its trial's task 0 and tuning
+  key: a trial's checkpoints differ in params alone."""
   steps: tuple[int | None, ...]
+  quality: list[list[dict[str, Any]]]  # [Q][K]
   if g.backbone == "transformer":
     assert ckpts is not None, (
         "run_curve() prepares a transformer group's checkpoints")
     steps, backbone = setup.pretrain.retain, ckpts.backbone
     params = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]),
                           ckpts.params_QxK)
+    quality = [[{n: float(ev[n]) for n in ("ce_gap", "tv", "mlm_ce",
+                                           "bayes_ce")} for ev in row]
+               for row in ckpts.metrics_QxK]
   else:
     steps = (None,)
     backbone, params = protocol.exact_backbones(stack.models_K)
-  lanes = [(q, k) for q in range(len(steps)) for k in range(num)]
+    quality = [[dict(ce_gap=0.0, tv=0.0, mlm_ce=None, bayes_ce=None)]
+               * setup.trials]
+  lanes = [(q, k) for q in range(len(steps)) for k in range(setup.trials)]
   fields = protocol.tune_lanes(setup, g.tune_config(setup.tune), backbone,
                                params, [(k, [0]) for _, k in lanes], stack)
-  mid, fp, lines = g.model_id, setup.fingerprint(), []
-  for (q, k), (f,) in zip(lanes, fields):
-    quality: dict[str, Any]
-    if ckpts is not None and g.backbone == "transformer":
-      ev = ckpts.metrics_QxK[q][k]
-      quality = {n: float(ev[n]) for n in ("ce_gap", "tv", "mlm_ce",
-                                           "bayes_ce")}
-    else:
-      quality = dict(ce_gap=0.0, tv=0.0, mlm_ce=None, bayes_ce=None)
-    del f["steps"]
-    lines.append(CurveLine(
-        model=mid.tag, trial=k, backbone=g.backbone, step=steps[q],
-        method=g.method_name, setup=fp, hmm=mid.hmm,
-        num_states=mid.num_states, memory_size=mid.memory_size,
-        hmm_fingerprint=stack.fingerprints[k], **quality, **f))
-  return lines
+  mid, fp = g.model_id, setup.fingerprint()
+  return [CurveLine(
+      model=mid.tag, trial=k, backbone=g.backbone, step=steps[q],
+      method=g.method_name, setup=fp, hmm=mid.hmm, num_states=mid.num_states,
+      memory_size=mid.memory_size, hmm_fingerprint=stack.fingerprints[k],
+      **quality[q][k], **{n: v for n, v in f.items() if n != "steps"})
+          for (q, k), (f,) in zip(lanes, fields)]
 
 
 def run_curve(setup: CurveSetup, workdir: str,
               schedule: scheduling.Schedule = scheduling.EVERYTHING
               ) -> list[CurveLine]:
-  """Runs the groups without lines in DIR/curve.jsonl; returns all lines.
-  ``schedule``: a stack's weight is its trials (shards and workers write
-  the same file: give each its own workdir). ``ValueError``: the workdir
-  holds another setup's curve."""
+  """Runs the groups without lines in DIR/curve.jsonl (shards and workers
+  share it: give each its own workdir); returns all lines. ``ValueError``:
+  the workdir holds another setup's curve."""
   check_workdir(workdir, setup)
   done = {line.key() for line in read_curve_lines(workdir)}
   missing = protocol.missing(plan(setup), done, lambda g: g.keys(setup))
-  mine = schedule.mine(list(missing),
-                       lambda mid: mid.num_states * max(mid.memory_size, 1))
+  mine = schedule.mine(list(missing), lambda mid: mid.size)
   todo = {mid: list(missing[mid]) for mid in mine}
 
   def prepare(mid, groups):
     stack = protocol.draw_stack(setup, mid, setup.trials)
-    ckpts = None
-    if any(g.backbone == "transformer" for g in groups):
-      ckpts = checkpoints(workdir, setup, mid, stack.models_K)
-    return stack, ckpts
+    pretrained = any(g.backbone == "transformer" for g in groups)
+    return stack, (checkpoints(workdir, setup, mid, stack.models_K)
+                   if pretrained else None)
 
   protocol.run_stacks(todo, prepare, lambda g, sc: [
       r for r in tune_group(setup, g, *sc) if r.key() not in done],

@@ -41,10 +41,8 @@ def summarize(lines: list[curve.CurveLine]) -> dict:
   one is within :data:`WITHIN` of the exact backbone; ``points``: per
   (trial, checkpoint), the accuracy below that trial's exact backbone."""
   out: dict[str, dict[str, dict[str, Any]]] = {}
-  models_seen: dict[str, tuple[bool, int]] = {}
-  for r in lines:
-    models_seen.setdefault(r.model, (r.hmm != "vanilla", r.num_states
-                                     * max(r.memory_size, 1)))
+  models_seen = {r.model: (r.hmm != "vanilla", r.num_states
+                           * max(r.memory_size, 1)) for r in lines}
   for tag in sorted(models_seen, key=lambda t: models_seen[t]):
     mine = [r for r in lines if r.model == tag]
     out[tag] = {}
@@ -95,8 +93,7 @@ def markdown(summary: dict) -> str:
             for i, step in enumerate(first["steps"])]
     rows.append(["exact", 0, 0] + [_pct(methods[n]["exact"]) for n in names])
     out += [f"## {tag}", ""] + files_lib.markdown_table(
-        ["step", "CE gap", "TV", *names], rows)
-    out.append("")
+        ["step", "CE gap", "TV", *names], rows) + [""]
   out += ["## Summary", "",
           f"Within {100 * WITHIN:.0f} points: the first checkpoint from "
           f"which the mean accuracy stays within {100 * WITHIN:.0f} points "
@@ -114,22 +111,22 @@ def markdown(summary: dict) -> str:
       pooled.setdefault(name.split("_")[0], []).append(pts)
       w = ("never" if d["within"] is None
            else f"{d['within'][0]}, {d['within'][1]:.4f}")
-      out.append(f"| {tag} | {name} | {w} | "
-                 f"{_spearman(pts[:, 0], pts[:, 2]):.2f} | "
-                 f"{_spearman(pts[:, 1], pts[:, 2]):.2f} | "
-                 f"{_per_decade(pts[:, 0], pts[:, 2]):.1f} |")
-  for method, parts in pooled.items():
-    pts = np.concatenate(parts)
-    out.append(f"| all | {method} | | {_spearman(pts[:, 0], pts[:, 2]):.2f} "
-               f"| {_spearman(pts[:, 1], pts[:, 2]):.2f} | "
-               f"{_per_decade(pts[:, 0], pts[:, 2]):.1f} |")
+      out.append(f"| {tag} | {name} | {w} | {_correlations(pts)}")
+  out += [f"| all | {method} | | {_correlations(np.concatenate(parts))}"
+          for method, parts in pooled.items()]
   return "\n".join(out) + "\n"
 
 
+def _correlations(pts) -> str:
+  """The summary row's last cells from ``[(gap, tv, deficit)]``."""
+  return (f"{_spearman(pts[:, 0], pts[:, 2]):.2f} | "
+          f"{_spearman(pts[:, 1], pts[:, 2]):.2f} | "
+          f"{_per_decade(pts[:, 0], pts[:, 2]):.1f} |")
+
+
 def write_plot(summary: dict, path: str) -> None:
-  """Test accuracy against CE gap (log x), one panel per model: each
-  method's means over the checkpoints, each trial a faint dot, the exact
-  backbone a dashed line."""
+  """Test accuracy against CE gap (log x), a panel per model: each method's
+  means, each trial a faint dot, the exact backbone a dashed line."""
   fig, axes = files_lib.pyplot().subplots(
       1, len(summary), figsize=(4 * len(summary), 3.8), squeeze=False)
   for ax, (tag, methods) in zip(axes[0], summary.items()):
@@ -147,10 +144,8 @@ def write_plot(summary: dict, path: str) -> None:
                     textcoords="offset points", xytext=(2, 3))
       ax.axhline(100 * d["exact"], color=color, linestyle="--", alpha=0.7,
                  label=f"exact: {name.replace('_', ' ')}")
-    ax.set_xscale("log")
-    ax.set_xlabel("held-out CE gap to Bayes (nats)")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title(tag)
+    ax.set(xscale="log", xlabel="held-out CE gap to Bayes (nats)",
+           ylabel="test accuracy (%)", title=tag)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
   fig.tight_layout()

@@ -2,11 +2,8 @@
 Sections 2-5): a tunable pytree, ``{"head": ...}``, ``{"prompt": [P, D],
 "head": ...}`` or ``{"backbone": ..., "head": ...}`` (:data:`METHODS`),
 trained by optax (:data:`OPTIMIZERS`); the backbone's own params are never
-differentiated. :mod:`~hmmprompt.tuning.config` says what a run is
-(:class:`TuneConfig`, :class:`Data`); :mod:`~hmmprompt.tuning.loop` runs one
-seed (:func:`run_seed`, pure and vmappable) or many lanes in one jitted
-program (:func:`tune`, :func:`tune_many`, :func:`tune_trials`).
-"""
+differentiated. :mod:`~hmmprompt.tuning.config` says what a run is,
+:mod:`~hmmprompt.tuning.loop` runs it (:func:`run_seed`, :func:`tune`)."""
 
 from hmmprompt.tuning.config import METHODS
 from hmmprompt.tuning.config import OPTIMIZERS

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -109,8 +109,7 @@ class TuneConfig:
       if getattr(self, field) not in registry:
         raise ValueError(f"TuneConfig.{field} must be one of "
                          f"{tuple(registry)}, got {getattr(self, field)!r}")
-    if (self.optimizer == "lbfgs"
-        and not METHODS[self.method].caches_features):
+    if self.optimizer == "lbfgs" and not METHODS[self.method].caches_features:
       cached = tuple(m for m, v in METHODS.items() if v.caches_features)
       raise ValueError(
           f"TuneConfig.optimizer='lbfgs' solves a head on cached features, "
@@ -119,13 +118,10 @@ class TuneConfig:
           f"from {cached}")
     validation.require_positive(self, "prompt_len", "epochs", "batch_size",
                                 "eval_chunk", "lbfgs_max_steps")
-    if not self.lbfgs_tol > 0:
-      raise ValueError(f"TuneConfig.lbfgs_tol must be > 0, got "
-                       f"{self.lbfgs_tol}")
     if not self.lbfgs_l2 >= 0:
       raise ValueError(f"TuneConfig.lbfgs_l2 must be >= 0, got "
                        f"{self.lbfgs_l2}")
-    for name in ("lr", "backbone_lr"):
+    for name in ("lbfgs_tol", "lr", "backbone_lr"):
       if not getattr(self, name) > 0:
         raise ValueError(f"TuneConfig.{name} must be > 0, got "
                          f"{getattr(self, name)}")
@@ -143,10 +139,8 @@ class TuneConfig:
   @classmethod
   def authors(cls, **overrides) -> TuneConfig:
     """The recipe of the authors' original fine-tuning scripts."""
-    kw: dict[str, Any] = dict(lr=0.01, warmup_steps=500, batch_size=128,
-                              epochs=100, max_len=80)
-    kw.update(overrides)
-    return cls(**kw)
+    return cls(**{**dict(lr=0.01, warmup_steps=500, batch_size=128,
+                         epochs=100, max_len=80), **overrides})
 
 
 class Data(NamedTuple):
@@ -170,10 +164,8 @@ def data_from_task(task: tasks_lib.Task, cfg: TuneConfig) -> Data:
   # Task tokens are (MASK, x_1, ...); keeping ``keep`` of them makes the
   # backbone input (prompt, MASK, x_1, ...) exactly ``max_len`` long.
   keep = None if cfg.max_len is None else cfg.max_len - cfg.num_prompt
-  cut = lambda t: jnp.asarray(t)[:, :keep]
-  return Data(cut(task.train.tokens), task.train.labels,
-              cut(task.val.tokens), task.val.labels,
-              cut(task.test.tokens), task.test.labels)
+  return Data(*(x for split in (task.train, task.val, task.test)
+                for x in (jnp.asarray(split.tokens)[:, :keep], split.labels)))
 
 
 def num_steps(num_train: int, cfg: TuneConfig) -> int:

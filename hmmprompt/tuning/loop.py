@@ -102,8 +102,7 @@ def run_seed(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
   ``data``, as :func:`tune` does): ``(tunable, losses [U], {split: accuracy
   []})``, ``U`` = :func:`num_steps` (:func:`optim.solve_lbfgs`' losses for
   L-BFGS); ``data`` holds ``tokens [N, T]`` and ``labels [N]``."""
-  tunable, losses, accs, _ = _run(key, bparams, data, backbone, cfg)
-  return tunable, losses, accs
+  return _run(key, bparams, data, backbone, cfg)[:3]
 
 
 def _run(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
@@ -111,19 +110,17 @@ def _run(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
   k_init, k_perm = jax.random.split(key)
   n, num_tokens = data.train_tokens.shape
   tunable = init_tunable(k_init, backbone, bparams, cfg, num_tokens)
-  inputs_fn, examples = _prepare_examples(backbone, bparams, tunable, data,
-                                          cfg)
+  inputs_fn, examples = _prepare_examples(backbone, bparams, tunable, data, cfg)
   stats = _feature_stats(inputs_fn, tunable, examples["train"], cfg)
   logits_fn = _logits_fn(inputs_fn, stats, cfg)
   if cfg.optimizer == "lbfgs":  # TuneConfig: only on cached features
-    tunable, losses, steps = optim.solve_lbfgs(
-        optim.lbfgs_objective(logits_fn, examples["train"], data.train_labels, cfg),
-        tunable, cfg)
+    tunable, losses, steps = optim.solve_lbfgs(optim.lbfgs_objective(
+        logits_fn, examples["train"], data.train_labels, cfg), tunable, cfg)
   else:
     idx_UxB = _batch_indices(k_perm, n, cfg)
     opt = optim.tuning_optimizer(idx_UxB.shape[0], cfg)
-    tunable, losses = optim.train_adam(logits_fn, opt, tunable, examples["train"],
-                             data.train_labels, idx_UxB)
+    tunable, losses = optim.train_adam(
+        logits_fn, opt, tunable, examples["train"], data.train_labels, idx_UxB)
     steps = jnp.asarray(idx_UxB.shape[0], jnp.int32)
   accs = {s: _accuracy(logits_fn, tunable, examples[s], data.split(s)[1],
                        cfg) for s in SPLITS}
@@ -207,12 +204,9 @@ def tune(key_L, backbone: Backbone, bparams, data_L: Data, cfg: TuneConfig,
   ``bparams`` the first ``param_axes`` (1: one backbone per trial, as
   :func:`tune_trials`); ``lane_group``: :func:`lane_group_for`. Each lane
   gets what :func:`run_seed` gives it alone, to float rounding. Returns
-  ``(Result, tunable)``, the tunable params stacked ``[*L, ...]``.
-
-  Raises:
-    ValueError: shapes that disagree, or fine-tuning a backbone without
-      free parameters.
-  """
+  ``(Result, tunable)``, the tunable params stacked ``[*L, ...]``;
+  ``ValueError`` for shapes that disagree, or fine-tuning a backbone
+  without free parameters."""
   if METHODS[cfg.method].needs_finetunable and not backbone.finetunable:
     raise ValueError(f"the {backbone.name!r} backbone cannot be fine-tuned "
                      f"(its params are not free parameters); use head or "

@@ -16,10 +16,8 @@ from hmmprompt.tuning.config import TuneConfig
 def tuning_lr(total: int, cfg: TuneConfig):
   """The learning rate of ``total`` steps: linear from 0 to ``cfg.lr`` over
   the warmup (at most ``total - 1`` steps), then linear to 0 at ``total``."""
-  warmup = cfg.warmup_steps
-  if warmup is None:
-    warmup = int(cfg.warmup_frac * total)
-  warmup = min(warmup, total - 1)
+  warmup = min(int(cfg.warmup_frac * total) if cfg.warmup_steps is None
+               else cfg.warmup_steps, total - 1)
   if warmup <= 0:
     return optax.linear_schedule(cfg.lr, 0.0, total)
   return optax.join_schedules(
