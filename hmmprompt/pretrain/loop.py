@@ -313,12 +313,15 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   wall_before = max((m.get("wall_s", 0.0) for m in metrics), default=0.0)
   t_run = time.perf_counter()
 
-  def evaluate(step, sub, rows, n):
-    """Appends (and writes) the metrics of trials ``rows[:n]``."""
+  def stacked_vals(rows):
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *[vals[int(k)]
+                                                     for k in rows])
+
+  def evaluate(step, sub, rows, n, vals_N):
+    """Appends (and writes) the metrics of trials ``rows[:n]`` (``vals_N``:
+    the validation sets of ``rows``, stacked)."""
     wall = wall_before + time.perf_counter() - t_run
-    group_vals = jax.tree.map(lambda *xs: jnp.stack(xs),
-                              *[vals[int(k)] for k in rows])
-    lines = evaluate_lib.evaluate_group(sub.params, cfg, group_vals)
+    lines = evaluate_lib.evaluate_group(sub.params, cfg, vals_N)
     for k, line in zip(rows[:n], lines):
       m = {"trial": int(k), "step": step, **line, "wall_s": wall}
       metrics.append(m)
@@ -343,7 +346,8 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
     return [k for k in before if k not in running]
 
   if missing:
-    evaluate(start, _take(states, np.asarray(missing)), missing, len(missing))
+    evaluate(start, _take(states, np.asarray(missing)), missing, len(missing),
+             stacked_vals(missing))
     stop_reached(start)
   # Stopped trials only in the checkpoint resumed from: rotation drops it.
   unsaved = [k for k in saved_rows if k not in running]
@@ -357,6 +361,8 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
     data = [(n, keys.data[rows], _take(models_K, rows),
              None if chunks is None else chunks[rows], _take(hmms, rows))
             for rows, n in groups]
+    # Stacked once per grouping, not at every evaluation.
+    group_vals = [stacked_vals(rows) for rows, _ in groups]
     progress.trials = len(running)
     for step in range(start, total):
       parts = []
@@ -380,8 +386,8 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
           states = _put(states, rows[:n], _take(sub, np.arange(n)))
         retain(done, states)
         if is_eval:  # before the checkpoint, which holds the trials going on
-          for (rows, n), sub in zip(groups, subs):
-            evaluate(done, sub, rows, n)
+          for (rows, n), sub, vals_N in zip(groups, subs, group_vals):
+            evaluate(done, sub, rows, n, vals_N)
           stopped_now = stop_reached(done)
         if is_ckpt and ckpts is not None and stopped is not None:
           # Those stopped now go to stopped/ (or, when none runs on, stay:
@@ -410,16 +416,17 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
 
 def evaluate_checkpoints(cfg: PretrainConfig, models_K: generative.Model,
                          params_QxK) -> list[list[dict]]:
-  """``metrics[q][k]``: :func:`evaluation.evaluate` of ``params_QxK[q, k]``
-  on the loop's validation set (at an evaluation step, that step's
-  ``metrics.jsonl`` line)."""
+  """``metrics[q][k]``: the metrics of ``params_QxK[q, k]`` on its
+  validation set, evaluated as the loop evaluates
+  (:func:`evaluation.evaluate_group`): at an evaluation step, that step's
+  ``metrics.jsonl`` line."""
   num = cast(int, generative.num_trials(models_K))  # stacked: an int
   keys = Keys.of(cfg.seed, num)
   vals = [evaluate_lib.validation_set(keys.val[k],
                                       generative.trial(models_K, k), cfg)
           for k in range(num)]
-  return [[evaluate_lib.evaluate(_take(params_QxK, (q, k)), cfg, val)
-           for k, val in enumerate(vals)]
+  vals_K = jax.tree.map(lambda *xs: jnp.stack(xs), *vals)
+  return [evaluate_lib.evaluate_group(_take(params_QxK, q), cfg, vals_K)
           for q in range(jax.tree.leaves(params_QxK)[0].shape[0])]
 
 
