@@ -43,7 +43,9 @@ def is_memory(model: Model) -> TypeIs[memory_lib.MemoryHMM]:
 
 def as_hmm(model: Model) -> hmm_lib.HMM:
   """The vanilla HMM that generates the same text (``|M||H|`` states)."""
-  return memory_lib.to_hmm(model) if is_memory(model) else model
+  if is_memory(model):
+    return memory_lib.to_hmm(model)
+  return model
 
 
 def latent_size(model: Model) -> int:

@@ -25,7 +25,6 @@ from hmmprompt import tasks as tasks_lib
 from hmmprompt import theory
 from hmmprompt import tuning
 from hmmprompt import validation
-from hmmprompt.backbones import exact
 
 BACKBONES = ("exact", "transformer")
 VOCAB = 10
@@ -177,8 +176,9 @@ def tune_key(setup: TrialsConfig, trial: int, task: int):
 def make_models(setup: TrialsConfig, mid: ModelId, num: int
                 ) -> generative.Model:
   """``mid``'s first ``num`` trials, stacked ``[num]``."""
-  return generative.random_models(model_key(setup, mid), num, mid.hmm,
-                                  mid.num_states, VOCAB, mid.memory_size)
+  key = model_key(setup, mid)
+  return generative.random_models(key, num, mid.hmm, mid.num_states, VOCAB,
+                                  mid.memory_size)
 
 
 class Stack(NamedTuple):
@@ -193,10 +193,12 @@ class Stack(NamedTuple):
 def draw_stack(setup: TrialsConfig, mid: ModelId, num: int, num_tasks: int = 1,
                verdicts: bool = False) -> Stack:
   """``mid``'s ``num`` trials, ``num_tasks`` tasks each, verdicts if asked."""
+  keys_SxK = [np.asarray([task_key(setup, mid, k, s) for k in range(num)])
+              for s in range(num_tasks)]
   models_K = make_models(setup, mid, num)
-  by_task = [tasks_lib.make_tasks(
-      np.stack([task_key(setup, mid, k, s) for k in range(num)]), models_K,
-      setup.task, setup.task_budget_bytes()) for s in range(num_tasks)]
+  by_task = [tasks_lib.make_tasks(keys_K, models_K, setup.task,
+                                  setup.task_budget_bytes())
+             for keys_K in keys_SxK]
   tasks = [[t[k] for t in by_task] for k in range(num)]
   checks = None
   if verdicts:
@@ -215,33 +217,27 @@ def pretrain_dir(workdir: str, setup: TrialsConfig, mid: ModelId) -> str:
   return os.path.join(workdir, "pretrain", f"{mid.tag}-{fp}")
 
 
-def exact_backbones(models_K: generative.Model):
-  """``(backbone, params_K)``: the exact backbone of a stack of trials,
-  each trial's vanilla HMM stacked ``[K, ...]`` as its params."""
-  backbone, _ = exact.make(generative.trial(models_K, 0))
-  return backbone, jax.vmap(generative.as_hmm)(models_K)
-
-
-def pretrain(pdir: str, cfg: pretrain_lib.PretrainConfig,
-             models_K: generative.Model, stop_at: float | None = None) -> None:
-  """Pretrains, reuses or resumes ``models_K``'s transformers in ``pdir``."""
-  logging.info("pretraining %d trials in %s", generative.num_trials(models_K),
-               pdir)
-  pretrain_lib.run_trials(pdir, cfg, models_K, log=logging.info,
+def pretrain(workdir: str, setup: TrialsConfig, mid: ModelId,
+             models_K: generative.Model, stop_at: float | None = None) -> str:
+  """Pretrains, reuses or resumes ``mid``'s transformers in
+  :func:`pretrain_dir`, which it returns."""
+  pdir = pretrain_dir(workdir, setup, mid)
+  pretrain_lib.run_trials(pdir, setup.pretrain, models_K, log=logging.info,
                           stop_at=stop_at)
+  return pdir
 
 
-def pretrained(pdir: str, cfg: pretrain_lib.PretrainConfig,
+def pretrained(workdir: str, setup: TrialsConfig, mid: ModelId,
                models_K: generative.Model, checkpoints: bool = True,
                stop_at: float | None = None):
   """``(backbone, params_K, infos)`` (:func:`pretrain.load_trials`) after
   :func:`pretrain`, or :func:`pretrain.train_trials`' (no checkpoints)."""
+  pdir = pretrain_dir(workdir, setup, mid)
   if not checkpoints:
-    logging.info("pretraining %d trials in %s (no checkpoints)",
-                 generative.num_trials(models_K), pdir)
-    return pretrain_lib.train_trials(pdir, cfg, models_K, log=logging.info,
-                                     stop_at=stop_at)
-  pretrain(pdir, cfg, models_K, stop_at)
+    return pretrain_lib.train_trials(pdir, setup.pretrain, models_K,
+                                     log=logging.info, stop_at=stop_at)
+  pretrain_lib.run_trials(pdir, setup.pretrain, models_K, log=logging.info,
+                          stop_at=stop_at)
   return pretrain_lib.load_trials(pdir)
 
 

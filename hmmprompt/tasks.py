@@ -154,11 +154,11 @@ def draw_task(key, model: Model, config: TaskConfig, chunk: int | None = None):
   k_mu, k_tr, k_va, k_te = jax.random.split(key, 4)
   mu = task_weights(k_mu, num_latent(model), config.num_classes,
                     config.num_nonzero)
+  one = lambda t: label_posterior(model, t, config.labeling)
   splits = []
   for k, n in ((k_tr, config.num_train), (k_va, config.num_val),
                (k_te, config.num_test)):
     tokens = sample_examples(k, model, n, config.seq_len, config.labeling)
-    one = lambda t: label_posterior(model, t, config.labeling)
     latent = (jax.vmap(one)(tokens) if chunk is None or chunk >= n
               else jax.lax.map(one, tokens, batch_size=chunk))
     splits.append(Split(tokens, labels_from_latent(mu, latent), latent))

@@ -204,7 +204,7 @@ def theorem_3_6_prompt_head(hmm: hmm_lib.HMM, mu) -> tuple[np.ndarray, dict]:
 def _memory_columns(mhmm, memory_values, states) -> np.ndarray:
   e = _np(mhmm.emission)  # [M, H, V]
   cols = [e[m, h] for m in memory_values for h in states]
-  return np.stack(cols, axis=1) if cols else np.zeros((e.shape[-1], 0))
+  return np.column_stack(cols) if cols else np.zeros((e.shape[-1], 0))
 
 
 def _search_recoverable(mhmm, memory_values, name) -> Verdict:

@@ -299,7 +299,7 @@ def pretrained(monkeypatch):
   ``(pdir, recipe, models)``."""
   calls = []
 
-  def pretrain(pdir, cfg, models_K, stop_at=None):
+  def run_trials(pdir, cfg, models_K, log=None, stop_at=None):
     assert stop_at is None
     calls.append((pdir, cfg, models_K))
 
@@ -312,7 +312,7 @@ def pretrained(monkeypatch):
     return (transformer.make_backbone(cfg.model), {"w": np.zeros((num, 3))},
             infos)
 
-  monkeypatch.setattr(protocol, "pretrain", pretrain)
+  monkeypatch.setattr(protocol.pretrain_lib, "run_trials", run_trials)
   monkeypatch.setattr(protocol.pretrain_lib, "load_trials", load_trials)
   return calls
 

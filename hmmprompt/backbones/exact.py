@@ -23,7 +23,19 @@ def make(model: generative.Model) -> tuple[Backbone, hmm_lib.HMM]:
   :func:`hmm.token_evidence` and :func:`hmm.evidence_conditionals` on the
   (product-state) HMM, ``params``."""
   hmm = generative.as_hmm(model)
+  return _backbone(hmm), hmm
+
+
+def make_stacked(models_K: generative.Model
+                 ) -> tuple[Backbone, hmm_lib.HMM]:
+  """``(backbone, params_K)`` of stacked trials: each trial's
+  (product-state) HMM stacked ``[K, ...]`` as its params."""
+  hmms_K = jax.vmap(generative.as_hmm)(models_K)
+  return _backbone(hmms_K), hmms_K
+
+
+def _backbone(hmm: hmm_lib.HMM) -> Backbone:
   return Backbone(name=BACKBONE_NAME, embed=hmm_lib.token_evidence,
                   apply=hmm_lib.evidence_conditionals,
                   prompt_embedding=jax.nn.sigmoid, embed_dim=hmm.num_states,
-                  vocab_size=hmm.vocab_size), hmm
+                  vocab_size=hmm.vocab_size)

@@ -22,6 +22,7 @@ from hmmprompt import generative
 from hmmprompt import files as files_lib
 from hmmprompt.backbones import Backbone
 from hmmprompt.backbones import depth as depth_lib
+from hmmprompt.backbones import exact
 from hmmprompt.backbones import transformer
 
 BACKBONES = protocol.BACKBONES
@@ -88,18 +89,18 @@ def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
   (:func:`protocol.pretrained`): ``params_K`` ``[K, ...]`` padded to the
   deepest, ``pretrain_K[k]`` trial ``k``'s ``pretrain_*`` fields,
   ``configs_K[k]`` its own transformer config (``{}``, ``None``: exact)."""
-  if backbone_name == "exact":
-    num = generative.num_trials(models_K) or 1
-    return (*protocol.exact_backbones(models_K), [{}] * num, [None] * num)
-  pdir = protocol.pretrain_dir(workdir, setup, mid)
-  bb, params_K, infos = protocol.pretrained(pdir, setup.pretrain, models_K,
-                                            checkpoints, stop_at)
-  if setup.tune.backbone_dtype != "float32":  # the same deepest config
-    bb = transformer.make_backbone(
-        max((info.config.model for info in infos),
-            key=lambda m: m.num_layers), setup.tune.backbone_dtype)
-  return (bb, params_K, [protocol.pretrain_fields(info) for info in infos],
-          [info.config.model for info in infos])
+  if backbone_name == "transformer":
+    bb, params_K, infos = protocol.pretrained(workdir, setup, mid, models_K,
+                                              checkpoints, stop_at)
+    if setup.tune.backbone_dtype != "float32":  # the same deepest config
+      bb = transformer.make_backbone(
+          max((info.config.model for info in infos),
+              key=lambda m: m.num_layers), setup.tune.backbone_dtype)
+    return (bb, params_K, [protocol.pretrain_fields(info) for info in infos],
+            [info.config.model for info in infos])
+  backbone, hmms_K = exact.make_stacked(models_K)
+  num = len(hmms_K.initial)
+  return backbone, hmms_K, [{}] * num, [None] * num
 
 
 class Trials(NamedTuple):
@@ -210,8 +211,10 @@ def missing_cells(setup: configs.Setup, workdir: str, panel: str,
   """:func:`protocol.missing` of ``workdir``'s lines over :func:`plan`'s
   models (or ``by_model``), cells ``(trial, task)``."""
   fp = setup.fingerprint(backbone_name)
+  if by_model is None:
+    by_model = plan(setup, panel, backbone_name)
   return protocol.missing(
-      by_model or plan(setup, panel, backbone_name),
+      by_model,
       {line.key() for line in schema.read_results(workdir)},
       lambda g: {(k, s): (backbone_name, g.panel, g.model_id.hmm,
                           g.model_id.num_states, g.model_id.memory_size, k,
@@ -246,17 +249,21 @@ def run_sweep(setup: configs.Setup, workdir: str, panel: str,
   if pretrain_only:
     for mid in mine:
       if schedule.claim is None or schedule.claim(mid):
-        backbones(workdir, setup, mid, protocol.make_models(
-            setup, mid, sizes[mid]), backbone_name)
+        models_K = protocol.make_models(setup, mid, sizes[mid])
+        backbones(workdir, setup, mid, models_K, backbone_name)
     return []
   missing = missing_cells(setup, workdir, panel, backbone_name, by_model)
   todo = {mid: missing[mid] for mid in mine}
+
+  def prepare_stack(mid: ModelId, _) -> Trials:
+    return prepare(workdir, setup, mid, sizes[mid], backbone_name, checkpoints,
+                   schedule.stop_at)
+
+  def tune(g: Group, trials: Trials) -> list[schema.ResultLine]:
+    return tune_group(setup, backbone_name, g, trials, todo[g.model_id][g])
+
   return protocol.run_stacks(
-      todo, lambda mid, _: prepare(workdir, setup, mid, sizes[mid],
-                                   backbone_name, checkpoints,
-                                   schedule.stop_at),
-      lambda g, trials: tune_group(setup, backbone_name, g, trials,
-                                   todo[g.model_id][g]),
+      todo, prepare_stack, tune,
       results_file or schema.results_path(workdir, schedule.num_hosts,
                                            schedule.host_index),
       schedule, weight=sizes.__getitem__)

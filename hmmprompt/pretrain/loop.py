@@ -180,6 +180,8 @@ def _run_trials(workdir, cfg, models_K, log, after_step,
     raise ValueError("run_trials needs [K] stacked models "
                      "(generative.random_models or generative.stack); use "
                      "run for one model")
+  log(f"pretraining {num} trials in {workdir}"
+      f"{'' if checkpoints else ' (no checkpoints)'}")
   finals, states = _train_stack(workdir, cfg, models_K, num, log,
                                 after_step, checkpoints=checkpoints,
                                 stop_at=stop_at)

@@ -210,8 +210,7 @@ def checkpoints(workdir: str, setup: CurveSetup, mid: protocol.ModelId,
                 models_K: generative.Model) -> Checkpoints:
   """``mid``'s retained checkpoints, evaluated, after
   :func:`protocol.pretrain`."""
-  pdir = protocol.pretrain_dir(workdir, setup, mid)
-  protocol.pretrain(pdir, setup.pretrain, models_K)
+  pdir = protocol.pretrain(workdir, setup, mid, models_K)
   backbone, params_QxK, steps, _ = pretrain_lib.load_retained(pdir)
   missing = sorted(set(setup.pretrain.retain) - set(steps))
   if missing:
@@ -243,7 +242,7 @@ def tune_group(setup: CurveSetup, g: Group, stack: protocol.Stack,
                for row in ckpts.metrics_QxK]
   else:
     steps = (None,)
-    backbone, params = protocol.exact_backbones(stack.models_K)
+    backbone, params = exact.make_stacked(stack.models_K)
     quality = [[dict(ce_gap=0.0, tv=0.0, mlm_ce=None, bayes_ce=None)]
                * setup.trials]
   lanes = [(q, k) for q in range(len(steps)) for k in range(setup.trials)]
