@@ -29,6 +29,17 @@ MASK = -1
 """Token id of an unobserved (``[MASK]``) position."""
 
 
+class Emitting:
+  """The mixin of every model whose ``emission`` ends in the vocabulary."""
+
+  __slots__ = ()
+  emission: jax.Array
+
+  @property
+  def vocab_size(self) -> int:
+    return self.emission.shape[-1]
+
+
 class _HMMFields(NamedTuple):
   initial: jax.Array
   transition: jax.Array
@@ -52,7 +63,8 @@ def _validate_hmm(initial, transition, emission,
                      f"{emission.shape}")
 
 
-class HMM(validation.ValidatedParams, _HMMFields, validate=_validate_hmm):
+class HMM(validation.ValidatedParams, Emitting, _HMMFields,
+          validate=_validate_hmm):
   """HMM parameters (a pytree; validated when built from concrete arrays).
 
   Attributes:
@@ -66,10 +78,6 @@ class HMM(validation.ValidatedParams, _HMMFields, validate=_validate_hmm):
   @property
   def num_states(self) -> int:
     return self.transition.shape[-1]
-
-  @property
-  def vocab_size(self) -> int:
-    return self.emission.shape[-1]
 
 
 def check_model(hmm: HMM) -> HMM:

@@ -41,9 +41,11 @@ class _MemoryFields(NamedTuple):
   def memory_size(self) -> int:
     return self.emission.shape[-3]
 
-  @property
-  def vocab_size(self) -> int:
-    return self.emission.shape[-1]
+
+def _check_fields(cls_name: str, values, ndims, chk) -> None:
+  """``chk`` on each of a memory HMM's fields, in order, with its rank."""
+  for name, value, ndim in zip(_MemoryFields._fields, values, ndims):
+    chk(f"{cls_name}.{name}", value, ndim)
 
 
 # Single memory cell.
@@ -51,10 +53,8 @@ class _MemoryFields(NamedTuple):
 
 def _validate_memory(memory_prior, initial, transition, emission,
                      chk=validation.check_distribution) -> None:
-  chk("MemoryHMM.memory_prior", memory_prior, 1)
-  chk("MemoryHMM.initial", initial, 1)
-  chk("MemoryHMM.transition", transition, 2)
-  chk("MemoryHMM.emission", emission, 3)
+  _check_fields("MemoryHMM", (memory_prior, initial, transition, emission),
+                (1, 1, 2, 3), chk)
   batch = memory_prior.shape[:-1]
   m, h = memory_prior.shape[-1], initial.shape[-1]
   if initial.shape[:-1] != batch or transition.shape != batch + (h, h):
@@ -65,8 +65,8 @@ def _validate_memory(memory_prior, initial, transition, emission,
                      f"({m}, {h}, V), got {emission.shape}")
 
 
-class MemoryHMM(validation.ValidatedParams, _MemoryFields,
-                validate=_validate_memory):
+class MemoryHMM(validation.ValidatedParams, hmm_lib.Emitting,
+                _MemoryFields, validate=_validate_memory):
   """Single-cell memory HMM (a pytree).
 
   Attributes:
@@ -237,10 +237,8 @@ def conditionals(mhmm: MemoryHMM, tokens, method: str = "auto") -> jax.Array:
 
 def _validate_multi(memory_prior, initial, transition, emission,
                     chk=validation.check_distribution) -> None:
-  chk("MultiMemoryHMM.memory_prior", memory_prior, 2)
-  chk("MultiMemoryHMM.initial", initial, 1)
-  chk("MultiMemoryHMM.transition", transition, 2)
-  chk("MultiMemoryHMM.emission", emission, 4)
+  _check_fields("MultiMemoryHMM", (memory_prior, initial, transition,
+                                   emission), (2, 1, 2, 4), chk)
   if memory_prior.ndim != 2:
     raise ValueError("MultiMemoryHMM.memory_prior must have shape [N, M] "
                      "(batches of multi-cell HMMs are not supported)")
@@ -255,8 +253,8 @@ def _validate_multi(memory_prior, initial, transition, emission,
                      f"{initial.shape} and {transition.shape}")
 
 
-class MultiMemoryHMM(validation.ValidatedParams, _MemoryFields,
-                     validate=_validate_multi):
+class MultiMemoryHMM(validation.ValidatedParams, hmm_lib.Emitting,
+                     _MemoryFields, validate=_validate_multi):
   """Memory HMM with ``N`` cells (a pytree).
 
   Attributes:
