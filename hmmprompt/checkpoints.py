@@ -55,8 +55,7 @@ class Checkpoints:
     self._mngr.delete(step)
 
   def save(self, step: int, state) -> None:
-    bad = nonfinite_leaves(state)
-    if bad:
+    if bad := nonfinite_leaves(state):
       raise FloatingPointError(f"refusing to checkpoint a non-finite state at "
                                f"step {step} (first bad leaf {bad[0]})")
     self._mngr.save(step, args=ocp.args.StandardSave(state), force=True)
@@ -69,11 +68,10 @@ class Checkpoints:
     if step is None:
       raise FileNotFoundError(f"no checkpoint under {self.directory}")
     rep = sharding_lib.replicated(sharding_lib.data_mesh())
-    abstract_state = jax.tree.map(
+    abstract = jax.tree.map(
         lambda x: x if getattr(x, "sharding", None) is not None else
         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), abstract_state)
-    return self._mngr.restore(step,
-                              args=ocp.args.StandardRestore(abstract_state))
+    return self._mngr.restore(step, args=ocp.args.StandardRestore(abstract))
 
   def restore_latest(self, abstract_state, log=logging.warning):
     """``(step, state)`` of the newest readable checkpoint (or ``(None,

@@ -10,7 +10,6 @@ import io
 import json
 import os
 import re
-import shutil
 import tarfile
 import tempfile
 import time
@@ -170,18 +169,16 @@ def merge_lines(path: str, lines: Iterable[Line],
   if not lines:
     return [], 0, []
   had = {r.key(): r for r in read_lines(path, type(lines[0]))}
-  added, kept, conflicts = [], 0, []
+  added, conflicts = [], []
   values = lambda r: {k: v for k, v in r.to_json().items() if k not in ignore}
   for r in lines:
-    if r.key() in had:
-      kept += 1
-      if values(had[r.key()]) != values(r):
-        conflicts.append(r.key())
-      continue
-    had[r.key()] = r
-    added.append(r)
+    if r.key() not in had:
+      had[r.key()] = r
+      added.append(r)
+    elif values(had[r.key()]) != values(r):
+      conflicts.append(r.key())
   append_lines(path, added)
-  return added, kept, conflicts
+  return added, len(lines) - len(added), conflicts
 
 
 def write_archive(path: str, root: str, members: Sequence[str],
@@ -209,10 +206,8 @@ def read_archive(path: str, into: str, allowed: re.Pattern) -> list[str]:
       if not (member.isfile() and allowed.fullmatch(member.name)):
         raise ValueError(f"{path}: unexpected member {member.name!r}")
     for member in members:
-      dest = os.path.join(into, member.name)
-      os.makedirs(os.path.dirname(dest), exist_ok=True)
       src = tar.extractfile(member)
       assert src is not None  # a regular file, checked above
-      with src, open(dest, "wb") as dst:
-        shutil.copyfileobj(src, dst)
+      with src:
+        atomic_write_bytes(os.path.join(into, member.name), src.read())
   return [m.name for m in members]

@@ -222,6 +222,7 @@ def pretrain(workdir: str, setup: TrialsConfig, mid: ModelId,
   """Pretrains, reuses or resumes ``mid``'s transformers in
   :func:`pretrain_dir`, which it returns."""
   pdir = pretrain_dir(workdir, setup, mid)
+  logging.info("pretraining %d trials in %s", len(models_K.initial), pdir)
   pretrain_lib.run_trials(pdir, setup.pretrain, models_K, log=logging.info,
                           stop_at=stop_at)
   return pdir
@@ -233,6 +234,8 @@ def pretrained(workdir: str, setup: TrialsConfig, mid: ModelId,
   """``(backbone, params_K, infos)`` (:func:`pretrain.load_trials`) after
   :func:`pretrain`, or :func:`pretrain.train_trials`' (no checkpoints)."""
   pdir = pretrain_dir(workdir, setup, mid)
+  logging.info("pretraining %d trials in %s%s", len(models_K.initial), pdir,
+               "" if checkpoints else " (no checkpoints)")
   if not checkpoints:
     return pretrain_lib.train_trials(pdir, setup.pretrain, models_K,
                                      log=logging.info, stop_at=stop_at)

@@ -9,7 +9,7 @@ or values under ``checkify.checkify`` (:func:`checkify_distribution`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, ClassVar, ParamSpec, TypeVar
 
 import jax
@@ -26,10 +26,9 @@ def require_positive(config, *names: str,
                      optional: tuple[str, ...] = ()) -> None:
   """Raises ``ValueError`` naming the first field below 1 or ``None``
   (``None`` is accepted for the ``optional`` names only)."""
-  for name in (*names, *optional):
+  given = [n for n in optional if getattr(config, n) is not None]
+  for name in (*names, *given):
     value = getattr(config, name)
-    if value is None and name in optional:
-      continue
     if value is None or value < 1:
       raise ValueError(f"{type(config).__name__}.{name} must be >= 1, got "
                        f"{value}")
@@ -90,7 +89,8 @@ class ValidatedParams(tuple):
     # The NamedTuple of the fields: the first base that defines them.
     cls._fields_cls = next(b for b in cls.__mro__[1:] if "_fields" in vars(b))
     # Set on the class: mypy holds a method named _make to NamedTuple's.
-    setattr(cls, "_make", classmethod(_make))  # noqa: B010 (hidden from mypy)
+    setattr(cls, "_make",  # noqa: B010 (hidden from mypy)
+            classmethod(lambda c, iterable: c(*iterable)))
     register_unchecked_pytree(cls)
 
   def __new__(cls, *args, **kwargs):
@@ -106,10 +106,6 @@ class ValidatedParams(tuple):
   def _replace(self, **changes):
     return type(self)(**{**dict(zip(self._fields_cls._fields, self)),
                          **changes})
-
-
-def _make(cls, iterable: Iterable[Any]):
-  return cls(*iterable)
 
 
 def check_fields(params, validate):
@@ -197,10 +193,9 @@ def entry_point(kernel: Callable[..., Any], *, static_argnums=(),
   one field of a NamedTuple result inside the jit, so XLA drops the work
   only the other fields need. Traced code calls the kernel instead.
   """
-  if field is not None:
-    whole = kernel
-    kernel = lambda *args: getattr(whole(*args), field)
-  jitted = jax.jit(kernel, static_argnums=static_argnums)
+  jitted = jax.jit(kernel if field is None else
+                   lambda *args: getattr(kernel(*args), field),
+                   static_argnums=static_argnums)
 
   def decorate(check: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(check)

@@ -110,14 +110,11 @@ def write_chunk_archive(workdir: str, path: str, run_info: dict) -> list[str]:
   """Writes ``path``: the results, ``sweep.json``, the pretraining metrics
   and configs and ``run_info`` as ``run.json``; returns the member names.
   No report (:func:`merge` renders it): nothing slow comes after the cells."""
-  members = [n for n in ("results.jsonl", sweep.STAMP)
+  runs = sorted(os.path.relpath(p, workdir) for pat in ("*", "*/fallback-*")
+                for p in glob.glob(os.path.join(workdir, "pretrain", pat)))
+  members = [n for n in ["results.jsonl", sweep.STAMP]
+             + [os.path.join(r, f) for r in runs for f in _PRETRAIN_FILES]
              if os.path.exists(os.path.join(workdir, n))]
-  for run_dir in sorted(glob.glob(os.path.join(workdir, "pretrain", "*"))
-                        + glob.glob(os.path.join(workdir, "pretrain", "*",
-                                                 "fallback-*"))):
-    members += [os.path.relpath(os.path.join(run_dir, n), workdir)
-                for n in _PRETRAIN_FILES
-                if os.path.exists(os.path.join(run_dir, n))]
   files_lib.write_archive(path, workdir, members, {"run.json": json.dumps(
       run_info, indent=1, sort_keys=True).encode()})
   return members + ["run.json"]
@@ -176,13 +173,12 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
       try:
         if compute is None:
           # A temporary workdir is never resumed: no (large) checkpoints.
-          run_info["skipped_stacks"] = sweep.run_sweep(
-              chunk_cfg, workdir, "both", backbone, scheduling.Schedule(
-                  deadline=deadline, stop_at=stop_at,
+          compute = lambda cfg, wd, dl: sweep.run_sweep(
+              cfg, wd, "both", backbone, scheduling.Schedule(
+                  deadline=dl, stop_at=stop_at,
                   seconds_per_weight=seconds_per_trial(results_dir)),
               checkpoints=keep)
-        else:
-          run_info["skipped_stacks"] = compute(chunk_cfg, workdir, deadline)
+        run_info["skipped_stacks"] = compute(chunk_cfg, workdir, deadline)
       except protocol.DeadlineReached as e:
         run_info["stopped"] = str(e)
         logging.warning("%s; the archive holds every finished cell", e)
@@ -263,13 +259,9 @@ def merge_all(archives: list[str], results_dir: str) -> list[str]:
   missing = [a for a in archives if not os.path.isfile(a)]
   if missing:
     raise ValueError(f"--merge: no such archive {missing}")
-  out = []
-  for archive in archives:
-    c = merge(archive, results_dir)
-    out.append(f"{archive}: {c['added']} lines added, {c['kept']} already "
-               f"in {results_dir} ({c['conflicts']} with other values, "
-               f"kept)")
-  return out
+  return [f"{a}: {c['added']} lines added, {c['kept']} already in "
+          f"{results_dir} ({c['conflicts']} with other values, kept)"
+          for a in archives for c in [merge(a, results_dir)]]
 
 
 def merge(archive: str, results_dir: str) -> dict:
@@ -284,8 +276,8 @@ def merge(archive: str, results_dir: str) -> dict:
     except ValueError as e:
       raise ValueError(f"{archive}: {e}") from None
     if sweep.STAMP in names:
-      with open(os.path.join(tmp, sweep.STAMP)) as f:
-        sweep.stamp(results_dir, json.load(f))
+      sweep.stamp(results_dir,
+                  json.loads(pathlib.Path(tmp, sweep.STAMP).read_text()))
     schema.check_one_setup(schema.read_results(results_dir) + new,
                             f"merging {archive} into {results_dir}")
     added, kept, conflicts = files_lib.merge_lines(

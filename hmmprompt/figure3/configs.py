@@ -125,8 +125,6 @@ def _tune(epochs: int, prompt_len: int, batch_size: int) -> tuning.TuneConfig:
 
 _ALL_LEFT = (4, 8, 10, 12, 15, 25, 30)
 _ALL_MEMORY = (2, 3, 5, 7)
-_APPENDIX_D_TASK = tasks_lib.TaskConfig(num_train=5000, num_val=500,
-                                        num_test=1000, seq_len=128)
 
 
 def _tiny() -> Setup:
@@ -156,7 +154,9 @@ def _paper() -> Setup:
   Appendix D's task sizes and pretraining; heads on the raw probabilities."""
   return Setup(trials=20, right_trials=5, tasks_per_hmm=1,
                left_sizes=_ALL_LEFT, memory_sizes=_ALL_MEMORY,
-               features=("raw",), task=_APPENDIX_D_TASK, tune=_tune(5, 20, 32),
+               features=("raw",), tune=_tune(5, 20, 32),
+               task=tasks_lib.TaskConfig(num_train=5000, num_val=500,
+                                         num_test=1000, seq_len=128),
                pretrain=pretrain_lib.configure("paper"))
 
 
@@ -206,10 +206,9 @@ def get_setup(preset: str = "cpu", overrides: Mapping[str, Any] | None = None,
   """The named preset with overrides (:func:`config_flags.from_preset`);
   ``ValueError`` for a bad preset or override, or one that empties a
   panel's sizes (``--panel`` chooses panels)."""
-  for name in ("left_sizes", "memory_sizes"):
+  for name, panel in (("left_sizes", "right"), ("memory_sizes", "left")):
     given = (overrides or {}).get(name, fields.get(name))
     if given is not None and not str(given).strip("(), "):
-      panel = "right" if name == "left_sizes" else "left"
       raise ValueError(
           f"--config.{name} is empty: name at least one size (e.g. "
           f"{','.join(map(str, getattr(PRESETS['tiny'](), name)))}); "

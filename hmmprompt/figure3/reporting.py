@@ -19,15 +19,13 @@ PAPER_RIGHT = {"memory": {8: 100, 12: 100, 20: 100, 28: 98},
 
 # Arms beyond the paper's (Setup.prompt_attention, Setup.head_optimum):
 # their column names, and a note under a table that shows them.
-_ARM_LABELS = {"head_linear_lbfgs": "head optimum",
-               "prompt_attention": "attention prompt"}
-_ARM_NOTES = {
-    "head_linear_lbfgs": "head optimum: the linear head solved to its "
-                         "L2-regularised optimum on the frozen features "
-                         "(full-batch L-BFGS, TuneConfig.optimizer = lbfgs) "
-                         "instead of the paper's epochs of Adam.",
-    "prompt_attention": "attention prompt: prompt tuning with the attention "
-                        "head on the memory HMM (Theorem 4.6).",
+_ARMS = {
+    "head_linear_lbfgs": ("head optimum", "the linear head solved to its "
+                          "L2-regularised optimum on the frozen features "
+                          "(full-batch L-BFGS, TuneConfig.optimizer = "
+                          "lbfgs) instead of the paper's epochs of Adam."),
+    "prompt_attention": ("attention prompt", "prompt tuning with the "
+                         "attention head on the memory HMM (Theorem 4.6)."),
 }
 
 
@@ -42,20 +40,14 @@ def mean_ci(values) -> tuple[float, float]:
   return float(v.mean()), float(t * v.std(ddof=1) / np.sqrt(len(v)))
 
 
-def _by_trial(lines) -> list[list[float]]:
-  """Per trial, the test accuracies (%) of its tasks."""
-  out: dict = {}
+def _cells(lines) -> list[tuple]:
+  """Sorted ``(curve key, size, per trial its tasks' test accuracies (%))``."""
+  cells: dict = {}
   for r in lines:
-    out.setdefault(r.trial, []).append(100.0 * r.test_accuracy)
-  return list(out.values())
-
-
-def _curves(lines) -> dict:
-  """Curve key -> size -> its result lines, curves sorted."""
-  buckets: dict = {}
-  for r in lines:
-    buckets.setdefault(r.summary_key, {}).setdefault(r.size, []).append(r)
-  return dict(sorted(buckets.items()))
+    cells.setdefault((r.summary_key, r.size), {}).setdefault(
+        r.trial, []).append(100.0 * r.test_accuracy)
+  return [(k, size, list(by_trial.values()))
+          for (k, size), by_trial in sorted(cells.items())]
 
 
 def summarize(lines: list[schema.ResultLine]) -> dict:
@@ -63,11 +55,9 @@ def summarize(lines: list[schema.ResultLine]) -> dict:
   over ``n`` trials, each trial's tasks averaged first; with one trial,
   over its ``n`` tasks (task noise only)."""
   out: dict = {}
-  for k, by_size in _curves(lines).items():
-    for size, rs in sorted(by_size.items()):
-      trials = _by_trial(rs)
-      values = [np.mean(v) for v in trials] if len(trials) > 1 else trials[0]
-      out.setdefault(k, {})[size] = (*mean_ci(values), len(values))
+  for k, size, trials in _cells(lines):
+    values = [np.mean(v) for v in trials] if len(trials) > 1 else trials[0]
+    out.setdefault(k, {})[size] = (*mean_ci(values), len(values))
   return out
 
 
@@ -75,74 +65,66 @@ def variance_components(lines: list[schema.ResultLine]) -> dict:
   """Curve key -> {size: (SD of the trial means, pooled SD of tasks around
   their trial's mean)} in points, where >= 2 trials have >= 2 tasks."""
   out: dict = {}
-  for k, by_size in _curves(lines).items():
-    for size, rs in sorted(by_size.items()):
-      trials = _by_trial(rs)
-      if len(trials) < 2 or min(len(v) for v in trials) < 2:
-        continue
-      between = np.std([np.mean(v) for v in trials], ddof=1)
-      dev = [x - np.mean(v) for v in trials for x in v]
-      dof = sum(len(v) - 1 for v in trials)
-      within = np.sqrt(np.sum(np.square(dev)) / dof)
-      out.setdefault(k, {})[size] = (float(between), float(within))
+  for k, size, trials in _cells(lines):
+    if len(trials) < 2 or min(len(v) for v in trials) < 2:
+      continue
+    between = np.std([np.mean(v) for v in trials], ddof=1)
+    dev = [x - np.mean(v) for v in trials for x in v]
+    dof = sum(len(v) - 1 for v in trials)
+    within = np.sqrt(np.sum(np.square(dev)) / dof)
+    out.setdefault(k, {})[size] = (float(between), float(within))
   return out
 
 
 def trial_table(lines: list[schema.ResultLine]) -> str:
   """Markdown, one row per (backbone, panel, size, trial): HMM
   fingerprint, pretraining gap and mean accuracy in every arm."""
-  if not lines:
-    return ""
   out = ["## Per trial (HMM draw): test accuracy (%), mean over its tasks",
          ""]
-  for backbone in sorted({r.backbone for r in lines}):
-    for panel in ("left", "right"):
-      rs = [r for r in lines if r.backbone == backbone and r.panel == panel]
-      if not rs:
-        continue
-      arms = sorted({(r.hmm, r.method, r.features) for r in rs})
-      rows: dict = {}
-      for r in rs:
-        row = rows.setdefault((r.size, r.trial), {"fp": {}, "gap": {}})
-        row["fp"][r.hmm] = r.hmm_fingerprint
-        if r.pretrain_ce_gap is not None:  # a fallback's depth named
-          row["gap"][r.hmm] = f"{r.pretrain_ce_gap:.4f}" + (
-              f" ({r.pretrain_layers} layers)" if r.pretrain_layers else "")
-        row.setdefault((r.hmm, r.method, r.features), []).append(
-            100.0 * r.test_accuracy)
-      hmms = sorted({a[0] for a in arms})
-      gaps = hmms if backbone == "transformer" else []
-      head = (["size", "trial"] + [f"{h} HMM" for h in hmms]
-              + [f"{h} gap" for h in gaps]
-              + [f"{h}: {_method_label(m)} ({f})" for h, m, f in arms])
-      out += [f"### {backbone}, {panel} panel", ""] + (
-          files_lib.markdown_table(head, [
-              [size, trial] + [row["fp"].get(h, "") for h in hmms]
-              + [row["gap"].get(h, "") for h in gaps]
-              + [f"{np.mean(row[a]):.1f}" if a in row else "" for a in arms]
-              for (size, trial), row in sorted(rows.items())])) + [""]
-  return "\n".join(out)
+  panels: dict = {}
+  for r in lines:
+    panels.setdefault((r.backbone, r.panel), []).append(r)
+  for (backbone, panel), rs in sorted(panels.items()):  # left before right
+    arms = sorted({(r.hmm, r.method, r.features) for r in rs})
+    rows: dict = {}
+    for r in rs:
+      row = rows.setdefault((r.size, r.trial), {"fp": {}, "gap": {}})
+      row["fp"][r.hmm] = r.hmm_fingerprint
+      if r.pretrain_ce_gap is not None:  # a fallback's depth named
+        row["gap"][r.hmm] = f"{r.pretrain_ce_gap:.4f}" + (
+            f" ({r.pretrain_layers} layers)" if r.pretrain_layers else "")
+      row.setdefault((r.hmm, r.method, r.features), []).append(
+          100.0 * r.test_accuracy)
+    hmms = sorted({a[0] for a in arms})
+    gaps = hmms if backbone == "transformer" else []
+    head = (["size", "trial"] + [f"{h} HMM" for h in hmms]
+            + [f"{h} gap" for h in gaps]
+            + [f"{h}: {_method_label(m)} ({f})" for h, m, f in arms])
+    out += [f"### {backbone}, {panel} panel", ""] + files_lib.markdown_table(
+        head, [[size, trial] + [row["fp"].get(h, "") for h in hmms]
+               + [row["gap"].get(h, "") for h in gaps]
+               + [f"{np.mean(row[a]):.1f}" if a in row else "" for a in arms]
+               for (size, trial), row in sorted(rows.items())]) + [""]
+  return "\n".join(out) if lines else ""
 
 
 def wins_table(lines: list[schema.ResultLine]) -> str:
   """Markdown: per backbone and left-panel size, on how many draws prompt
   tuning beats head tuning (each draw's tasks averaged)."""
+  by: dict = {}
+  for r in lines:
+    if r.panel == "left":
+      by.setdefault((r.backbone, r.features, r.size), {}).setdefault(
+          r.trial, {}).setdefault(r.method, []).append(r.test_accuracy)
   rows = []
-  for backbone in sorted({r.backbone for r in lines}):
-    for features in sorted({r.features for r in lines}):
-      by: dict = {}
-      for r in lines:
-        if (r.backbone, r.panel, r.features) == (backbone, "left", features):
-          by.setdefault((r.size, r.trial), {}).setdefault(
-              r.method, []).append(r.test_accuracy)
-      for size in sorted({s for s, _ in by}):
-        pairs = [(np.mean(m["prompt_linear"]), np.mean(m["head_linear"]))
-                 for (s, _), m in by.items() if s == size
-                 and "prompt_linear" in m and "head_linear" in m]
-        if pairs:
-          p, h = np.array(pairs).T
-          rows.append((backbone, features, size, len(pairs), int((p > h).sum()),
-                       int((p == h).sum()), int((p < h).sum())))
+  for (backbone, features, size), trials in sorted(by.items()):
+    pairs = [(np.mean(m["prompt_linear"]), np.mean(m["head_linear"]))
+             for m in trials.values()
+             if "prompt_linear" in m and "head_linear" in m]
+    if pairs:
+      p, h = np.array(pairs).T
+      rows.append((backbone, features, size, len(pairs), int((p > h).sum()),
+                   int((p == h).sum()), int((p < h).sum())))
   return _section("Prompt vs head tuning, draw by draw (left panel)",
                   ("backbone", "features", "size", "draws", "prompt wins",
                    "ties", "head wins"), rows)
@@ -178,8 +160,8 @@ def _section(title: str, header: tuple[str, ...], rows: list) -> str:
 
 
 def _method_label(method: str) -> str:
-  """``prompt_linear`` -> ``prompt linear``, or its :data:`_ARM_LABELS`."""
-  return _ARM_LABELS.get(method, method.replace("_", " "))
+  """``prompt_linear`` -> ``prompt linear``, or its :data:`_ARMS` label."""
+  return _ARMS[method][0] if method in _ARMS else method.replace("_", " ")
 
 
 def _label(k) -> str:
@@ -230,9 +212,10 @@ def write_table(summary: dict, path: str, extra: str = "",
         [s] + [f"~{paper[p][s]}" if s in paper[p] else "" for p in paper]
         + [_cell(*summary[k][s]) if s in summary[k] else "" for k in cols]
         for s in sizes]) + [""]
-    notes = [_ARM_NOTES[m] for m in _ARM_NOTES if any(k[3] == m for k in cols)]
+    notes = [f"* {label}: {note}" for m, (label, note) in _ARMS.items()
+             if any(k[3] == m for k in cols)]
     if notes:
-      out += [f"* {n}" for n in notes] + [""]
+      out += notes + [""]
   if extra:
     out.append(extra)
   files_lib.atomic_write_text(path, "\n".join(out))

@@ -44,8 +44,7 @@ class ResultLine(files_lib.Line):
   pretrain_bayes_ce: float | None = None
   pretrain_steps: int | None = None
   pretrain_wall_s: float | None = None
-  # The fallback's depth where the trial fell back, else None.
-  pretrain_layers: int | None = None
+  pretrain_layers: int | None = None  # the fallback's depth if it fell back
 
   KEY_FIELDS = ("backbone", "panel", "hmm", "num_states", "memory_size",
                 "trial", "task", "method", "features", "setup")
@@ -58,9 +57,7 @@ class ResultLine(files_lib.Line):
 
 def results_path(workdir: str, num_hosts: int = 1, host_index: int = 0):
   """Each host of a sharded sweep writes its own file."""
-  if num_hosts == 1:
-    return os.path.join(workdir, "results.jsonl")
-  return os.path.join(workdir,
+  return os.path.join(workdir, "results.jsonl" if num_hosts == 1 else
                       f"results-{host_index:05d}-of-{num_hosts:05d}.jsonl")
 
 

@@ -26,10 +26,6 @@ def locked(fn: Callable[[], None]) -> None:
     fn()
 
 
-def _ignore(signum, frame) -> None:
-  del signum, frame  # the watcher thread acts; the main thread goes on
-
-
 @contextlib.contextmanager
 def archive_on_signal(save: Callable[[str], None], workdir: str | None = None,
                       resume: str = "") -> Iterator[None]:
@@ -42,7 +38,8 @@ def archive_on_signal(save: Callable[[str], None], workdir: str | None = None,
     return
   read_fd, write_fd = os.pipe()
   os.set_blocking(write_fd, False)  # set_wakeup_fd's requirement
-  before = {sig: signal.signal(sig, _ignore) for sig in SIGNALS}
+  # Handlers that do nothing: the watcher thread acts; the main thread goes on.
+  before = {sig: signal.signal(sig, lambda *_: None) for sig in SIGNALS}
   old_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
   done = threading.Event()
 

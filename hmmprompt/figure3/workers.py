@@ -131,7 +131,6 @@ def claims(claims_dir: str, backbone: str
 
 
 def worker_results_path(workdir: str, worker: int) -> str:
-  """Worker ``worker``'s own results file."""
   return os.path.join(workdir, f"results-worker{worker}.jsonl")
 
 

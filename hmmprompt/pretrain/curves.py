@@ -97,8 +97,7 @@ class Curves:
       return
     losses: dict[int, list[float]] = {}
     # One transfer; rows match trials step by step (a trial may stop).
-    host = jax.device_get([losses_K for _, losses_K in kept])
-    for (trials, _), losses_K in zip(kept, host):
+    for trials, losses_K in jax.device_get(kept):
       for k, loss in zip(map(int, trials), losses_K):
         losses.setdefault(k, []).append(float(loss))
     for k, ls in sorted(losses.items()):
@@ -117,8 +116,7 @@ class Curves:
     now, events = time.time(), []
     for axis, x in zip(AXES, (step, step * self.tokens_per_step)):
       summary = summary_pb2.Summary(value=[
-          summary_pb2.Summary.Value(tag=f"{axis}/{name}",
-                                    simple_value=float(v))
+          summary_pb2.Summary.Value(tag=f"{axis}/{name}", simple_value=float(v))
           for name, v in values.items()])
       events.append(event_pb2.Event(wall_time=now, step=x, summary=summary))
     self._files[trial].write(events)

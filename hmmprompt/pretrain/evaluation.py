@@ -41,21 +41,18 @@ def validation_set(key, model: generative.Model,
   inputs, weights = corpus_lib.mask_tokens(
       jax.random.fold_in(key, 1), seqs, cfg.corpus.mask_rate,
       cfg.model.vocab_size, bert=False)
-  exact = _exact_conditionals(
+  return ValidationSet(inputs, seqs, weights, _exact_conditionals(
       generative.as_hmm(model), inputs,
-      hmm_lib.resolve_method(cfg.exact_method, inputs.shape[-1]))
-  return ValidationSet(inputs, seqs, weights, exact)
+      hmm_lib.resolve_method(cfg.exact_method, inputs.shape[-1])))
 
 
 def gap_sums(p_model, targets, weights, exact) -> jax.Array:
   """``[4]``: weighted sums of the model's CE, the Bayes CE, their TV and
   the weight, from ``p_model [..., V]`` (traceable)."""
-  take = lambda p: jnp.take_along_axis(p, targets[..., None], -1)[..., 0]
-  ce_model = -jnp.log(jnp.maximum(take(p_model), 1e-30))
-  ce_bayes = -jnp.log(jnp.maximum(take(exact), 1e-30))
-  tv = 0.5 * jnp.sum(jnp.abs(p_model - exact), -1)
-  return jnp.stack([jnp.sum(ce_model * weights), jnp.sum(ce_bayes * weights),
-                    jnp.sum(tv * weights), jnp.sum(weights)])
+  ce = lambda p: -jnp.log(jnp.maximum(
+      jnp.take_along_axis(p, targets[..., None], -1)[..., 0], 1e-30))
+  sums = [ce(p_model), ce(exact), 0.5 * jnp.sum(jnp.abs(p_model - exact), -1)]
+  return jnp.stack([jnp.sum(x * weights) for x in sums] + [jnp.sum(weights)])
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
@@ -66,17 +63,14 @@ def _eval_sums(params, model_cfg, inputs, targets, weights, exact):
 
 def evaluate(params, cfg: PretrainConfig, val: ValidationSet) -> dict:
   """``{"mlm_ce", "bayes_ce", "tv", "ce_gap", "eval_positions"}``."""
-  return evaluate_predictions(
-      lambda sl: _eval_sums(params, cfg.model, *(x[sl] for x in val)), val,
-      cfg.eval_batch)
+  return evaluate_predictions(lambda sl: _eval_sums(
+      params, cfg.model, *(x[sl] for x in val)), val, cfg.eval_batch)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
-def _group_sums(params_N, model_cfg, trials_per_vmap: int, inputs_NxBxT,
-                targets_NxBxT, weights_NxBxT, exact_NxBxTxV):
+def _group_sums(params_N, model_cfg, trials_per_vmap: int, *val_NxB):
   return train.map_trials(lambda a: _eval_sums(a[0], model_cfg, *a[1:]),
-                          (params_N, inputs_NxBxT, targets_NxBxT,
-                           weights_NxBxT, exact_NxBxTxV), trials_per_vmap)
+                          (params_N, *val_NxB), trials_per_vmap)
 
 
 def evaluate_group(params_N, cfg: PretrainConfig,
@@ -85,9 +79,8 @@ def evaluate_group(params_N, cfg: PretrainConfig,
   num, seqs = vals_N.inputs.shape[:2]
   tot = np.zeros((num, 4))
   for i in range(0, seqs, cfg.eval_batch):
-    part = jax.tree.map(lambda x: x[:, i:i + cfg.eval_batch], vals_N)
-    tot += np.asarray(_group_sums(params_N, cfg.model, cfg.trials_per_vmap,
-                                  *part))
+    tot += np.asarray(_group_sums(params_N, cfg.model, cfg.trials_per_vmap, *(
+        x[:, i:i + cfg.eval_batch] for x in vals_N)))
   return [_metrics(t) for t in tot]
 
 

@@ -70,8 +70,7 @@ class _Progress:
 
   def flush(self, done: int, last_ckpt: int | None, ckpt_dir: str) -> float:
     """Logs the steps since the last flush; returns their tokens/s."""
-    losses = np.asarray(jnp.stack(self.pending))
-    self.pending = []
+    losses, self.pending = np.asarray(jnp.stack(self.pending)), []
     if not np.all(np.isfinite(losses)):
       bad = done - len(losses) + int(np.argmin(np.isfinite(losses)))
       raise FloatingPointError(
@@ -80,19 +79,15 @@ class _Progress:
           f"raise --warmup_steps")
     now, total = time.perf_counter(), self.cfg.total_steps
     # The ETA excludes compilation: it counts from the first flush.
-    self.first = self.first or (now, done)
-    t_first, step_first = self.first
+    t_first, step_first = self.first = self.first or (now, done)
     tokens = self.cfg.batch_size * self.cfg.corpus.chunk_len * self.trials
     rate = tokens * (done - self.step_last) / max(now - self.t_last, 1e-9)
-    if done > step_first:
-      sec_per_step = (now - t_first) / (done - step_first)
-    else:
-      sec_per_step = (now - self.t_last) / max(done - self.step_last, 1)
+    sec_per_step = ((now - t_first) / (done - step_first) if done > step_first
+                    else (now - self.t_last) / max(done - self.step_last, 1))
     mfu = (f" MFU {100 * rate * self.flops_per_token / self.peak_flops:.1f}%"
            if self.peak_flops else "")
-    self.log(f"step {done}/{total} loss {losses.mean():.4f} "
-             f"{rate / 1e3:.1f}k tokens/s{mfu} ETA "
-             f"{sec_per_step * (total - done):.0f}s")
+    self.log(f"step {done}/{total} loss {losses.mean():.4f} {rate / 1e3:.1f}k "
+             f"tokens/s{mfu} ETA {sec_per_step * (total - done):.0f}s")
     self.t_last, self.step_last = now, done
     return rate
 
@@ -161,30 +156,23 @@ def train_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   finals, states, deeps = _run_trials(workdir, cfg, models_K, log, None,
                                       checkpoints=False, stop_at=stop_at)
   infos = [workdir_lib.TrialInfo(
-      cfg, generative.trial(models_K, k),
-      deeps[k][0] if k in deeps else finals[k], int(states.step[k]))
-           for k in range(len(finals))]
-  return workdir_lib.with_fallbacks(
-      cfg, states.params, infos,
-      {k: (deep_states.params, workdir_lib.TrialInfo(
-          cfg.fallback(k), infos[k].model, deep_line,
-          int(deep_states.step[0])))
-       for k, (_, deep_line, deep_states) in deeps.items()})
+      cfg, generative.trial(models_K, k), deeps[k][0] if k in deeps else line,
+      int(states.step[k])) for k, line in enumerate(finals)]
+  return workdir_lib.with_fallbacks(cfg, states.params, infos, {
+      k: (deep_states.params, workdir_lib.TrialInfo(
+          cfg.fallback(k), infos[k].model, deep_line, int(deep_states.step[0])))
+      for k, (_, deep_line, deep_states) in deeps.items()})
 
 
 def _run_trials(workdir, cfg, models_K, log, after_step,
                 checkpoints: bool = True, stop_at: float | None = None):
   """``(finals, states, {k: (own last line, deep line, deep states)})``."""
-  num = generative.num_trials(models_K)
-  if num is None:
+  if (num := generative.num_trials(models_K)) is None:
     raise ValueError("run_trials needs [K] stacked models "
                      "(generative.random_models or generative.stack); use "
                      "run for one model")
-  log(f"pretraining {num} trials in {workdir}"
-      f"{'' if checkpoints else ' (no checkpoints)'}")
-  finals, states = _train_stack(workdir, cfg, models_K, num, log,
-                                after_step, checkpoints=checkpoints,
-                                stop_at=stop_at)
+  finals, states = _train_stack(workdir, cfg, models_K, num, log, after_step,
+                                checkpoints=checkpoints, stop_at=stop_at)
   deeps = {}
   for k, line in enumerate(finals):
     if cfg.falls_back(line):
@@ -195,9 +183,8 @@ def _run_trials(workdir, cfg, models_K, log, after_step,
           f"{' from it' if cfg.fallback_init == 'warm' else ''}")
       deep_cfg = cfg.fallback(k)
       # Warm: trial k's state as it stopped (stopped rows never move).
-      init = (None if cfg.fallback_init == "scratch" else
-              lambda keys, k=k, deep_cfg=deep_cfg: train.grown_states(
-                  _take(states, np.asarray([k])), keys, deep_cfg))
+      init = None if cfg.fallback_init == "scratch" else lambda keys: (
+          train.grown_states(_take(states, np.asarray([k])), keys, deep_cfg))
       (deep,), deep_states = _train_stack(
           workdir_lib.fallback_dir(workdir, k), deep_cfg,
           generative.stack([generative.trial(models_K, k)]), 1, log,
@@ -246,17 +233,16 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   tag = (lambda k: "") if num == 1 else (lambda k: f"trial {k} ")
 
   # Resume: the newest readable checkpoint and the evaluations up to it.
-  ckpts, stopped = ((ckpt_lib.Checkpoints(paths.ckpt, keep=cfg.keep),
-                     ckpt_lib.Checkpoints(paths.stopped, keep=None))
-                    if checkpoints else (None, None))
-  found = (workdir_lib.restore(ckpts, stopped, cfg, num, log=log)
-           if ckpts is not None else None)
-  saved_rows: list[int] = []
+  ckpts = stopped = found = None
+  if checkpoints:
+    ckpts = ckpt_lib.Checkpoints(paths.ckpt, keep=cfg.keep)
+    stopped = ckpt_lib.Checkpoints(paths.stopped, keep=None)
+    found = workdir_lib.restore(ckpts, stopped, cfg, num, log=log)
+  start, states, saved_rows = found or (0, None, [])
   if found is None:
-    start, states = 0, (train.init_states(keys.init, cfg) if init is None
-                        else init(keys.init))
+    states = (train.init_states(keys.init, cfg) if init is None
+              else init(keys.init))
   else:
-    start, states, saved_rows = found
     log(f"resumed {'' if num == 1 else f'{num} trials '}from step {start}")
   if stopped is not None:
     for s in stopped.all_steps():
@@ -274,8 +260,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
       retained.save(step, states)
       have.add(step)
 
-  lost = [s for s in cfg.retain if s < start and s not in have]
-  if lost:
+  if lost := [s for s in cfg.retain if s < start and s not in have]:
     log(f"retain: steps {lost} were trained past without being retained "
         f"(resumed from step {start}); a new workdir retains them")
   retain(start, states)
@@ -303,9 +288,8 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
                         chunks is None, mesh)
   train_step = train.make_train_step(cfg, mesh)
   # Stopped trials are never evaluated again: no validation set for them.
-  vals = {k: evaluate_lib.validation_set(keys.val[k],
-                                         generative.trial(models_K, k), cfg)
-          for k in running}
+  vals = {k: evaluate_lib.validation_set(
+      keys.val[k], generative.trial(models_K, k), cfg) for k in running}
   progress = _Progress(cfg, start, log, trials=len(running))
   # Written, never read: no result depends on them.
   curves = curves_lib.Curves(workdir, cfg.batch_size * cfg.corpus.chunk_len)
@@ -339,9 +323,8 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
       return []
     before = list(running)
     for k in [k for k in running if _reached(cfg, last[k])]:
-      log(f"{tag(k)}CE gap {last[k]['ce_gap']:.4f} <= target "
-          f"{cfg.target_gap} at step {step}: stopping"
-          f"{'' if num == 1 else ' it'}")
+      log(f"{tag(k)}CE gap {last[k]['ce_gap']:.4f} <= target {cfg.target_gap} "
+          f"at step {step}: stopping{'' if num == 1 else ' it'}")
       running.remove(k)
     for k in [k for k in running if cfg.falls_back(last[k])]:
       running.remove(k)  # to its fallback (run_trials), before the cap
@@ -418,16 +401,14 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
 
 def evaluate_checkpoints(cfg: PretrainConfig, models_K: generative.Model,
                          params_QxK) -> list[list[dict]]:
-  """``metrics[q][k]``: the metrics of ``params_QxK[q, k]`` on its
-  validation set, evaluated as the loop evaluates
-  (:func:`evaluation.evaluate_group`): at an evaluation step, that step's
-  ``metrics.jsonl`` line."""
+  """``metrics[q][k]``: the metrics of ``params_QxK[q, k]`` on its validation
+  set, evaluated as the loop evaluates (:func:`evaluation.evaluate_group`): at
+  an evaluation step, that step's ``metrics.jsonl`` line."""
   num = cast(int, generative.num_trials(models_K))  # stacked: an int
   keys = Keys.of(cfg.seed, num)
-  vals = [evaluate_lib.validation_set(keys.val[k],
-                                      generative.trial(models_K, k), cfg)
-          for k in range(num)]
-  vals_K = jax.tree.map(lambda *xs: jnp.stack(xs), *vals)
+  vals_K = jax.tree.map(lambda *xs: jnp.stack(xs), *[
+      evaluate_lib.validation_set(keys.val[k], generative.trial(models_K, k),
+                                  cfg) for k in range(num)])
   return [evaluate_lib.evaluate_group(_take(params_QxK, q), cfg, vals_K)
           for q in range(jax.tree.leaves(params_QxK)[0].shape[0])]
 

@@ -66,8 +66,7 @@ def table(runs) -> str:
         f"{m['tv']:.4f}") for name, k, m in rows])
   gaps = np.array([m["ce_gap"] for _, _, m in rows])
   out += ["", f"{len(rows)} trials; gap median {np.median(gaps):.4f}, max "
-          f"{gaps.max():.4f}; total pretraining wall time {total:.0f} s.",
-          ""]
+          f"{gaps.max():.4f}; total pretraining wall time {total:.0f} s.", ""]
   return "\n".join(out)
 
 
@@ -102,9 +101,8 @@ def write_plot(runs, path: str) -> list[tuple[str, int]]:
         ax.annotate(f"trial {k}", (x[-1], gap[-1]), fontsize=7,
                     color="red", xytext=(3, 3), textcoords="offset points")
     ax.axhline(target, color="black", ls="--", lw=1, label=f"target {target:g}")
-    ax.set_yscale("log")
+    ax.set(yscale="log", xlabel="training tokens per trial")
     ax.set_title(f"{name}: {reached}/{len(by_trial)} at target", fontsize=9)
-    ax.set_xlabel("training tokens per trial")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="lower left")  # early gaps are high
   for ax in axes[:, 0]:
@@ -120,13 +118,12 @@ def section(workdir: str) -> str:
   """Writes ``DIR/pretraining.png`` (:func:`write_plot`); returns
   :func:`table`, the plot linked, the stalled trials named ("" if none)."""
   found = runs(workdir)
-  text = table(found)
   if not found:
-    return text
-  stalled = write_plot(found, os.path.join(workdir, PLOT))
-  text += (f"\n![Held-out Bayes gap of every pretrained trial against "
-           f"training tokens, one panel per model]({PLOT})\n")
-  if stalled:
+    return ""
+  text = table(found) + (
+      f"\n![Held-out Bayes gap of every pretrained trial against training "
+      f"tokens, one panel per model]({PLOT})\n")
+  if stalled := write_plot(found, os.path.join(workdir, PLOT)):
     text += ("\nEnded above the target gap: "
              + ", ".join(f"{name} trial {k}" for name, k in stalled) + ".\n")
   return text

@@ -35,22 +35,19 @@ def lr_schedule(cfg: PretrainConfig):
     warmup = min(cfg.warmup_steps, max(length - 1, 0))
     return optax.join_schedules(
         [optax.linear_schedule(0.0, peak, max(warmup, 1)),
-         optax.linear_schedule(peak, 0.0, max(length - warmup, 1))],
-        [warmup])
+         optax.linear_schedule(peak, 0.0, max(length - warmup, 1))], [warmup])
 
-  lengths = cfg.cycles or (cfg.total_steps,)
   parts = [cycle(n, cfg.lr * (cfg.cycle_lr if i else 1.0))
-           for i, n in enumerate(lengths)]
+           for i, n in enumerate(cfg.cycles or (cfg.total_steps,))]
   return optax.join_schedules(parts, list(cfg.cycle_ends[:-1]))
 
 
 def make_optimizer(cfg: PretrainConfig) -> optax.GradientTransformation:
   """Global-norm clipping, then AdamW (or Muon) on :func:`lr_schedule`."""
-  if cfg.optimizer == "muon":
-    opt = optax.contrib.muon(lr_schedule(cfg), weight_decay=cfg.weight_decay,
-                             adam_weight_decay=cfg.weight_decay)
-  else:
-    opt = optax.adamw(lr_schedule(cfg), weight_decay=cfg.weight_decay)
+  opt = (optax.contrib.muon(lr_schedule(cfg), weight_decay=cfg.weight_decay,
+                            adam_weight_decay=cfg.weight_decay)
+         if cfg.optimizer == "muon" else
+         optax.adamw(lr_schedule(cfg), weight_decay=cfg.weight_decay))
   return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), opt)
 
 
@@ -117,12 +114,10 @@ def loss_targets(cfg: PretrainConfig, hmm, inputs_BxT, tokens_BxT, weights_BxT):
   exact conditionals ``[B, T, V]`` given the inputs under ``hmm``."""
   if cfg.targets == "sampled":
     return tokens_BxT
-  exact = functools.partial(corpus_lib.exact_targets,
-                            method=hmm_lib.resolve_method(
-                                cfg.exact_method, inputs_BxT.shape[-1]))
-  exact_BxTxV = jax.vmap(exact, in_axes=(None, 0, 0))(
-      hmm, inputs_BxT, weights_BxT)
-  return jax.lax.stop_gradient(exact_BxTxV)
+  exact = functools.partial(corpus_lib.exact_targets, method=(
+      hmm_lib.resolve_method(cfg.exact_method, inputs_BxT.shape[-1])))
+  return jax.lax.stop_gradient(jax.vmap(exact, in_axes=(None, 0, 0))(
+      hmm, inputs_BxT, weights_BxT))
 
 
 def _step_fn(cfg: PretrainConfig):
@@ -136,9 +131,8 @@ def _step_fn(cfg: PretrainConfig):
     targets = loss_targets(cfg, hmm, inputs_BxT, tokens_BxT, weights_BxT)
     if cfg.state_loss > 0:
       posterior = functools.partial(
-          corpus_lib.exact_state_posterior,
-          method=hmm_lib.resolve_method(cfg.exact_method,
-                                        inputs_BxT.shape[-1]))
+          corpus_lib.exact_state_posterior, method=hmm_lib.resolve_method(
+              cfg.exact_method, inputs_BxT.shape[-1]))
       post_BxTxH = jax.lax.stop_gradient(jax.vmap(
           posterior, in_axes=(None, 0, 0))(hmm, inputs_BxT, weights_BxT))
       w = jnp.float32(cfg.state_loss)

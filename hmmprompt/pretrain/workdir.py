@@ -1,10 +1,10 @@
 """A pretraining run's directory, and loading a finished one for tuning.
 
 Layout :data:`LAYOUT`: ``config.json``, ``hmm.npz`` (the models ``[K]``),
-``checkpoints/`` (orbax, rotated: ``{"trials": [R], "states": TrainState
-[R]}``, the trials still running), ``stopped/`` (each trial once, as it
-stopped), ``metrics.jsonl``, ``retained/`` (:attr:`PretrainConfig.retain`).
-Layout 2 and layout-1 stacked runs resume and load as they are.
+``checkpoints/`` (orbax, rotated: ``{"trials": [R], "states": TrainState [R]}``,
+the trials still running), ``stopped/`` (each trial once, as it stopped),
+``metrics.jsonl``, ``retained/`` (:attr:`PretrainConfig.retain`). Layout 2 and
+layout-1 stacked runs resume and load as they are.
 """
 
 from __future__ import annotations
@@ -72,8 +72,7 @@ def prepare(workdir: str, cfg: PretrainConfig,
   os.makedirs(workdir, exist_ok=True)
   if os.path.exists(paths.config):
     _, old = read_config(paths)
-    diff = identity_lib.differences(old.identity(), cfg.identity())
-    if diff:
+    if diff := identity_lib.differences(old.identity(), cfg.identity()):
       raise ValueError(f"{workdir} holds a run with a different config "
                        f"({'; '.join(diff)}); use a new --workdir (or "
                        f"delete it) to start another")
@@ -162,17 +161,15 @@ def restore(ckpts: ckpt_lib.Checkpoints, stopped: ckpt_lib.Checkpoints | None,
             for s in stopped.all_steps() if s <= step])
   states = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
                         train.abstract_states(cfg, num))
-  found: set[int] = set()
   for part in parts + [saved]:  # the checkpoint's own rows last: they win
     states = put(states, part["trials"], part["states"])
-    found.update(int(k) for k in np.asarray(part["trials"]))
-  lost = sorted(set(range(num)) - found)
-  if lost:
+  rows = [np.asarray(part["trials"]).tolist() for part in parts + [saved]]
+  if lost := sorted(set(range(num)).difference(*rows)):
     raise FileNotFoundError(
         f"trials {lost} are in neither the checkpoint of step {step} in "
         f"{ckpts.directory} nor in stopped/ beside it: the workdir lost "
         f"files; pretrain in a new workdir")
-  return Restored(step, states, [int(k) for k in np.asarray(saved["trials"])])
+  return Restored(step, states, rows[-1])
 
 
 def _open_run(workdir: str) -> tuple[Paths, PretrainConfig, generative.Model,
@@ -185,8 +182,7 @@ def _open_run(workdir: str) -> tuple[Paths, PretrainConfig, generative.Model,
                               f"pretraining workdir")
   _, cfg = read_config(paths)
   models_K = generative.load(paths.model)
-  num = generative.num_trials(models_K)
-  if num is None:
+  if (num := generative.num_trials(models_K)) is None:
     raise ValueError(_LAYOUT1_SINGLE.format(workdir=workdir))
   return paths, cfg, models_K, num
 
@@ -222,9 +218,8 @@ class TrialInfo(NamedTuple):
 
 def load_trials(workdir: str) -> tuple[Backbone, Any, list[TrialInfo]]:
   """``(backbone, params_K, infos)`` of a run, for :func:`tuning.tune_trials`
-  (fallbacks: :func:`with_fallbacks`). ``FileNotFoundError``: not a
-  workdir, or no readable checkpoint; ``ValueError``: a layout-1 one-model
-  run."""
+  (fallbacks: :func:`with_fallbacks`). ``FileNotFoundError``: not a workdir, or
+  no readable checkpoint; ``ValueError``: a layout-1 one-model run."""
   paths, cfg, models_K, num = _open_run(workdir)
   ckpts = ckpt_lib.Checkpoints(paths.ckpt, keep=cfg.keep)
   stopped = (ckpt_lib.Checkpoints(paths.stopped, keep=None)
@@ -264,12 +259,9 @@ def with_fallbacks(cfg, params_K, infos: list[TrialInfo],
   params_K = depth.pad_layers(params_K, deep_cfg.num_layers)
   infos = list(infos)
   for k, (deep_K, deep) in sorted(deeps.items()):
-    params_K = jax.tree.map(lambda a, b, k=k: a.at[k].set(b[0]), params_K,
-                            deep_K)
-    infos[k] = deep._replace(
-        model=infos[k].model,
-        metrics=fallback_line(infos[k].metrics, deep.metrics, k,
-                              deep_cfg.num_layers))
+    params_K = jax.tree.map(lambda a, b: a.at[k].set(b[0]), params_K, deep_K)
+    infos[k] = deep._replace(model=infos[k].model, metrics=fallback_line(
+        infos[k].metrics, deep.metrics, k, deep_cfg.num_layers))
   return transformer.make_backbone(deep_cfg), params_K, infos
 
 

@@ -45,21 +45,18 @@ def summarize(lines: list[curve.CurveLine]) -> dict:
                            * max(r.memory_size, 1)) for r in lines}
   for tag in sorted(models_seen, key=lambda t: models_seen[t]):
     mine = [r for r in lines if r.model == tag]
-    out[tag] = {}
     for method in sorted({r.method for r in mine}):
-      ex = {r.trial: r.test_accuracy for r in mine
-            if r.method == method and r.backbone == "exact"}
-      tr = [r for r in mine if r.method == method
-            and r.backbone == "transformer"]
+      ours = [r for r in mine if r.method == method]
+      ex = {r.trial: r.test_accuracy for r in ours if r.backbone == "exact"}
+      tr = [r for r in ours if r.backbone == "transformer"]
       steps = sorted({cast(int, r.step) for r in tr})
       at = {s: [r for r in tr if r.step == s] for s in steps}
-      mean = lambda f, s: float(np.mean([getattr(r, f) for r in at[s]]))
+      means = lambda f: [float(np.mean([getattr(r, f) for r in at[s]]))
+                         for s in steps]
       d: dict[str, Any] = {
-          "steps": steps, "gap": [mean("ce_gap", s) for s in steps],
-          "tv": [mean("tv", s) for s in steps],
-          "acc": [mean("test_accuracy", s) for s in steps],
-          "sd": [float(np.std([r.test_accuracy for r in at[s]]))
-                 for s in steps],
+          "steps": steps, "gap": means("ce_gap"), "tv": means("tv"),
+          "acc": means("test_accuracy"), "sd": [
+              float(np.std([r.test_accuracy for r in at[s]])) for s in steps],
           "exact": float(np.mean(list(ex.values()))) if ex else float("nan"),
           "points": [(r.ce_gap, r.tv, ex[r.trial] - r.test_accuracy)
                      for r in tr if r.trial in ex],
@@ -67,7 +64,7 @@ def summarize(lines: list[curve.CurveLine]) -> dict:
       close = [a >= d["exact"] - WITHIN for a in d["acc"]]
       first = next((i for i in range(len(steps)) if all(close[i:])), None)
       d["within"] = None if first is None else (steps[first], d["gap"][first])
-      out[tag][method] = d
+      out.setdefault(tag, {})[method] = d
   return out
 
 
