@@ -126,9 +126,8 @@ def corruption_likelihood(inputs_T, selected_T, vocab_size: int) -> jax.Array:
   onehot_TxV = jax.nn.one_hot(sym_T, vocab_size)
   noisy_TxV = (_BERT_RANDOM / vocab_size + (1 - _BERT_MASK - _BERT_RANDOM)
                * onehot_TxV) / (1 - _BERT_MASK)
-  selected = (selected_T > 0)[:, None]
   return jnp.where((inputs_T == hmm_lib.MASK)[:, None], 1.0,
-                   jnp.where(selected, noisy_TxV, onehot_TxV))
+                   jnp.where((selected_T > 0)[:, None], noisy_TxV, onehot_TxV))
 
 
 def exact_state_posterior(hmm: hmm_lib.HMM, inputs_T, selected_T,

@@ -16,7 +16,7 @@ posteriors and conditionals, never NaN.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import jax
 from jax.experimental import checkify
@@ -125,14 +125,7 @@ def check_tokens(tokens, vocab_size: int) -> jax.Array:
   return jnp.asarray(arr, dtype=jnp.int32)
 
 
-class HasVocab(Protocol):
-  """A model with a vocabulary (:class:`HMM`, the memory HMMs)."""
-
-  @property
-  def vocab_size(self) -> int: ...
-
-
-def check_sequence(tokens, hmm: HasVocab) -> jax.Array:
+def check_sequence(tokens, hmm: Emitting) -> jax.Array:
   """:func:`check_tokens` for one non-empty sequence ``[T]``; returns it."""
   tokens = check_tokens(tokens, hmm.vocab_size)
   if tokens.ndim != 1 or tokens.shape[0] == 0:

@@ -18,11 +18,6 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-def batch_sharded(mesh: Mesh) -> NamedSharding:
-  """Leading (batch) axis split over the devices."""
-  return NamedSharding(mesh, P(DATA))
-
-
 def trial_batch_sharded(mesh: Mesh) -> NamedSharding:
   """``[K, B, ...]``: trials replicated, the batch split over the devices."""
   return NamedSharding(mesh, P(None, DATA))

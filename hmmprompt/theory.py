@@ -96,18 +96,14 @@ def _primitive(support_HxH: np.ndarray) -> bool:
   return bool(reach.all())
 
 
-def _strongly_connected(support_HxH: np.ndarray) -> bool:
-  # Irreducible iff I + A is primitive.
-  return _primitive(support_HxH | np.eye(len(support_HxH), dtype=bool))
-
-
 def assumption_3_2(hmm: hmm_lib.HMM) -> Verdict:
   """The chain is ergodic (irreducible, aperiodic) and P[H_0] has full
   support."""
   trans = _np(hmm.transition) > SUPPORT_TOL
   init = _np(hmm.initial)
   details = {"min_initial": float(init.min())}
-  if not _strongly_connected(trans):
+  # Irreducible iff I + A is primitive.
+  if not _primitive(trans | np.eye(len(trans), dtype=bool)):
     return Verdict("3.2", False, "the chain is reducible (not every state "
                    "reaches every other)", details)
   if not _primitive(trans):

@@ -187,10 +187,10 @@ def test_a_workdir_holds_one_setup(tmp_path):
   paper = figure3.get_setup("paper")
   assert (paper.trials, paper.right_trials, paper.tasks_per_hmm) == (20, 5, 1)
   # A vanilla HMM both panels use is one stack of the larger count.
-  assert sweep.stack_size(paper, protocol.vanilla(8)) == 20
-  assert sweep.stack_size(paper, protocol.vanilla(20)) == 5
-  assert sweep.stack_size(paper, protocol.memory(7)) == 5
-  assert sweep.stack_size(paper, protocol.vanilla(30)) == 20
+  assert sweep.stack_sizes(paper)[protocol.vanilla(8)] == 20
+  assert sweep.stack_sizes(paper)[protocol.vanilla(20)] == 5
+  assert sweep.stack_sizes(paper)[protocol.memory(7)] == 5
+  assert sweep.stack_sizes(paper)[protocol.vanilla(30)] == 20
   tiny = figure3.get_setup("tiny")
   # The plan: each model once, vanilla then memory by size, with its groups.
   by_model = sweep.plan(tiny)
@@ -639,7 +639,7 @@ def test_plan_adds_the_arms_beyond_the_paper():
       ("right", "head", "attention", "adam"),
       ("right", "prompt", "attention", "adam")]
   # Stacks keep their sizes: the new arms are on panels already planned.
-  assert all(sweep.stack_size(both, m) == sweep.stack_size(tiny, m)
+  assert all(sweep.stack_sizes(both)[m] == sweep.stack_sizes(tiny)[m]
              for m in sweep.plan(tiny))
 
 

@@ -83,7 +83,7 @@ def test_a_sweep_files_each_cell_once_with_its_draw(tmp_path, tuned):
                    ("right", "vanilla", 8, "head_linear"): one,
                    ("right", "memory", 8, "head_attention"): one}
   for mid in (H4, H8, M2):
-    stack = protocol.draw_stack(SETUP, mid, sweep.stack_size(SETUP, mid),
+    stack = protocol.draw_stack(SETUP, mid, sweep.stack_sizes(SETUP)[mid],
                                 SETUP.tasks_per_hmm, verdicts=True)
     for r in lines:
       if (r.hmm, r.num_states, r.memory_size) != (mid.hmm, mid.num_states,
@@ -202,7 +202,7 @@ def test_a_bad_run_is_refused_by_name_before_any_work(tmp_path, tuned,
 
 
 def test_exact_backbones_are_the_stacks_hmms(tmp_path):
-  models = protocol.make_models(SETUP, H8, sweep.stack_size(SETUP, H8))
+  models = protocol.make_models(SETUP, H8, sweep.stack_sizes(SETUP)[H8])
   assert generative.num_trials(models) == 2
   bb, params_K, fields, configs = sweep.backbones(str(tmp_path), SETUP, H8,
                                                   models, "exact")
@@ -326,8 +326,8 @@ def test_a_transformer_sweep_pretrains_each_stack_in_its_own_directory(
       (protocol.pretrain_dir(workdir, setup, mid), setup.pretrain)
       for mid in (H4, H8)]
   for (_, _, models), mid in zip(pretrained, (H4, H8)):
-    assert generative.same(models, protocol.make_models(setup, mid,
-                                                      sweep.stack_size(setup, mid)))
+    assert generative.same(models, protocol.make_models(
+        setup, mid, sweep.stack_sizes(setup)[mid]))
   assert [c[:3] for c in tuned] == [
       ("head", "linear", "adam"), ("prompt", "linear", "adam"),
       ("finetune", "linear", "adam")] * 2

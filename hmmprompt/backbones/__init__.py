@@ -38,9 +38,8 @@ class Backbone:
     emb_TxD = self.embed(params, tokens_T)
     if prompt_raw_PxD is None:
       return emb_TxD
-    return jax.numpy.concatenate(
-        [self.prompt_embedding(prompt_raw_PxD).astype(emb_TxD.dtype),
-         emb_TxD], axis=0)
+    prompt_PxD = self.prompt_embedding(prompt_raw_PxD).astype(emb_TxD.dtype)
+    return jax.numpy.concatenate([prompt_PxD, emb_TxD], axis=0)
 
   def outputs(self, params: Params, tokens_T: jax.Array,
               prompt_raw_PxD: jax.Array | None = None):

@@ -129,8 +129,7 @@ def _attention_op(implementation: str | None, biased: bool):
   roles = ("qkv", "qkv", "qkv") + (("bias",) if biased else ())
   forward = _folding_vmap(lambda *a: (dpa(*a),), roles, ("qkv",),
                           heads_always=False)
-  backward = _folding_vmap(dpa_vjp, (*roles, "qkv"), roles,
-                           heads_always=biased)
+  backward = _folding_vmap(dpa_vjp, (*roles, "qkv"), roles, heads_always=biased)
 
   @jax.custom_vjp
   def attention(*qkv_bias):
@@ -145,13 +144,11 @@ def dot_product_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, bias_1xNxTxT=None):
   """``jax.nn.dot_product_attention(q, k, v, bias)`` -> ``[B, T, N, H]``
   (bias batch 1 or ``B``, or None), folded under ``vmap`` (see above) and
   differentiable, the bias included."""
-  implementation = dot_product_implementation(q_BxTxNxH.dtype,
-                                              q_BxTxNxH.shape[-1])
-  if bias_1xNxTxT is None:
-    return _attention_op(implementation, False)(q_BxTxNxH, k_BxTxNxH,
-                                                v_BxTxNxH)
-  return _attention_op(implementation, True)(
-      q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, bias_1xNxTxT.astype(q_BxTxNxH.dtype))
+  args = (q_BxTxNxH, k_BxTxNxH, v_BxTxNxH)
+  if bias_1xNxTxT is not None:
+    args += (bias_1xNxTxT.astype(q_BxTxNxH.dtype),)
+  return _attention_op(dot_product_implementation(
+      q_BxTxNxH.dtype, q_BxTxNxH.shape[-1]), bias_1xNxTxT is not None)(*args)
 
 
 CUDNN_FMHA = "__cudnn$fmha"

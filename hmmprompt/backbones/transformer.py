@@ -141,30 +141,26 @@ class Block(nn.Module):
     y = nn.LayerNorm(dtype=dt, name="ln_attn")(x_BxTxD)
     qkv_BxTx3xAxE = TokenDense(3 * d, dtype=dt, name="qkv")(y).reshape(
         b, t, 3, a, e)
+    rows = slice(None) if query is None else slice(query, query + 1)
     if cfg.resolved_attention == "dot_product":  # its layout: [B, T, A, E]
       bias_1xAxTxT = (None if cfg.rel_pos == "none"
                       else rel_bias(cfg, t, self._rel_table())[None])
       out_BxTxAxE = dot_product_attention(
           qkv_BxTx3xAxE[:, :, 0], qkv_BxTx3xAxE[:, :, 1],
           qkv_BxTx3xAxE[:, :, 2], bias_1xAxTxT)
-      x_BxTxD = x_BxTxD + TokenDense(d, dtype=dt, name="attn_out")(
-          out_BxTxAxE.reshape(b, t, d))
-      if query is not None:
-        x_BxTxD = x_BxTxD[:, query:query + 1]
+      x_BxTxD = (x_BxTxD + TokenDense(d, dtype=dt, name="attn_out")(
+          out_BxTxAxE.reshape(b, t, d)))[:, rows]
     else:
       # Heads-major [3, B, A, T, E]: XLA:CPU runs the textbook [B, T, A, E]
       # einsums several times slower (experiments/bench_mlm.py).
-      qkv_3xBxAxTxE = qkv_BxTx3xAxE.transpose(2, 0, 3, 1, 4)
-      q, k, v = qkv_3xBxAxTxE[0], qkv_3xBxAxTxE[1], qkv_3xBxAxTxE[2]
-      rows = slice(None) if query is None else slice(query, query + 1)
+      q, k, v = qkv_BxTx3xAxE.transpose(2, 0, 3, 1, 4)
       q = q[:, :, rows]  # [B, A, Q, E], Q = T or 1
       logits_BxAxQxT = jnp.matmul(q, jnp.swapaxes(k, -1, -2)) / jnp.sqrt(
           jnp.asarray(e, dt))
       if cfg.rel_pos != "none":
         logits_BxAxQxT = logits_BxAxQxT + rel_bias(
             cfg, t, self._rel_table())[:, rows].astype(dt)
-      attn = jax.nn.softmax(logits_BxAxQxT.astype(jnp.float32),
-                            -1).astype(dt)
+      attn = jax.nn.softmax(logits_BxAxQxT.astype(jnp.float32), -1).astype(dt)
       out_BxAxQxE = jnp.matmul(attn, v)
       x_BxTxD = x_BxTxD[:, rows] + TokenDense(d, dtype=dt, name="attn_out")(
           out_BxAxQxE.transpose(0, 2, 1, 3).reshape(b, q.shape[2], d))
@@ -280,33 +276,24 @@ def build_backbone(cfg: MLMConfig, dtype: str = "float32") -> Backbone:
   model = MLM(cfg)
 
   def embed(params, tokens_T):
-    _check_range(tokens_T, cfg)
+    if not isinstance(tokens_T, jax.core.Tracer):
+      hmm_lib.check_tokens(tokens_T, cfg.vocab_size)
     return model.apply(params, tokens_T[None], method=MLM.embed)[0]
 
-  def _check_context(emb_TxD):
+  def apply(params, emb_TxD, index=None):  # apply_at: row index alone
     if emb_TxD.shape[0] > cfg.max_len:
       raise ValueError(f"input of {emb_TxD.shape[0]} positions exceeds the "
                        f"model's context max_len = {cfg.max_len}")
-
-  def apply(params, emb_TxD):
-    _check_context(emb_TxD)
-    logits = model.apply(params, emb_TxD[None], method=MLM.encode)[0]
-    return jax.nn.softmax(logits, -1)
-
-  def apply_at(params, emb_TxD, index):
-    _check_context(emb_TxD)
-    logits = model.apply(params, emb_TxD[None], index, method=MLM.encode_at)
+    if index is None:
+      logits = model.apply(params, emb_TxD[None], method=MLM.encode)
+    else:
+      logits = model.apply(params, emb_TxD[None], index, method=MLM.encode_at)
     return jax.nn.softmax(logits[0], -1)
 
   return Backbone(name="transformer", embed=embed, apply=apply,
-                  apply_at=apply_at, prompt_embedding=lambda raw: raw,
+                  apply_at=apply, prompt_embedding=lambda raw: raw,
                   embed_dim=cfg.d_model, vocab_size=cfg.vocab_size,
                   finetunable=True)
 
 
 _cached_backbone = functools.lru_cache(maxsize=None)(build_backbone)
-
-
-def _check_range(tokens, cfg):
-  if not isinstance(tokens, jax.core.Tracer):
-    hmm_lib.check_tokens(tokens, cfg.vocab_size)

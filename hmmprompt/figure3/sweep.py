@@ -77,11 +77,6 @@ def stack_sizes(setup: configs.Setup) -> dict[ModelId, int]:
           for mid, groups in plan(setup).items()}
 
 
-def stack_size(setup: configs.Setup, mid: ModelId) -> int:
-  """:func:`stack_sizes`' ``mid``."""
-  return stack_sizes(setup)[mid]
-
-
 def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
               models_K: generative.Model, backbone_name: str,
               checkpoints: bool = True, stop_at: float | None = None):

@@ -112,15 +112,13 @@ class TuneConfig:
     if self.optimizer == "lbfgs" and not METHODS[self.method].caches_features:
       cached = tuple(m for m, v in METHODS.items() if v.caches_features)
       raise ValueError(
-          f"TuneConfig.optimizer='lbfgs' solves a head on cached features, "
-          f"but method={self.method!r} does not cache them (it trains "
-          f"through the backbone); use optimizer='adam' for it, or a method "
-          f"from {cached}")
+          f"TuneConfig.optimizer='lbfgs' solves a head on cached features, but "
+          f"method={self.method!r} does not cache them (it trains through the "
+          f"backbone); use optimizer='adam' for it, or a method from {cached}")
     validation.require_positive(self, "prompt_len", "epochs", "batch_size",
                                 "eval_chunk", "lbfgs_max_steps")
     if not self.lbfgs_l2 >= 0:
-      raise ValueError(f"TuneConfig.lbfgs_l2 must be >= 0, got "
-                       f"{self.lbfgs_l2}")
+      raise ValueError(f"TuneConfig.lbfgs_l2 must be >= 0, got {self.lbfgs_l2}")
     for name in ("lbfgs_tol", "lr", "backbone_lr"):
       if not getattr(self, name) > 0:
         raise ValueError(f"TuneConfig.{name} must be > 0, got "
@@ -187,11 +185,6 @@ def backbone_head_inputs(backbone: Backbone, params, cfg: TuneConfig,
                             tasks_lib.mask_index(cfg.num_prompt)), None
 
 
-def _nothing_extra(key, backbone, bparams, cfg):
-  del key, backbone, bparams, cfg
-  return {}
-
-
 def _frozen_inputs(backbone, bparams, tunable, cfg, tokens_T):
   del tunable  # Nothing tunable before the head: cacheable.
   return backbone_head_inputs(backbone, bparams, cfg, tokens_T)
@@ -220,7 +213,7 @@ def _finetuned_inputs(backbone, bparams, tunable, cfg, tokens_T):
 
 
 METHODS: dict[str, Method] = {
-    "head": Method("head", init_extra=_nothing_extra,
+    "head": Method("head", init_extra=lambda *_: {},
                    head_inputs=_frozen_inputs, caches_features=True),
     "prompt": Method("prompt", init_extra=_init_prompt,
                      head_inputs=_prompted_inputs, uses_prompt=True),

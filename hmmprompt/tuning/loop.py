@@ -174,8 +174,7 @@ def _check_lanes(key_L, bparams, data_L: Data, param_axes: int) -> None:
   shapes = {s: tuple(a.shape for a in data_L.split(s)) for s in SPLITS}
   if any(len(t) < 2 or t[:-1] != l or l[:-1] != lanes
          for t, l in shapes.values()):
-    raise ValueError(f"tokens [*L, N, T] and labels [*L, N] disagree: "
-                     f"{shapes}")
+    raise ValueError(f"tokens [*L, N, T] and labels [*L, N] disagree: {shapes}")
   typed = jax.dtypes.issubdtype(key_L.dtype, jax.dtypes.prng_key)
   param_lanes = {x.shape[:param_axes] for x in jax.tree.leaves(bparams)}
   if ((key_L.shape if typed else key_L.shape[:-1]) != lanes
@@ -214,8 +213,7 @@ def tune(key_L, backbone: Backbone, bparams, data_L: Data, cfg: TuneConfig,
   _check_lanes(key_L, bparams, data_L, param_axes)
   t0 = time.perf_counter()
   tunable, losses, accs, lane_steps = jax.block_until_ready(
-      _run_lanes(key_L, bparams, data_L, backbone, cfg, param_axes,
-                 lane_group))
+      _run_lanes(key_L, bparams, data_L, backbone, cfg, param_axes, lane_group))
   seconds = time.perf_counter() - t0
   losses, accs, lane_steps = jax.device_get((losses, accs, lane_steps))
   if cfg.optimizer == "lbfgs":
