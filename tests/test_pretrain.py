@@ -179,6 +179,9 @@ def test_other_config_in_same_workdir_is_refused(trained, model):
                                                    10))
 
 
+# Full suite (2.7 s); the fast tier keeps
+# test_a_nonfinite_state_is_refused_by_leaf_checked_where_it_lives.
+@pytest.mark.slow
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(
     tmp_path, model, monkeypatch):
   real = pretrain_train.make_train_step
@@ -1562,6 +1565,7 @@ def test_run_trials_names_an_unstacked_model(tmp_path, model):
   assert not os.listdir(tmp_path)  # refused before writing anything
 
 
+@pytest.mark.slow  # 2.8 s; the fast tier checks retain's schedule alone
 def test_a_run_resumed_with_retain_keeps_every_step_from_its_resume(
     tmp_path, model):
   """``retain`` is a runtime field: a run started without it and resumed
@@ -1581,6 +1585,9 @@ def test_a_run_resumed_with_retain_keeps_every_step_from_its_resume(
   assert pretrain_workdir.load_retained(workdir)[2] == [10, 15, 25, 30, 35]
 
 
+# Full suite (3.6 s); the fast tier resumes a stack in
+# test_a_crash_between_a_checkpoint_and_its_evaluation_redoes_it.
+@pytest.mark.slow
 def test_a_stopped_trial_keeps_its_state_while_the_others_train(
     tmp_path, monkeypatch):
   """Trial 0 stops at its first evaluation (step 20) while trial 1 trains

@@ -94,6 +94,7 @@ def test_state_loss_steps_and_needs_a_readout():
   np.testing.assert_allclose(post.sum(-1), 1.0, rtol=1e-5)
 
 
+@pytest.mark.slow  # 2.0 s; the kernels' agreement is test_hmm's
 def test_exact_method_is_runtime_and_the_kernels_give_the_same_step():
   """``exact_method`` picks the kernel of the exact targets and the state
   loss's posterior: out of the identity, refused by name when unknown, and

@@ -58,6 +58,7 @@ def tuned(monkeypatch):
   return calls
 
 
+@pytest.mark.slow  # 2.8 s: the full suite's
 def test_a_sweep_files_each_cell_once_with_its_draw(tmp_path, tuned):
   workdir = str(tmp_path)
   assert sweep.run_sweep(SETUP, workdir, "both", "exact") == []

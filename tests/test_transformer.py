@@ -473,6 +473,7 @@ def test_the_config_refuses_unknown_choices_whole():
   assert transformer.MLMConfig(state_readout=0).state_readout == 0
 
 
+@pytest.mark.slow  # 2.3 s: the full suite's
 def test_bfloat16_computes_in_bfloat16_and_returns_float32():
   """``dtype="bfloat16"`` (accelerators): every matmul reads bf16 operands
   (an fp32 one would run at a fraction of the MXU's rate), the residual
