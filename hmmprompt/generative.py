@@ -53,6 +53,11 @@ def latent_size(model: Model) -> int:
   return model.memory_size if is_memory(model) else model.num_states
 
 
+def hidden_size(model: Model) -> int:
+  """States of :func:`as_hmm`'s HMM: ``|H|``, or ``|M||H|`` for memory."""
+  return model.num_states * (model.memory_size if is_memory(model) else 1)
+
+
 def sample_tokens(key, model: Model, length: int) -> jax.Array:
   """``int32 [length]`` tokens from the initial distribution; traceable."""
   return hmm_lib.draw_sequence(key, as_hmm(model), length)[0]

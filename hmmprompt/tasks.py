@@ -200,8 +200,7 @@ def latent_chunk(models_K: Model, config: TaskConfig,
   least 1; ``None`` (all) without a budget."""
   if budget_bytes is None:
     return None
-  hmm = generative.as_hmm(generative.trial(models_K, 0))
-  per_example = 5 * 4 * (config.seq_len + 1) * hmm.transition.shape[-1]
+  per_example = 5 * 4 * (config.seq_len + 1) * generative.hidden_size(models_K)
   trials = generative.num_trials(models_K) or 1
   return max(1, budget_bytes // (per_example * trials))
 

@@ -23,6 +23,11 @@ def test_kind_sizes_and_as_hmm(pair):
   assert generative.as_hmm(vanilla) is vanilla
   product = generative.as_hmm(memory)
   assert product.num_states == 6
+  # hidden_size reads the shapes: as_hmm's states, stacked or not.
+  for model in (vanilla, memory):
+    want = generative.as_hmm(model).num_states
+    assert generative.hidden_size(model) == want
+    assert generative.hidden_size(generative.stack([model, model])) == want
   with pytest.raises(TypeError, match="expected an HMM or a MemoryHMM"):
     generative.kind(np.zeros(3))
 
