@@ -237,9 +237,9 @@ def run_sweep(setup: configs.Setup, workdir: str, panel: str,
   schedule.check()
   if backbone_name == "transformer":
     setup.check_context()
+  by_model, sizes = plan(setup, panel, backbone_name), stack_sizes(setup)
   os.makedirs(workdir, exist_ok=True)
   check_workdir(workdir, setup)
-  by_model, sizes = plan(setup, panel, backbone_name), stack_sizes(setup)
   mine = schedule.mine(list(by_model), lambda mid: (sizes[mid], mid.size))
   if pretrain_only:
     for mid in mine:
