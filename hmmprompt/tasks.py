@@ -214,6 +214,7 @@ def make_tasks(keys_K, models_K: Model, config: TaskConfig = TaskConfig(),
   no label (only the posteriors' last bit). ``ValueError``: not stacked
   models, a key count other than the trial count, or a trial whose every
   draw was degenerate (named)."""
+  chunk = latent_chunk(models_K, config, budget_bytes)
   num = generative.num_trials(models_K)
   if num is None:
     raise ValueError("make_tasks needs [K] stacked models; use make_task "
@@ -221,7 +222,6 @@ def make_tasks(keys_K, models_K: Model, config: TaskConfig = TaskConfig(),
   keys_K = jnp.asarray(keys_K)
   if keys_K.shape[0] != num:
     raise ValueError(f"{keys_K.shape[0]} keys for {num} trials")
-  chunk = latent_chunk(models_K, config, budget_bytes)
   draw = _draw_tasks(config, num > 1, chunk)
   out: list[Task | None] = [None] * num
   share: list[float | None] = [None] * num
