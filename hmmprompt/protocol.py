@@ -290,17 +290,21 @@ def missing(plan: dict, done: set, line_keys: Callable[[Any], dict]) -> dict:
 def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
                schedule: scheduling.Schedule = scheduling.EVERYTHING,
                weight: Callable[[ModelId], float] | None = None) -> list[str]:
-  """The resume loop: for each stack of ``todo`` (``{ModelId: [group]}``,
-  in :meth:`scheduling.Schedule.mine`'s order), ``prepare(mid, groups)``
-  makes it, then each group's ``tune(group, stack)`` lines are appended to
-  ``path``; ``schedule`` bounds the run (a stack's estimate: ``weight(mid)``
-  times the seconds per weight so far). Returns the tags of the stacks
-  skipped for the deadline; raises :class:`DeadlineReached` inside one."""
-  total = sum(len(gs) for gs in todo.values())
+  """The resume loop: for each of this process's stacks of ``todo``
+  (``{ModelId: [group]}``; :meth:`scheduling.Schedule.mine`'s, a stack's
+  cost its weight, then its size), ``prepare(mid, groups)`` makes it, then
+  each group's ``tune(group, stack)`` lines are appended to ``path``;
+  ``schedule`` bounds the run (a stack's estimate: ``weight(mid)`` times
+  the seconds per weight so far). Returns the tags of the stacks skipped
+  for the deadline; raises :class:`DeadlineReached` inside one."""
+  mine = schedule.mine(list(todo), lambda mid: (
+      0 if weight is None else weight(mid), mid.size))
+  total = sum(len(todo[mid]) for mid in mine)
   done, t0, skipped = 0, time.perf_counter(), []
   spent: list[tuple[float, float]] = []  # (seconds, weight) of whole stacks
   deadline, stop_at = schedule.deadline, schedule.stop_at
-  for mid, groups in todo.items():
+  for mid in mine:
+    groups = todo[mid]
     if not groups:
       continue
     now = time.monotonic()

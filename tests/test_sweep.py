@@ -174,10 +174,6 @@ def test_shards_claims_and_deadlines_divide_whole_stacks(tmp_path, tuned):
   assert sweep.run_sweep(SETUP, late, "both", "exact", scheduling.Schedule(
       deadline=time.monotonic() - 1)) == [m.tag for m in order]
   assert tuned == [] and schema.read_results(late) == []
-  # pretrain_only makes the backbones (exact: nothing to make) and tunes
-  # nothing.
-  assert sweep.run_sweep(SETUP, late, "both", "exact", pretrain_only=True) == []
-  assert tuned == [] and sorted(os.listdir(late)) == ["sweep.json"]
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -349,14 +345,13 @@ def test_a_transformer_sweep_pretrains_each_stack_in_its_own_directory(
       H4]] == ["head_linear", "prompt_linear"]
   assert [g.method_name for g in sweep.plan(setup, "left", "exact")[H4]] == [
       "head_linear", "prompt_linear"]
-  # pretrain_only pretrains the claimed stacks and tunes nothing.
+  # pretrain_sweep pretrains the claimed stacks and tunes nothing.
   pretrained.clear()
   tuned.clear()
   asked = []
-  sweep.run_sweep(setup, str(tmp_path / "p"), "both", "transformer",
-            scheduling.Schedule(
-                claim=lambda mid: asked.append(mid) or mid != H4),
-            pretrain_only=True)
+  sweep.pretrain_sweep(setup, str(tmp_path / "p"), "both",
+                       scheduling.Schedule(
+                           claim=lambda mid: asked.append(mid) or mid != H4))
   assert asked == [H8, H4, M2] and tuned == []
   assert [(pdir, cfg) for pdir, cfg, _ in pretrained] == [
       (protocol.pretrain_dir(str(tmp_path / "p"), setup, mid), setup.pretrain)

@@ -218,17 +218,9 @@ def missing_cells(setup: configs.Setup, workdir: str, panel: str,
                  for s in range(setup.tasks_per_hmm)})
 
 
-def run_sweep(setup: configs.Setup, workdir: str, panel: str,
-              backbone_name: str,
-              schedule: scheduling.Schedule = scheduling.EVERYTHING,
-              pretrain_only: bool = False, results_file: str | None = None,
-              checkpoints: bool = True) -> list[str]:
-  """Runs this process's share of the sweep's stacks (``schedule``, a
-  stack's weight its trials), skipping finished lines, into ``results_file``
-  (default: the host shard's); ``checkpoints=False``: pretraining writes
-  none. Returns and raises as :func:`protocol.run_stacks`; ``ValueError``
-  for a bad backbone, panel or shard, a workdir of another setup, or
-  (transformer) inputs longer than the pretrained context."""
+def _start(setup: configs.Setup, workdir: str, panel: str,
+           backbone_name: str, schedule: scheduling.Schedule):
+  """The checks, the plan and the stamped workdir: ``(by_model, sizes)``."""
   if backbone_name not in BACKBONES:
     raise ValueError(f"backbone must be one of {BACKBONES}, got "
                      f"{backbone_name!r}")
@@ -240,15 +232,34 @@ def run_sweep(setup: configs.Setup, workdir: str, panel: str,
   by_model, sizes = plan(setup, panel, backbone_name), stack_sizes(setup)
   os.makedirs(workdir, exist_ok=True)
   check_workdir(workdir, setup)
-  mine = schedule.mine(list(by_model), lambda mid: (sizes[mid], mid.size))
-  if pretrain_only:
-    for mid in mine:
-      if schedule.claim is None or schedule.claim(mid):
-        models_K = protocol.make_models(setup, mid, sizes[mid])
-        backbones(workdir, setup, mid, models_K, backbone_name)
-    return []
-  missing = missing_cells(setup, workdir, panel, backbone_name, by_model)
-  todo = {mid: missing[mid] for mid in mine}
+  return by_model, sizes
+
+
+def pretrain_sweep(setup: configs.Setup, workdir: str, panel: str,
+                   schedule: scheduling.Schedule = scheduling.EVERYTHING
+                   ) -> None:
+  """Pretrains this process's share of the sweep's transformer stacks
+  (``schedule``) and tunes nothing; ``ValueError`` as :func:`run_sweep`."""
+  by_model, sizes = _start(setup, workdir, panel, "transformer", schedule)
+  for mid in schedule.mine(list(by_model), lambda m: (sizes[m], m.size)):
+    if schedule.claim is None or schedule.claim(mid):
+      models_K = protocol.make_models(setup, mid, sizes[mid])
+      backbones(workdir, setup, mid, models_K, "transformer")
+
+
+def run_sweep(setup: configs.Setup, workdir: str, panel: str,
+              backbone_name: str,
+              schedule: scheduling.Schedule = scheduling.EVERYTHING,
+              results_file: str | None = None,
+              checkpoints: bool = True) -> list[str]:
+  """Runs this process's share of the sweep's stacks (``schedule``, a
+  stack's weight its trials), skipping finished lines, into ``results_file``
+  (default: the host shard's); ``checkpoints=False``: pretraining writes
+  none. Returns and raises as :func:`protocol.run_stacks`; ``ValueError``
+  for a bad backbone, panel or shard, a workdir of another setup, or
+  (transformer) inputs longer than the pretrained context."""
+  by_model, sizes = _start(setup, workdir, panel, backbone_name, schedule)
+  todo = missing_cells(setup, workdir, panel, backbone_name, by_model)
 
   def prepare_stack(mid: ModelId, _) -> Trials:
     return prepare(workdir, setup, mid, sizes[mid], backbone_name, checkpoints,

@@ -265,9 +265,7 @@ def run_curve(setup: CurveSetup, workdir: str,
   the workdir holds another setup's curve."""
   check_workdir(workdir, setup)
   done = {line.key() for line in read_curve_lines(workdir)}
-  missing = protocol.missing(plan(setup), done, lambda g: g.keys(setup))
-  mine = schedule.mine(list(missing), lambda mid: mid.size)
-  todo = {mid: list(missing[mid]) for mid in mine}
+  todo = protocol.missing(plan(setup), done, lambda g: g.keys(setup))
 
   def prepare(mid, groups):
     stack = protocol.draw_stack(setup, mid, setup.trials)
