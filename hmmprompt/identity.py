@@ -66,8 +66,7 @@ def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 def check_same(had: dict, want: dict, where: str, what: str = "setup") -> None:
   """``ValueError`` naming every field where ``had`` differs from ``want``."""
-  diff = differences(had, json.loads(json.dumps(want)))
-  if diff:
+  if diff := differences(had, json.loads(json.dumps(want))):
     raise ValueError(
         f"{where} holds results of another {what} ({'; '.join(diff)}); use "
         f"a new --workdir (or the same config) to resume")

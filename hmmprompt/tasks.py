@@ -98,11 +98,6 @@ class Task(NamedTuple):
   redraws: int
 
 
-def num_latent(model: Model) -> int:
-  """``Z``: ``|H|`` for a vanilla HMM, ``|M|`` for a memory HMM."""
-  return generative.latent_size(model)
-
-
 def task_weights(key, num_latent: int, num_classes: int = 2,
                  num_nonzero: int = 6) -> jax.Array:
   """``mu [C, Z]``: ``num_nonzero`` N(0, 1) entries at random positions (all
@@ -152,7 +147,7 @@ def draw_task(key, model: Model, config: TaskConfig, chunk: int | None = None):
   (:func:`make_tasks`). ``chunk``: latent posteriors of this many examples
   at a time (``lax.map``; ``None``: all), bounding memory, no value."""
   k_mu, k_tr, k_va, k_te = jax.random.split(key, 4)
-  mu = task_weights(k_mu, num_latent(model), config.num_classes,
+  mu = task_weights(k_mu, generative.latent_size(model), config.num_classes,
                     config.num_nonzero)
   one = lambda t: label_posterior(model, t, config.labeling)
   splits = []
@@ -236,8 +231,7 @@ def make_tasks(keys_K, models_K: Model, config: TaskConfig = TaskConfig(),
           [s.labels for s in (train, val, test)]), config.num_classes)
       if share_k <= config.max_label_share:
         out[k] = Task(mu, train, val, test, attempt)
-  bad = [k for k in range(num) if out[k] is None]
-  if bad:
+  if bad := [k for k in range(num) if out[k] is None]:
     where = f"trial {bad[0]}: " if num > 1 else ""
     raise ValueError(
         f"{where}every one of {config.max_redraws + 1} drawn tasks was "

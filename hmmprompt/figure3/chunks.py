@@ -256,8 +256,7 @@ def check_chunk(setup: configs.Setup, chunk: str, backbone: str,
 def merge_all(archives: list[str], results_dir: str) -> list[str]:
   """:func:`merge` of each archive in turn; one line of counts for each.
   ``ValueError`` naming a missing archive, or :func:`merge`'s."""
-  missing = [a for a in archives if not os.path.isfile(a)]
-  if missing:
+  if missing := [a for a in archives if not os.path.isfile(a)]:
     raise ValueError(f"--merge: no such archive {missing}")
   return [f"{a}: {c['added']} lines added, {c['kept']} already in "
           f"{results_dir} ({c['conflicts']} with other values, kept)"

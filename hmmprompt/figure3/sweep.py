@@ -127,16 +127,6 @@ class Trials(NamedTuple):
     return out
 
 
-def prepare(workdir: str, setup: configs.Setup, mid: ModelId, num: int,
-            backbone_name: str, checkpoints: bool = True,
-            stop_at: float | None = None) -> Trials:
-  """Draws ``mid``'s ``num`` trials, their tasks and :func:`backbones`."""
-  stack = protocol.draw_stack(setup, mid, num, setup.tasks_per_hmm,
-                              verdicts=True)
-  return Trials(stack, *backbones(workdir, setup, mid, stack.models_K,
-                                  backbone_name, checkpoints, stop_at))
-
-
 def tune_group(setup: configs.Setup, backbone_name: str, g: Group,
                trials: Trials, cells) -> list[schema.ResultLine]:
   """Tunes ``g``'s ``cells`` (``(trial, task)`` pairs) in one program (the
@@ -261,15 +251,19 @@ def run_sweep(setup: configs.Setup, workdir: str, panel: str,
   by_model, sizes = _start(setup, workdir, panel, backbone_name, schedule)
   todo = missing_cells(setup, workdir, panel, backbone_name, by_model)
 
-  def prepare_stack(mid: ModelId, _) -> Trials:
-    return prepare(workdir, setup, mid, sizes[mid], backbone_name, checkpoints,
-                   schedule.stop_at)
+  def prepare(mid: ModelId, _) -> Trials:
+    """Draws ``mid``'s trials, their tasks and :func:`backbones`."""
+    stack = protocol.draw_stack(setup, mid, sizes[mid], setup.tasks_per_hmm,
+                                verdicts=True)
+    return Trials(stack, *backbones(workdir, setup, mid, stack.models_K,
+                                    backbone_name, checkpoints,
+                                    schedule.stop_at))
 
   def tune(g: Group, trials: Trials) -> list[schema.ResultLine]:
     return tune_group(setup, backbone_name, g, trials, todo[g.model_id][g])
 
   return protocol.run_stacks(
-      todo, prepare_stack, tune,
+      todo, prepare, tune,
       results_file or schema.results_path(workdir, schedule.num_hosts,
                                            schedule.host_index),
       schedule, weight=sizes.__getitem__)

@@ -212,8 +212,7 @@ def checkpoints(workdir: str, setup: CurveSetup, mid: protocol.ModelId,
   :func:`protocol.pretrain`."""
   pdir = protocol.pretrain(workdir, setup, mid, models_K)
   backbone, params_QxK, steps, _ = pretrain_lib.load_retained(pdir)
-  missing = sorted(set(setup.pretrain.retain) - set(steps))
-  if missing:
+  if missing := sorted(set(setup.pretrain.retain) - set(steps)):
     raise FileNotFoundError(
         f"{pdir} lacks the retained steps {missing} (it was pretrained "
         f"past them without retaining them); delete it to pretrain again")

@@ -133,7 +133,7 @@ def test_chunks_in_two_processes_merge_to_the_whole_run(tmp_path,
   def boom(*a, **k):
     raise AssertionError("finished work was redone")
 
-  monkeypatch.setattr(sweep, "prepare", boom)
+  monkeypatch.setattr(protocol, "draw_stack", boom)  # no stack is made
   info = chunks.run_chunk(SETUP, "right:2", "exact", merged,
                                str(tmp_path / "out_again"))
   assert info["cells_computed"] == 0 and info["skipped_stacks"] == []
