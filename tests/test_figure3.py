@@ -837,7 +837,8 @@ def test_a_padded_stack_is_tuned_at_each_trials_own_depth():
   stack = lambda *ps: jax.tree.map(lambda *x: np.stack(x), *ps)
   trials = sweep.Trials(None, transformer.make_backbone(deep),
                         stack(padded[0], p1, padded[1]), [{}] * 3,
-                        [shallow, deep, shallow])
+                        [shallow, deep, shallow],
+                        {1: transformer.make_backbone(shallow)})
   (bb_s, params_s, ids_s), (bb_d, params_d, ids_d) = trials.by_depth(
       [0, 1, 2])
   assert (ids_s, ids_d) == ([0, 2], [1])
@@ -854,7 +855,7 @@ def test_a_padded_stack_is_tuned_at_each_trials_own_depth():
     np.testing.assert_allclose(own, pad, rtol=1e-5, atol=1e-6)
   assert [ids for *_, ids in trials.by_depth([2, 1])] == [[2], [1]]
   exact = sweep.Trials(None, trials.backbone, trials.params_K, [{}] * 3,
-                       [None] * 3)
+                       [None] * 3, {})
   assert [ids for *_, ids in exact.by_depth([0, 2])] == [[0, 2]]
   with pytest.raises(ValueError, match="take_layers"):
     depth.take_layers(p0, 2)

@@ -201,14 +201,39 @@ def test_a_bad_run_is_refused_by_name_before_any_work(tmp_path, tuned,
 def test_exact_backbones_are_the_stacks_hmms(tmp_path):
   models = protocol.make_models(SETUP, H8, sweep.stack_sizes(SETUP)[H8])
   assert generative.num_trials(models) == 2
-  bb, params_K, fields, configs = sweep.backbones(str(tmp_path), SETUP, H8,
-                                                  models, "exact")
+  bb, params_K, fields, configs, shallow = sweep.backbones(
+      str(tmp_path), SETUP, H8, models, "exact")
   assert bb.name == "exact" and fields == [{}, {}] and configs == [None] * 2
+  assert shallow == {}
   for k in range(2):
     want = generative.as_hmm(generative.trial(models, k))
     for a, b in zip(jax.tree.leaves(params_K), jax.tree.leaves(want)):
       np.testing.assert_array_equal(a[k], b)
   assert not os.listdir(tmp_path)  # nothing pretrained
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_stack_with_a_deeper_trial_has_a_backbone_per_depth(monkeypatch,
+                                                              dtype):
+  """A trial that fell back to more layers pads the stack: the deepest
+  config's backbone serves the stack, each shallower depth has its own,
+  all in the tuning dtype (what tune_group tunes each trial with)."""
+  setup = dataclasses.replace(SETUP, tune=dataclasses.replace(
+      SETUP.tune, backbone_dtype=dtype))
+  models = protocol.make_models(setup, H4, 2)
+  shallow = setup.pretrain.model
+  deep = dataclasses.replace(shallow, num_layers=shallow.num_layers + 2)
+  infos = [TrialInfo(dataclasses.replace(setup.pretrain, model=m),
+                     generative.trial(models, k), {"ce_gap": 0.01}, 30)
+           for k, m in enumerate((deep, shallow))]
+  monkeypatch.setattr(protocol, "pretrained", lambda *_: (
+      transformer.make_backbone(deep), {"w": np.zeros((2, 3))}, infos))
+  bb, _, fields, configs, by_depth = sweep.backbones(
+      "unused", setup, H4, models, "transformer")
+  assert configs == [deep, shallow] and fields[0]["pretrain_ce_gap"] == 0.01
+  assert bb is transformer.make_backbone(deep, dtype)
+  assert by_depth == {shallow.num_layers: transformer.make_backbone(shallow,
+                                                                    dtype)}
 
 
 def test_a_stack_without_verdicts_is_refused_by_name(tuned):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -80,34 +80,40 @@ def stack_sizes(setup: configs.Setup) -> dict[ModelId, int]:
 def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
               models_K: generative.Model, backbone_name: str,
               checkpoints: bool = True, stop_at: float | None = None):
-  """``(backbone, params_K, pretrain_K, configs_K)`` of ``mid``'s trials
-  (:func:`protocol.pretrained`): ``params_K`` ``[K, ...]`` padded to the
-  deepest, ``pretrain_K[k]`` trial ``k``'s ``pretrain_*`` fields,
-  ``configs_K[k]`` its own transformer config (``{}``, ``None``: exact)."""
+  """``(backbone, params_K, pretrain_K, configs_K, shallow)`` of ``mid``'s
+  trials (:func:`protocol.pretrained`): ``params_K`` ``[K, ...]`` padded to
+  the deepest, ``pretrain_K[k]`` trial ``k``'s ``pretrain_*`` fields,
+  ``configs_K[k]`` its own transformer config (``{}``, ``None``: exact),
+  ``shallow`` the backbone of each depth below the deepest; each backbone
+  in the tuning dtype."""
   if backbone_name == "transformer":
     bb, params_K, infos = protocol.pretrained(workdir, setup, mid, models_K,
                                               checkpoints, stop_at)
-    if setup.tune.backbone_dtype != "float32":  # the same deepest config
-      bb = transformer.make_backbone(
-          max((info.config.model for info in infos),
-              key=lambda m: m.num_layers), setup.tune.backbone_dtype)
+    configs_K = [info.config.model for info in infos]
+    deepest = max(configs_K, key=lambda m: m.num_layers)
+    dtype = setup.tune.backbone_dtype
+    if dtype != "float32":  # the same deepest config
+      bb = transformer.make_backbone(deepest, dtype)
     return (bb, params_K, [protocol.pretrain_fields(info) for info in infos],
-            [info.config.model for info in infos])
+            configs_K, {m.num_layers: transformer.make_backbone(m, dtype)
+                        for m in configs_K
+                        if m.num_layers != deepest.num_layers})
   backbone, hmms_K = exact.make_stacked(models_K)
   num = len(hmms_K.initial)
-  return backbone, hmms_K, [{}] * num, [None] * num
+  return backbone, hmms_K, [{}] * num, [None] * num, {}
 
 
 class Trials(NamedTuple):
   """One :class:`ModelId`'s stack of K trials, ready to tune."""
 
   stack: protocol.Stack
-  backbone: Backbone
+  backbone: Backbone  # the deepest trials' (the padded stack's)
   params_K: Any  # the backbone params, stacked [K, ...]
   pretrain: list[dict]  # [K] the pretrain_* fields of the trial's lines
   mlm_configs: list[transformer.MLMConfig | None]  # [K] own (None: exact)
+  shallow: dict[int, Backbone]  # depth -> backbone, below the deepest
 
-  def by_depth(self, trial_ids: list[int], dtype: str = "float32"
+  def by_depth(self, trial_ids: list[int]
                ) -> list[tuple[Backbone, Any, list[int]]]:
     """``(backbone, params_G, ids)`` per depth among ``trial_ids``: each
     trial tuned at its own depth, not padded (a deeper backward)."""
@@ -118,12 +124,9 @@ class Trials(NamedTuple):
       params = self.params_K
       if ids != list(range(len(depths))):
         params = jax.tree.map(lambda x, ids=ids: x[np.asarray(ids)], params)
-      backbone = self.backbone
       if d != max(depths):  # shallow models inside a padded stack
         params = depth_lib.take_layers(params, d)
-        backbone = transformer.make_backbone(
-            cast(transformer.MLMConfig, self.mlm_configs[ids[0]]), dtype)
-      out.append((backbone, params, ids))
+      out.append((self.shallow.get(d, self.backbone), params, ids))
     return out
 
 
@@ -135,7 +138,7 @@ def tune_group(setup: configs.Setup, backbone_name: str, g: Group,
   task_ids = sorted({s for _, s in cells})
   cfg = g.tune_config(setup.tune)
   fields: dict[int, list[dict]] = {}
-  for backbone, params, ids in trials.by_depth(trial_ids, cfg.backbone_dtype):
+  for backbone, params, ids in trials.by_depth(trial_ids):
     fields.update(zip(ids, protocol.tune_lanes(
         setup, cfg, backbone, params, [(k, task_ids) for k in ids],
         trials.stack)))
