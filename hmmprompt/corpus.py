@@ -31,6 +31,9 @@ _BERT_MASK, _BERT_RANDOM = 0.8, 0.1
 
 @dataclasses.dataclass(frozen=True)
 class CorpusConfig:
+  """Pretraining text (defaults: the paper's corpus): ``num_seqs`` sampled
+  sequences of ``seq_len`` tokens cut into ``chunk_len``-token examples."""
+
   num_seqs: int = 5000
   seq_len: int = 10240
   chunk_len: int = 512
@@ -41,8 +44,7 @@ class CorpusConfig:
   # Added after results were keyed (identity_lib.ADDED): the training
   # batches' masking rate (0: mask_rate); held-out sets keep mask_rate, so
   # the gap is measured on one task whatever the training rate.
-  train_mask_rate: float = dataclasses.field(default=0.0,
-                                             metadata=identity_lib.ADDED)
+  train_mask_rate: float = identity_lib.added(0.0)
 
   def __post_init__(self):
     if self.corruption not in CORRUPTIONS:

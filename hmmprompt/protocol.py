@@ -218,13 +218,12 @@ def pretrain_dir(workdir: str, setup: TrialsConfig, mid: ModelId) -> str:
 
 
 def pretrain(workdir: str, setup: TrialsConfig, mid: ModelId,
-             models_K: generative.Model, stop_at: float | None = None) -> str:
+             models_K: generative.Model) -> str:
   """Pretrains, reuses or resumes ``mid``'s transformers in
   :func:`pretrain_dir`, which it returns."""
   pdir = pretrain_dir(workdir, setup, mid)
   logging.info("pretraining %d trials in %s", len(models_K.initial), pdir)
-  pretrain_lib.run_trials(pdir, setup.pretrain, models_K, log=logging.info,
-                          stop_at=stop_at)
+  pretrain_lib.run_trials(pdir, setup.pretrain, models_K, log=logging.info)
   return pdir
 
 

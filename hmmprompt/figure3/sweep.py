@@ -87,17 +87,15 @@ def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
   ``shallow`` the backbone of each depth below the deepest; each backbone
   in the tuning dtype."""
   if backbone_name == "transformer":
-    bb, params_K, infos = protocol.pretrained(workdir, setup, mid, models_K,
-                                              checkpoints, stop_at)
+    _, params_K, infos = protocol.pretrained(workdir, setup, mid, models_K,
+                                             checkpoints, stop_at)
     configs_K = [info.config.model for info in infos]
     deepest = max(configs_K, key=lambda m: m.num_layers)
-    dtype = setup.tune.backbone_dtype
-    if dtype != "float32":  # the same deepest config
-      bb = transformer.make_backbone(deepest, dtype)
-    return (bb, params_K, [protocol.pretrain_fields(info) for info in infos],
-            configs_K, {m.num_layers: transformer.make_backbone(m, dtype)
-                        for m in configs_K
-                        if m.num_layers != deepest.num_layers})
+    dtype = setup.tune.backbone_dtype  # the loaded backbone's when float32
+    return (transformer.make_backbone(deepest, dtype), params_K,
+            [protocol.pretrain_fields(info) for info in infos], configs_K,
+            {m.num_layers: transformer.make_backbone(m, dtype)
+             for m in configs_K if m.num_layers != deepest.num_layers})
   backbone, hmms_K = exact.make_stacked(models_K)
   num = len(hmms_K.initial)
   return backbone, hmms_K, [{}] * num, [None] * num, {}
