@@ -310,6 +310,9 @@ def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
   monkeypatch.setattr(pretrain_train, "make_train_step", boom)
   figure3.run_sweep(setup, workdir, "both", "transformer")
   assert len(figure3.read_results(workdir)) == 10
+  # Pretraining alone (--pretrain_only) reuses every finished stack.
+  sweep.pretrain_sweep(setup, workdir, "both")
+  assert sorted(os.listdir(os.path.join(workdir, "pretrain"))) == pdirs
   monkeypatch.undo()
 
   # The sweep on 8 host devices: every line as on one device, to float
