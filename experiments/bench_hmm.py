@@ -47,7 +47,6 @@ _HMMLEARN_SEQS = flags.DEFINE_integer(
 
 _NO_BENCH = "not installed (pip install -e '.[bench]')"
 _METHODS = ("sequential", "parallel", "blocked")
-_median_time = mfu.seconds_per_call  # (fn, repeats)
 
 
 def _tokens(model, t: int, b: int, seed: int):
@@ -95,7 +94,7 @@ def _against_first(fns: dict, args, repeats: int, line, first: str):
   for name, fn in fns.items():
     try:
       got = fn(*args)
-      secs = _median_time(lambda fn=fn: fn(*args), repeats)
+      secs = mfu.seconds_per_call(lambda fn=fn: fn(*args), repeats)
     except jax.errors.JaxRuntimeError as e:  # e.g. [B, T, H, H] at 10 240
       print(f"  {name:<34s} failed: {str(e).splitlines()[0][:80]}")
       continue
@@ -114,7 +113,7 @@ def bench_sampling(model):
         f"|X|={model.vocab_size}")
   keys = jax.random.split(jax.random.PRNGKey(0), b)
   ours = jax.jit(jax.vmap(lambda k: hmm_lib.sample(k, model, t)))
-  t_ours = _median_time(lambda: ours(keys), _REPEATS.value)
+  t_ours = mfu.seconds_per_call(lambda: ours(keys), _REPEATS.value)
   _report("hmmprompt jit(vmap(sample))", b * t, t_ours)
   try:
     from dynamax.hidden_markov_model import CategoricalHMM  # pylint: disable=g-import-not-at-top
@@ -124,7 +123,7 @@ def bench_sampling(model):
         transition_matrix=model.transition,
         emission_probs=model.emission[:, None, :])
     dyn_fn = jax.jit(jax.vmap(lambda k: dyn.sample(params, k, t)))
-    t_dyn = _median_time(lambda: dyn_fn(keys), _REPEATS.value)
+    t_dyn = mfu.seconds_per_call(lambda: dyn_fn(keys), _REPEATS.value)
     _report("dynamax CategoricalHMM.sample (jit+vmap)", b * t, t_dyn, t_ours)
   except ImportError:
     print("  dynamax", _NO_BENCH)
@@ -144,18 +143,18 @@ def bench_posterior(model):
   tokens = _tokens(model, t, b, 1)
   ours = jax.jit(jax.vmap(hmm_lib.posterior, in_axes=(None, 0)))
   post = ours(model, tokens)
-  t_ours = _median_time(lambda: ours(model, tokens), _REPEATS.value)
+  t_ours = mfu.seconds_per_call(lambda: ours(model, tokens), _REPEATS.value)
   _report("hmmprompt jit(vmap(posterior))", b * t, t_ours)
   # As many write it: the HMM closed over, its arrays the jit's constants.
   closed = jax.jit(jax.vmap(lambda x: hmm_lib.posterior(model, x)))
-  t_closed = _median_time(lambda: closed(tokens), _REPEATS.value)
+  t_closed = mfu.seconds_per_call(lambda: closed(tokens), _REPEATS.value)
   _report("  same, HMM closed over", b * t, t_closed)
   print(f"    closed over / argument time: {t_closed / t_ours:.2f}")
   par = jax.jit(jax.vmap(lambda m, x: hmm_lib.posterior(m, x,
                                                         method="parallel"),
                          in_axes=(None, 0)))
   err = float(jnp.max(jnp.abs(par(model, tokens) - post)))
-  t_par = _median_time(lambda: par(model, tokens), _REPEATS.value)
+  t_par = mfu.seconds_per_call(lambda: par(model, tokens), _REPEATS.value)
   _report("hmmprompt posterior, method=parallel", b * t, t_par, t_ours)
   print(f"    max |difference| from the scan: {err:.2e}")
   dyn = _dynamax_smoothers(model).get("dynamax hmm_smoother")
@@ -163,7 +162,7 @@ def bench_posterior(model):
     print("  dynamax", _NO_BENCH)
   else:
     err = float(jnp.max(jnp.abs(dyn(tokens) - post)))
-    t_dyn = _median_time(lambda: dyn(tokens), _REPEATS.value)
+    t_dyn = mfu.seconds_per_call(lambda: dyn(tokens), _REPEATS.value)
     _report("dynamax hmm_smoother (jit+vmap)", b * t, t_dyn, t_ours)
     print(f"    max |difference| from hmmprompt: {err:.2e}")
   if (hl := _hmmlearn_model(model)) is None:

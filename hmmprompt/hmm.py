@@ -16,7 +16,7 @@ posteriors and conditionals, never NaN.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 from jax.experimental import checkify
@@ -433,7 +433,8 @@ _AUTO_PARALLEL_FROM = 2048
 
 def resolve_method(method: str, length: int) -> str:
   """The kernel for ``method`` on ``length`` positions (``auto``: parallel
-  on accelerators from 2048 on); ``ValueError`` naming a bad one."""
+  on accelerators from ``_AUTO_PARALLEL_FROM`` on); ``ValueError`` naming a
+  bad one."""
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
   if method == "auto":
@@ -476,12 +477,12 @@ def token_conditionals(hmm: HMM, tokens_T: jax.Array,
 # Entry points: each checks its input and runs its kernel, jitted.
 
 
-def _with_method(hmm: HMM, inputs, method: str, check) -> Any:
-  """The kernel's arguments: the checked model and inputs ``[T, ...]``, and
-  ``method`` resolved for ``T``."""
-  hmm = check_model(hmm)
-  inputs = check(inputs, hmm)
-  return validation.kernel_args(hmm, inputs,
+def method_args(model, inputs, method: str, check, check_model=check_model):
+  """An entry point's kernel arguments: the checked model (``check_model``)
+  and inputs ``[T, ...]`` (``check``), and ``method`` resolved for ``T``."""
+  model = check_model(model)
+  inputs = check(inputs, model)
+  return validation.kernel_args(model, inputs,
                                 resolve_method(method, inputs.shape[0]))
 
 
@@ -502,36 +503,36 @@ def embed(hmm: HMM, tokens) -> jax.Array:
 @validation.entry_point(smooth_by, static_argnums=2)
 def smooth(hmm: HMM, evidence, method: str = "auto") -> Smoothed:
   """Forward-backward on evidence vectors ``[T, H]`` (Appendix B)."""
-  return _with_method(hmm, evidence, method, check_evidence)
+  return method_args(hmm, evidence, method, check_evidence)
 
 
 @validation.entry_point(token_smooth, static_argnums=2, field="log_likelihood")
 def log_likelihood(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``log P(x)`` of the observed tokens (``MASK`` positions marginalised)."""
-  return _with_method(hmm, tokens, method, check_sequence)
+  return method_args(hmm, tokens, method, check_sequence)
 
 
 @validation.entry_point(token_smooth, static_argnums=2, field="posterior")
 def posterior(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``[T, H]``: ``P[H_t | observed tokens]``."""
-  return _with_method(hmm, tokens, method, check_sequence)
+  return method_args(hmm, tokens, method, check_sequence)
 
 
 @validation.entry_point(token_smooth, static_argnums=2, field="masked_posterior")
 def masked_posterior(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``[T, H]``: ``P[H_t | x_{-t}]`` (position ``t`` itself left out)."""
-  return _with_method(hmm, tokens, method, check_sequence)
+  return method_args(hmm, tokens, method, check_sequence)
 
 
 @validation.entry_point(token_conditionals, static_argnums=2)
 def conditionals(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``[T, V]``: ``P[X_t | x_{-t}]``, the exact masked LM ``G``; row ``t``
   does not read ``tokens[t]``, all-zero where ``x_{-t}`` is impossible."""
-  return _with_method(hmm, tokens, method, check_sequence)
+  return method_args(hmm, tokens, method, check_sequence)
 
 
 @validation.entry_point(evidence_conditionals, static_argnums=2)
 def conditionals_from_evidence(hmm: HMM, evidence, method: str = "auto") -> jax.Array:
   """``[T, V]``: Appendix B's ``G-bar``: ``W τ_t / ||τ_t||_1`` on evidence
   vectors, ``τ_t ∝ P[H_t, e_{-t}]``; 0 where ``τ_t = 0``."""
-  return _with_method(hmm, evidence, method, check_evidence)
+  return method_args(hmm, evidence, method, check_evidence)

@@ -202,19 +202,13 @@ def token_memory_masked_posterior(mhmm: MemoryHMM, tokens_T,
                             mhmm.num_states).sum(-1)
 
 
-def _with_method(mhmm: MemoryHMM, tokens, method: str):
-  mhmm = check_model(mhmm)
-  tokens = hmm_lib.check_sequence(tokens, mhmm)
-  return validation.kernel_args(
-      mhmm, tokens, hmm_lib.resolve_method(method, tokens.shape[0]))
-
-
 @validation.entry_point(token_memory_posterior, static_argnums=2)
 def memory_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
                      ) -> jax.Array:
   """``[M]``: ``P[M | observed tokens]`` (``MASK`` positions marginalised;
   all zeros if impossible). ``method``: as :func:`hmm.posterior`'s."""
-  return _with_method(mhmm, tokens, method)
+  return hmm_lib.method_args(mhmm, tokens, method, hmm_lib.check_sequence,
+                             check_model)
 
 
 @validation.entry_point(token_memory_masked_posterior, static_argnums=2)
@@ -222,7 +216,8 @@ def memory_masked_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
                             ) -> jax.Array:
   """``[T, M]``: ``P[M | x_{-t}]`` for every position ``t`` (``method``:
   as :func:`hmm.posterior`'s)."""
-  return _with_method(mhmm, tokens, method)
+  return hmm_lib.method_args(mhmm, tokens, method, hmm_lib.check_sequence,
+                             check_model)
 
 
 def conditionals(mhmm: MemoryHMM, tokens, method: str = "auto") -> jax.Array:

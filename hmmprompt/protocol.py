@@ -176,9 +176,8 @@ def tune_key(setup: TrialsConfig, trial: int, task: int):
 def make_models(setup: TrialsConfig, mid: ModelId, num: int
                 ) -> generative.Model:
   """``mid``'s first ``num`` trials, stacked ``[num]``."""
-  key = model_key(setup, mid)
-  return generative.random_models(key, num, mid.hmm, mid.num_states, VOCAB,
-                                  mid.memory_size)
+  return generative.random_models(model_key(setup, mid), num, mid.hmm,
+                                  mid.num_states, VOCAB, mid.memory_size)
 
 
 class Stack(NamedTuple):
@@ -200,10 +199,8 @@ def draw_stack(setup: TrialsConfig, mid: ModelId, num: int, num_tasks: int = 1,
                                   setup.task_budget_bytes())
              for keys_K in keys_SxK]
   tasks = [[t[k] for t in by_task] for k in range(num)]
-  checks = None
-  if verdicts:
-    checks = [[theory.verdicts(generative.trial(models_K, k), t.mu)
-               for t in row] for k, row in enumerate(tasks)]
+  checks = [[theory.verdicts(generative.trial(models_K, k), t.mu)
+             for t in row] for k, row in enumerate(tasks)] if verdicts else None
   return Stack(models_K, generative.fingerprints(models_K), tasks, checks)
 
 
@@ -218,12 +215,13 @@ def pretrain_dir(workdir: str, setup: TrialsConfig, mid: ModelId) -> str:
 
 
 def pretrain(workdir: str, setup: TrialsConfig, mid: ModelId,
-             models_K: generative.Model) -> str:
+             models_K: generative.Model, stop_at: float | None = None) -> str:
   """Pretrains, reuses or resumes ``mid``'s transformers in
   :func:`pretrain_dir`, which it returns."""
   pdir = pretrain_dir(workdir, setup, mid)
   logging.info("pretraining %d trials in %s", len(models_K.initial), pdir)
-  pretrain_lib.run_trials(pdir, setup.pretrain, models_K, log=logging.info)
+  pretrain_lib.run_trials(pdir, setup.pretrain, models_K, log=logging.info,
+                          stop_at=stop_at)
   return pdir
 
 
@@ -232,15 +230,14 @@ def pretrained(workdir: str, setup: TrialsConfig, mid: ModelId,
                stop_at: float | None = None):
   """``(backbone, params_K, infos)`` (:func:`pretrain.load_trials`) after
   :func:`pretrain`, or :func:`pretrain.train_trials`' (no checkpoints)."""
+  if checkpoints:
+    return pretrain_lib.load_trials(pretrain(workdir, setup, mid, models_K,
+                                             stop_at))
   pdir = pretrain_dir(workdir, setup, mid)
-  logging.info("pretraining %d trials in %s%s", len(models_K.initial), pdir,
-               "" if checkpoints else " (no checkpoints)")
-  if not checkpoints:
-    return pretrain_lib.train_trials(pdir, setup.pretrain, models_K,
-                                     log=logging.info, stop_at=stop_at)
-  pretrain_lib.run_trials(pdir, setup.pretrain, models_K, log=logging.info,
-                          stop_at=stop_at)
-  return pretrain_lib.load_trials(pdir)
+  logging.info("pretraining %d trials in %s (no checkpoints)",
+               len(models_K.initial), pdir)
+  return pretrain_lib.train_trials(pdir, setup.pretrain, models_K,
+                                   log=logging.info, stop_at=stop_at)
 
 
 def pretrain_fields(info: pretrain_lib.TrialInfo) -> dict:
@@ -286,18 +283,24 @@ def missing(plan: dict, done: set, line_keys: Callable[[Any], dict]) -> dict:
           for mid, groups in plan.items()}
 
 
+def stack_order(mids, schedule: scheduling.Schedule,
+                weight: Callable[[ModelId], float] | None = None) -> list:
+  """This process's ``mids`` in :meth:`~scheduling.Schedule.mine`'s order."""
+  return schedule.mine(list(mids), lambda mid: (
+      0 if weight is None else weight(mid), mid.size))
+
+
 def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
                schedule: scheduling.Schedule = scheduling.EVERYTHING,
                weight: Callable[[ModelId], float] | None = None) -> list[str]:
   """The resume loop: for each of this process's stacks of ``todo``
-  (``{ModelId: [group]}``; :meth:`scheduling.Schedule.mine`'s, a stack's
-  cost its weight, then its size), ``prepare(mid, groups)`` makes it, then
+  (``{ModelId: [group]}``, in :func:`stack_order`), ``prepare(mid,
+  groups)`` makes it, then
   each group's ``tune(group, stack)`` lines are appended to ``path``;
   ``schedule`` bounds the run (a stack's estimate: ``weight(mid)`` times
   the seconds per weight so far). Returns the tags of the stacks skipped
   for the deadline; raises :class:`DeadlineReached` inside one."""
-  mine = schedule.mine(list(todo), lambda mid: (
-      0 if weight is None else weight(mid), mid.size))
+  mine = stack_order(todo, schedule, weight)
   total = sum(len(todo[mid]) for mid in mine)
   done, t0, skipped = 0, time.perf_counter(), []
   spent: list[tuple[float, float]] = []  # (seconds, weight) of whole stacks

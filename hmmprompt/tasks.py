@@ -145,7 +145,7 @@ def sample_examples(key, model: Model, n: int, seq_len: int,
 def draw_task(key, model: Model, config: TaskConfig, chunk: int | None = None):
   """One draw of ``(mu, (train, val, test))``, unchecked for degeneracy
   (:func:`make_tasks`). ``chunk``: latent posteriors of this many examples
-  at a time (``lax.map``; ``None``: all), bounding memory, no value."""
+  at a time (``lax.map``; ``None``: all): less memory, the same labels."""
   k_mu, k_tr, k_va, k_te = jax.random.split(key, 4)
   mu = task_weights(k_mu, generative.latent_size(model), config.num_classes,
                     config.num_nonzero)

@@ -738,12 +738,9 @@ def test_parallel_kernel_matches_brute_force(tiny_hmm, tokens, kernel):
                              atol=2e-6)
 
 
-# The fast tier runs T = 7 with the blocked kernel (the parallel one is
-# test_entry_points_take_a_method_and_agree's); the rest (64 alone costs 13
-# CPU-s of compiles for the associative scan's gradient) run in the full suite.
-@pytest.mark.parametrize("kernel", [
-    pytest.param(k, marks=pytest.mark.slow) if k == "parallel" else k
-    for k in sorted(_KERNELS)])
+@pytest.mark.parametrize("kernel", sorted(_KERNELS))
+# The fast tier runs T = 7; the rest (64 alone costs 13 CPU-s of compiles
+# for the associative scan's gradient) run in the full suite.
 @pytest.mark.parametrize("length", [
     pytest.param(1, marks=pytest.mark.slow),
     pytest.param(2, marks=pytest.mark.slow), 7,

@@ -94,16 +94,14 @@ def test_state_loss_steps_and_needs_a_readout():
   np.testing.assert_allclose(post.sum(-1), 1.0, rtol=1e-5)
 
 
-@pytest.mark.slow  # 2.0 s; the kernels' agreement is test_hmm's
-def test_exact_method_is_runtime_and_the_kernels_give_the_same_step():
-  """``exact_method`` picks the kernel of the exact targets and the state
-  loss's posterior: out of the identity, refused by name when unknown, and
-  one training step's loss is the same with either kernel to the targets'
-  rounding (each target ~H log2(T) eps from the other, tests/test_hmm.py;
-  the CE moves by at most V times that times the largest -log p, < 1e-4)."""
-  hmm = hmm_lib.random_hmm(jax.random.PRNGKey(0), 4, 10)
-  cfg = TINY.with_overrides(state_loss=1.0, targets="exact", model=(
-      dataclasses.replace(TINY.model, state_readout=4)))
+_STATE_LOSS = TINY.with_overrides(state_loss=1.0, targets="exact", model=(
+    dataclasses.replace(TINY.model, state_readout=4)))
+
+
+def test_exact_method_is_runtime_and_refused_by_name():
+  """``exact_method`` is out of the identity, and refused by name when
+  unknown."""
+  cfg = _STATE_LOSS
   assert cfg.with_overrides(exact_method="parallel").identity() == (
       cfg.identity())
   with pytest.raises(ValueError, match=r"^PretrainConfig.exact_method must "
@@ -111,6 +109,17 @@ def test_exact_method_is_runtime_and_the_kernels_give_the_same_step():
                      r"got "
                      r"'fast'$"):
     cfg.with_overrides(exact_method="fast")
+
+
+@pytest.mark.slow  # 2.0 s; the kernels' agreement is test_hmm's
+def test_the_kernels_give_the_same_step():
+  """``exact_method`` picks the kernel of the exact targets and the state
+  loss's posterior: one training step's loss is the same with either
+  kernel to the targets' rounding (each target ~H log2(T) eps from the
+  other, tests/test_hmm.py; the CE moves by at most V times that times the
+  largest -log p, < 1e-4)."""
+  hmm = hmm_lib.random_hmm(jax.random.PRNGKey(0), 4, 10)
+  cfg = _STATE_LOSS
   inputs, tokens, weights = corpus_lib.batch_at(
       jax.random.PRNGKey(2), 0, hmm, None, cfg.corpus, cfg.batch_size, 10)
   hmms = jax.tree.map(lambda x: x[None], hmm)

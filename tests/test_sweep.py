@@ -422,8 +422,8 @@ def test_a_hard_deadline_skips_stacks_it_cannot_finish_and_stops_between_groups(
   run = lambda todo, **kw: protocol.run_stacks(
       todo, prepare, tune, path, scheduling.Schedule(**kw),
       weight=weights.get)
-  # a: 25 s by the prior (25 per weight); after it, 25 s per weight: b
-  # (50 s) would end at 75 > 60, c (25 s) at 50: a and c run.
+  # Under stop_at the cheapest run first: a, c, b. a: 25 s by the prior
+  # (25 per weight); c (25 s) ends at 50; b (50 s) would end at 100 > 60.
   assert run({a: [0, 1], b: [0, 1], c: [0, 1]}, stop_at=60.0,
              seconds_per_weight=25.0) == [b.tag]
   assert made == [a, c] and clock[0] == 50

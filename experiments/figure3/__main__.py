@@ -54,17 +54,18 @@ def _schedule(backbone: str) -> scheduling.Schedule:
 def _run(setup, workdir: str, names: list[str]) -> None:
   """This process's part: all of it, a host's share, or a worker's."""
   worker = _WORKER.value
-  if _PRETRAIN_ONLY.value:  # the transformer's stacks alone
-    return sweep.pretrain_sweep(setup, workdir, _PANEL.value,
-                                _schedule("transformer"))
+  only = ["transformer"] if _PRETRAIN_ONLY.value else names
   # The transformer first: its long stacks are best claimed first.
-  for name in sorted(names, key=lambda n: n != "transformer"):
+  for name in sorted(only, key=lambda n: n != "transformer"):
     logging.info("backbone %s, preset %s, task %d of %d%s", name,
                  _PRESET.value, _TASK_INDEX.value, _NUM_TASKS.value,
                  "" if worker is None else f", worker {worker}")
-    sweep.run_sweep(setup, workdir, _PANEL.value, name, _schedule(name),
-                    results_file=None if worker is None else
-                    workers.worker_results_path(workdir, worker))
+    if _PRETRAIN_ONLY.value:
+      sweep.pretrain_sweep(setup, workdir, _PANEL.value, _schedule(name))
+    else:
+      sweep.run_sweep(setup, workdir, _PANEL.value, name, _schedule(name),
+                      results_file=None if worker is None else
+                      workers.worker_results_path(workdir, worker))
 
 
 @cli.one_line_errors

@@ -82,10 +82,8 @@ def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
               checkpoints: bool = True, stop_at: float | None = None):
   """``(backbone, params_K, pretrain_K, configs_K, shallow)`` of ``mid``'s
   trials (:func:`protocol.pretrained`): ``params_K`` ``[K, ...]`` padded to
-  the deepest, ``pretrain_K[k]`` trial ``k``'s ``pretrain_*`` fields,
-  ``configs_K[k]`` its own transformer config (``{}``, ``None``: exact),
-  ``shallow`` the backbone of each depth below the deepest; each backbone
-  in the tuning dtype."""
+  the deepest, trial ``k``'s ``pretrain_*`` fields and own config (``{}``,
+  ``None``: exact), the backbone of each shallower depth; in tuning dtype."""
   if backbone_name == "transformer":
     _, params_K, infos = protocol.pretrained(workdir, setup, mid, models_K,
                                              checkpoints, stop_at)
@@ -124,7 +122,8 @@ class Trials(NamedTuple):
         params = jax.tree.map(lambda x, ids=ids: x[np.asarray(ids)], params)
       if d != max(depths):  # shallow models inside a padded stack
         params = depth_lib.take_layers(params, d)
-      out.append((self.shallow.get(d, self.backbone), params, ids))
+      out.append((self.backbone if d == max(depths) else self.shallow[d],
+                  params, ids))
     return out
 
 
@@ -232,10 +231,10 @@ def pretrain_sweep(setup: configs.Setup, workdir: str, panel: str,
   """Pretrains this process's share of the sweep's transformer stacks
   (``schedule``) and tunes nothing; ``ValueError`` as :func:`run_sweep`."""
   by_model, sizes = _start(setup, workdir, panel, "transformer", schedule)
-  for mid in schedule.mine(list(by_model), lambda m: (sizes[m], m.size)):
+  for mid in protocol.stack_order(by_model, schedule, sizes.__getitem__):
     if schedule.claim is None or schedule.claim(mid):
-      models_K = protocol.make_models(setup, mid, sizes[mid])
-      backbones(workdir, setup, mid, models_K, "transformer")
+      protocol.pretrain(workdir, setup, mid,
+                        protocol.make_models(setup, mid, sizes[mid]))
 
 
 def run_sweep(setup: configs.Setup, workdir: str, panel: str,

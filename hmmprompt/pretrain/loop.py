@@ -403,7 +403,8 @@ def evaluate_checkpoints(cfg: PretrainConfig, models_K: generative.Model,
                          params_QxK) -> list[list[dict]]:
   """``metrics[q][k]``: the metrics of ``params_QxK[q, k]`` on its validation
   set, evaluated as the loop evaluates (:func:`evaluation.evaluate_group`): at
-  an evaluation step, that step's ``metrics.jsonl`` line."""
+  an evaluation step, that step's ``metrics.jsonl`` line (to float rounding
+  where ``trials_per_vmap`` groups the trials otherwise than the loop did)."""
   num = cast(int, generative.num_trials(models_K))  # stacked: an int
   keys = Keys.of(cfg.seed, num)
   vals_K = jax.tree.map(lambda *xs: jnp.stack(xs), *[

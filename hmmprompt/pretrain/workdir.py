@@ -233,8 +233,9 @@ def load_trials(workdir: str) -> tuple[Backbone, Any, list[TrialInfo]]:
   if found is None:
     raise FileNotFoundError(f"no checkpoints in {paths.ckpt}")
   last = {m.get("trial", 0): m for m in read_metrics(paths)}
+  step_K = np.asarray(found.states.step)  # one transfer
   infos = [TrialInfo(cfg, generative.trial(models_K, k), last.get(k, {}),
-                     int(found.states.step[k])) for k in range(num)]
+                     int(step_K[k])) for k in range(num)]
   deeps = {}
   for k in [k for k in range(num) if cfg.falls_back(last.get(k, {}))]:
     where = fallback_dir(workdir, k)
@@ -307,6 +308,7 @@ def load_retained(workdir: str) -> tuple[Backbone, Any, list[int], list[dict]]:
     retained.close()
   params_QxK = jax.tree.map(lambda *xs: jnp.stack(xs),
                             *[s.params for s in states_Q])
+  steps_QxK = np.asarray([s.step for s in states_Q])  # one transfer
   infos = [{"config": cfg, "model": generative.trial(models_K, k),
-            "steps": [int(s.step[k]) for s in states_Q]} for k in range(num)]
+            "steps": steps_QxK[:, k].tolist()} for k in range(num)]
   return transformer.make_backbone(cfg.model), params_QxK, steps, infos
