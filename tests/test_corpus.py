@@ -111,13 +111,17 @@ _SELECTED = np.array([0, 1, 1, 0, 1], np.float32)
 # Every kernel (hmm.METHODS): the associative and blocked scans agree with
 # the scan to ~H log2(T) and ~H sqrt(T) eps (tests/test_hmm.py), far
 # inside the 2e-6 used here at T = 5.
+# Jitted as the pretraining step calls them: eagerly, the kernels' op by op
+# dispatch costs a program per op (~100 a call).
+_exact_targets = jax.jit(corpus_lib.exact_targets, static_argnums=3)
+_exact_states = jax.jit(corpus_lib.exact_state_posterior, static_argnums=3)
 _KERNELS = pytest.mark.parametrize("method",
                                    ["sequential", "parallel", "blocked"])
 
 
 @_KERNELS
 def test_exact_targets_equal_brute_force(tiny_hmm, method):
-  got = corpus_lib.exact_targets(tiny_hmm, jnp.asarray(_INPUTS),
+  got = _exact_targets(tiny_hmm, jnp.asarray(_INPUTS),
                                  jnp.asarray(_SELECTED), method)
   want = _brute_force_targets(tiny_hmm, _INPUTS, _SELECTED, bert=True)
   np.testing.assert_allclose(got, want, atol=2e-6)
@@ -125,7 +129,7 @@ def test_exact_targets_equal_brute_force(tiny_hmm, method):
   assert 0.3 < float(got[2, 1]) < 0.99
   masked = _INPUTS.copy()
   masked[2] = hmm_lib.MASK
-  got_masked = corpus_lib.exact_targets(tiny_hmm, jnp.asarray(masked),
+  got_masked = _exact_targets(tiny_hmm, jnp.asarray(masked),
                                         jnp.asarray(_SELECTED), method)
   np.testing.assert_allclose(
       got_masked, _brute_force_targets(tiny_hmm, masked, _SELECTED, False),
@@ -163,14 +167,14 @@ def test_exact_state_posterior_equals_brute_force(tiny_hmm, method):
   """The state loss's target, with a kept-or-replaced symbol, MASKs and
   unselected tokens; MASK-only corruption is the smoothing posterior of
   the masked input."""
-  got = corpus_lib.exact_state_posterior(tiny_hmm, jnp.asarray(_INPUTS),
-                                         jnp.asarray(_SELECTED), method)
+  got = _exact_states(tiny_hmm, jnp.asarray(_INPUTS), jnp.asarray(_SELECTED),
+                      method)
   want = _brute_force_states(tiny_hmm, _INPUTS, _SELECTED, bert=True)
   np.testing.assert_allclose(got, want, atol=2e-6)
   masked = _INPUTS.copy()
   masked[2] = hmm_lib.MASK
-  got_masked = corpus_lib.exact_state_posterior(
-      tiny_hmm, jnp.asarray(masked), jnp.asarray(_SELECTED), method)
+  got_masked = _exact_states(tiny_hmm, jnp.asarray(masked),
+                             jnp.asarray(_SELECTED), method)
   np.testing.assert_allclose(
       got_masked, _brute_force_states(tiny_hmm, masked, _SELECTED, False),
       atol=2e-6)
@@ -198,8 +202,8 @@ def test_exact_target_gradient_is_mean_of_sampled_gradients(tiny_hmm):
   per_draw = jax.jit(jax.vmap(lambda d: grad(d[None])))(
       jnp.asarray(draws, jnp.int32))
   mc = flat(jax.tree.map(lambda g: g.mean(0), per_draw))
-  exact = flat(grad(corpus_lib.exact_targets(tiny_hmm, inputs_1xT[0],
-                                             weights_1xT[0])[None]))
+  exact = flat(grad(_exact_targets(tiny_hmm, inputs_1xT[0],
+                                    weights_1xT[0])[None]))
   naive_t = hmm_lib.conditionals(
       tiny_hmm, np.where(_SELECTED > 0, hmm_lib.MASK, _INPUTS))
   naive = flat(grad(naive_t[None]))
@@ -220,11 +224,11 @@ def test_exact_targets_of_an_impossible_input_are_zero_rows(method):
                     transition=jnp.array([[0.9, 0.1], [0.2, 0.8]]),
                     emission=jnp.array([[0.6, 0.4, 0.0], [0.3, 0.7, 0.0]]))
   selected = jnp.array([0.0, 1.0, 0.0, 0.0])
-  got = corpus_lib.exact_targets(hmm, jnp.array([0, hmm_lib.MASK, 2, 1]),
-                                 selected, method)
+  got = _exact_targets(hmm, jnp.array([0, hmm_lib.MASK, 2, 1]), selected,
+                       method)
   np.testing.assert_array_equal(np.asarray(got), 0.0)
-  possible = corpus_lib.exact_targets(
-      hmm, jnp.array([0, hmm_lib.MASK, 1, 1]), selected, method)
+  possible = _exact_targets(hmm, jnp.array([0, hmm_lib.MASK, 1, 1]),
+                            selected, method)
   np.testing.assert_allclose(np.asarray(possible).sum(-1), 1.0, rtol=1e-6)
 
 
