@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -21,16 +22,35 @@ from hmmprompt import glibc
 from hmmprompt import sharding
 
 
+def _stop(signum, _):
+  raise KeyboardInterrupt(signum)  # SIGTERM as SIGINT, the signal named
+
+
 def one_line_errors(main: Callable) -> Callable:
   """``main`` whose usage errors end the binary with ``error: <what is
-  wrong>`` on stderr and status 2, not absl's whole module help first."""
+  wrong>`` on stderr and status 2, not absl's whole module help first; its
+  faults (``OSError``: a full disk, a missing directory; SIGINT, SIGTERM)
+  end it with one such line saying how to resume, status 1 or 128 + the
+  signal, skipping the interpreter's exit (orbax's threads print pages)."""
   @functools.wraps(main)
   def main_with_one_line_errors(argv):
+    signal.signal(signal.SIGTERM, _stop)
     try:
       return main(argv)
     except app.UsageError as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)
+    except (OSError, KeyboardInterrupt) as e:
+      sig = signal.Signals(signal.SIGINT if isinstance(e, OSError) or not e.args
+                           else e.args[0])
+      what, status = ((e, 1) if isinstance(e, OSError) else
+                      (f"stopped by {sig.name}", 128 + sig))
+      workdir = flags.FLAGS["workdir"].value if "workdir" in flags.FLAGS else ""
+      print(f"error: {what}; rerun the same command to resume" + (
+          f" (finished work is kept in {workdir})" if workdir else ""),
+            file=sys.stderr, flush=True)
+      sys.stdout.flush()
+      os._exit(status)
   return main_with_one_line_errors
 
 

@@ -36,8 +36,10 @@ _WORKDIR = flags.DEFINE_string(
     "workdir", None, "output directory (required; a rerun with it resumes)")
 _PRINT_CONFIG = cli.define_print_config()
 _CRASH_AT = flags.DEFINE_integer(
-    "crash_at_step", None, "testing: SIGKILL this process after this step "
-    "(checks that a rerun resumes exactly)")
+    "crash_at_step", None, "testing: --crash_signal this process after this "
+    "step (checks that a rerun resumes exactly)")
+_CRASH_SIGNAL = flags.DEFINE_enum("crash_signal", "SIGKILL",
+                                  ["SIGKILL", "SIGTERM"], "testing: see above")
 _INIT_DISTRIBUTED = cli.define_distributed_flags()
 flags.adopt_module_key_flags(cli)
 
@@ -64,7 +66,7 @@ def main(argv):
 
   def after_step(step):
     if _CRASH_AT.value is not None and step >= _CRASH_AT.value:
-      os.kill(os.getpid(), signal.SIGKILL)
+      os.kill(os.getpid(), signal.Signals[_CRASH_SIGNAL.value])
 
   final = pretrain.run_trials(_WORKDIR.value, cfg, models_K,
                               log=logging.info, after_step=after_step)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import re
+import shutil
 import time
 
 import jax
@@ -15,10 +18,13 @@ from hmmprompt import sharding as sharding_lib
 
 
 class _QuietOrbax(logging.Filter):
-  """Drops orbax's INFO chatter (several lines per save) from absl logs."""
+  """Drops orbax's INFO chatter (several lines per save) from absl logs, and
+  the tracebacks its threads log for a failed write: the error comes back
+  from :meth:`Checkpoints.save`, where it is raised as an ``OSError``."""
 
   def filter(self, record):
-    return record.levelno >= logging.WARNING or "orbax" not in record.pathname
+    return "orbax" not in record.pathname or (
+        record.levelno >= logging.WARNING and not record.exc_info)
 
 
 logging.getLogger("absl").addFilter(_QuietOrbax())
@@ -55,11 +61,28 @@ class Checkpoints:
     self._mngr.delete(step)
 
   def save(self, step: int, state) -> None:
+    """Saves ``state`` as ``step``. ``OSError`` (errno and directory) where
+    the filesystem fails: before writing when the free space is below the
+    state's bytes (orbax's threads would print pages for a full disk), or
+    from orbax's error (``ENOSPC``, ``EACCES``, ...)."""
     if bad := nonfinite_leaves(state):
       raise FloatingPointError(f"refusing to checkpoint a non-finite state at "
                                f"step {step} (first bad leaf {bad[0]})")
-    self._mngr.save(step, args=ocp.args.StandardSave(state), force=True)
-    self._mngr.wait_until_finished()
+    need = sum(x.nbytes for x in jax.tree.leaves(state))
+    if (free := shutil.disk_usage(self.directory).free) < need:
+      raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (step {step}'s "
+                    f"checkpoint needs {need / 1e6:.3g} MB, "
+                    f"{free / 1e6:.3g} MB free)", self.directory)
+    try:
+      self._mngr.save(step, args=ocp.args.StandardSave(state), force=True)
+      self._mngr.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      # tensorstore reports the OS's error in its message only.
+      if not (code := re.search(r"os_error_code='(\d+)'",
+                                f"{e} {e.__cause__}")):
+        raise
+      raise OSError(int(code[1]), f"{os.strerror(int(code[1]))} (saving step "
+                    f"{step})", self.directory) from None
 
   def restore(self, abstract_state, step: int | None = None):
     """The state of ``step`` (default: the latest), leaves without a

@@ -94,6 +94,24 @@ def tiny_hmm():
   return random_dense_hmm(0, 3, 4)
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+  """``mount(*options)``: a tmpfs at a fresh directory (``"size=128k"``; a
+  second call ``"remount", "size=..."``), a full disk on demand; unmounted
+  after the test. Mounting needs root: elsewhere the test is skipped."""
+  disk = tmp_path / "disk"
+  disk.mkdir()
+
+  def mount(*options: str):
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(options),
+                       "tmpfs", str(disk)], capture_output=True,
+                      check=False).returncode:
+      pytest.skip("mounting a tmpfs needs root")
+    return disk
+  yield mount
+  subprocess.run(["umount", str(disk)], capture_output=True, check=False)
+
+
 @pytest.fixture(scope="session")
 def paper_hmm():
   """Appendix D's near-deterministic generator, |H| = 30, |X| = 10."""

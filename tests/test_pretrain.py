@@ -3,6 +3,7 @@
 import dataclasses
 import glob
 import json
+import logging
 import os
 import re
 import shutil
@@ -233,6 +234,32 @@ def test_a_nonfinite_state_is_refused_by_leaf_checked_where_it_lives(
     ckpts.save(3, state)
   assert ckpts.all_steps() == []
   ckpts.close()
+
+
+def test_a_full_disk_is_an_oserror_naming_the_directory(small_disk,
+                                                       monkeypatch):
+  """Where the free space is below the state's bytes, ``save`` refuses
+  before writing; where it looks enough but is not, orbax's failed write
+  (tensorstore's message) comes back as the same ``OSError``. Nothing is
+  saved; orbax's threads log no traceback (absl's handler filters them)."""
+  ckpts = ckpt_lib.Checkpoints(str(small_disk("size=64k") / "c"))
+  # Random: orbax compresses, and ones would fit.
+  state = {"w": jax.random.normal(jax.random.PRNGKey(0), (100_000,)),
+           "step": jnp.zeros((), jnp.int32)}
+  logged = logging.Handler()
+  logged.emit = lambda record: records.append(record)
+  records = []
+  logging.getLogger("absl").addHandler(logged)
+  try:
+    for saving in ("step 1's checkpoint needs 0.4 MB, 0.0", "saving step 1)"):
+      with pytest.raises(OSError, match=re.escape(saving)) as e:
+        ckpts.save(1, state)
+      assert (e.value.errno, e.value.filename) == (28, ckpts.directory)
+      monkeypatch.setattr(ckpt_lib.shutil, "disk_usage",
+                          lambda _: types.SimpleNamespace(free=2**40))
+  finally:
+    logging.getLogger("absl").removeHandler(logged)
+  assert ckpts.all_steps() == [] and not [r for r in records if r.exc_info]
 
 
 @pytest.mark.slow

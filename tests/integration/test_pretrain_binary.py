@@ -17,6 +17,7 @@ SLURM on this machine). docs/multihost.md shows both launches.
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -190,3 +191,28 @@ def test_bad_flags_fail_clearly(tmp_path):
     assert end["returncode"] != 0, args
     assert match in end["stderr"], (args, end["stderr"][-2000:])
     assert "Traceback" not in end["stderr"], (args, end["stderr"][-2000:])
+
+
+
+def test_a_full_disk_and_sigterm_end_in_one_line_and_a_rerun_resumes(
+    small_disk):
+  """The faults a researcher meets end the binary with one line saying what
+  happened and how to resume, no traceback (orbax's threads printed ~1 300
+  lines for a full disk): a filesystem too small for the first checkpoint,
+  then SIGTERM after a checkpoint; the same command then resumes and
+  finishes."""
+  workdir, env = str(small_disk("size=128k") / "w"), _env(1)
+  [full] = _wait([_launch(workdir, env)])
+  small_disk("remount", "size=64m")
+  [stopped] = _wait([_launch(workdir, env, "--crash_at_step=25",
+                             "--crash_signal=SIGTERM")])
+  [again] = _wait([_launch(workdir, env)])
+  for (rc, err), want_rc, what in (
+      (full, 1, "[Errno 28] No space left on device (step 10's checkpoint "
+       "needs"), (stopped, 128 + signal.SIGTERM, "stopped by SIGTERM")):
+    ends = [l for l in err.splitlines() if not re.match(r"[IW]\d{4} ", l)]
+    assert rc == want_rc and len(ends) == 1, err[-3000:]
+    assert ends[0].startswith(f"error: {what}"), ends
+    assert ends[0].endswith("; rerun the same command to resume (finished "
+                            f"work is kept in {workdir})"), ends
+  assert again[0] == 0 and "resumed from step 20" in again[1], again[1][-3000:]
