@@ -4,6 +4,7 @@ resume) and workdir stamps (:func:`stamp`: one workdir, one setup)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import io
@@ -14,7 +15,7 @@ import tarfile
 import tempfile
 import time
 from typing import Any, cast
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from hmmprompt import identity as identity_lib
 
@@ -30,6 +31,18 @@ def _file_mode() -> int:
 _FILE_MODE = _file_mode()
 
 
+@contextlib.contextmanager
+def naming(path: str) -> Iterator[None]:
+  """An ``OSError`` raised inside without a file name (``write()`` on a full
+  disk names none) is raised again naming ``path``."""
+  try:
+    yield
+  except OSError as e:
+    if e.filename is not None:
+      raise
+    raise OSError(e.errno, e.strerror, path) from None
+
+
 def atomic_write_bytes(path: str, data: bytes) -> None:
   """Writes ``data`` to ``path`` atomically, with a plain ``open()``'s mode."""
   directory = os.path.dirname(os.path.abspath(path))
@@ -38,7 +51,7 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
                              suffix=os.path.basename(path))
   try:
     os.fchmod(fd, _FILE_MODE)
-    with os.fdopen(fd, "wb") as f:
+    with naming(path), os.fdopen(fd, "wb") as f:
       f.write(data)
       f.flush()
       os.fsync(f.fileno())

@@ -12,6 +12,7 @@ import pytest
 
 from hmmprompt import identity as identity_lib
 from hmmprompt import files
+from hmmprompt.pretrain import curves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +120,22 @@ def test_written_files_have_the_mode_open_would_give(tmp_path):
   files.write_archive(paths[3], str(tmp_path), ["a.txt"])
   for path in paths:
     assert os.stat(path).st_mode & 0o777 == want, path
+
+
+def test_a_write_to_a_full_disk_names_its_file(small_disk):
+  """``write()`` raises ENOSPC naming no file; the atomic writes and the
+  TensorBoard event files' appends name theirs (no temporary file left)."""
+  disk = small_disk("size=64k")
+  events = curves._EventFile(str(disk / "tb"))  # pylint: disable=protected-access
+  for path, write in (
+      (str(disk / "a.json"), lambda: files.atomic_write_bytes(
+          str(disk / "a.json"), os.urandom(1 << 20))),
+      (events.path, lambda: events.write([curves.event_pb2.Event(
+          file_version="x" * (1 << 20))]))):
+    with pytest.raises(OSError) as e:
+      write()
+    assert (e.value.errno, e.value.filename) == (28, path)
+  assert [n for n in os.listdir(disk) if n.startswith(".tmp-")] == []
 
 
 def test_the_package_is_typed_and_versioned():

@@ -17,6 +17,8 @@ from typing import Any
 
 import jax
 
+from hmmprompt import files
+
 try:  # the `tensorboard` extra; without it nothing is written
   from tensorboardX.proto import event_pb2
   from tensorboardX.proto import summary_pb2
@@ -60,7 +62,7 @@ class _EventFile:
                                 file_version="brain.Event:2")])
 
   def write(self, events) -> None:
-    with open(self.path, "ab") as f:
+    with files.naming(self.path), open(self.path, "ab") as f:
       f.write(b"".join(_frame(e.SerializeToString()) for e in events))
 
 
