@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import time
 
 import jax
@@ -28,6 +29,19 @@ class _QuietOrbax(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_QuietOrbax())
+
+
+def _quiet_closed_loops(unraisable, default=sys.unraisablehook) -> None:
+  """Drops the ``Event loop is closed`` errors of tensorstore's callbacks
+  into the event loop of an orbax call that has failed (a damaged or
+  unwritable checkpoint: ~100 tracebacks for one): the call raised its own
+  error, which :meth:`Checkpoints.restore_latest` logs in one line."""
+  if not (isinstance(unraisable.exc_value, RuntimeError)
+          and str(unraisable.exc_value) == "Event loop is closed"):
+    default(unraisable)
+
+
+sys.unraisablehook = _quiet_closed_loops
 
 
 class Checkpoints:
