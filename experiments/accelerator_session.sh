@@ -64,8 +64,9 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
       # PRESET=tiny CHECK=0 (the flags of a tiny preset in EXTRA) try the
       # loop on a CPU.
       preset=${PRESET:-gpu}
+      # Without --also_xla: XLA's own timing was taken on 2026-11-27 (H100).
       [ "${CHECK:-1}" = 0 ] || timeout 100 python -m \
-        experiments.check_cudnn_bias --also_xla \
+        experiments.check_cudnn_bias \
         || attn="--config.pretrain.model.attention=manual"
       results=${RESULTS:-docs/results/figure3-gpu}; i=0
       for chunk in "${chunks[@]}"; do
