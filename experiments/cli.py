@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from absl import app
 from absl import flags
@@ -22,35 +22,43 @@ from hmmprompt import glibc
 from hmmprompt import sharding
 
 
-def _stop(signum, _):
-  raise KeyboardInterrupt(signum)  # SIGTERM as SIGINT, the signal named
+def _end(what, status: int, say: bool = True) -> NoReturn:
+  """Prints ``error: <what>; rerun the same command to resume`` and exits
+  at once: the interpreter's exit is where orbax's threads print pages."""
+  if say:
+    workdir = flags.FLAGS["workdir"].value if "workdir" in flags.FLAGS else ""
+    print(f"error: {what}; rerun the same command to resume" + (
+        f" (finished work is kept in {workdir})" if workdir else ""),
+          file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  os._exit(status)
+
+
+def _stop(signum, _) -> None:
+  # Ends here, not by raising KeyboardInterrupt: that can land in a garbage
+  # collection callback, which swallows it. A --workers process leaves the
+  # line to its parent (Ctrl-C reaches the whole process group).
+  _end(f"stopped by {signal.Signals(signum).name}", 128 + signum,
+       say="worker" not in flags.FLAGS or flags.FLAGS["worker"].value is None)
 
 
 def one_line_errors(main: Callable) -> Callable:
   """``main`` whose usage errors end the binary with ``error: <what is
   wrong>`` on stderr and status 2, not absl's whole module help first; its
   faults (``OSError``: a full disk, a missing directory; SIGINT, SIGTERM)
-  end it with one such line saying how to resume, status 1 or 128 + the
-  signal, skipping the interpreter's exit (orbax's threads print pages)."""
+  end it at once with one such line saying how to resume, status 1 or 128
+  + the signal. Finished work is on disk by then (atomic writes)."""
   @functools.wraps(main)
   def main_with_one_line_errors(argv):
-    signal.signal(signal.SIGTERM, _stop)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+      signal.signal(sig, _stop)
     try:
       return main(argv)
     except app.UsageError as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)
-    except (OSError, KeyboardInterrupt) as e:
-      sig = signal.Signals(signal.SIGINT if isinstance(e, OSError) or not e.args
-                           else e.args[0])
-      what, status = ((e, 1) if isinstance(e, OSError) else
-                      (f"stopped by {sig.name}", 128 + sig))
-      workdir = flags.FLAGS["workdir"].value if "workdir" in flags.FLAGS else ""
-      print(f"error: {what}; rerun the same command to resume" + (
-          f" (finished work is kept in {workdir})" if workdir else ""),
-            file=sys.stderr, flush=True)
-      sys.stdout.flush()
-      os._exit(status)
+    except OSError as e:
+      _end(e, 1)
   return main_with_one_line_errors
 
 
@@ -127,6 +135,8 @@ def start(argv, **required) -> float:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   glibc.retain_freed_memory()
+  if "worker" in flags.FLAGS and flags.FLAGS["worker"].value is not None:
+    glibc.end_with_parent()  # whatever ends the parent (its SIGTERM, a kill)
   return time.perf_counter()
 
 

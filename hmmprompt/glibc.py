@@ -1,13 +1,14 @@
-"""Keep freed host memory in the process (glibc), for XLA:CPU's sake
-(docs/performance.md, "Where the system time went"); the library never
-calls :func:`retain_freed_memory` (the resident size stays at its peak):
-binaries do, first thing in ``main``."""
+"""The C library's process settings that binaries make, first thing in
+``main`` (the library never does): keep freed host memory in the process,
+for XLA:CPU's sake (docs/performance.md, "Where the system time went"; the
+resident size stays at its peak), and end a worker with its parent."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import functools
+import signal
 
 # mallopt(3) parameters.
 _M_TRIM_THRESHOLD = -1
@@ -29,3 +30,12 @@ def retain_freed_memory() -> bool:
       (_M_MMAP_MAX, 0),
       (_M_TRIM_THRESHOLD, 2**31 - 1),  # an int: mallopt's largest value
       (_M_TOP_PAD, 256 << 20)))
+
+
+def end_with_parent() -> bool:
+  """Asks Linux to SIGTERM this process when its parent ends (a ``--workers``
+  process must not outlive its run, even a killed one); ``True`` if set."""
+  try:
+    return ctypes.CDLL(None).prctl(1, int(signal.SIGTERM)) == 0  # DEATHSIG
+  except (OSError, AttributeError):
+    return False

@@ -2,9 +2,11 @@
 
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -396,13 +398,14 @@ def test_sharded_sweep_merges_to_the_unsharded_one(tmp_path):
   # to the one process's (the exact backbone's tuning on one core sums as
   # on two here; accuracies equal, losses to float rounding).
   pool = str(tmp_path / "workers")
-  proc = subprocess.run(
-      [sys.executable, "-m", "experiments.figure3", "--preset=tiny",
-       "--backbone=exact", "--panel=left", f"--workdir={pool}",
-       "--workers=2", "--config.trials=1", "--config.left_sizes=4,6",
-       "--config.features=raw", *[f"--config.{k}={v}" for k, v in
-                                  _SETUP_ARGS["overrides"].items()]],
-      capture_output=True, text=True, timeout=300, cwd=ROOT)
+  command = lambda workdir, sizes: [
+      sys.executable, "-m", "experiments.figure3", "--preset=tiny",
+      "--backbone=exact", "--panel=left", f"--workdir={workdir}",
+      "--workers=2", "--config.trials=1", f"--config.left_sizes={sizes}",
+      "--config.features=raw", *[f"--config.{k}={v}" for k, v in
+                                 _SETUP_ARGS["overrides"].items()]]
+  proc = subprocess.run(command(pool, "4,6"), capture_output=True,
+                        text=True, timeout=300, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "worker 0" in proc.stderr and "worker 1" in proc.stderr
   assert sorted(os.listdir(pool)) == ["figure3.md", "figure3.png",
@@ -412,3 +415,31 @@ def test_sharded_sweep_merges_to_the_unsharded_one(tmp_path):
   for r in figure3.read_results(pool):
     assert r.final_loss == pytest.approx(by_key[r.key()].final_loss,
                                          rel=1e-5)
+
+  # Ctrl-C reaches the parent and both workers (one process group), a
+  # SIGTERM the parent alone: one line, the parent's, as for one process,
+  # and no worker outlives it.
+  for n, (sig, to) in enumerate(((signal.SIGINT, os.killpg),
+                                 (signal.SIGTERM, os.kill))):
+    stopped = str(tmp_path / f"stopped{n}")
+    proc = subprocess.Popen(command(stopped, "4,6,8,10,12,14,16,18"),
+                            cwd=ROOT, text=True, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+      err = ""
+      while not all(f"worker {i}" in err for i in range(2)):
+        err += proc.stderr.readline()
+      to(proc.pid, sig)
+      proc.wait(timeout=60)
+      # EOF once the workers, which hold the pipe too, have ended: at
+      # once, not after their ~8 stacks.
+      t0 = time.monotonic()
+      err += proc.stderr.read()
+      assert time.monotonic() - t0 < 5, err[-3000:]
+    finally:
+      if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    ends = [l for l in err.splitlines() if not re.match(r"[IW]\d{4} ", l)]
+    assert proc.returncode == 128 + sig and ends == [
+        f"error: stopped by {sig.name}; rerun the same command to resume "
+        f"(finished work is kept in {stopped})"], err[-3000:]
