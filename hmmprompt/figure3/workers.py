@@ -68,9 +68,12 @@ def resolve_count(requested: int, num_hosts: int = 1) -> int:
 
 
 def run_workers(argv: list[str], count: int, workdir: str) -> None:
-  """:func:`spawn` with a fresh claims directory in ``workdir``, then
-  :func:`merge_results`; ``SystemExit`` naming the codes if a worker failed."""
-  claims_dir = tempfile.mkdtemp(prefix="claims-", dir=workdir)
+  """:func:`spawn` with a fresh claims directory, then :func:`merge_results`
+  into ``workdir``; ``SystemExit`` naming the codes if a worker failed. The
+  claims (and the workers' compilation cache) live in the system's temporary
+  directory: a run stopped by a signal ends at once, and leaves none in
+  ``workdir``."""
+  claims_dir = tempfile.mkdtemp(prefix="hmmprompt-claims-")
   try:
     codes = spawn(argv, count, claims_dir)
   finally:

@@ -422,9 +422,11 @@ def test_sharded_sweep_merges_to_the_unsharded_one(tmp_path):
   for n, (sig, to) in enumerate(((signal.SIGINT, os.killpg),
                                  (signal.SIGTERM, os.kill))):
     stopped = str(tmp_path / f"stopped{n}")
+    os.makedirs(tmp := str(tmp_path / f"tmp{n}"))
     proc = subprocess.Popen(command(stopped, "4,6,8,10,12,14,16,18"),
                             cwd=ROOT, text=True, stderr=subprocess.PIPE,
-                            start_new_session=True)
+                            start_new_session=True,
+                            env=dict(os.environ, TMPDIR=tmp))
     try:
       err = ""
       while not all(f"worker {i}" in err for i in range(2)):
@@ -443,3 +445,5 @@ def test_sharded_sweep_merges_to_the_unsharded_one(tmp_path):
     assert proc.returncode == 128 + sig and ends == [
         f"error: stopped by {sig.name}; rerun the same command to resume "
         f"(finished work is kept in {stopped})"], err[-3000:]
+    assert "claims" not in " ".join(os.listdir(stopped))
+    assert os.listdir(tmp)[0].startswith("hmmprompt-claims-")
