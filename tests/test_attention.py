@@ -214,24 +214,25 @@ def test_the_op_under_vmap_and_grad_is_the_per_member_loop(in_axes):
           for x, a in zip(args, in_axes)]
   vmapped = jax.vmap(attention.dot_product_attention, in_axes=in_axes)
   # One attention stage: products of H and T terms (XLA's einsums either
-  # way, the same order): equal to a few eps.
+  # way, the same order): equal to a few eps. Everything jitted: eagerly,
+  # each primitive is a program of its own (~150 for this test).
   tol = 4 * _T * np.finfo(np.float32).eps
-  np.testing.assert_allclose(vmapped(*args), _loop_attention(*full),
-                             rtol=0, atol=tol)
+  np.testing.assert_allclose(jax.jit(vmapped)(*args),
+                             jax.jit(_loop_attention)(*full), rtol=0, atol=tol)
   loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
   argnums = (0, 1, 2, 3)
-  got = jax.grad(loss(vmapped), argnums)(*args)
-  want = jax.grad(loss(lambda *a: _loop_attention(*[
+  got = jax.jit(jax.grad(loss(vmapped), argnums))(*args)
+  want = jax.jit(jax.grad(loss(lambda *a: _loop_attention(*[
       x if ax == 0 else jnp.broadcast_to(x, (2, *x.shape))
-      for x, ax in zip(a, in_axes)])), argnums)(*args)
+      for x, ax in zip(a, in_axes)])), argnums))(*args)
   for x, y in zip(got, want, strict=True):
     np.testing.assert_allclose(x, y, rtol=0,
                                atol=tol * max(1.0, float(np.abs(y).max())))
-  per_member = jax.vmap(jax.grad(loss(attention.dot_product_attention),
-                                 argnums), in_axes=in_axes)(*args)
-  want = [jnp.stack(g) for g in zip(*[jax.grad(
-      loss(jax.nn.dot_product_attention), argnums)(*[x[i] for x in full])
-      for i in range(2)])]
+  per_member = jax.jit(jax.vmap(jax.grad(loss(
+      attention.dot_product_attention), argnums), in_axes=in_axes))(*args)
+  member = jax.jit(jax.grad(loss(jax.nn.dot_product_attention), argnums))
+  want = [jnp.stack(g) for g in zip(*[member(*[x[i] for x in full])
+                                      for i in range(2)])]
   for x, y in zip(per_member, want, strict=True):
     np.testing.assert_allclose(x, y, rtol=0,
                                atol=tol * max(1.0, float(np.abs(y).max())))
