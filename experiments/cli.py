@@ -34,12 +34,17 @@ def _end(what, status: int, say: bool = True) -> NoReturn:
   os._exit(status)
 
 
+def _is_worker() -> bool:
+  """Whether this process is a ``--workers`` child (``--worker`` set)."""
+  return "worker" in flags.FLAGS and flags.FLAGS["worker"].value is not None
+
+
 def _stop(signum, _) -> None:
   # Ends here, not by raising KeyboardInterrupt: that can land in a garbage
   # collection callback, which swallows it. A --workers process leaves the
   # line to its parent (Ctrl-C reaches the whole process group).
   _end(f"stopped by {signal.Signals(signum).name}", 128 + signum,
-       say="worker" not in flags.FLAGS or flags.FLAGS["worker"].value is None)
+       say=not _is_worker())
 
 
 def one_line_errors(main: Callable) -> Callable:
@@ -135,7 +140,7 @@ def start(argv, **required) -> float:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   glibc.retain_freed_memory()
-  if "worker" in flags.FLAGS and flags.FLAGS["worker"].value is not None:
+  if _is_worker():
     glibc.end_with_parent()  # whatever ends the parent (its SIGTERM, a kill)
   return time.perf_counter()
 

@@ -111,8 +111,8 @@ _SELECTED = np.array([0, 1, 1, 0, 1], np.float32)
 # Every kernel (hmm.METHODS): the associative and blocked scans agree with
 # the scan to ~H log2(T) and ~H sqrt(T) eps (tests/test_hmm.py), far
 # inside the 2e-6 used here at T = 5.
-# Jitted as the pretraining step calls them: eagerly, the kernels' op by op
-# dispatch costs a program per op (~100 a call).
+# Jitted as the pretraining step calls them: eagerly, op by op, each
+# primitive is a program (the associative scan's: ~120 a call).
 _exact_targets = jax.jit(corpus_lib.exact_targets, static_argnums=3)
 _exact_states = jax.jit(corpus_lib.exact_state_posterior, static_argnums=3)
 _KERNELS = pytest.mark.parametrize("method",
@@ -121,8 +121,8 @@ _KERNELS = pytest.mark.parametrize("method",
 
 @_KERNELS
 def test_exact_targets_equal_brute_force(tiny_hmm, method):
-  got = _exact_targets(tiny_hmm, jnp.asarray(_INPUTS),
-                                 jnp.asarray(_SELECTED), method)
+  got = _exact_targets(tiny_hmm, jnp.asarray(_INPUTS), jnp.asarray(_SELECTED),
+                       method)
   want = _brute_force_targets(tiny_hmm, _INPUTS, _SELECTED, bert=True)
   np.testing.assert_allclose(got, want, atol=2e-6)
   # The symbol at position 2 is informative but not certain.
@@ -130,7 +130,7 @@ def test_exact_targets_equal_brute_force(tiny_hmm, method):
   masked = _INPUTS.copy()
   masked[2] = hmm_lib.MASK
   got_masked = _exact_targets(tiny_hmm, jnp.asarray(masked),
-                                        jnp.asarray(_SELECTED), method)
+                              jnp.asarray(_SELECTED), method)
   np.testing.assert_allclose(
       got_masked, _brute_force_targets(tiny_hmm, masked, _SELECTED, False),
       atol=2e-6)

@@ -241,7 +241,7 @@ def test_a_full_disk_is_an_oserror_naming_the_directory(small_disk,
   """Where the free space is below the state's bytes, ``save`` refuses
   before writing; where it looks enough but is not, orbax's failed write
   (tensorstore's message) comes back as the same ``OSError``. Nothing is
-  saved; orbax's threads log no traceback (absl's handler filters them)."""
+  saved; orbax's threads log no traceback (the absl logger's filter)."""
   ckpts = ckpt_lib.Checkpoints(str(small_disk("size=64k") / "c"))
   # Random: orbax compresses, and ones would fit.
   state = {"w": jax.random.normal(jax.random.PRNGKey(0), (100_000,)),

@@ -193,7 +193,6 @@ def test_bad_flags_fail_clearly(tmp_path):
     assert "Traceback" not in end["stderr"], (args, end["stderr"][-2000:])
 
 
-
 def test_faults_end_in_one_line_and_a_rerun_resumes(small_disk):
   """The faults a researcher meets end the binary with one line saying what
   happened and how to resume, no traceback (orbax's threads printed ~1 300
@@ -223,4 +222,5 @@ def test_faults_end_in_one_line_and_a_rerun_resumes(small_disk):
   assert again[0] == 0, again[1][-3000:]
   assert [l for l in again[1].splitlines() if not re.match(
       r"[IW]\d{4} ", l)] == [], again[1][-3000:]
-  assert "checkpoint at step 20" in again[1] and "resumed from step 10" in again[1]
+  assert "checkpoint at step 20" in again[1], again[1][-3000:]
+  assert "resumed from step 10" in again[1], again[1][-3000:]
