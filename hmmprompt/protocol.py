@@ -295,11 +295,11 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
                weight: Callable[[ModelId], float] | None = None) -> list[str]:
   """The resume loop: for each of this process's stacks of ``todo``
   (``{ModelId: [group]}``, in :func:`stack_order`), ``prepare(mid,
-  groups)`` makes it, then
-  each group's ``tune(group, stack)`` lines are appended to ``path``;
-  ``schedule`` bounds the run (a stack's estimate: ``weight(mid)`` times
-  the seconds per weight so far). Returns the tags of the stacks skipped
-  for the deadline; raises :class:`DeadlineReached` inside one."""
+  groups)`` makes it, then each group's ``tune(group, stack)`` lines are
+  appended to ``path``; ``schedule`` bounds the run (a stack's estimate:
+  ``weight(mid)`` times the seconds per weight so far). Returns the tags of
+  the stacks skipped for the deadline; raises :class:`DeadlineReached`
+  inside one."""
   mine = stack_order(todo, schedule, weight)
   total = sum(len(todo[mid]) for mid in mine)
   done, t0, skipped = 0, time.perf_counter(), []
