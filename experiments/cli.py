@@ -63,8 +63,25 @@ def one_line_errors(main: Callable) -> Callable:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)
     except OSError as e:
-      _end(e, 1)
+      _end(e, 1, say=not _told_parent(e))
   return main_with_one_line_errors
+
+
+def _told_parent(what) -> bool:
+  """Whether this ``--workers`` process left ``what`` for its parent, which
+  stops the other workers and ends with the line (workers.error_path)."""
+  if not _is_worker():
+    return False
+  # Here, not at the top: only the figure3 binaries (which import it
+  # already) have workers; the pretrain binary needs none of figure3.
+  from hmmprompt.figure3 import workers  # pylint: disable=g-import-not-at-top
+  try:
+    with open(workers.error_path(flags.FLAGS["claims"].value,
+                                 flags.FLAGS["worker"].value), "w") as f:
+      f.write(str(what))
+    return True
+  except OSError:  # the same full disk, say: the line is printed here
+    return False
 
 
 def define_config(default_cfg, flag_values=flags.FLAGS) -> ConfigOverrides:

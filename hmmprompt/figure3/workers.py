@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 
 import jax
@@ -76,18 +77,34 @@ def run_workers(argv: list[str], count: int, workdir: str) -> None:
   claims_dir = tempfile.mkdtemp(prefix="hmmprompt-claims-")
   try:
     codes = spawn(argv, count, claims_dir)
+    faults = [_read(path) for path in sorted(glob.glob(
+        error_path(claims_dir, "*")))]
   finally:
     shutil.rmtree(claims_dir, ignore_errors=True)
     merge_results(workdir)
+  if faults:  # the binary ends with the worker's one line, as if its own
+    raise OSError(faults[0])
   if any(codes):
     raise SystemExit(f"workers exited with {codes} (their logs above); "
                      f"rerun to resume")
 
 
+def error_path(claims_dir: str, worker: int | str) -> str:
+  """Where worker ``worker`` leaves its fault (an ``OSError``'s text) for
+  the parent, which stops the other workers and ends with it."""
+  return os.path.join(claims_dir, f"error-worker{worker}")
+
+
+def _read(path: str) -> str:
+  with open(path) as f:
+    return f.read()
+
+
 def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
   """Runs ``count`` copies of the binary ``argv`` (``sys.argv``, without
   ``--workers``) sharing ``claims_dir``, worker ``i`` on the ``i``-th
-  allowed core; returns their exit codes (killed if this one is stopped)."""
+  allowed core; returns their exit codes (the rest stopped by SIGTERM if
+  this one is stopped or a worker left a fault at :func:`error_path`)."""
   os.makedirs(claims_dir, exist_ok=True)
   env = dict(os.environ, XLA_FLAGS=" ".join(
       [os.environ.get("XLA_FLAGS", ""), *SINGLE_THREAD_FLAGS]).strip())
@@ -111,12 +128,18 @@ def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
           [*pin, sys.executable, "-m", spec.name,
            *_without(argv[1:], ("workers",)),
            f"--worker={i}", f"--claims={claims_dir}"], env=env))
-    return [p.wait() for p in procs]
+    # A worker's fault (error_path) stops the others: a full disk or a
+    # lost directory is every worker's, and its line should come at once.
+    while any(p.poll() is None for p in procs) and not any(
+        p.returncode and os.path.exists(error_path(claims_dir, i))
+        for i, p in enumerate(procs)):
+      time.sleep(0.2)
   finally:
     for p in procs:
       if p.poll() is None:
         p.send_signal(signal.SIGTERM)
         p.wait()
+  return [p.returncode for p in procs]
 
 
 def claims(claims_dir: str, backbone: str

@@ -375,6 +375,20 @@ def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
         w.test_accuracy, w.pretrain_ce_gap, w.hmm_fingerprint)
 
 
+def _workers_command(workdir, sizes):
+  """The exact backbone's left panel by the binary's ``--workers=2``."""
+  return [sys.executable, "-m", "experiments.figure3", "--preset=tiny",
+          "--backbone=exact", "--panel=left", f"--workdir={workdir}",
+          "--workers=2", "--config.trials=1", f"--config.left_sizes={sizes}",
+          "--config.features=raw", *[f"--config.{k}={v}" for k, v in
+                                     _SETUP_ARGS["overrides"].items()]]
+
+
+def _ends(stderr: str) -> list[str]:
+  """``stderr`` without absl's log lines."""
+  return [l for l in stderr.splitlines() if not re.match(r"[IW]\d{4} ", l)]
+
+
 def test_sharded_sweep_merges_to_the_unsharded_one(tmp_path):
   whole, shards = str(tmp_path / "whole"), str(tmp_path / "shards")
   setup = dataclasses.replace(SETUP, left_sizes=(4, 6), trials=1)
@@ -397,13 +411,7 @@ def test_sharded_sweep_merges_to_the_unsharded_one(tmp_path):
   # stacks between them and their lines end merged in results.jsonl, equal
   # to the one process's (the exact backbone's tuning on one core sums as
   # on two here; accuracies equal, losses to float rounding).
-  pool = str(tmp_path / "workers")
-  command = lambda workdir, sizes: [
-      sys.executable, "-m", "experiments.figure3", "--preset=tiny",
-      "--backbone=exact", "--panel=left", f"--workdir={workdir}",
-      "--workers=2", "--config.trials=1", f"--config.left_sizes={sizes}",
-      "--config.features=raw", *[f"--config.{k}={v}" for k, v in
-                                 _SETUP_ARGS["overrides"].items()]]
+  pool, command = str(tmp_path / "workers"), _workers_command
   proc = subprocess.run(command(pool, "4,6"), capture_output=True,
                         text=True, timeout=300, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -441,9 +449,39 @@ def test_sharded_sweep_merges_to_the_unsharded_one(tmp_path):
     finally:
       if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
-    ends = [l for l in err.splitlines() if not re.match(r"[IW]\d{4} ", l)]
-    assert proc.returncode == 128 + sig and ends == [
+    assert proc.returncode == 128 + sig and _ends(err) == [
         f"error: stopped by {sig.name}; rerun the same command to resume "
         f"(finished work is kept in {stopped})"], err[-3000:]
     assert "claims" not in " ".join(os.listdir(stopped))
     assert os.listdir(tmp)[0].startswith("hmmprompt-claims-")
+
+
+def test_a_workers_fault_ends_the_run_in_its_one_line(tmp_path, small_disk):
+  """A full disk under ``--workers=2``: the worker that meets it leaves its
+  error to the parent, which stops the other at once and ends with that
+  one line and status 1, as one process does (before: each worker's line,
+  then the parent's ``workers exited with [1, 1]``)."""
+  workdir = str(small_disk("size=1m") / "w")
+  os.makedirs(tmp := str(tmp_path / "tmp"))
+  proc = subprocess.Popen(_workers_command(workdir, "4,6,8,10,12,14,16,18"),
+                          cwd=ROOT, text=True, stderr=subprocess.PIPE,
+                          env=dict(os.environ, TMPDIR=tmp))
+  try:
+    err = ""
+    while not all(f"worker {i}" in err for i in range(2)):
+      err += proc.stderr.readline()
+    with pytest.raises(OSError, match="No space left"), open(
+        os.path.join(os.path.dirname(workdir), "filler"), "wb") as f:
+      while True:
+        f.write(bytes(1 << 12))
+        f.flush()
+    err += proc.communicate(timeout=120)[1]
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 1, err[-3000:]
+  assert re.fullmatch(
+      re.escape("error: [Errno 28] No space left on device: ") + r"'.*'; "
+      + re.escape(f"rerun the same command to resume (finished work is "
+                  f"kept in {workdir})"), "\n".join(_ends(err))), err[-3000:]
+  assert not os.listdir(tmp)  # the claims and the workers' faults
