@@ -23,6 +23,11 @@ def trial_batch_sharded(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(None, DATA))
 
 
+def step_trial_batch_sharded(mesh: Mesh) -> NamedSharding:
+  """``[N, K, B, ...]``: steps and trials replicated, the batch split."""
+  return NamedSharding(mesh, P(None, None, DATA))
+
+
 def check_batch(batch_size: int, mesh: Mesh) -> None:
   n = mesh.devices.size
   if batch_size % n:

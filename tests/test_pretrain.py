@@ -1,6 +1,7 @@
 """hmmprompt.pretrain: config, train step, evaluation, loop, workdir."""
 
 import dataclasses
+import functools
 import glob
 import json
 import logging
@@ -615,7 +616,7 @@ def test_step_bytes_counts_the_state_and_scales_with_what_steps_at_once(
 
 RUNTIME_FIELDS = {"log_every": 7, "ckpt_every": 5, "keep": 5,
                   "eval_batch": 3, "trials_per_vmap": 0,
-                  "exact_method": "parallel"}
+                  "exact_method": "parallel", "exact_window": 4}
 
 
 def test_runtime_fields_resume_and_reuse_result_fields_are_refused(
@@ -1684,3 +1685,87 @@ def test_a_run_killed_after_a_trial_stopped_resumes_from_stopped(
   assert [drop(m) for m in again] == [drop(m) for m in final]
   jax.tree.map(np.testing.assert_array_equal, pretrain.load_trials(cut)[1],
                pretrain.load_trials(whole)[1])
+
+
+_EXACT = TINY.with_overrides(targets="exact")
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_targets_drawn_ahead_are_each_steps_own(fresh):
+  """``exact_window``: a window of 3 steps (6-8) drawn in one call holds
+  each step's batch as the step draws it, bit for bit, and its exact
+  targets as the step computes them, to the kernels' rounding: another
+  program's fusion reassociates the scan's sums (each target within
+  ``H log2(T) eps``, as tests/test_hmm.py derives for two kernels)."""
+  cfg = _EXACT if fresh else _EXACT.with_overrides(corpus=dataclasses.replace(
+      TINY.corpus, fresh=False, num_seqs=4, seq_len=2 * TINY.corpus.chunk_len))
+  models = generative.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6, 10)
+  hmms = jax.vmap(generative.as_hmm)(models)
+  keys = pretrain_loop.Keys.of(0, 2)
+  chunks = None if fresh else jnp.stack([corpus.build_chunks(
+      keys.corpus[k], generative.trial(models, k), cfg.corpus)
+                                         for k in range(2)])
+  mesh = sharding.data_mesh()
+  window = pretrain_loop._window_fn(cfg, 3, fresh, mesh)(
+      keys.data, 6, models, chunks, hmms)
+  draw = pretrain_loop._batch_fn(cfg.corpus, cfg.batch_size, 10, fresh, mesh)
+  targets = jax.jit(jax.vmap(functools.partial(pretrain_train.loss_targets,
+                                               cfg)))
+  tol = 6 * np.log2(cfg.corpus.chunk_len) * np.finfo(np.float32).eps
+  for i in range(3):
+    inputs, tokens, weights = draw(keys.data, 6 + i, models, chunks)
+    ahead = pretrain_loop._step_of(window, i)
+    np.testing.assert_array_equal(ahead[0], inputs)
+    np.testing.assert_array_equal(ahead[2], weights)
+    assert ahead[1].shape == tokens.shape + (10,)
+    np.testing.assert_allclose(ahead[1], targets(hmms, inputs, tokens,
+                                                 weights), rtol=0, atol=tol)
+
+
+def test_exact_window_is_one_on_a_cpu_and_refused_below_zero():
+  """0 picks by backend: the targets inside each step on a CPU (the
+  committed results' way), a window of 16 on accelerators; sampled targets
+  have none to draw ahead."""
+  assert pretrain_train.exact_window(_EXACT) == (
+      1 if jax.default_backend() == "cpu" else 16)
+  assert pretrain_train.exact_window(_EXACT.with_overrides(
+      exact_window=5)) == 5
+  assert pretrain_train.exact_window(TINY.with_overrides(
+      exact_window=5)) == 1
+  with pytest.raises(ValueError, match=r"^PretrainConfig.exact_window must "
+                     r"be an int >= 0 \(0: by backend\), got -1$"):
+    _EXACT.with_overrides(exact_window=-1)
+
+
+@pytest.mark.slow  # pretraining loops (the fast tier's minute)
+def test_a_run_drawing_targets_ahead_resumes_as_uninterrupted(
+    tmp_path, monkeypatch):
+  """Windows of 3 steps start at multiples of 3, so a run killed after its
+  step-10 checkpoint resumes inside the window 9-11 and ends as the
+  uninterrupted run, bit for bit; both agree with targets computed in each
+  step to float rounding (the targets' last bits, amplified by Adam on
+  near-zero gradients as in the trials_per_vmap test above)."""
+  cfg = _EXACT.with_overrides(exact_window=3)
+  stacked = generative.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6,
+                                     10)
+  whole = pretrain.run_trials(str(tmp_path / "whole"), cfg, stacked,
+                              log=lambda s: None)
+  resumed = str(tmp_path / "resumed")
+  with pytest.raises(_Crash):
+    pretrain.run_trials(resumed, cfg, stacked, log=lambda s: None,
+                        after_step=_crash_after(12))
+  taken = []
+  real = pretrain_loop._step_of
+  monkeypatch.setattr(pretrain_loop, "_step_of",
+                      lambda w, i: taken.append(i) or real(w, i))
+  drop = lambda lines: [{k: v for k, v in m.items() if k != "wall_s"}
+                        for m in lines]
+  assert drop(pretrain.run_trials(resumed, cfg, stacked,
+                                  log=lambda s: None)) == drop(whole)
+  # Steps 10 and 11 from the window 9-11, then 12 from the next.
+  assert taken[:3] == [1, 2, 0]
+  in_step = pretrain.run_trials(str(tmp_path / "in_step"), _EXACT, stacked,
+                                log=lambda s: None)
+  for a, b in zip(whole, in_step):
+    assert (a["trial"], a["step"]) == (b["trial"], b["step"])
+    assert a["ce_gap"] == pytest.approx(b["ce_gap"], rel=1e-3, abs=1e-4)

@@ -70,6 +70,8 @@ class PretrainConfig:
   fallback_init: str = identity_lib.added("scratch")
   # Runtime settings (identity_lib.RUNTIME): how a run goes, not what it
   # computes. exact_method: hmm.METHODS ("auto": hmm.resolve_method).
+  # exact_window: steps whose exact targets one call computes ahead of them
+  # (0: train.exact_window's choice by backend).
   log_every: int = identity_lib.runtime(100)
   ckpt_every: int = identity_lib.runtime(1000)
   keep: int = identity_lib.runtime(3)
@@ -77,6 +79,7 @@ class PretrainConfig:
   trials_per_vmap: int = identity_lib.runtime(0)
   retain: tuple[int, ...] = identity_lib.runtime(())
   exact_method: str = identity_lib.runtime("auto")
+  exact_window: int = identity_lib.runtime(0)
 
   def __post_init__(self):
     for name, known in (("targets", TARGETS), ("optimizer", OPTIMIZERS),
@@ -116,6 +119,9 @@ class PretrainConfig:
     if self.corpus.chunk_len > self.model.max_len:
       raise ValueError(f"corpus chunk_len {self.corpus.chunk_len} exceeds the "
                        f"model context max_len {self.model.max_len}")
+    if not isinstance(self.exact_window, int) or self.exact_window < 0:
+      raise ValueError(f"PretrainConfig.exact_window must be an int >= 0 "
+                       f"(0: by backend), got {self.exact_window!r}")
     validation.require_positive(self, "batch_size", "epochs", "log_every",
                                 "eval_every", "ckpt_every", "keep",
                                 "eval_batch", optional=("steps",))

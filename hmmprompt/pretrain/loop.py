@@ -204,6 +204,36 @@ def _batch_fn(corpus_cfg, batch_size: int, vocab_size: int, fresh: bool, mesh):
                  out_shardings=sharding_lib.trial_batch_sharded(mesh))
 
 
+@functools.lru_cache(maxsize=16)
+def _window_fn(cfg: PretrainConfig, window: int, fresh: bool, mesh):
+  """The jitted draw of ``window`` steps' ``[K]`` batches from step
+  ``first`` on, ``[N, K, ...]``, their exact targets in place of the tokens:
+  one call of the targets' scan for all of them (:func:`train.exact_window`).
+  Step ``s``'s batch is :func:`_batch_fn`'s, bit for bit."""
+  draw = jax.vmap(functools.partial(
+      corpus_lib.batch_at, cfg=cfg.corpus, batch_size=cfg.batch_size,
+      vocab_size=cfg.model.vocab_size), in_axes=(0, None, 0, None if fresh
+                                                 else 0))
+  targets = jax.vmap(jax.vmap(functools.partial(train.loss_targets, cfg)),
+                     in_axes=(None, 0, 0, 0))
+
+  def window_at(keys_K, first, models_K, chunks_K, hmms_K):
+    steps_N = first + jnp.arange(window)
+    inputs, tokens, weights = jax.vmap(draw, in_axes=(None, 0, None, None))(
+        keys_K, steps_N, models_K, chunks_K)
+    return inputs, targets(hmms_K, inputs, tokens, weights), weights
+
+  return jax.jit(window_at,
+                 out_shardings=sharding_lib.step_trial_batch_sharded(mesh))
+
+
+@jax.jit
+def _step_of(window_N, i):
+  """Step ``i``'s ``(inputs, targets, weights)`` of a :func:`_window_fn`
+  draw."""
+  return jax.tree.map(lambda x: x[i], window_N)
+
+
 def _groups(running: list[int], trials_per_vmap: int
             ) -> list[tuple[np.ndarray, int]]:
   """``(rows, n)`` per train-step call: groups of ``trials_per_vmap``, the
@@ -287,6 +317,9 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   get_batch = _batch_fn(cfg.corpus, cfg.batch_size, cfg.model.vocab_size,
                         chunks is None, mesh)
   train_step = train.make_train_step(cfg, mesh)
+  window = train.exact_window(cfg)
+  get_window = (_window_fn(cfg, window, chunks is None, mesh) if window > 1
+                else None)
   # Stopped trials are never evaluated again: no validation set for them.
   vals = {k: evaluate_lib.validation_set(
       keys.val[k], generative.trial(models_K, k), cfg) for k in running}
@@ -349,10 +382,21 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
     # Stacked once per grouping, not at every evaluation.
     group_vals = [stacked_vals(rows) for rows, _ in groups]
     progress.trials = len(running)
+    # Each group's draw of the window of steps in hand: (first step, draw).
+    # Windows start at multiples of ``window``, so a resumed run draws the
+    # ones an uninterrupted run does.
+    ahead: dict[int, tuple[int, Any]] = {}
     for step in range(start, total):
       parts = []
       for g, (n, data_keys, models, chunk, group_hmms) in enumerate(data):
-        batch = get_batch(data_keys, step, models, chunk)
+        if get_window is None:
+          batch = get_batch(data_keys, step, models, chunk)
+        else:
+          first = step - step % window
+          if g not in ahead or ahead[g][0] != first:
+            ahead[g] = (first, get_window(data_keys, first, models, chunk,
+                                          group_hmms))
+          batch = _step_of(ahead[g][1], step - first)
         subs[g], losses = train_step(subs[g], *batch, group_hmms)
         parts.append(losses[:n])  # a padded group's copies are dropped
       losses = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
