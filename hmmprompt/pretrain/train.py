@@ -123,17 +123,17 @@ def loss_targets(cfg: PretrainConfig, hmm, inputs_BxT, tokens_BxT, weights_BxT):
 
 
 # exact_window's choice on accelerators: there the targets' scan costs the
-# latency of its 2T dependent steps, nearly flat in the batch (H100, T = 512:
-# 8.8 ms for 256 sequences, 10.3 for 1024), so 16 steps' worth cost about
-# one step's.
+# latency of its 2T dependent steps, nearly flat in the batch, so 16 steps'
+# worth should cost little more than one step's (docs/performance.md,
+# "Exact targets of 16 steps in one call").
 _ACCELERATOR_WINDOW = 16
 
 
 def exact_window(cfg: PretrainConfig) -> int:
   """Steps whose exact targets the loop computes in one call ahead of them:
   ``cfg.exact_window``, or for 0 :data:`_ACCELERATOR_WINDOW` off the CPU
-  and 1 on it (there the targets are computed in each step, as before the
-  field). 1 with sampled targets: there is nothing to compute."""
+  and 1 on it (the targets computed inside each step, where the scan is
+  bound by its arithmetic). 1 with sampled targets: nothing to compute."""
   if cfg.targets != "exact":
     return 1
   if cfg.exact_window:
