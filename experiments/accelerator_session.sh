@@ -8,7 +8,7 @@
 # mfu: the stacked step of the gpu preset's shape (Appendix D's model,
 #   batch 64 x 512, |H| = 30) at trials_per_vmap 1, 4 and 8 beside one
 #   model measured in the same run, then a profile of the last's top ops.
-# hmm: issue 51's numbers: bench_hmm's posterior, long-sequence and
+# hmm [SECTIONS]: issue 51's numbers: bench_hmm's posterior, long-sequence and
 #   exact-targets sections (the kernels, and 16 steps' targets in one call
 #   as PretrainConfig.exact_window draws them; dynamax's smoothers beside them
 #   when DYNAMAX=DIR holds dynamax 1.0.3 and its pure-Python dependencies
@@ -25,7 +25,7 @@
 #   short); by default each chunk computes in a temporary one without
 #   checkpoints. Merge here: in_chunks --preset=gpu --merge=A,B.
 set -uo pipefail
-step=${1:?usage: accelerator_session.sh first_minute|mfu|hmm|protocol SECONDS [CHUNK ...]}
+step=${1:?usage: accelerator_session.sh first_minute|mfu|hmm [SECTIONS]|protocol SECONDS [CHUNK ...]}
 OUT=${OUT:-/tmp/accelerator}
 mkdir -p "$OUT"
 log="$OUT/$step.log"
@@ -55,9 +55,11 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
         --batch_size=64 --num_states=30 --trials=8 --steps=20 \
         --trials_per_vmap=1,4,8 --profile_dir="$OUT/profile" ;;
     hmm)
-      echo "== posteriors, long sequences and exact targets, both kernels"
+      # hmm targets: the exact targets alone (a minute or two), for the
+      # minutes a protocol command leaves.
+      echo "== posteriors, long sequences and exact targets, the kernels"
       timeout 500 python -m experiments.bench_hmm \
-        --sections=posterior,long,targets --long_repeats=5 ;;
+        --sections="${2:-posterior,long,targets}" --long_repeats=5 ;;
     protocol)
       seconds=${2:?protocol SECONDS [CHUNK ...]}; shift 2
       end=$(( $(date +%s) + seconds )); chunks=("${@:-all}"); attn=""
