@@ -9,8 +9,8 @@
 #   batch 64 x 512, |H| = 30) at trials_per_vmap 1, 4 and 8 beside one
 #   model measured in the same run, then a profile of the last's top ops.
 # hmm [SECTIONS]: issue 51's numbers: bench_hmm's posterior, long-sequence and
-#   exact-targets sections (the kernels, and 16 steps' targets in one call
-#   as PretrainConfig.exact_window draws them; dynamax's smoothers beside them
+#   exact-targets sections (the kernels, and 16 or 64 steps' targets in one
+#   call as PretrainConfig.exact_window draws them; dynamax's smoothers beside them
 #   when DYNAMAX=DIR holds dynamax 1.0.3 and its pure-Python dependencies
 #   unpacked, carried from here: the device has no package index; a
 #   fastcore stand-in with progress_bar = identity is enough for its import).
@@ -59,7 +59,8 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
       # minutes a protocol command leaves.
       echo "== posteriors, long sequences and exact targets, the kernels"
       timeout 500 python -m experiments.bench_hmm \
-        --sections="${2:-posterior,long,targets}" --long_repeats=5 ;;
+        --sections="${2:-posterior,long,targets}" --long_repeats=5 \
+        --targets_windows=16,64 ;;
     protocol)
       seconds=${2:?protocol SECONDS [CHUNK ...]}; shift 2
       end=$(( $(date +%s) + seconds )); chunks=("${@:-all}"); attn=""

@@ -38,9 +38,9 @@ _LONG_REPEATS = flags.DEFINE_integer("long_repeats", 3,
 _TARGETS_SHAPE = flags.DEFINE_list(
     "targets_shape", ["64", "512", "30"],
     "exact targets' batch, length and |H| (the gpu preset's step)")
-_TARGETS_WINDOW = flags.DEFINE_integer(
-    "targets_window", 16, "steps whose targets one call computes "
-    "(PretrainConfig.exact_window): also timed, per step")
+_TARGETS_WINDOWS = flags.DEFINE_list(
+    "targets_windows", ["16"], "steps whose targets one call computes "
+    "(PretrainConfig.exact_window): each also timed, per step")
 _SECTIONS = flags.DEFINE_list("sections",
                               ["sampling", "posterior", "long", "targets"],
                               "which benchmarks to run")
@@ -200,12 +200,12 @@ def bench_long(vocab_size):
 
 def bench_targets(vocab_size):
   """One batch's :func:`corpus.exact_targets`, jitted alone, per kernel;
-  then ``--targets_window`` batches' in one call, per batch (a step's
-  share under ``PretrainConfig.exact_window``)."""
+  then each of ``--targets_windows`` batches' in one call, per batch (a
+  step's share under ``PretrainConfig.exact_window``)."""
   from hmmprompt import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
   b, t, h = map(int, _TARGETS_SHAPE.value)
   model = hmm_lib.random_hmm(jax.random.PRNGKey(h), h, vocab_size)
-  for n in sorted({1, _TARGETS_WINDOW.value}):
+  for n in sorted({1, *map(int, _TARGETS_WINDOWS.value)}):
     inputs, weights = corpus_lib.mask_tokens(
         jax.random.PRNGKey(4), _tokens(model, t, n * b, 3), 0.15, vocab_size,
         bert=True)
