@@ -194,13 +194,19 @@ def _run_trials(workdir, cfg, models_K, log, after_step,
   return finals, states, deeps
 
 
+def _draw_K(corpus_cfg, batch_size: int, vocab_size: int, fresh: bool):
+  """:func:`corpus.batch_at` of K trials ``(keys_K, step, models_K,
+  chunks_K)``, unjitted."""
+  return jax.vmap(functools.partial(corpus_lib.batch_at, cfg=corpus_cfg,
+                                    batch_size=batch_size,
+                                    vocab_size=vocab_size),
+                  in_axes=(0, None, 0, None if fresh else 0))
+
+
 @functools.lru_cache(maxsize=16)
 def _batch_fn(corpus_cfg, batch_size: int, vocab_size: int, fresh: bool, mesh):
   """The jitted ``[K]`` batch draw, kept across runs as the train step."""
-  return jax.jit(jax.vmap(
-      functools.partial(corpus_lib.batch_at, cfg=corpus_cfg,
-                        batch_size=batch_size, vocab_size=vocab_size),
-      in_axes=(0, None, 0, None if fresh else 0)),
+  return jax.jit(_draw_K(corpus_cfg, batch_size, vocab_size, fresh),
                  out_shardings=sharding_lib.trial_batch_sharded(mesh))
 
 
@@ -210,10 +216,7 @@ def _window_fn(cfg: PretrainConfig, window: int, fresh: bool, mesh):
   ``first`` on, ``[N, K, ...]``, their exact targets in place of the tokens:
   one call of the targets' scan for all of them (:func:`train.exact_window`).
   Step ``s``'s batch is :func:`_batch_fn`'s, bit for bit."""
-  draw = jax.vmap(functools.partial(
-      corpus_lib.batch_at, cfg=cfg.corpus, batch_size=cfg.batch_size,
-      vocab_size=cfg.model.vocab_size), in_axes=(0, None, 0, None if fresh
-                                                 else 0))
+  draw = _draw_K(cfg.corpus, cfg.batch_size, cfg.model.vocab_size, fresh)
   targets = jax.vmap(jax.vmap(functools.partial(train.loss_targets, cfg)),
                      in_axes=(None, 0, 0, 0))
 

@@ -2,7 +2,8 @@
 a copy of it (paper Sections 2-5): a tunable pytree, ``{"head": ...}``,
 ``{"prompt": [P, D], "head": ...}`` or ``{"backbone": ..., "head": ...}``
 (:data:`METHODS`), trained by optax (:data:`OPTIMIZERS`); the frozen
-backbone's params are never differentiated. :mod:`~hmmprompt.tuning.config` says what a run is,
+backbone's params are never differentiated.
+:mod:`~hmmprompt.tuning.config` says what a run is,
 :mod:`~hmmprompt.tuning.loop` runs it (:func:`run_seed`, :func:`tune`)."""
 
 from hmmprompt.tuning.config import METHODS
