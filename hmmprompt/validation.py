@@ -191,7 +191,8 @@ def entry_point(kernel: Callable[..., Any], *, static_argnums=(),
   :func:`kernel_args`, which ``kernel``, jitted once here
   (``static_argnums`` as for ``jax.jit``), then runs on. ``field`` selects
   one field of a NamedTuple result inside the jit, so XLA drops the work
-  only the other fields need. Traced code calls the kernel instead.
+  only the other fields need. Traced code calls the kernel instead; the
+  entry point names it as its ``kernel`` attribute.
   """
   jitted = jax.jit(kernel if field is None else
                    lambda *args: getattr(kernel(*args), field),
@@ -207,6 +208,7 @@ def entry_point(kernel: Callable[..., Any], *, static_argnums=(),
                         f"{type(checked).__name__}")
       return jitted(*checked)
 
+    vars(entry)["kernel"] = kernel  # (an attribute mypy does not type)
     return entry
 
   return decorate

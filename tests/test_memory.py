@@ -397,7 +397,7 @@ def test_the_entry_point_table_is_every_entry_point():
   model is in the table (the random_* ones make one), besides the two
   public functions over the vanilla entry points."""
   made = {n for n, f in vars(memory_lib).items()
-          if not n.startswith("_") and hasattr(f, "__wrapped__")}
+          if not n.startswith("_") and hasattr(f, "kernel")}
   tabled = {n for table in ENTRY_POINTS.values() for n in table}
   assert {n for n in made if not n.startswith("random_")} | {
       "conditionals", "multi_sample"} == tabled

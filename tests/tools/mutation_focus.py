@@ -20,10 +20,12 @@ with ``mutmut run <name>`` before calling it a gap.
 in the first test, where a fresh process per mutant costs more than its
 tests (importing jax, flax and orbax; docs/mutation.md has the timings).
 Each worker imports once and runs ``pytest.main`` for one mutant after
-another, switching mutants as mutmut's trampolines do, at call time. What
-ran before a mutant stays imported and cached: a test module's constants
-(``TINY = preset_config("tiny")``) and jitted traces keep the code they
-were built with, so a mutant seen only there survives here; rerun the
+another, switching mutants as mutmut's trampolines do, at call time, and
+clears jax's traces before each (``jax.clear_caches``). What else ran
+before a mutant stays imported and cached: a test module's constants
+(``TINY = preset_config("tiny")``) and what a ``functools`` cache holds
+keep the code they were built with, so a mutant seen only there survives
+here; rerun the
 survivors in fresh processes (``--rerun_survivors``, without
 ``--in_process``) before listing them. A kill is a test failing under the
 mutant; each worker runs the tests without a mutant before its first and
@@ -53,6 +55,9 @@ _WORKERS = flags.DEFINE_integer("workers", 2, "mutants run at once")
 _SURVIVORS = flags.DEFINE_bool(
     "rerun_survivors", False, "run the survivors too (not only the unchecked): a "
     "second, wider set of tests after a fast first pass")
+_FUNCTIONS = flags.DEFINE_list(
+    "functions", None, "only the mutants of these functions (e.g. "
+    "forward_backward_parallel,_combine): a pass over what changed")
 _TIMEOUT = flags.DEFINE_integer("timeout_s", 600, "per mutant")
 _SERVE = flags.DEFINE_bool("serve", False, "internal: an --in_process "
                            "worker")
@@ -139,8 +144,14 @@ def _serve(tests: list[str]) -> None:
   out = os.fdopen(os.dup(1), "w")
   os.dup2(2, 1)
 
+  import jax  # pylint: disable=g-import-not-at-top
+
   def run(name: str) -> int:
     os.environ["MUTANT_UNDER_TEST"] = name
+    # A jitted function keeps the trace of its first call: without this, an
+    # entry point jitted at import (validation.entry_point) or a test
+    # module's jax.jit(kernel) ran the clean code under every mutant.
+    jax.clear_caches()
     return int(pytest.main(_pytest_args(tests)))
 
   clean = lambda: run("")
@@ -206,18 +217,24 @@ def main(argv):
   del argv
   if _SERVE.value:
     return _serve(_TESTS.value)
-  path = meta_path(_MODULE.value)
-  if not os.path.exists(path):
-    raise app.UsageError(f"no mutants at {path}: run ./launch.sh mutants "
-                         f"{_MODULE.value} first (and stop it)")
   missing = [t for t in _TESTS.value if not os.path.exists(t.split("::")[0])]
   if missing:
     raise app.UsageError(f"--tests not found: {missing}")
-  # Tests and sources edited since mutmut ran count too.
+  # Tests and sources edited since mutmut ran count too; a first run makes
+  # mutants/ here (mutmut's generation alone, without its stats run).
   _regenerate()
+  path = meta_path(_MODULE.value)
+  if not os.path.exists(path):
+    raise app.UsageError(f"no mutants at {path}: is hmmprompt/"
+                         f"{_MODULE.value.replace('.', '/')}.py a module?")
   with open(path) as f:
     todo = sorted(k for k, v in json.load(f)["exit_code_by_key"].items()
                   if v is None or (_SURVIVORS.value and v == _SURVIVED))
+  if _FUNCTIONS.value is not None:
+    # mutmut's names: hmmprompt.hmm.x__combine__mutmut_3 for hmm._combine.
+    wanted = {"x_" + f for f in _FUNCTIONS.value}
+    todo = [k for k in todo
+            if k.rsplit(".", 1)[-1].rsplit("__mutmut_", 1)[0] in wanted]
   print(f"{len(todo)} mutants of {_MODULE.value} to run", flush=True)
   with concurrent.futures.ThreadPoolExecutor(_WORKERS.value) as pool:
     verdicts = (_in_process(todo, _TESTS.value) if _IN_PROCESS.value else
