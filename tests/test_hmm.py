@@ -829,6 +829,26 @@ def test_entry_points_take_a_method_and_agree(paper_hmm):
       "smooth_by's method must be one of ('sequential', 'parallel', "
       "'blocked'), got 'auto' (hmm.resolve_method resolves 'auto')") + "$"):
     hmm_lib.smooth_by(paper_hmm, ev, "auto")
+  # Its default is the scan.
+  np.testing.assert_array_equal(
+      jax.jit(hmm_lib.smooth_by)(paper_hmm, ev).posterior,
+      _seq(paper_hmm, ev).posterior)
+
+
+def test_auto_is_the_associative_scan_on_accelerators_from_its_threshold(
+    monkeypatch, tiny_hmm):
+  """Off the CPU, ``auto`` runs the parallel kernel from
+  ``_AUTO_PARALLEL_FROM`` positions on and the scan below it, at the
+  entry points (each resolves on its own input's length)."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(hmm_lib, "_AUTO_PARALLEL_FROM", 6)
+  assert [hmm_lib.resolve_method("auto", t) for t in (5, 6, 7)] == [
+      "sequential", "parallel", "parallel"]
+  tokens = [0, MASK, 2, 3, 1, 1]
+  for length, kernel in ((5, "sequential"), (6, "parallel")):
+    np.testing.assert_array_equal(
+        hmm_lib.posterior(tiny_hmm, tokens[:length], method="auto"),
+        hmm_lib.posterior(tiny_hmm, tokens[:length], method=kernel))
 
 
 @pytest.mark.parametrize("method", _SLOW_KERNELS)

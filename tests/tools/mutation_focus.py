@@ -21,9 +21,9 @@ in the first test, where a fresh process per mutant costs more than its
 tests (importing jax, flax and orbax; docs/mutation.md has the timings).
 Each worker imports once and runs ``pytest.main`` for one mutant after
 another, switching mutants as mutmut's trampolines do, at call time, and
-clears jax's traces before each (``jax.clear_caches``). What else ran
-before a mutant stays imported and cached: a test module's constants
-(``TINY = preset_config("tiny")``) and what a ``functools`` cache holds
+clears jax's traces and the library's ``functools`` caches before each.
+What else ran before a mutant stays imported and cached: a test module's
+constants (``TINY = preset_config("tiny")``) and closures built at import
 keep the code they were built with, so a mutant seen only there survives
 here; rerun the
 survivors in fresh processes (``--rerun_survivors``, without
@@ -150,8 +150,15 @@ def _serve(tests: list[str]) -> None:
     os.environ["MUTANT_UNDER_TEST"] = name
     # A jitted function keeps the trace of its first call: without this, an
     # entry point jitted at import (validation.entry_point) or a test
-    # module's jax.jit(kernel) ran the clean code under every mutant.
+    # module's jax.jit(kernel) ran the clean code under every mutant. The
+    # library's functools caches hold functions built by the code of their
+    # first call (pretrain.loop._window_fn's draw).
     jax.clear_caches()
+    for module in list(sys.modules.values()):
+      if getattr(module, "__name__", "").startswith("hmmprompt"):
+        for value in list(vars(module).values()):
+          if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
     return int(pytest.main(_pytest_args(tests)))
 
   clean = lambda: run("")
