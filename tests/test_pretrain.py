@@ -1693,10 +1693,11 @@ _EXACT = TINY.with_overrides(targets="exact")
 @pytest.mark.parametrize("fresh", [True, False])
 def test_targets_drawn_ahead_are_each_steps_own(fresh):
   """``exact_window``: a window of 3 steps (6-8) drawn in one call holds
-  each step's batch as the step draws it, bit for bit, and its exact
-  targets as the step computes them, to the kernels' rounding: another
-  program's fusion reassociates the scan's sums (each target within
-  ``H log2(T) eps``, as tests/test_hmm.py derives for two kernels)."""
+  each step's batch as the step draws it (each trial's ``batch_at``), bit
+  for bit, and its exact targets as the step computes them, to the
+  kernels' rounding: another program's fusion reassociates the scan's sums
+  (each target within ``H log2(T) eps``, as tests/test_hmm.py derives for
+  two kernels)."""
   cfg = _EXACT if fresh else _EXACT.with_overrides(corpus=dataclasses.replace(
       TINY.corpus, fresh=False, num_seqs=4, seq_len=2 * TINY.corpus.chunk_len))
   models = generative.random_models(jax.random.PRNGKey(5), 2, "vanilla", 6, 10)
@@ -1713,8 +1714,16 @@ def test_targets_drawn_ahead_are_each_steps_own(fresh):
                                                cfg)))
   tol = (hmms.transition.shape[-1] * np.log2(cfg.corpus.chunk_len)
          * np.finfo(np.float32).eps)
+  # Trial k's batch is corpus.batch_at's with trial k's key, model, chunks.
+  one = jax.jit(functools.partial(corpus.batch_at, cfg=cfg.corpus,
+                                  batch_size=cfg.batch_size, vocab_size=10))
   for i in range(3):
     inputs, tokens, weights = draw(keys.data, 6 + i, models, chunks)
+    for k in range(2):
+      jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[k], b),
+                   (inputs, tokens, weights),
+                   one(keys.data[k], 6 + i, generative.trial(models, k),
+                       None if fresh else chunks[k]))
     ahead = pretrain_loop._step_of(window, i)
     np.testing.assert_array_equal(ahead[0], inputs)
     np.testing.assert_array_equal(ahead[2], weights)
@@ -1723,12 +1732,15 @@ def test_targets_drawn_ahead_are_each_steps_own(fresh):
                                                  weights), rtol=0, atol=tol)
 
 
-def test_exact_window_is_one_on_a_cpu_and_refused_below_zero():
+def test_exact_window_is_one_on_a_cpu_and_refused_below_zero(monkeypatch):
   """0 picks by backend: the targets inside each step on a CPU (the
   committed results' way), a window of 16 on accelerators; sampled targets
   have none to draw ahead."""
   assert pretrain_train.exact_window(_EXACT) == (
       1 if jax.default_backend() == "cpu" else 16)
+  with monkeypatch.context() as m:
+    m.setattr(jax, "default_backend", lambda: "gpu")
+    assert pretrain_train.exact_window(_EXACT) == 16
   assert pretrain_train.exact_window(_EXACT.with_overrides(
       exact_window=5)) == 5
   assert pretrain_train.exact_window(TINY.with_overrides(
@@ -1736,6 +1748,37 @@ def test_exact_window_is_one_on_a_cpu_and_refused_below_zero():
   with pytest.raises(ValueError, match=r"^PretrainConfig.exact_window must "
                      r"be an int >= 0 \(0: by backend\), got -1$"):
     _EXACT.with_overrides(exact_window=-1)
+
+
+def test_loss_targets_pass_targets_through_and_resolve_the_kernel(
+    monkeypatch):
+  """Targets drawn ahead (``[B, T, V]``) come back as they are, with no
+  second scan in the step, as do sampled targets' tokens; exact targets run
+  ``exact_method``'s kernel, ``auto`` resolved on the sequence length (on
+  an accelerator, the associative scan from its threshold on)."""
+  hmm = hmm_lib.random_hmm(jax.random.PRNGKey(0), 4, 10)
+  inputs = jnp.zeros((2, 6), jnp.int32)
+  weights = jnp.ones((2, 6), jnp.float32)
+  ahead = jnp.full((2, 6, 10), 0.1)
+  assert pretrain_train.loss_targets(_EXACT, hmm, inputs, ahead,
+                                     weights) is ahead
+  assert pretrain_train.loss_targets(TINY, hmm, inputs, inputs,
+                                     weights) is inputs
+  seen = []
+  real = corpus.exact_targets
+  monkeypatch.setattr(corpus, "exact_targets", lambda *a, method: (
+      seen.append(method), real(*a, method=method))[1])
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(hmm_lib, "_AUTO_PARALLEL_FROM", 6)
+  for method, length, kernel in (("blocked", 6, "blocked"),
+                                 ("auto", 6, "parallel"),
+                                 ("auto", 5, "sequential")):
+    seen.clear()
+    cfg = _EXACT.with_overrides(exact_method=method)
+    jax.eval_shape(functools.partial(pretrain_train.loss_targets, cfg), hmm,
+                   inputs[:, :length], inputs[:, :length],
+                   weights[:, :length])
+    assert seen == [kernel], (method, length)
 
 
 @pytest.mark.slow  # pretraining loops (the fast tier's minute)
