@@ -120,12 +120,14 @@ def batch_at(key, step, model, chunks, cfg: CorpusConfig, batch_size: int,
   return inputs, targets, weights
 
 
-def corruption_likelihood(inputs_T, selected_T, vocab_size: int) -> jax.Array:
-  """``[T, V]``: ``P(x~_t | X_t = x, S)`` up to a factor per position:
-  one-hot if unselected, ones for ``MASK``, and for a selected symbol ``v``
-  (BERT's random or kept token) ``∝ 1/V + [x = v]``. Traceable."""
+def corruption_likelihood(inputs_T, selected_T, vocab_size: int,
+                          dtype=jnp.float32) -> jax.Array:
+  """``[T, V]`` of ``dtype``: ``P(x~_t | X_t = x, S)`` up to a factor per
+  position: one-hot if unselected, ones for ``MASK``, and for a selected
+  symbol ``v`` (BERT's random or kept token) ``∝ 1/V + [x = v]``.
+  Traceable."""
   sym_T = jnp.where(inputs_T == hmm_lib.MASK, 0, inputs_T)
-  onehot_TxV = jax.nn.one_hot(sym_T, vocab_size)
+  onehot_TxV = jax.nn.one_hot(sym_T, vocab_size, dtype=dtype)
   noisy_TxV = (_BERT_RANDOM / vocab_size + (1 - _BERT_MASK - _BERT_RANDOM)
                * onehot_TxV) / (1 - _BERT_MASK)
   return jnp.where((inputs_T == hmm_lib.MASK)[:, None], 1.0,
@@ -136,7 +138,8 @@ def exact_state_posterior(hmm: hmm_lib.HMM, inputs_T, selected_T,
                           method: str = "sequential") -> jax.Array:
   """``[T, H]``: ``P[H_t | x~, S]`` (the auxiliary ``state_loss``'s target);
   ``method`` as :func:`exact_targets`'."""
-  lik_TxV = corruption_likelihood(inputs_T, selected_T, hmm.vocab_size)
+  lik_TxV = corruption_likelihood(inputs_T, selected_T, hmm.vocab_size,
+                                  hmm.emission.dtype)
   evidence_TxH = lik_TxV @ hmm.emission.astype(lik_TxV.dtype).T
   return hmm_lib.smooth_by(hmm, evidence_TxH, method).posterior
 
@@ -151,7 +154,8 @@ def exact_targets(hmm: hmm_lib.HMM, inputs_T, selected_T,
   form (:func:`generative.as_hmm`); ``method``: a resolved kernel of
   :func:`hmm.smooth_by` (:func:`hmm.resolve_method`).
   """
-  lik_TxV = corruption_likelihood(inputs_T, selected_T, hmm.vocab_size)
+  lik_TxV = corruption_likelihood(inputs_T, selected_T, hmm.vocab_size,
+                                  hmm.emission.dtype)
   evidence_TxH = lik_TxV @ hmm.emission.astype(lik_TxV.dtype).T
   prior_TxV = hmm_lib.evidence_conditionals(hmm, evidence_TxH, method)
   joint_TxV = prior_TxV * lik_TxV

@@ -95,6 +95,24 @@ def tiny_hmm():
 
 
 @pytest.fixture
+def kernels_run(monkeypatch):
+  """The ``method`` of each :func:`hmm.smooth_by` call from here on, in
+  order (``None``: not given); calls happen when a function is traced, so
+  ``jax.eval_shape`` shows a jitted path's kernels without compiling it.
+  The values can agree to float rounding whichever kernel ran: this tells
+  which did."""
+  seen = []
+  real = hmm_lib.smooth_by
+
+  def spy(hmm, evidence_TxH, *method):
+    seen.append(method[0] if method else None)
+    return real(hmm, evidence_TxH, *method)
+
+  monkeypatch.setattr(hmm_lib, "smooth_by", spy)
+  return seen
+
+
+@pytest.fixture
 def small_disk(tmp_path):
   """``mount(*options)``: a tmpfs at a fresh directory (``"size=128k"``; a
   second call ``"remount", "size=..."``), a full disk on demand; unmounted

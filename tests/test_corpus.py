@@ -119,6 +119,29 @@ _KERNELS = pytest.mark.parametrize("method",
                                    ["sequential", "parallel", "blocked"])
 
 
+def test_exact_targets_run_the_method_they_are_given(tiny_hmm, kernels_run):
+  """The kernel named (the scan by default), and under x64 the HMM's dtype:
+  a float32 HMM's targets stay float32, a float64 HMM's are float64."""
+  args = (tiny_hmm, jnp.asarray(_INPUTS), jnp.asarray(_SELECTED))
+  for fn in (corpus_lib.exact_targets, corpus_lib.exact_state_posterior):
+    for method in ("parallel", "blocked", None):
+      kernels_run.clear()
+      jax.eval_shape(lambda: fn(*args) if method is None else fn(*args,
+                                                                  method))
+      assert kernels_run == [method or "sequential"], (fn.__name__, method)
+    with jax.enable_x64(True):
+      for dtype in (jnp.float32, jnp.float64):
+        hmm = jax.tree.map(lambda a: jnp.asarray(a, dtype), tiny_hmm)
+        assert jax.eval_shape(lambda: fn(hmm, *args[1:])).dtype == dtype
+  # ... and computed in float64 throughout: enumeration's values to ~T H
+  # eps of float64 (a float32 step anywhere would leave ~1e-8).
+  with jax.enable_x64(True):
+    hmm64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), tiny_hmm)
+    got = jax.jit(corpus_lib.exact_targets)(hmm64, *args[1:])
+  np.testing.assert_allclose(got, _brute_force_targets(
+      tiny_hmm, _INPUTS, _SELECTED, bert=True), rtol=0, atol=1e-12)
+
+
 @_KERNELS
 def test_exact_targets_equal_brute_force(tiny_hmm, method):
   got = _exact_targets(tiny_hmm, jnp.asarray(_INPUTS), jnp.asarray(_SELECTED),

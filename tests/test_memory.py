@@ -454,6 +454,17 @@ def test_the_memory_model_check_skips_tracers(monkeypatch):
     err.throw()
 
 
+def test_memory_kernels_run_the_method_they_are_given(kernels_run):
+  mhmm = memory_lib.random_memory_hmm(jax.random.PRNGKey(2), 4, 3, 10)
+  tokens = memory_lib.sample(jax.random.PRNGKey(3), mhmm, 8)[0]
+  for fn in (memory_lib.token_memory_posterior,
+             memory_lib.token_memory_masked_posterior):
+    for method in ("parallel", "blocked"):
+      kernels_run.clear()
+      jax.eval_shape(lambda: fn(mhmm, tokens, method))
+      assert set(kernels_run) == {method}, (fn.__name__, kernels_run)
+
+
 def test_memory_entry_points_take_a_method_and_agree():
   """The memory HMM's posteriors and conditionals by associative scans equal
   the scan's to float rounding (tests/test_hmm.py's tolerance), with MASKs
