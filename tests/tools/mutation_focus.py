@@ -235,11 +235,16 @@ def main(argv):
     raise app.UsageError(f"no mutants at {path}: is hmmprompt/"
                          f"{_MODULE.value.replace('.', '/')}.py a module?")
   with open(path) as f:
-    todo = sorted(k for k, v in json.load(f)["exit_code_by_key"].items()
-                  if v is None or (_SURVIVORS.value and v == _SURVIVED))
+    meta = json.load(f)
+  todo = sorted(k for k, v in meta["exit_code_by_key"].items()
+                if v is None or (_SURVIVORS.value and v == _SURVIVED))
   if _FUNCTIONS.value is not None:
     # mutmut's names: hmmprompt.hmm.x__combine__mutmut_3 for hmm._combine.
     wanted = {"x_" + f for f in _FUNCTIONS.value}
+    if unknown := wanted - set(meta["hash_by_function_name"]):
+      raise app.UsageError(
+          f"--functions: {sorted(f[2:] for f in unknown)} have no mutants "
+          f"in {_MODULE.value} (module-level functions, by name)")
     todo = [k for k in todo
             if k.rsplit(".", 1)[-1].rsplit("__mutmut_", 1)[0] in wanted]
   print(f"{len(todo)} mutants of {_MODULE.value} to run", flush=True)
