@@ -23,7 +23,9 @@
 #   writing $OUT/<i>/figure3-chunk.tar.gz. WORKDIR=DIR keeps a workdir
 #   (checkpoints: a later command on the same machine resumes a stack cut
 #   short); by default each chunk computes in a temporary one without
-#   checkpoints. Merge here: in_chunks --preset=gpu --merge=A,B.
+#   checkpoints. A chunk that fails (rc 1) runs once more with the exact
+#   targets inside each step (exact_window=1). Merge here: in_chunks
+#   --preset=gpu --merge=A,B.
 set -uo pipefail
 step=${1:?usage: accelerator_session.sh first_minute|mfu|hmm [SECTIONS]|protocol SECONDS [CHUNK ...]}
 OUT=${OUT:-/tmp/accelerator}
@@ -72,22 +74,33 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
       [ "${CHECK:-1}" = 0 ] || timeout 100 python -m \
         experiments.check_cudnn_bias \
         || attn="--config.pretrain.model.attention=manual"
-      results=${RESULTS:-docs/results/figure3-gpu}; i=0
+      results=${RESULTS:-docs/results/figure3-gpu}; i=0; inside=""
       for chunk in "${chunks[@]}"; do
-        left=$(( end - $(date +%s) ))
-        [ "$left" -lt 90 ] && { echo "== ${left} s left: $chunk not run"; break; }
-        i=$((i + 1)); mkdir -p "$OUT/$i"
-        echo "== chunk $chunk: deadline $((left - 25)) s, SIGTERM at $((left - 5)) s ${attn}"
-        timeout -s TERM $((left - 5)) python -m experiments.in_chunks \
-          --preset="$preset" --chunk="$chunk" --deadline_s=$((left - 25)) \
-          --out="$OUT/$i" --results="$results" \
-          ${WORKDIR:+--workdir="$WORKDIR"} $attn ${EXTRA:-}
-        echo "rc=$?"
-        archive="$OUT/$i/figure3-chunk.tar.gz"
-        [ -f "$archive" ] || continue
-        # The next chunk starts from this one's lines (and its estimates).
-        results=/tmp/figure3-gpu-results-$i
-        rm -rf "$results"; mkdir -p "$results"; tar xzf "$archive" -C "$results"
+        for try in 1 2; do
+          left=$(( end - $(date +%s) ))
+          [ "$left" -lt 90 ] && { echo "== ${left} s left: $chunk not run"; break 2; }
+          i=$((i + 1)); mkdir -p "$OUT/$i"
+          echo "== chunk $chunk: deadline $((left - 25)) s, SIGTERM at $((left - 5)) s ${attn} ${inside}"
+          timeout -s TERM $((left - 5)) python -m experiments.in_chunks \
+            --preset="$preset" --chunk="$chunk" --deadline_s=$((left - 25)) \
+            --out="$OUT/$i" --results="$results" \
+            ${WORKDIR:+--workdir="$WORKDIR"} $attn ${EXTRA:-} $inside
+          rc=$?; echo "rc=$rc"
+          archive="$OUT/$i/figure3-chunk.tar.gz"
+          if [ -f "$archive" ]; then
+            # The next chunk starts from this one's lines (and estimates).
+            results=/tmp/figure3-gpu-results-$i
+            rm -rf "$results"; mkdir -p "$results"; tar xzf "$archive" -C "$results"
+          fi
+          # A chunk that failed (rc 1: not the deadline's stop, not the
+          # SIGTERM's 143) runs once more with the exact targets computed
+          # inside each step, the path the H100 ran on 2026-11-27, in case
+          # the window of 16 steps' targets (exact_window, new since) is
+          # what failed; unless EXTRA chose a window itself.
+          [ "$rc" = 1 ] && [ -z "$inside" ] && [[ "${EXTRA:-}" != *exact_window* ]] || break
+          inside="--config.pretrain.exact_window=1"
+          echo "== chunk $chunk failed: again with $inside (the rest of the session too)"
+        done
       done
       ls -laR "$OUT" ;;
     *) echo "unknown step $step"; exit 2 ;;
