@@ -1,0 +1,54 @@
+"""experiments/accelerator_session.sh protocol's retry, with a stand-in
+``python`` on the PATH: the script's own logic, no device and no model."""
+
+import os
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+
+# Answers the script's version line; as in_chunks, writes an archive and
+# exits 0 when its arguments hold exact_window=1 or STUB_RC is 0, else exits
+# STUB_RC with no archive.
+_STUB = r"""#!/usr/bin/env bash
+[ "$1" = -c ] && { echo stub; exit 0; }
+echo "in_chunks $*"
+out=""
+for a in "$@"; do case "$a" in --out=*) out=${a#--out=} ;; esac; done
+if [[ "$*" == *exact_window=1* ]] || [ "$STUB_RC" = 0 ]; then
+  echo '{}' > "$out/results.jsonl"
+  tar czf "$out/figure3-chunk.tar.gz" -C "$out" results.jsonl
+  exit 0
+fi
+exit "$STUB_RC"
+"""
+
+
+@pytest.mark.parametrize("rc,extra,runs", [
+    (1, "", 2),  # a failure: once more with the targets in each step
+    (0, "", 1),
+    (143, "", 1),  # the SIGTERM backstop: the deadline, not a failure
+    (1, "--config.pretrain.exact_window=4", 1),  # a window chosen: kept
+])
+def test_a_failed_chunk_runs_again_with_the_targets_inside_each_step(
+    tmp_path, rc, extra, runs):
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  (bin_dir / "python").write_text(_STUB)
+  (bin_dir / "python").chmod(0o755)
+  out = tmp_path / "out"
+  env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}",
+             OUT=str(out), CHECK="0", RESULTS=str(tmp_path / "results"),
+             STUB_RC=str(rc), EXTRA=extra)
+  subprocess.run(["bash", "experiments/accelerator_session.sh", "protocol",
+                  "200"], cwd=ROOT, env=env, check=True, timeout=60,
+                 capture_output=True)
+  calls = [line for line in (out / "protocol.log").read_text().splitlines()
+           if line.startswith("in_chunks ")]
+  assert len(calls) == runs, calls
+  assert ("exact_window=1" in calls[-1]) == (runs == 2)
+  assert "exact_window=1" not in calls[0]
+  archives = sorted(p.parent.name for p in out.glob("*/figure3-chunk.tar.gz"))
+  assert archives == ([str(runs)] if rc == 0 or runs == 2 else [])
