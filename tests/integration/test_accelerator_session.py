@@ -29,7 +29,7 @@ exit "$STUB_RC"
 @pytest.mark.parametrize("rc,extra,runs", [
     (1, "", 2),  # a failure: once more with the targets in each step
     (0, "", 1),
-    (143, "", 1),  # the SIGTERM backstop: the deadline, not a failure
+    (124, "", 1),  # timeout's SIGTERM backstop: the deadline, no failure
     (1, "--config.pretrain.exact_window=4", 1),  # a window chosen: kept
 ])
 def test_a_failed_chunk_runs_again_with_the_targets_inside_each_step(
