@@ -93,10 +93,11 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
             rm -rf "$results"; mkdir -p "$results"; tar xzf "$archive" -C "$results"
           fi
           # A chunk that failed (rc 1, an error; the deadline's stop is 0
-          # and timeout's backstop 124) runs once more with the exact targets computed
-          # inside each step, the path the H100 ran on 2026-11-27, in case
-          # the window of 16 steps' targets (exact_window, new since) is
-          # what failed; unless EXTRA chose a window itself.
+          # and timeout's backstop 124) runs once more with the exact
+          # targets computed inside each step, the path the H100 ran on
+          # 2026-11-27, in case the window of 16 steps' targets
+          # (exact_window, new since) is what failed; unless EXTRA chose a
+          # window itself.
           [ "$rc" = 1 ] && [ -z "$inside" ] && [[ "${EXTRA:-}" != *exact_window* ]] || break
           inside="--config.pretrain.exact_window=1"
           echo "== chunk $chunk failed: again with $inside (the rest of the session too)"
