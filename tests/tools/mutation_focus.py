@@ -56,8 +56,9 @@ _SURVIVORS = flags.DEFINE_bool(
     "rerun_survivors", False, "run the survivors too (not only the unchecked): a "
     "second, wider set of tests after a fast first pass")
 _FUNCTIONS = flags.DEFINE_list(
-    "functions", None, "only the mutants of these functions (e.g. "
-    "forward_backward_parallel,_combine): a pass over what changed")
+    "functions", None, "only the mutants of these functions or methods "
+    "(e.g. forward_backward_parallel,_combine or Schedule.mine): a pass "
+    "over what changed")
 _TIMEOUT = flags.DEFINE_integer("timeout_s", 600, "per mutant")
 _SERVE = flags.DEFINE_bool("serve", False, "internal: an --in_process "
                            "worker")
@@ -239,12 +240,14 @@ def main(argv):
   todo = sorted(k for k, v in meta["exit_code_by_key"].items()
                 if v is None or (_SURVIVORS.value and v == _SURVIVED))
   if _FUNCTIONS.value is not None:
-    # mutmut's names: hmmprompt.hmm.x__combine__mutmut_3 for hmm._combine.
-    wanted = {"x_" + f for f in _FUNCTIONS.value}
-    if unknown := wanted - set(meta["hash_by_function_name"]):
+    # mutmut's names: hmmprompt.hmm.x__combine__mutmut_3 for hmm._combine,
+    # hmmprompt.scheduling.xǁScheduleǁmine__mutmut_2 for Schedule.mine.
+    mangle = lambda f: "xǁ" + f.replace(".", "ǁ") if "." in f else "x_" + f
+    wanted = {mangle(f): f for f in _FUNCTIONS.value}
+    if unknown := set(wanted) - set(meta["hash_by_function_name"]):
       raise app.UsageError(
-          f"--functions: {sorted(f[2:] for f in unknown)} have no mutants "
-          f"in {_MODULE.value} (module-level functions, by name)")
+          f"--functions: {sorted(wanted[f] for f in unknown)} have no "
+          f"mutants in {_MODULE.value} (functions, or Class.method)")
     todo = [k for k in todo
             if k.rsplit(".", 1)[-1].rsplit("__mutmut_", 1)[0] in wanted]
   print(f"{len(todo)} mutants of {_MODULE.value} to run", flush=True)
