@@ -399,6 +399,11 @@ def test_a_hard_deadline_skips_stacks_it_cannot_finish_and_stops_between_groups(
   seconds, each stack's prepare 5."""
   clock = [0.0]
   monkeypatch.setattr(protocol.time, "monotonic", lambda: clock[0])
+  monkeypatch.setattr(protocol.time, "perf_counter", lambda: clock[0])
+  logged = []
+  for level in ("info", "warning"):
+    monkeypatch.setattr(protocol.logging, level,
+                        lambda fmt, *args: logged.append(fmt % args))
   a, b, c = (protocol.vanilla(h) for h in (4, 8, 12))
   made, path = [], str(tmp_path / "results.jsonl")
   line = lambda mid, g: schema.ResultLine(
@@ -410,6 +415,7 @@ def test_a_hard_deadline_skips_stacks_it_cannot_finish_and_stops_between_groups(
       task_config={})
 
   def prepare(mid, groups):
+    assert groups  # the stack's groups to tune, never an empty stack
     made.append(mid)
     clock[0] += 5
     return mid
@@ -427,6 +433,16 @@ def test_a_hard_deadline_skips_stacks_it_cannot_finish_and_stops_between_groups(
   assert run({a: [0, 1], b: [0, 1], c: [0, 1]}, stop_at=60.0,
              seconds_per_weight=25.0) == [b.tag]
   assert made == [a, c] and clock[0] == 50
+  # What the run says: each group's line with its elapsed time and an ETA
+  # from the groups done (15 s, 25, 40, 50 for 1-4 of the 6), the stack it
+  # does not start and why, the skipped stacks at the end.
+  progress = "[{}/6 groups] vanilla-h{} {}: test acc 1.000 +- 0.000 over 1 " \
+             "lines (10.0s); elapsed {}s, ETA {}s"
+  assert logged == [
+      progress.format(1, 4, 0, 15, 75), progress.format(2, 4, 1, 25, 50),
+      progress.format(3, 12, 0, 40, 40), progress.format(4, 12, 1, 50, 25),
+      "vanilla-h8: ~50 s by this run's estimate, 10 s left: not started",
+      "deadline passed: skipped 1 stacks (2 groups): vanilla-h8 (2 groups)"]
   # Without an estimate, a stack starts; the deadline stops it between
   # groups (here after the first, at t = 65 > 60).
   clock[0], made[:] = 50.0, []
@@ -438,3 +454,23 @@ def test_a_hard_deadline_skips_stacks_it_cannot_finish_and_stops_between_groups(
       str(tmp_path))] == [(4, 0), (4, 1), (12, 0), (12, 1), (8, 0)]
   # Past the deadline nothing starts.
   assert run({c: [2]}, stop_at=60.0) == [c.tag] and made == [b]
+  # Once stacks have finished, their seconds per weight replace the prior:
+  # 15 here (a and c: prepare 5, one group 10) where the prior says 10. At
+  # t = 30, b (weight 2) needs 30 s: with 25 s left it does not start (by
+  # the prior it would), with 40 s it does. A stack with nothing left to
+  # tune (d, first in order) is passed over, not the end of the run.
+  d = protocol.vanilla(16)
+  weights[d] = 0
+  for stop_at, skipped in ((55.0, [b.tag]), (70.0, [])):
+    clock[0], made[:] = 0.0, []
+    assert run({d: [], a: [0], b: [0], c: [0]}, stop_at=stop_at,
+               seconds_per_weight=10.0) == skipped
+    assert made == [a, c] + ([] if skipped else [b])
+  # A deadline reached exactly has passed, before a stack (deadline or
+  # stop_at) and between groups; 1 s left with no estimate still starts.
+  clock[0], made[:] = 100.0, []
+  assert run({a: [0]}, deadline=100.0) == [a.tag]
+  assert run({a: [0]}, stop_at=100.0) == [a.tag] and made == []
+  assert run({a: [0]}, stop_at=101.0) == [] and made == [a]  # t = 115
+  with pytest.raises(protocol.DeadlineReached, match="after 1 of its 2"):
+    run({a: [0, 1]}, stop_at=130.0)  # prepared at 120, group 0 done at 130
