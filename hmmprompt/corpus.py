@@ -140,7 +140,7 @@ def exact_state_posterior(hmm: hmm_lib.HMM, inputs_T, selected_T,
   ``method`` as :func:`exact_targets`'."""
   lik_TxV = corruption_likelihood(inputs_T, selected_T, hmm.vocab_size,
                                   hmm.emission.dtype)
-  evidence_TxH = lik_TxV @ hmm.emission.astype(lik_TxV.dtype).T
+  evidence_TxH = lik_TxV @ hmm.emission.T
   return hmm_lib.smooth_by(hmm, evidence_TxH, method).posterior
 
 
@@ -156,7 +156,7 @@ def exact_targets(hmm: hmm_lib.HMM, inputs_T, selected_T,
   """
   lik_TxV = corruption_likelihood(inputs_T, selected_T, hmm.vocab_size,
                                   hmm.emission.dtype)
-  evidence_TxH = lik_TxV @ hmm.emission.astype(lik_TxV.dtype).T
+  evidence_TxH = lik_TxV @ hmm.emission.T
   prior_TxV = hmm_lib.evidence_conditionals(hmm, evidence_TxH, method)
   joint_TxV = prior_TxV * lik_TxV
   total_T = jnp.sum(joint_TxV, -1, keepdims=True)
