@@ -1,5 +1,5 @@
-r"""Figure 3 in chunks of whole size stacks, each resuming from committed
-results (docs/figure3_gpu.md, docs/figure3.md; :mod:`hmmprompt.figure3.chunks`).
+r"""Figure 3 in chunks of size stacks, each resuming from committed results
+(docs/figure3_gpu.md, docs/figure3.md; :mod:`hmmprompt.figure3.chunks`).
 
   python -m experiments.in_chunks --preset=gpu --chunk=all \
       --deadline_s=540 --out=$OUT [--results=docs/results/figure3-gpu] \
@@ -43,9 +43,11 @@ _BUDGET = flags.DEFINE_float(
     "started is finished); default: no limit")
 _DEADLINE_S = flags.DEFINE_float(
     "deadline_s", None, "a hard deadline, seconds from the start: no stack "
-    "starts that the run's estimate does not finish by then, the cheapest "
-    "stacks run first, and at the deadline the run stops between training "
-    "steps or tuning groups and writes its archive; default: none")
+    "starts that the run's estimate does not finish by then (the trials of "
+    "a transformer stack that fit run alone, in whole groups of "
+    "trials_per_vmap; the next run does the rest), the cheapest stacks run "
+    "first, and at the deadline the run stops between training steps or "
+    "tuning groups and writes its archive; default: none")
 _OUT = flags.DEFINE_string("out", None, f"where {chunks.ARCHIVE} is written")
 _RESULTS = flags.DEFINE_string(
     "results", None, "the committed results directory (default: "

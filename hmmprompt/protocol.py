@@ -181,37 +181,71 @@ def make_models(setup: TrialsConfig, mid: ModelId, num: int
 
 
 class Stack(NamedTuple):
-  """A size's trials, drawn (:func:`draw_stack`)."""
+  """A size's trials, drawn (:func:`draw_stack`): row ``i`` is trial
+  ``first + i``."""
 
   models_K: generative.Model  # stacked [K]
   fingerprints: list[str]  # [K] generative.model_fingerprint of each HMM
   tasks: list[list[tasks_lib.Task]]  # [K][S]
   verdicts: list[list[dict]] | None  # [K][S] theory.verdicts, if asked
+  first: int = 0  # the trial of row 0 (a part of a stack: draw_stack)
 
 
 def draw_stack(setup: TrialsConfig, mid: ModelId, num: int, num_tasks: int = 1,
-               verdicts: bool = False) -> Stack:
-  """``mid``'s ``num`` trials, ``num_tasks`` tasks each, verdicts if asked."""
+               verdicts: bool = False, part: range | None = None) -> Stack:
+  """``mid``'s ``num`` trials, ``num_tasks`` tasks each, verdicts if asked;
+  with ``part`` (trials ``[a, b)`` of the ``num``) only those rows, each
+  drawn bit for bit as in the whole stack (which is drawn, and cut)."""
   keys_SxK = [np.asarray([task_key(setup, mid, k, s) for k in range(num)])
               for s in range(num_tasks)]
   models_K = make_models(setup, mid, num)
   by_task = [tasks_lib.make_tasks(keys_K, models_K, setup.task,
                                   setup.task_budget_bytes())
              for keys_K in keys_SxK]
-  tasks = [[t[k] for t in by_task] for k in range(num)]
-  checks = [[theory.verdicts(generative.trial(models_K, k), t.mu)
-             for t in row] for k, row in enumerate(tasks)] if verdicts else None
-  return Stack(models_K, generative.fingerprints(models_K), tasks, checks)
+  part = check_part(part, num)
+  rows = range(num) if part is None else part
+  if part is not None:
+    models_K = jax.tree.map(lambda x: x[part.start:part.stop], models_K)
+  tasks = [[t[k] for t in by_task] for k in rows]
+  checks = [[theory.verdicts(generative.trial(models_K, i), t.mu)
+             for t in row] for i, row in enumerate(tasks)] if verdicts else None
+  return Stack(models_K, generative.fingerprints(models_K), tasks, checks,
+               rows.start)
 
 
-def pretrain_dir(workdir: str, setup: TrialsConfig, mid: ModelId) -> str:
+def check_part(part: range | None, num: int) -> range | None:
+  """``part`` (``None``: the whole stack); ``ValueError`` unless it is a
+  non-empty ``range(a, b)`` of step 1 inside ``[0, num)``."""
+  if part is not None and not (isinstance(part, range) and part.step == 1
+                               and 0 <= part.start < part.stop <= num):
+    raise ValueError(f"a part of a stack of {num} trials must be a "
+                     f"non-empty range(a, b) with 0 <= a < b <= {num}, got "
+                     f"{part!r}")
+  return part
+
+
+def part_config(setup: TrialsConfig, part: range | None
+                ) -> pretrain_lib.PretrainConfig:
+  """The pretraining config of stack ``part``'s trials: row ``i`` is seeded
+  as trial ``part.start + i`` of the whole stack (:func:`pretrain.run_trials`
+  seeds row ``k`` ``seed + k``), so a part trains its trials as the whole
+  stack does."""
+  cfg = setup.pretrain
+  return cfg if not part else cfg.with_overrides(seed=cfg.seed + part.start)
+
+
+def pretrain_dir(workdir: str, setup: TrialsConfig, mid: ModelId,
+                 part: range | None = None) -> str:
   """``DIR/pretrain/<model tag>-<8 hex digits>`` of ``mid``'s stacked
-  pretraining run (the digits key recipe, seed and layout versions)."""
+  pretraining run (the digits key recipe, seed and layout versions);
+  ``<model tag>-trials<a>-<b - 1>-<digits>`` of its trials ``part``
+  (``range(a, b)``)."""
   fp = identity_lib.fingerprint(
       {"pretrain": setup.pretrain.identity(), "seed": setup.seed,
        "model_keys": MODEL_KEYS_VERSION, "state_layout": PRETRAIN_DIR_VERSION},
       digits=8)
-  return os.path.join(workdir, "pretrain", f"{mid.tag}-{fp}")
+  span = "" if not part else f"-trials{part.start}-{part.stop - 1}"
+  return os.path.join(workdir, "pretrain", f"{mid.tag}{span}-{fp}")
 
 
 def pretrain(workdir: str, setup: TrialsConfig, mid: ModelId,
@@ -227,17 +261,25 @@ def pretrain(workdir: str, setup: TrialsConfig, mid: ModelId,
 
 def pretrained(workdir: str, setup: TrialsConfig, mid: ModelId,
                models_K: generative.Model, checkpoints: bool = True,
-               stop_at: float | None = None):
+               stop_at: float | None = None, part: range | None = None):
   """``(backbone, params_K, infos)`` (:func:`pretrain.load_trials`) after
-  :func:`pretrain`, or :func:`pretrain.train_trials`' (no checkpoints)."""
+  :func:`pretrain`, or :func:`pretrain.train_trials`' (no checkpoints);
+  ``part``: ``models_K`` are the stack's trials ``part`` alone, pretrained
+  as in the whole stack (:func:`part_config`) in a directory of their own
+  (:func:`pretrain_dir`)."""
+  pdir, cfg = pretrain_dir(workdir, setup, mid, part), part_config(setup, part)
+  if part is not None and len(part) != len(models_K.initial):
+    raise ValueError(f"{mid.tag}: part {part!r} of {len(part)} trials, "
+                     f"{len(models_K.initial)} models given")
   if checkpoints:
-    return pretrain_lib.load_trials(pretrain(workdir, setup, mid, models_K,
-                                             stop_at))
-  pdir = pretrain_dir(workdir, setup, mid)
+    logging.info("pretraining %d trials in %s", len(models_K.initial), pdir)
+    pretrain_lib.run_trials(pdir, cfg, models_K, log=logging.info,
+                            stop_at=stop_at)
+    return pretrain_lib.load_trials(pdir)
   logging.info("pretraining %d trials in %s (no checkpoints)",
                len(models_K.initial), pdir)
-  return pretrain_lib.train_trials(pdir, setup.pretrain, models_K,
-                                   log=logging.info, stop_at=stop_at)
+  return pretrain_lib.train_trials(pdir, cfg, models_K, log=logging.info,
+                                   stop_at=stop_at)
 
 
 def pretrain_fields(info: pretrain_lib.TrialInfo) -> dict:
@@ -256,7 +298,7 @@ def tune_lanes(setup: TrialsConfig, cfg: tuning.TuneConfig, backbone,
   """Tunes every lane in one :func:`tuning.tune_trials` program: lane ``i``,
   ``(k, tasks)``, is ``params_L[i]`` on trial ``k``'s ``tasks`` (each cell
   with its :func:`tune_key`); returns ``[L][S_i]`` dicts of result fields."""
-  data = {(k, s): tuning.data_from_task(stack.tasks[k][s], cfg)
+  data = {(k, s): tuning.data_from_task(stack.tasks[k - stack.first][s], cfg)
           for k, s in {(k, s) for k, ss in lanes for s in ss}}
   res, _ = tuning.tune_trials(
       [[tune_key(setup, k, s) for s in ss] for k, ss in lanes], backbone,
@@ -292,18 +334,23 @@ def stack_order(mids, schedule: scheduling.Schedule,
 
 def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
                schedule: scheduling.Schedule = scheduling.EVERYTHING,
-               weight: Callable[[ModelId], float] | None = None) -> list[str]:
+               weight: Callable[[ModelId], float] | None = None,
+               split: Callable[[ModelId, float], tuple[Any, float] | None]
+               | None = None) -> list[str]:
   """The resume loop: for each of this process's stacks of ``todo``
   (``{ModelId: [group]}``, in :func:`stack_order`), ``prepare(mid,
   groups)`` makes it, then each group's ``tune(group, stack)`` lines are
   appended to ``path``; ``schedule`` bounds the run (a stack's estimate:
-  ``weight(mid)`` times the seconds per weight so far). Returns the tags of
-  the stacks skipped for the deadline; raises :class:`DeadlineReached`
-  inside one."""
+  ``weight(mid)`` times the seconds per weight so far). A stack whose
+  estimate does not fit the time left is skipped, or, where ``split(mid,
+  weight that fits)`` returns ``(groups, their weight)``, a part of it is
+  run: ``prepare`` and ``tune`` get those groups (so a short stretch of
+  time still lands whole trials). Returns the tags of the stacks skipped
+  (or cut) for the deadline; raises :class:`DeadlineReached` inside one."""
   mine = stack_order(todo, schedule, weight)
   total = sum(len(todo[mid]) for mid in mine)
-  done, t0, skipped = 0, time.perf_counter(), []
-  spent: list[tuple[float, float]] = []  # (seconds, weight) of whole stacks
+  done, t0, skipped, cut = 0, time.perf_counter(), [], []
+  spent: list[tuple[float, float]] = []  # (seconds, weight) of stacks run
   deadline, stop_at = schedule.deadline, schedule.stop_at
   for mid in mine:
     groups = todo[mid]
@@ -315,7 +362,12 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
     left = math.inf if stop_at is None else stop_at - now
     need = (math.nan if stop_at is None or weight is None or rate is None
             else rate * weight(mid))
-    if (deadline is not None and now >= deadline) or left <= 0 or need > left:
+    part = None
+    if ((deadline is None or now < deadline) and left > 0 and need > left
+        and split is not None and rate):  # need > left: an estimate
+      part = split(mid, left / rate)
+    if (deadline is not None and now >= deadline) or left <= 0 or (
+        need > left and part is None):
       if left > 0 and not math.isnan(need):
         logging.info("%s: ~%.0f s by this run's estimate, %.0f s left: not "
                      "started", mid.tag, need, left)
@@ -324,6 +376,12 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
     if schedule.claim is not None and not schedule.claim(mid):
       total -= len(groups)
       continue
+    if part is not None and rate:
+      groups, part_weight = part
+      logging.info("%s: ~%.0f s by this run's estimate, %.0f s left: a part "
+                   "of it (~%.0f s) runs", mid.tag, need, left,
+                   rate * part_weight)
+      cut.append(f"{mid.tag} (in part)")
     started = time.monotonic()
     stack = prepare(mid, groups)
     for i, g in enumerate(groups):
@@ -344,10 +402,13 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
           f"; {bad} with a non-finite tuning loss" if bad else "", elapsed,
           elapsed / done * (total - done))
     if weight is not None:
-      spent.append((time.monotonic() - started, weight(mid)))
+      spent.append((time.monotonic() - started,
+                    weight(mid) if part is None else part[1]))
     del stack  # before the next stack is made: one in memory
   if skipped:
     logging.warning("deadline passed: skipped %d stacks (%d groups): %s",
                     len(skipped), sum(n for _, n in skipped),
                     ", ".join(f"{t} ({n} groups)" for t, n in skipped))
-  return [tag for tag, _ in skipped]
+  if cut:
+    logging.warning("run in part for the deadline: %s", ", ".join(cut))
+  return [tag for tag, _ in skipped] + cut

@@ -20,9 +20,10 @@ class Schedule(NamedTuple):
     deadline: a ``time.monotonic()`` value: no stack starts after it, and a
       stack started is finished.
     stop_at: a hard deadline (monotonic): no stack starts that its estimate
-      does not finish by then, the cheapest run first without ``claim`` (so
-      a short stretch still lands whole stacks), and a run stops between
-      two tuning groups or training steps when it comes.
+      does not finish by then (a part of it may: ``run_stacks``' ``split``),
+      the cheapest run first without ``claim`` (so a short stretch still
+      lands whole stacks), and a run stops between two tuning groups or
+      training steps when it comes.
     seconds_per_weight: the estimate's seconds per unit of a stack's
       weight before the run has timed a stack of its own.
   """

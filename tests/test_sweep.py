@@ -322,7 +322,7 @@ def pretrained(monkeypatch):
   calls = []
 
   def run_trials(pdir, cfg, models_K, log=None, stop_at=None):
-    assert stop_at is None
+    assert stop_at is None or stop_at > time.monotonic()
     calls.append((pdir, cfg, models_K))
 
   def load_trials(pdir):
@@ -474,3 +474,154 @@ def test_a_hard_deadline_skips_stacks_it_cannot_finish_and_stops_between_groups(
   assert run({a: [0]}, stop_at=101.0) == [] and made == [a]  # t = 115
   with pytest.raises(protocol.DeadlineReached, match="after 1 of its 2"):
     run({a: [0, 1]}, stop_at=130.0)  # prepared at 120, group 0 done at 130
+
+
+def test_a_stack_that_does_not_fit_runs_in_parts_drawn_as_the_whole(
+    tmp_path, tuned, pretrained):
+  """A deadline that the whole stack's estimate overruns: its first trials
+  that fit (whole groups of ``trials_per_vmap``, one group's time kept for
+  the part's own draws and compiles) are pretrained alone, in a directory
+  of their own, seeded as in the whole stack; a later run pretrains the
+  rest alone. Every line is the whole stack's draw and says its part."""
+  setup = dataclasses.replace(
+      SETUP, trials=8, left_sizes=(8,), memory_sizes=(),
+      pretrain=SETUP.pretrain.with_overrides(trials_per_vmap=2))
+  workdir = str(tmp_path)
+  whole = protocol.draw_stack(setup, H8, 8, setup.tasks_per_hmm,
+                              verdicts=True)
+  # 100 s left at 100/7 s a trial: 6 trials fit, less a group of 2: 4.
+  assert sweep.run_sweep(setup, workdir, "left", "transformer",
+                         scheduling.Schedule(
+                             stop_at=time.monotonic() + 100,
+                             seconds_per_weight=100 / 7)) == [
+                                 "vanilla-h8 (in part)"]
+  sweep.run_sweep(setup, workdir, "left", "transformer")  # the rest
+  parts = [range(0, 4), range(4, 8)]
+  assert [(pdir, cfg) for pdir, cfg, _ in pretrained] == [
+      (protocol.pretrain_dir(workdir, setup, H8, part),
+       setup.pretrain.with_overrides(seed=setup.pretrain.seed + part.start))
+      for part in parts]
+  assert [os.path.basename(pdir).split("-")[:4] for pdir, _, _ in pretrained
+          ] == [["vanilla", "h8", "trials0", "3"], ["vanilla", "h8",
+                                                    "trials4", "7"]]
+  for (_, _, models), part in zip(pretrained, parts):
+    assert generative.same(models, jax.tree.map(
+        lambda x, p=part: x[p.start:p.stop], whole.models_K))
+  assert [c[3] for c in tuned] == [
+      [(k, [0, 1]) for k in part] for part in parts for _ in range(2)]
+  lines = schema.read_results(workdir)
+  assert sorted((r.method, r.trial, r.task) for r in lines) == sorted(
+      (m, k, s) for m in ("head_linear", "prompt_linear") for k in range(8)
+      for s in range(2))
+  for r in lines:
+    part = parts[r.trial // 4]
+    assert r.pretrain_part == [part.start, part.stop]
+    assert r.hmm_fingerprint == whole.fingerprints[r.trial]
+    assert r.assumptions == whole.verdicts[r.trial][r.task]
+    assert r.task_redraws == whole.tasks[r.trial][r.task].redraws
+    assert r.pretrain_steps == 30 + r.trial - part.start  # its row's info
+  with open(schema.results_path(workdir)) as f:
+    assert all('"pretrain_part": [' in line for line in f)
+  tuned.clear()
+  assert sweep.run_sweep(setup, workdir, "left", "transformer") == []
+  assert tuned == []
+
+
+def test_parts_of_a_stack(tmp_path):
+  """:class:`sweep.Parts`: which trials a run pretrains and which part of
+  them fits a deadline, in whole groups of ``trials_per_vmap``."""
+  setup = dataclasses.replace(
+      SETUP, trials=20, right_trials=5, left_sizes=(8,), memory_sizes=(2,),
+      pretrain=SETUP.pretrain.with_overrides(trials_per_vmap=4))
+  workdir = str(tmp_path)
+  sizes = sweep.stack_sizes(setup)
+  *left, right = sweep.plan(setup, "both", "transformer")[H8]
+  assert (left[0].panel, right.panel, sizes[H8]) == ("left", "right", 20)
+  cells = lambda trials: {(k, s) for k in trials for s in range(2)}
+  todo = {H8: {left[0]: cells(range(20)), left[1]: cells(range(20)),
+               right: cells(range(5))}}
+  parts = sweep.Parts(setup, workdir, sizes, todo, "transformer")
+  assert parts.of(H8, todo[H8]) is None and parts.weight(H8) == 20
+  # 12 trials' time: 2 groups of 4, a group's time kept back.
+  groups, n = parts.split(H8, 12.9)
+  assert n == 8 and groups == {left[0]: cells(range(8)),
+                               left[1]: cells(range(8)), right: cells(range(5))}
+  assert parts.of(H8, groups) == range(0, 8)
+  assert parts.split(H8, 7.9) is None  # not one group besides
+  assert parts.split(H8, 8.0)[1] == 4
+  # A kept workdir's part cut short, from the same first trial, is resumed
+  # where it fits (not where it does not).
+  os.makedirs(protocol.pretrain_dir(workdir, setup, H8, range(0, 6)))
+  assert parts.split(H8, 12.9)[1] == 6 and parts.split(H8, 9)[1] == 4
+  # Trials 0-7 done: the rest, 8-19, is the run's part and weight.
+  todo[H8] = {left[0]: cells(range(8, 20)), left[1]: cells(range(8, 20))}
+  assert parts.of(H8, todo[H8]) == range(8, 20) and parts.weight(H8) == 12
+  groups, n = parts.split(H8, 9)
+  assert n == 4 and groups == {left[0]: cells(range(8, 12)),
+                               left[1]: cells(range(8, 12))}
+  # The whole stack's run in the workdir: it is the one resumed, never cut.
+  os.makedirs(protocol.pretrain_dir(workdir, setup, H8))
+  assert parts.of(H8, todo[H8]) is None and parts.weight(H8) == 20
+  assert parts.split(H8, 12.9) is None
+  # The exact backbone draws whole stacks and pretrains nothing.
+  assert sweep.Parts(setup, str(tmp_path / "e"), sizes, todo, "exact").of(
+      H8, todo[H8]) is None
+
+
+def test_a_deadline_runs_the_part_of_a_stack_that_fits(tmp_path, monkeypatch):
+  """``run_stacks``' ``split``: asked, only where a stack's estimate overruns
+  the time left, for the weight that fits; its groups are prepared and
+  tuned, its weight is what the measured rate divides by, and the stack is
+  named as run in part. A fake clock: prepare 5 s, each group 10 s."""
+  clock = [0.0]
+  monkeypatch.setattr(protocol.time, "monotonic", lambda: clock[0])
+  monkeypatch.setattr(protocol.time, "perf_counter", lambda: clock[0])
+  logged = []
+  monkeypatch.setattr(protocol.logging, "info", lambda *a: None)
+  monkeypatch.setattr(protocol.logging, "warning",
+                      lambda fmt, *args: logged.append(fmt % args))
+  a, b, c = (protocol.vanilla(h) for h in (4, 8, 12))
+  made, tuned, asked = [], [], []
+
+  def prepare(mid, groups):
+    made.append((mid, list(groups)))
+    clock[0] += 5
+    return mid
+
+  def tune(g, mid):
+    tuned.append((mid, g))
+    clock[0] += 10
+    return [schema.ResultLine(
+        backbone="exact", panel="left", hmm="vanilla",
+        num_states=mid.num_states, memory_size=0, trial=0, task=g,
+        method="head_linear", features="raw", setup="s", hmm_fingerprint="f",
+        size=mid.num_states, test_accuracy=1.0, val_accuracy=1.0,
+        train_accuracy=1.0, final_loss=0.0, steps=1, seconds=10.0,
+        task_redraws=0, assumptions={}, tune_config={}, task_config={})]
+
+  def split(mid, fits):
+    asked.append((mid, fits))
+    return ({0: None}, 2) if mid == b else None
+
+  weights = {a: 1, b: 4, c: 4}
+  run = lambda todo, **kw: protocol.run_stacks(
+      todo, prepare, tune, str(tmp_path / "r.jsonl"),
+      scheduling.Schedule(**kw), weight=weights.get, split=split)
+  # a (10 s by the prior) fits and is not split. b (60 s at a's measured
+  # 15 s a weight) does not fit the 25 s left: split gets the 25 / 15
+  # weights that fit, and b's part (group 0) runs. c then needs 40 s at 10
+  # s a weight (a's 15 s and the part's 15 s over weights 1 + 2), 10 s
+  # left: split asks for 1 weight (1.67 had the part counted b's whole
+  # weight), gets nothing, and c is skipped.
+  assert run({a: [0], b: [0, 1], c: [0]}, stop_at=40.0,
+             seconds_per_weight=10.0) == [c.tag, f"{b.tag} (in part)"]
+  assert asked == [(b, 25 / 15), (c, 1.0)]
+  assert made == [(a, [0]), (b, [0])] and tuned == [(a, 0), (b, 0)]
+  assert logged == [
+      "deadline passed: skipped 1 stacks (1 groups): vanilla-h12 (1 groups)",
+      "run in part for the deadline: vanilla-h8 (in part)"]
+  # No split without an estimate, or past the deadline.
+  asked.clear()
+  clock[0] = 0.0
+  assert run({b: [0, 1]}, stop_at=100.0) == [] and asked == []
+  assert run({c: [0]}, stop_at=clock[0]) == [c.tag] and asked == []

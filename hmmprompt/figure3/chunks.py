@@ -1,7 +1,9 @@
-"""Figure 3 in chunks of whole size stacks, for a machine lent for minutes
-that keeps nothing: each chunk starts from a committed results directory,
+"""Figure 3 in chunks of size stacks, for a machine lent for minutes that
+keeps nothing: each chunk starts from a committed results directory,
 computes only what is missing and ends in one archive that :func:`merge`
-adds back (the binary: ``experiments/in_chunks.py``)."""
+adds back (the binary: ``experiments/in_chunks.py``). Under a deadline a
+stack that does not fit runs in parts of whole trials
+(:class:`~hmmprompt.figure3.sweep.Parts`)."""
 
 from __future__ import annotations
 
@@ -196,14 +198,16 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
 
 
 def seconds_per_trial(results_dir: str, margin: float = 1.2) -> float | None:
-  """Seconds per trial of ``results_dir``'s transformer stacks (pretraining
-  wall time plus each tuning group's program time) times ``margin`` (for
-  draws, compiles and evaluations); ``None`` where it has none."""
-  stacks: dict[tuple, dict] = {}
+  """Seconds per trial of ``results_dir``'s transformer stacks, a part of a
+  stack (``pretrain_part``) counted as a stack (pretraining wall time plus
+  each tuning group's program time) times ``margin`` (for draws, compiles
+  and evaluations); ``None`` where it has none."""
+  stacks: dict[tuple, dict] = {}  # a part of a stack counts as a stack
   for r in schema.read_results(results_dir):
     if r.backbone != "transformer" or r.pretrain_wall_s is None:
       continue
-    st = stacks.setdefault((r.hmm, r.num_states, r.memory_size),
+    st = stacks.setdefault((r.hmm, r.num_states, r.memory_size,
+                            tuple(r.pretrain_part or ())),
                            {"wall": 0.0, "groups": {}, "trials": set()})
     st["wall"] = max(st["wall"], r.pretrain_wall_s)
     st["groups"][(r.panel, r.method, r.features)] = r.seconds

@@ -45,9 +45,18 @@ class ResultLine(files_lib.Line):
   pretrain_steps: int | None = None
   pretrain_wall_s: float | None = None
   pretrain_layers: int | None = None  # the fallback's depth if it fell back
+  # [a, b): pretrained with trials a..b-1 alone, a part of the stack (a run
+  # cut short for time); absent from the file where the whole stack was.
+  pretrain_part: list[int] | None = None
 
   KEY_FIELDS = ("backbone", "panel", "hmm", "num_states", "memory_size",
                 "trial", "task", "method", "features", "setup")
+
+  def to_json(self) -> dict:
+    d = super().to_json()
+    if d["pretrain_part"] is None:  # every line before parts existed
+      del d["pretrain_part"]
+    return d
 
   @property
   def summary_key(self) -> tuple:

@@ -79,19 +79,23 @@ def stack_sizes(setup: configs.Setup) -> dict[ModelId, int]:
 
 def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
               models_K: generative.Model, backbone_name: str,
-              checkpoints: bool = True, stop_at: float | None = None):
+              checkpoints: bool = True, stop_at: float | None = None,
+              part: range | None = None):
   """``(backbone, params_K, pretrain_K, configs_K, shallow)`` of ``mid``'s
-  trials (:func:`protocol.pretrained`): ``params_K`` ``[K, ...]`` padded to
-  the deepest, trial ``k``'s ``pretrain_*`` fields and own config (``{}``,
-  ``None``: exact), the backbone of each shallower depth; in tuning dtype."""
+  trials (:func:`protocol.pretrained`; ``part``: ``models_K`` are those
+  trials of the stack): ``params_K`` ``[K, ...]`` padded to the deepest,
+  row ``k``'s ``pretrain_*`` fields and own config (``{}``, ``None``:
+  exact), the backbone of each shallower depth; in tuning dtype."""
   if backbone_name == "transformer":
     _, params_K, infos = protocol.pretrained(workdir, setup, mid, models_K,
-                                             checkpoints, stop_at)
+                                             checkpoints, stop_at, part)
     configs_K = [info.config.model for info in infos]
     deepest = max(configs_K, key=lambda m: m.num_layers)
     dtype = setup.tune.backbone_dtype  # the loaded backbone's when float32
+    where = {} if part is None else {"pretrain_part": [part.start, part.stop]}
     return (transformer.make_backbone(deepest, dtype), params_K,
-            [protocol.pretrain_fields(info) for info in infos], configs_K,
+            [{**protocol.pretrain_fields(info), **where} for info in infos],
+            configs_K,
             {m.num_layers: transformer.make_backbone(m, dtype)
              for m in configs_K if m.num_layers != deepest.num_layers})
   backbone, hmms_K = exact.make_stacked(models_K)
@@ -129,15 +133,17 @@ class Trials(NamedTuple):
 
 def tune_group(setup: configs.Setup, backbone_name: str, g: Group,
                trials: Trials, cells) -> list[schema.ResultLine]:
-  """Tunes ``g``'s ``cells`` (``(trial, task)`` pairs) in one program (the
-  rectangle of their trials x tasks) per depth; returns their lines."""
-  trial_ids = sorted({k for k, _ in cells})
+  """Tunes ``g``'s ``cells`` (``(trial, task)`` pairs, trials of
+  ``trials``' rows) in one program (the rectangle of their trials x tasks)
+  per depth; returns their lines."""
+  first = trials.stack.first
+  rows = sorted({k - first for k, _ in cells})
   task_ids = sorted({s for _, s in cells})
   cfg = g.tune_config(setup.tune)
   fields: dict[int, list[dict]] = {}
-  for backbone, params, ids in trials.by_depth(trial_ids):
+  for backbone, params, ids in trials.by_depth(rows):
     fields.update(zip(ids, protocol.tune_lanes(
-        setup, cfg, backbone, params, [(k, task_ids) for k in ids],
+        setup, cfg, backbone, params, [(first + i, task_ids) for i in ids],
         trials.stack)))
   fp, mid = setup.fingerprint(backbone_name), g.model_id
   verdicts = trials.stack.verdicts
@@ -145,13 +151,14 @@ def tune_group(setup: configs.Setup, backbone_name: str, g: Group,
     raise ValueError(f"{mid}: the stack has no assumption verdicts")
   return [schema.ResultLine(
       backbone=backbone_name, panel=g.panel, hmm=mid.hmm,
-      num_states=mid.num_states, memory_size=mid.memory_size, trial=k,
-      task=s, method=g.method_name, features=g.features, setup=fp,
-      hmm_fingerprint=trials.stack.fingerprints[k], size=mid.size,
-      **fields[k][j], task_redraws=trials.stack.tasks[k][s].redraws,
-      assumptions=verdicts[k][s], tune_config=dataclasses.asdict(cfg),
-      task_config=dataclasses.asdict(setup.task), **trials.pretrain[k])
-          for k in trial_ids for j, s in enumerate(task_ids) if (k, s) in cells]
+      num_states=mid.num_states, memory_size=mid.memory_size,
+      trial=first + i, task=s, method=g.method_name, features=g.features,
+      setup=fp, hmm_fingerprint=trials.stack.fingerprints[i], size=mid.size,
+      **fields[i][j], task_redraws=trials.stack.tasks[i][s].redraws,
+      assumptions=verdicts[i][s], tune_config=dataclasses.asdict(cfg),
+      task_config=dataclasses.asdict(setup.task), **trials.pretrain[i])
+          for i in rows for j, s in enumerate(task_ids)
+          if (first + i, s) in cells]
 
 
 def check_workdir(workdir: str, setup: configs.Setup,
@@ -250,20 +257,80 @@ def run_sweep(setup: configs.Setup, workdir: str, panel: str,
   (transformer) inputs longer than the pretrained context."""
   by_model, sizes = _start(setup, workdir, panel, backbone_name, schedule)
   todo = missing_cells(setup, workdir, panel, backbone_name, by_model)
+  parts = Parts(setup, workdir, sizes, todo, backbone_name)
 
-  def prepare(mid: ModelId, _) -> Trials:
-    """Draws ``mid``'s trials, their tasks and :func:`backbones`."""
+  def prepare(mid: ModelId, groups: dict) -> Trials:
+    """Draws ``mid``'s trials (:meth:`Parts.of` ``groups``), their tasks
+    and :func:`backbones`."""
+    part = parts.of(mid, groups)
     stack = protocol.draw_stack(setup, mid, sizes[mid], setup.tasks_per_hmm,
-                                verdicts=True)
+                                verdicts=True, part=part)
     return Trials(stack, *backbones(workdir, setup, mid, stack.models_K,
                                     backbone_name, checkpoints,
-                                    schedule.stop_at))
+                                    schedule.stop_at, part))
 
   def tune(g: Group, trials: Trials) -> list[schema.ResultLine]:
-    return tune_group(setup, backbone_name, g, trials, todo[g.model_id][g])
+    rows = range(trials.stack.first,
+                 trials.stack.first + len(trials.stack.tasks))
+    return tune_group(setup, backbone_name, g, trials, {
+        c for c in todo[g.model_id][g] if c[0] in rows})
 
   return protocol.run_stacks(
       todo, prepare, tune,
       results_file or schema.results_path(workdir, schedule.num_hosts,
                                            schedule.host_index),
-      schedule, weight=sizes.__getitem__)
+      schedule, weight=parts.weight,
+      split=parts.split if backbone_name == "transformer" else None)
+
+
+class Parts(NamedTuple):
+  """Which trials of a stack a run pretrains: the whole stack, as always,
+  unless its missing cells lie in a part of it (a run cut short for time
+  landed the rest) and no run of the whole stack is in the workdir; and
+  the part that fits a deadline (:meth:`split`)."""
+
+  setup: configs.Setup
+  workdir: str
+  sizes: dict[ModelId, int]
+  todo: dict[ModelId, dict[Group, set]]
+  backbone_name: str
+
+  def of(self, mid: ModelId, groups: dict) -> range | None:
+    """The trials that ``groups``' cells need pretrained: ``None`` for the
+    whole stack, else ``range(first, last + 1)`` of their trials."""
+    trials = sorted({k for cells in groups.values() for k, _ in cells})
+    if (self.backbone_name != "transformer" or not trials
+        or os.path.isdir(protocol.pretrain_dir(self.workdir, self.setup, mid))):
+      return None
+    part = range(trials[0], trials[-1] + 1)
+    return None if part == range(self.sizes[mid]) else part
+
+  def weight(self, mid: ModelId) -> int:
+    """The trials a run of ``mid``'s missing cells pretrains."""
+    part = self.of(mid, self.todo[mid])
+    return self.sizes[mid] if part is None else len(part)
+
+  def split(self, mid: ModelId, fits: float) -> tuple[dict, int] | None:
+    """``(groups, trials)`` of the first trials of ``mid``'s part
+    (:meth:`of`) that ``fits`` trials' time takes, less one group of
+    ``trials_per_vmap`` for a part's own draws and compiles, in whole
+    groups; a part a kept workdir holds from the same first trial (cut
+    short) is resumed where it fits. ``None``: not one group fits, or the
+    workdir holds the whole stack's run."""
+    if os.path.isdir(protocol.pretrain_dir(self.workdir, self.setup, mid)):
+      return None
+    span = self.of(mid, self.todo[mid]) or range(self.sizes[mid])
+    unit = max(1, self.setup.pretrain.trials_per_vmap)
+    n = (int(fits) - unit) // unit * unit
+    if n < unit or n >= len(span):
+      return None
+    part = range(span.start, span.start + n)
+    for stop in range(part.stop, part.start, -1):
+      held = range(span.start, stop)
+      if os.path.isdir(protocol.pretrain_dir(self.workdir, self.setup, mid,
+                                             held)):
+        part = held
+        break
+    groups = {g: cells for g, all_cells in self.todo[mid].items()
+              if (cells := {c for c in all_cells if c[0] in part})}
+    return groups, len(part)

@@ -14,6 +14,8 @@ import numpy as np
 from hmmprompt import files as files_lib
 from hmmprompt.pretrain import workdir as pretrain_workdir
 
+# protocol.pretrain_dir's name of a part of a stack: its first trial.
+_PART = re.compile(r"-trials(\d+)-\d+-[0-9a-f]+$")
 # Drawn where a run's config sets no target (the cpu presets' gap).
 TARGET_GAP = 0.04
 PLOT = "pretraining.png"
@@ -31,6 +33,8 @@ def runs(workdir: str) -> list[tuple[str, Any, dict]]:
     for m in files_lib.read_jsonl(mpath):
       by_trial.setdefault(m.get("trial", 0), []).append(m)
     name = os.path.basename(run_dir)
+    # A part of a stack (protocol.pretrain_dir) numbers its rows from 0.
+    first = int(part.group(1)) if (part := _PART.search(name)) else 0
     # A trial that fell back is reported by its deeper run, the one tuned.
     for k, ms in sorted(by_trial.items()):
       deep = pretrain_workdir.Paths.of(
@@ -39,10 +43,10 @@ def runs(workdir: str) -> list[tuple[str, Any, dict]]:
         del by_trial[k]
         runs.append((f"{name}/fallback-{k}",
                      pretrain_workdir.read_config(deep)[1],
-                     {k: [{**m, "trial": k}
-                          for m in files_lib.read_jsonl(deep.metrics)]}))
+                     {first + k: [{**m, "trial": first + k}
+                                  for m in files_lib.read_jsonl(deep.metrics)]}))
     if by_trial:
-      runs.append((name, cfg, by_trial))
+      runs.append((name, cfg, {first + k: ms for k, ms in by_trial.items()}))
   return sorted(runs, key=lambda r: (
       not r[0].startswith("vanilla"),
       [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", r[0])]))
