@@ -314,16 +314,24 @@ def test_the_stamp_is_written_once_by_whoever_may_write(tmp_path,
     sweep.check_workdir(str(old), other)
 
 
+class _Calls(list):
+  stop_ats: list = []
+
+  def __init__(self):
+    super().__init__()
+    self.stop_ats = []
+
+
 @pytest.fixture
 def pretrained(monkeypatch):
   """Stands in for pretraining and loading a stack of transformers: each
   trial's info as ``pretrain.load_trials`` gives it; the calls
-  ``(pdir, recipe, models)``."""
-  calls = []
+  ``(pdir, recipe, models)``, each one's ``stop_at`` in ``.stop_ats``."""
+  calls = _Calls()
 
   def run_trials(pdir, cfg, models_K, log=None, stop_at=None):
-    assert stop_at is None or stop_at > time.monotonic()
     calls.append((pdir, cfg, models_K))
+    calls.stop_ats.append(stop_at)
 
   def load_trials(pdir):
     (_, cfg, models_K), = [c for c in calls if c[0] == pdir][-1:]
@@ -490,12 +498,13 @@ def test_a_stack_that_does_not_fit_runs_in_parts_drawn_as_the_whole(
   whole = protocol.draw_stack(setup, H8, 8, setup.tasks_per_hmm,
                               verdicts=True)
   # 100 s left at 100/7 s a trial: 6 trials fit, less a group of 2: 4.
+  stop_at = time.monotonic() + 100
   assert sweep.run_sweep(setup, workdir, "left", "transformer",
-                         scheduling.Schedule(
-                             stop_at=time.monotonic() + 100,
-                             seconds_per_weight=100 / 7)) == [
-                                 "vanilla-h8 (in part)"]
+                         scheduling.Schedule(stop_at=stop_at,
+                                             seconds_per_weight=100 / 7)) == [
+                                                 "vanilla-h8 (in part)"]
   sweep.run_sweep(setup, workdir, "left", "transformer")  # the rest
+  assert pretrained.stop_ats == [stop_at, None]
   parts = [range(0, 4), range(4, 8)]
   assert [(pdir, cfg) for pdir, cfg, _ in pretrained] == [
       (protocol.pretrain_dir(workdir, setup, H8, part),
@@ -549,23 +558,31 @@ def test_parts_of_a_stack(tmp_path):
   assert parts.of(H8, groups) == range(0, 8)
   assert parts.split(H8, 7.9) is None  # not one group besides
   assert parts.split(H8, 8.0)[1] == 4
+  # Time for every trial: no part (run_stacks asks only when it is not).
+  assert parts.split(H8, 23.9)[1] == 16 and parts.split(H8, 24) is None
   # A kept workdir's part cut short, from the same first trial, is resumed
   # where it fits (not where it does not).
-  os.makedirs(protocol.pretrain_dir(workdir, setup, H8, range(0, 6)))
-  assert parts.split(H8, 12.9)[1] == 6 and parts.split(H8, 9)[1] == 4
+  os.makedirs(protocol.pretrain_dir(workdir, setup, H8, range(0, 7)))
+  assert parts.split(H8, 12.9)[1] == 7 and parts.split(H8, 9)[1] == 4
   # Trials 0-7 done: the rest, 8-19, is the run's part and weight.
   todo[H8] = {left[0]: cells(range(8, 20)), left[1]: cells(range(8, 20))}
   assert parts.of(H8, todo[H8]) == range(8, 20) and parts.weight(H8) == 12
   groups, n = parts.split(H8, 9)
   assert n == 4 and groups == {left[0]: cells(range(8, 12)),
                                left[1]: cells(range(8, 12))}
+  os.makedirs(protocol.pretrain_dir(workdir, setup, H8, range(8, 11)))
+  assert parts.split(H8, 12.9)[1] == 3
+  # One trial at a time (trials_per_vmap 0 or 1): parts of any size.
+  ones = parts._replace(setup=dataclasses.replace(
+      setup, pretrain=setup.pretrain.with_overrides(trials_per_vmap=0)))
+  assert ones.split(H8, 2.5)[1] == 1 and ones.split(H8, 1.9) is None
   # The whole stack's run in the workdir: it is the one resumed, never cut.
   os.makedirs(protocol.pretrain_dir(workdir, setup, H8))
   assert parts.of(H8, todo[H8]) is None and parts.weight(H8) == 20
   assert parts.split(H8, 12.9) is None
   # The exact backbone draws whole stacks and pretrains nothing.
-  assert sweep.Parts(setup, str(tmp_path / "e"), sizes, todo, "exact").of(
-      H8, todo[H8]) is None
+  exact = sweep.Parts(setup, str(tmp_path / "e"), sizes, todo, "exact")
+  assert exact.of(H8, todo[H8]) is None and exact.split(H8, 12.9) is None
 
 
 def test_a_deadline_runs_the_part_of_a_stack_that_fits(tmp_path, monkeypatch):

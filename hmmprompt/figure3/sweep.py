@@ -279,8 +279,7 @@ def run_sweep(setup: configs.Setup, workdir: str, panel: str,
       todo, prepare, tune,
       results_file or schema.results_path(workdir, schedule.num_hosts,
                                            schedule.host_index),
-      schedule, weight=parts.weight,
-      split=parts.split if backbone_name == "transformer" else None)
+      schedule, weight=parts.weight, split=parts.split)
 
 
 class Parts(NamedTuple):
@@ -315,9 +314,11 @@ class Parts(NamedTuple):
     (:meth:`of`) that ``fits`` trials' time takes, less one group of
     ``trials_per_vmap`` for a part's own draws and compiles, in whole
     groups; a part a kept workdir holds from the same first trial (cut
-    short) is resumed where it fits. ``None``: not one group fits, or the
-    workdir holds the whole stack's run."""
-    if os.path.isdir(protocol.pretrain_dir(self.workdir, self.setup, mid)):
+    short) is resumed where it fits. ``None``: not one group fits, the
+    workdir holds the whole stack's run, or the backbone is exact (nothing
+    to pretrain: its stacks run whole)."""
+    if (self.backbone_name != "transformer" or os.path.isdir(
+        protocol.pretrain_dir(self.workdir, self.setup, mid))):
       return None
     span = self.of(mid, self.todo[mid]) or range(self.sizes[mid])
     unit = max(1, self.setup.pretrain.trials_per_vmap)
