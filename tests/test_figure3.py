@@ -14,6 +14,7 @@ import pytest
 from conftest import CPU_PAPER, without_fma
 from hmmprompt import figure3
 from hmmprompt import pretraining_curve
+from hmmprompt.figure3 import chunks
 from hmmprompt.figure3 import schema
 from hmmprompt.figure3 import reporting
 from hmmprompt.figure3 import sweep
@@ -887,3 +888,29 @@ def test_the_committed_cpu_paper_lines_name_the_hmms_their_seeds_draw():
     got = generative.fingerprints(protocol.make_models(setup, mid,
                                                        len(by_trial)))
     assert got == [by_trial[k] for k in range(len(by_trial))], mid
+
+
+def test_a_merge_keeps_the_pretraining_run_that_went_furthest(tmp_path,
+                                                             caplog):
+  """A run cut short by a deadline archives the evaluations it reached; the
+  run that later finishes it (same directory) has those and more, and
+  replaces them at the merge. Any other difference keeps what is there."""
+  ev = lambda step: json.dumps({"trial": 0, "step": step}) + "\n"
+  cut, whole = tmp_path / "cut.jsonl", tmp_path / "whole.jsonl"
+  cut.write_text(ev(250))
+  whole.write_text(ev(250) + ev(500))
+  dest = tmp_path / "results" / "metrics.jsonl"
+  os.makedirs(dest.parent)
+  chunks._copy_new(str(cut), str(dest))
+  assert dest.read_text() == ev(250)
+  chunks._copy_new(str(whole), str(dest))
+  assert dest.read_text() == ev(250) + ev(500)
+  chunks._copy_new(str(cut), str(dest))  # an older archive merged late
+  assert dest.read_text() == ev(250) + ev(500)
+  assert "differs from the archive's copy" in caplog.text
+  config = tmp_path / "results" / "config.json"
+  config.write_text("{}")
+  longer = tmp_path / "config.json"
+  longer.write_text("{\n}\n")
+  chunks._copy_new(str(longer), str(config))  # only metrics grow
+  assert config.read_text() == "{}"

@@ -642,3 +642,47 @@ def test_a_deadline_runs_the_part_of_a_stack_that_fits(tmp_path, monkeypatch):
   clock[0] = 0.0
   assert run({b: [0, 1]}, stop_at=100.0) == [] and asked == []
   assert run({c: [0]}, stop_at=clock[0]) == [c.tag] and asked == []
+
+
+def test_a_part_of_a_stack_is_the_whole_stack_cut(tmp_path):
+  """``draw_stack(part=range(a, b))``: rows ``a..b-1`` of the whole stack,
+  bit for bit, row 0 being trial ``a``; its pretraining seeded and filed
+  as those trials'; a bad part refused by name."""
+  setup = dataclasses.replace(SETUP, trials=5)
+  whole = protocol.draw_stack(setup, H8, 5, 2, verdicts=True)
+  part = protocol.draw_stack(setup, H8, 5, 2, verdicts=True,
+                             part=range(2, 4))
+  assert (whole.first, part.first) == (0, 2)
+  assert generative.same(part.models_K, jax.tree.map(lambda x: x[2:4],
+                                                     whole.models_K))
+  assert part.fingerprints == whole.fingerprints[2:4]
+  assert part.verdicts == whole.verdicts[2:4]
+  assert [[t.redraws for t in row] for row in part.tasks] == [
+      [t.redraws for t in row] for row in whole.tasks[2:4]]
+  for got, want in zip(part.tasks, whole.tasks[2:4]):
+    for g, w in zip(got, want):
+      assert all(np.array_equal(a, b) for a, b in zip(
+          jax.tree.leaves(g), jax.tree.leaves(w)))
+  assert protocol.draw_stack(setup, H8, 5, part=range(0, 5)).first == 0
+  for bad in (range(0), range(3, 3), range(-1, 2), range(4, 6),
+              range(0, 4, 2), [1, 2]):
+    with pytest.raises(ValueError, match=re.escape(
+        f"a part of a stack of 5 trials must be a non-empty range(a, b) "
+        f"with 0 <= a < b <= 5, got {bad!r}")):
+      protocol.check_part(bad, 5)
+  assert protocol.check_part(None, 5) is None
+  assert protocol.check_part(range(4, 5), 5) == range(4, 5)
+  # Seeded and filed as its trials: the whole stack's seed plus a; the
+  # directory names them (the whole stack's has no span).
+  assert protocol.part_config(setup, None) is setup.pretrain
+  assert protocol.part_config(setup, range(3, 5)).seed == (
+      setup.pretrain.seed + 3)
+  assert protocol.part_config(setup, range(3, 5)).identity() == dict(
+      setup.pretrain.identity(), seed=setup.pretrain.seed + 3)
+  whole_dir = protocol.pretrain_dir("w", setup, H8)
+  assert protocol.pretrain_dir("w", setup, H8, range(3, 5)) == (
+      whole_dir.replace("vanilla-h8-", "vanilla-h8-trials3-4-"))
+  with pytest.raises(ValueError, match=re.escape(
+      "vanilla-h8: part range(3, 5) of 2 trials, 3 models given")):
+    protocol.pretrained(str(tmp_path), setup, H8, jax.tree.map(
+        lambda x: x[:3], whole.models_K), part=range(3, 5))

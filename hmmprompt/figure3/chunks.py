@@ -301,9 +301,23 @@ def merge(archive: str, results_dir: str) -> dict:
 
 
 def _copy_new(src: str, dest: str) -> None:
-  """Copies ``src`` to ``dest`` unless it exists (a difference is logged)."""
+  """Copies ``src`` to ``dest`` unless it exists (a difference is logged),
+  or, for a ``metrics.jsonl``, holds fewer evaluations: a run cut short by
+  a deadline archives the evaluations it reached, and the run that later
+  finishes it (the same directory: same trials, recipe and seeds) has
+  those and more."""
   blob = pathlib.Path(src).read_bytes()
   if not os.path.exists(dest):
     files_lib.atomic_write_bytes(dest, blob)
-  elif pathlib.Path(dest).read_bytes() != blob:
+    return
+  had = pathlib.Path(dest).read_bytes()
+  if had == blob:
+    return
+  if (os.path.basename(dest) == "metrics.jsonl"
+      and len(blob.splitlines()) > len(had.splitlines())):
+    files_lib.atomic_write_bytes(dest, blob)
+    logging.info("%s: the archive's run went further (%d evaluations, "
+                 "%d here): replaced", dest, len(blob.splitlines()),
+                 len(had.splitlines()))
+  else:
     logging.warning("%s differs from the archive's copy; kept %s", dest, dest)
