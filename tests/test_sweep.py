@@ -644,7 +644,7 @@ def test_a_deadline_runs_the_part_of_a_stack_that_fits(tmp_path, monkeypatch):
   assert run({c: [0]}, stop_at=clock[0]) == [c.tag] and asked == []
 
 
-def test_a_part_of_a_stack_is_the_whole_stack_cut(tmp_path):
+def test_a_part_of_a_stack_is_the_whole_stack_cut(tmp_path, monkeypatch):
   """``draw_stack(part=range(a, b))``: rows ``a..b-1`` of the whole stack,
   bit for bit, row 0 being trial ``a``; its pretraining seeded and filed
   as those trials'; a bad part refused by name."""
@@ -680,8 +680,21 @@ def test_a_part_of_a_stack_is_the_whole_stack_cut(tmp_path):
   assert protocol.part_config(setup, range(3, 5)).identity() == dict(
       setup.pretrain.identity(), seed=setup.pretrain.seed + 3)
   whole_dir = protocol.pretrain_dir("w", setup, H8)
+  assert re.fullmatch(r"w/pretrain/vanilla-h8-[0-9a-f]{8}", whole_dir)
   assert protocol.pretrain_dir("w", setup, H8, range(3, 5)) == (
       whole_dir.replace("vanilla-h8-", "vanilla-h8-trials3-4-"))
+  # The digits key the recipe, the seed and the layout, not runtime fields.
+  for other in (dataclasses.replace(setup, seed=1),
+                dataclasses.replace(setup, pretrain=setup.pretrain.with_overrides(
+                    lr=setup.pretrain.lr * 2))):
+    assert protocol.pretrain_dir("w", other, H8) != whole_dir
+  assert protocol.pretrain_dir("w", dataclasses.replace(
+      setup, pretrain=setup.pretrain.with_overrides(trials_per_vmap=7)),
+                               H8) == whole_dir
+  for name in ("MODEL_KEYS_VERSION", "PRETRAIN_DIR_VERSION"):
+    with monkeypatch.context() as m:
+      m.setattr(protocol, name, getattr(protocol, name) + 1)
+      assert protocol.pretrain_dir("w", setup, H8) != whole_dir
   with pytest.raises(ValueError, match=re.escape(
       "vanilla-h8: part range(3, 5) of 2 trials, 3 models given")):
     protocol.pretrained(str(tmp_path), setup, H8, jax.tree.map(
