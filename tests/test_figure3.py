@@ -1,5 +1,6 @@
 """hmmprompt.figure3: configs (get_setup), the result-line schema, the
-report's statistics. The sweeps themselves: tests/integration/."""
+report's statistics, a stack run in parts and merged. The sweeps
+themselves: tests/integration/."""
 
 import dataclasses
 import json
@@ -7,6 +8,7 @@ import os
 import re
 import shutil
 import types
+import time
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from conftest import CPU_PAPER, without_fma
 from hmmprompt import figure3
 from hmmprompt import pretraining_curve
 from hmmprompt.figure3 import chunks
+from hmmprompt import scheduling
 from hmmprompt.figure3 import schema
 from hmmprompt.figure3 import reporting
 from hmmprompt.figure3 import sweep
@@ -914,3 +917,64 @@ def test_a_merge_keeps_the_pretraining_run_that_went_furthest(tmp_path,
   longer.write_text("{\n}\n")
   chunks._copy_new(str(longer), str(config))  # only metrics grow
   assert config.read_text() == "{}"
+
+
+def _timeless(workdir):
+  """Key -> a result line's fields but the timing ones."""
+  return {r.key(): {k: v for k, v in r.to_json().items()
+                    if k not in chunks.TIMING_FIELDS}
+          for r in schema.read_results(workdir)}
+
+
+@pytest.mark.slow  # ~12 s: two pretrainings of 4 tiny transformers
+def test_a_stack_run_in_parts_merges_to_the_whole_stack(tmp_path):
+  """The device protocol's 15-minute sessions: a chunk whose deadline the
+  whole stack overruns pretrains and tunes the trials that fit, alone; the
+  next chunk, from the merged results, the rest alone. Merged, the lines
+  equal the whole stack's run bit for bit (timings and the parts aside),
+  and the report numbers the parts' pretraining runs by trial."""
+  setup = dataclasses.replace(figure3.get_setup("tiny", {
+      "trials": 4, "features": "raw", "left_sizes": "4",
+      "task.num_train": 64, "task.num_val": 16, "task.num_test": 32,
+      "task.seq_len": 12, "tune.epochs": 1, "tune.prompt_len": 2,
+      "pretrain.steps": 20}), memory_sizes=())
+  whole = str(tmp_path / "whole")
+  sweep.run_sweep(setup, whole, "left", "transformer", checkpoints=False)
+  results = str(tmp_path / "results")
+
+  def first_part(cfg, workdir, deadline):  # 3.5 trials' time: 2 fit
+    return sweep.run_sweep(cfg, workdir, "both", "transformer",
+                           scheduling.Schedule(
+                               deadline=deadline,
+                               stop_at=time.monotonic() + 300,
+                               seconds_per_weight=300 / 3.5),
+                           checkpoints=False)
+
+  info = chunks.run_chunk(setup, "left:4", "transformer", results,
+                          str(tmp_path / "1"), compute=first_part)
+  assert info["skipped_stacks"] == ["vanilla-h4 (in part)"]
+  assert info["cells_computed"] == 4  # 2 trials x head, prompt
+  chunks.merge(os.path.join(tmp_path, "1", chunks.ARCHIVE), results)
+  info = chunks.run_chunk(setup, "left:4", "transformer", results,
+                          str(tmp_path / "2"))
+  assert info["cells_computed"] == 4 and info["skipped_stacks"] == []
+  chunks.merge(os.path.join(tmp_path, "2", chunks.ARCHIVE), results)
+  parted = {k: {f: v for f, v in d.items() if f != "pretrain_part"}
+            for k, d in _timeless(results).items()}
+  assert parted == _timeless(whole)
+  assert sorted((r.trial, tuple(r.pretrain_part)) for r in
+                schema.read_results(results) if r.method == "head_linear") == [
+                    (0, (0, 2)), (1, (0, 2)), (2, (2, 4)), (3, (2, 4))]
+  runs = pretrain_report.runs(results)
+  assert [(name.split("-")[2:4], sorted(by_trial)) for name, _, by_trial
+          in runs] == [(["trials0", "1"], [0, 1]), (["trials2", "3"], [2, 3])]
+  # Each part's metrics are the whole run's for its trials.
+  by_whole = dict(pretrain_report.runs(whole)[0][2])
+  for _, _, by_trial in runs:
+    for k, ms in by_trial.items():
+      assert [{f: v for f, v in m.items() if f not in ("wall_s", "trial")}
+              for m in ms] == [
+                  {f: v for f, v in m.items() if f not in ("wall_s", "trial")}
+                  for m in by_whole[k]]
+  # The parts count as stacks of their own in the next run's estimate.
+  assert chunks.seconds_per_trial(results) > 0

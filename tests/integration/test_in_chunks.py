@@ -19,9 +19,7 @@ from hmmprompt import figure3
 from hmmprompt.figure3 import schema
 from hmmprompt.figure3 import sweep
 from hmmprompt import protocol
-from hmmprompt import scheduling
 from hmmprompt import files as files_lib
-from hmmprompt.pretrain import report as pretrain_report
 from hmmprompt.pretrain import train as pretrain_train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
@@ -290,52 +288,3 @@ def test_only_a_kept_workdir_checkpoints(tmp_path, monkeypatch):
   assert seen[0][0] is False and seen[0][1].startswith("figure3-chunk-")
   assert seen[1] == (True, "kept")
 
-
-def test_a_stack_run_in_parts_merges_to_the_whole_stack(tmp_path):
-  """The device protocol's 15-minute sessions: a chunk whose deadline the
-  whole stack overruns pretrains and tunes the trials that fit, alone; the
-  next chunk, from the merged results, the rest alone. Merged, the lines
-  equal the whole stack's run bit for bit (timings and the parts aside),
-  and the report numbers the parts' pretraining runs by trial."""
-  setup = dataclasses.replace(SETUP, trials=4, left_sizes=(4,),
-                              memory_sizes=())
-  whole = str(tmp_path / "whole")
-  sweep.run_sweep(setup, whole, "left", "transformer", checkpoints=False)
-  results = str(tmp_path / "results")
-
-  def first_part(cfg, workdir, deadline):  # 3.5 trials' time: 2 fit
-    return sweep.run_sweep(cfg, workdir, "both", "transformer",
-                           scheduling.Schedule(
-                               deadline=deadline,
-                               stop_at=time.monotonic() + 300,
-                               seconds_per_weight=300 / 3.5),
-                           checkpoints=False)
-
-  info = chunks.run_chunk(setup, "left:4", "transformer", results,
-                          str(tmp_path / "1"), compute=first_part)
-  assert info["skipped_stacks"] == ["vanilla-h4 (in part)"]
-  assert info["cells_computed"] == 4  # 2 trials x head, prompt
-  chunks.merge(os.path.join(tmp_path, "1", chunks.ARCHIVE), results)
-  info = chunks.run_chunk(setup, "left:4", "transformer", results,
-                          str(tmp_path / "2"))
-  assert info["cells_computed"] == 4 and info["skipped_stacks"] == []
-  chunks.merge(os.path.join(tmp_path, "2", chunks.ARCHIVE), results)
-  parted = {k: {f: v for f, v in d.items() if f != "pretrain_part"}
-            for k, d in _values(results).items()}
-  assert parted == _values(whole)
-  assert sorted((r.trial, tuple(r.pretrain_part)) for r in
-                schema.read_results(results) if r.method == "head_linear") == [
-                    (0, (0, 2)), (1, (0, 2)), (2, (2, 4)), (3, (2, 4))]
-  runs = pretrain_report.runs(results)
-  assert [(name.split("-")[2:4], sorted(by_trial)) for name, _, by_trial
-          in runs] == [(["trials0", "1"], [0, 1]), (["trials2", "3"], [2, 3])]
-  # Each part's metrics are the whole run's for its trials.
-  by_whole = dict(pretrain_report.runs(whole)[0][2])
-  for _, _, by_trial in runs:
-    for k, ms in by_trial.items():
-      assert [{f: v for f, v in m.items() if f not in ("wall_s", "trial")}
-              for m in ms] == [
-                  {f: v for f, v in m.items() if f not in ("wall_s", "trial")}
-                  for m in by_whole[k]]
-  # The parts count as stacks of their own in the next run's estimate.
-  assert chunks.seconds_per_trial(results) > 0
