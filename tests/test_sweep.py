@@ -663,7 +663,10 @@ def test_a_part_of_a_stack_is_the_whole_stack_cut(tmp_path, monkeypatch):
     for g, w in zip(got, want):
       assert all(np.array_equal(a, b) for a, b in zip(
           jax.tree.leaves(g), jax.tree.leaves(w)))
-  assert protocol.draw_stack(setup, H8, 5, part=range(0, 5)).first == 0
+  plain = protocol.draw_stack(setup, H8, 5, part=range(0, 5))
+  assert plain.first == 0 and plain.fingerprints == whole.fingerprints
+  # By default one task a trial and no verdicts (they cost a theory check).
+  assert plain.verdicts is None and {len(row) for row in plain.tasks} == {1}
   for bad in (range(0), range(3, 3), range(-1, 2), range(4, 6),
               range(0, 4, 2), [1, 2]):
     with pytest.raises(ValueError, match=re.escape(
