@@ -196,13 +196,13 @@ def draw_stack(setup: TrialsConfig, mid: ModelId, num: int, num_tasks: int = 1,
   """``mid``'s ``num`` trials, ``num_tasks`` tasks each, verdicts if asked;
   with ``part`` (trials ``[a, b)`` of the ``num``) only those rows, each
   drawn bit for bit as in the whole stack (which is drawn, and cut)."""
+  part = check_part(part, num)  # before any draw
   keys_SxK = [np.asarray([task_key(setup, mid, k, s) for k in range(num)])
               for s in range(num_tasks)]
   models_K = make_models(setup, mid, num)
   by_task = [tasks_lib.make_tasks(keys_K, models_K, setup.task,
                                   setup.task_budget_bytes())
              for keys_K in keys_SxK]
-  part = check_part(part, num)
   rows = range(num) if part is None else part
   if part is not None:
     models_K = jax.tree.map(lambda x: x[part.start:part.stop], models_K)

@@ -250,9 +250,10 @@ def run_sweep(setup: configs.Setup, workdir: str, panel: str,
               results_file: str | None = None,
               checkpoints: bool = True) -> list[str]:
   """Runs this process's share of the sweep's stacks (``schedule``, a
-  stack's weight its trials), skipping finished lines, into ``results_file``
-  (default: the host shard's); ``checkpoints=False``: pretraining writes
-  none. Returns and raises as :func:`protocol.run_stacks`; ``ValueError``
+  stack's weight the trials it pretrains; under ``stop_at`` a transformer
+  stack that does not fit runs in part: :class:`Parts`), skipping finished
+  lines, into ``results_file`` (default: the host shard's);
+  ``checkpoints=False``: pretraining writes none. Returns and raises as :func:`protocol.run_stacks`; ``ValueError``
   for a bad backbone, panel or shard, a workdir of another setup, or
   (transformer) inputs longer than the pretrained context."""
   by_model, sizes = _start(setup, workdir, panel, backbone_name, schedule)
