@@ -976,5 +976,12 @@ def test_a_stack_run_in_parts_merges_to_the_whole_stack(tmp_path):
               for m in ms] == [
                   {f: v for f, v in m.items() if f not in ("wall_s", "trial")}
                   for m in by_whole[k]]
-  # The parts count as stacks of their own in the next run's estimate.
-  assert chunks.seconds_per_trial(results) > 0
+  # The parts count as stacks of their own in the next run's estimate: each
+  # its pretraining wall time and its own tuning programs.
+  lines = schema.read_results(results)
+  spent = 0.0
+  for part in ([0, 2], [2, 4]):
+    mine = [r for r in lines if r.pretrain_part == part]
+    spent += max(r.pretrain_wall_s for r in mine) + sum(
+        {(r.panel, r.method, r.features): r.seconds for r in mine}.values())
+  assert chunks.seconds_per_trial(results) == pytest.approx(1.2 * spent / 4)
