@@ -926,7 +926,7 @@ def _timeless(workdir):
           for r in schema.read_results(workdir)}
 
 
-@pytest.mark.slow  # ~12 s: two pretrainings of 4 tiny transformers
+@pytest.mark.slow  # ~6 CPU-s: two pretrainings of 4 tiny transformers
 def test_a_stack_run_in_parts_merges_to_the_whole_stack(tmp_path):
   """The device protocol's 15-minute sessions: a chunk whose deadline the
   whole stack overruns pretrains and tunes the trials that fit, alone; the

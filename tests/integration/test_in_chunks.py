@@ -287,4 +287,3 @@ def test_only_a_kept_workdir_checkpoints(tmp_path, monkeypatch):
                      str(tmp_path / "out"), workdir=workdir)
   assert seen[0][0] is False and seen[0][1].startswith("figure3-chunk-")
   assert seen[1] == (True, "kept")
-
