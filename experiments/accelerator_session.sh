@@ -25,7 +25,11 @@
 #   short); by default each chunk computes in a temporary one without
 #   checkpoints. A chunk that fails (rc 1) runs once more with the exact
 #   targets inside each step (exact_window=1). Merge here: in_chunks
-#   --preset=gpu --merge=A,B.
+#   --preset=gpu --merge=A,B. A later protocol command on the same machine
+#   (kept warm: call it at once, merge afterwards) goes on from STATE
+#   (default /tmp/accelerator-state): the last chunk's results (unless
+#   RESULTS is set), the bias check's verdict (not run again) and the
+#   exact_window=1 fallback if it was taken.
 set -uo pipefail
 step=${1:?usage: accelerator_session.sh first_minute|mfu|hmm [SECTIONS]|protocol SECONDS [CHUNK ...]}
 OUT=${OUT:-/tmp/accelerator}
@@ -66,15 +70,27 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
     protocol)
       seconds=${2:?protocol SECONDS [CHUNK ...]}; shift 2
       end=$(( $(date +%s) + seconds )); chunks=("${@:-all}"); attn=""
-      echo "== the relative bias through cuDNN (check_cudnn_bias)"
+      # What an earlier protocol command on this machine left.
+      state=${STATE:-/tmp/accelerator-state}; mkdir -p "$state"
       # PRESET=tiny CHECK=0 (the flags of a tiny preset in EXTRA) try the
       # loop on a CPU.
       preset=${PRESET:-gpu}
-      # Without --also_xla: XLA's own timing was taken on 2026-11-27 (H100).
-      [ "${CHECK:-1}" = 0 ] || timeout 100 python -m \
-        experiments.check_cudnn_bias \
-        || attn="--config.pretrain.model.attention=manual"
+      if [ -f "$state/attention" ]; then
+        attn=$(cat "$state/attention")
+        echo "== the bias check ran on this machine before: ${attn:-cuDNN}"
+      elif [ "${CHECK:-1}" != 0 ]; then
+        echo "== the relative bias through cuDNN (check_cudnn_bias)"
+        # Without --also_xla: XLA's own timing was taken on 2026-11-27 (H100).
+        timeout 100 python -m experiments.check_cudnn_bias \
+          || attn="--config.pretrain.model.attention=manual"
+        echo "$attn" > "$state/attention"
+      fi
       results=${RESULTS:-docs/results/figure3-gpu}; i=0; inside=""
+      if [ -z "${RESULTS:-}" ] && [ -f "$state/results/results.jsonl" ]; then
+        results=$state/results
+        echo "== from this machine's last protocol command's results ($results)"
+      fi
+      [ -f "$state/inside" ] && inside=$(cat "$state/inside")
       for chunk in "${chunks[@]}"; do
         for try in 1 2; do
           left=$(( end - $(date +%s) ))
@@ -88,9 +104,12 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
           rc=$?; echo "rc=$rc"
           archive="$OUT/$i/figure3-chunk.tar.gz"
           if [ -f "$archive" ]; then
-            # The next chunk starts from this one's lines (and estimates).
-            results=/tmp/figure3-gpu-results-$i
-            rm -rf "$results"; mkdir -p "$results"; tar xzf "$archive" -C "$results"
+            # The next chunk (or command) starts from this one's lines (and
+            # estimates).
+            rm -rf "$state/results.new"; mkdir -p "$state/results.new"
+            tar xzf "$archive" -C "$state/results.new"
+            rm -rf "$state/results"; mv "$state/results.new" "$state/results"
+            results=$state/results
           fi
           # A chunk that failed (rc 1, an error; the deadline's stop is 0
           # and timeout's backstop 124) runs once more with the exact
@@ -99,7 +118,7 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
           # (exact_window, new since) is what failed; unless EXTRA chose a
           # window itself.
           [ "$rc" = 1 ] && [ -z "$inside" ] && [[ "${EXTRA:-}" != *exact_window* ]] || break
-          inside="--config.pretrain.exact_window=1"
+          inside="--config.pretrain.exact_window=1"; echo "$inside" > "$state/inside"
           echo "== chunk $chunk failed: again with $inside (the rest of the session too)"
         done
       done

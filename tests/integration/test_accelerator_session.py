@@ -1,5 +1,6 @@
-"""experiments/accelerator_session.sh protocol's retry, with a stand-in
-``python`` on the PATH: the script's own logic, no device and no model."""
+"""experiments/accelerator_session.sh protocol's retry, and a second
+command on the same machine, with a stand-in ``python`` on the PATH: the
+script's own logic, no device and no model."""
 
 import os
 import subprocess
@@ -14,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
 # STUB_RC with no archive.
 _STUB = r"""#!/usr/bin/env bash
 [ "$1" = -c ] && { echo stub; exit 0; }
+[ "$2" = experiments.check_cudnn_bias ] && { echo check; exit "$CHECK_RC"; }
 echo "in_chunks $*"
 out=""
 for a in "$@"; do case "$a" in --out=*) out=${a#--out=} ;; esac; done
@@ -41,7 +43,7 @@ def test_a_failed_chunk_runs_again_with_the_targets_inside_each_step(
   out = tmp_path / "out"
   env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}",
              OUT=str(out), CHECK="0", RESULTS=str(tmp_path / "results"),
-             STUB_RC=str(rc), EXTRA=extra)
+             STUB_RC=str(rc), EXTRA=extra, STATE=str(tmp_path / "state"))
   subprocess.run(["bash", "experiments/accelerator_session.sh", "protocol",
                   "200"], cwd=ROOT, env=env, check=True, timeout=60,
                  capture_output=True)
@@ -52,3 +54,42 @@ def test_a_failed_chunk_runs_again_with_the_targets_inside_each_step(
   assert "exact_window=1" not in calls[0]
   archives = sorted(p.parent.name for p in out.glob("*/figure3-chunk.tar.gz"))
   assert archives == ([str(runs)] if rc == 0 or runs == 2 else [])
+
+
+@pytest.mark.parametrize("check_rc,stub_rc", [(0, 0), (1, 1)])
+def test_a_second_command_on_the_machine_goes_on_from_the_first(
+    tmp_path, check_rc, stub_rc):
+  """Called at once, while the machine is warm: the second command starts
+  from the first's last archive (not the committed results), skips the
+  bias check and keeps its verdict, and keeps the exact_window=1 fallback
+  if the first took it."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  (bin_dir / "python").write_text(_STUB)
+  (bin_dir / "python").chmod(0o755)
+  state = tmp_path / "state"
+  logs = []
+  for n in (1, 2):
+    out = tmp_path / f"out{n}"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}",
+               OUT=str(out), STATE=str(state), CHECK_RC=str(check_rc),
+               STUB_RC=str(stub_rc))
+    env.pop("RESULTS", None)
+    subprocess.run(["bash", "experiments/accelerator_session.sh", "protocol",
+                    "200"], cwd=ROOT, env=env, check=True, timeout=60,
+                   capture_output=True)
+    logs.append((out / "protocol.log").read_text().splitlines())
+  checks = [sum(line == "check" for line in log) for log in logs]
+  assert checks == [1, 0]
+  first, second = ([line for line in log if line.startswith("in_chunks ")]
+                   for log in logs)
+  manual = "--config.pretrain.model.attention=manual"
+  assert all((manual in c) == bool(check_rc) for c in first + second)
+  assert "--results=docs/results/figure3-gpu" in first[0]
+  assert f"--results={state}/results" in second[0]
+  assert (state / "results" / "results.jsonl").exists()
+  # A failed first chunk ran again with the targets inside each step; the
+  # second command starts with them.
+  assert [("exact_window=1" in c) for c in first] == (
+      [False, True] if stub_rc else [False])
+  assert ("exact_window=1" in second[0]) == bool(stub_rc)
