@@ -702,3 +702,52 @@ def test_a_part_of_a_stack_is_the_whole_stack_cut(tmp_path, monkeypatch):
       "vanilla-h8: part range(3, 5) of 2 trials, 3 models given")):
     protocol.pretrained(str(tmp_path), setup, H8, jax.tree.map(
         lambda x: x[:3], whole.models_K), part=range(3, 5))
+
+
+def test_run_stacks_counts_claimed_groups_and_names_what_it_skips(
+    tmp_path, monkeypatch):
+  """What ``run_stacks`` logs beyond its deadline test: groups counted over
+  the stacks this process claims, a tuning loss that is not finite, an
+  estimate that ends exactly at ``stop_at`` (it starts), the skipped
+  stacks listed, and no estimate line where there is no estimate."""
+  clock = [0.0]
+  monkeypatch.setattr(protocol.time, "monotonic", lambda: clock[0])
+  monkeypatch.setattr(protocol.time, "perf_counter", lambda: clock[0])
+  logged = []
+  for level in ("info", "warning"):
+    monkeypatch.setattr(protocol.logging, level,
+                        lambda fmt, *args: logged.append(fmt % args))
+  a, b, c = (protocol.vanilla(h) for h in (4, 8, 12))
+
+  def tune(g, mid):
+    clock[0] += 10
+    return [schema.ResultLine(
+        backbone="exact", panel="left", hmm="vanilla",
+        num_states=mid.num_states, memory_size=0, trial=0, task=g,
+        method="head_linear", features="raw", setup="s", hmm_fingerprint="f",
+        size=mid.num_states, test_accuracy=1.0, val_accuracy=1.0,
+        train_accuracy=1.0, final_loss=float("nan") if g else 0.0, steps=1,
+        seconds=10.0, task_redraws=0, assumptions={}, tune_config={},
+        task_config={})]
+
+  run = lambda todo, weight=None, **kw: protocol.run_stacks(
+      todo, lambda mid, groups: mid, tune, str(tmp_path / "r.jsonl"),
+      scheduling.Schedule(**kw), weight=weight)
+  # Another process claims b: its 3 groups leave the count (2 of 2, not 5).
+  run({a: [0, 1], b: [0, 1, 2]}, claim=lambda mid: mid != b)
+  assert logged == [
+      "[1/2 groups] vanilla-h4 0: test acc 1.000 +- 0.000 over 1 lines "
+      "(10.0s); elapsed 10s, ETA 10s",
+      "[2/2 groups] vanilla-h4 1: test acc 1.000 +- 0.000 over 1 lines "
+      "(10.0s); 1 with a non-finite tuning loss; elapsed 20s, ETA 0s"]
+  # 10 s by the prior, 10 s left: it starts (and ends at stop_at).
+  logged.clear()
+  clock[0] = 0.0
+  assert run({a: [0]}, weight={a: 1}.get, stop_at=10.0,
+             seconds_per_weight=10.0) == []
+  assert clock[0] == 10.0
+  # Past the deadline with no estimate: skipped and listed, no estimate.
+  logged.clear()
+  assert run({b: [0, 1], c: [0]}, stop_at=5.0) == [b.tag, c.tag]
+  assert logged == ["deadline passed: skipped 2 stacks (3 groups): "
+                    "vanilla-h8 (2 groups), vanilla-h12 (1 groups)"]
