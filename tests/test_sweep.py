@@ -594,7 +594,9 @@ def test_a_deadline_runs_the_part_of_a_stack_that_fits(tmp_path, monkeypatch):
   monkeypatch.setattr(protocol.time, "monotonic", lambda: clock[0])
   monkeypatch.setattr(protocol.time, "perf_counter", lambda: clock[0])
   logged = []
-  monkeypatch.setattr(protocol.logging, "info", lambda *a: None)
+  monkeypatch.setattr(
+      protocol.logging, "info", lambda fmt, *args: logged.append(
+          fmt % args) if "part" in fmt or "not started" in fmt else None)
   monkeypatch.setattr(protocol.logging, "warning",
                       lambda fmt, *args: logged.append(fmt % args))
   a, b, c = (protocol.vanilla(h) for h in (4, 8, 12))
@@ -635,13 +637,37 @@ def test_a_deadline_runs_the_part_of_a_stack_that_fits(tmp_path, monkeypatch):
   assert asked == [(b, 25 / 15), (c, 1.0)]
   assert made == [(a, [0]), (b, [0])] and tuned == [(a, 0), (b, 0)]
   assert logged == [
+      "vanilla-h8: ~60 s by this run's estimate, 25 s left: a part of it "
+      "(~30 s) runs",
+      "vanilla-h12: ~40 s by this run's estimate, 10 s left: not started",
       "deadline passed: skipped 1 stacks (1 groups): vanilla-h12 (1 groups)",
       "run in part for the deadline: vanilla-h8 (in part)"]
-  # No split without an estimate, or past the deadline.
+  # No split without an estimate, at or past stop_at or the deadline;
+  # asked with half a second left; two parts listed.
   asked.clear()
+  logged.clear()
   clock[0] = 0.0
   assert run({b: [0, 1]}, stop_at=100.0) == [] and asked == []
-  assert run({c: [0]}, stop_at=clock[0]) == [c.tag] and asked == []
+  for kw in ({"stop_at": clock[0]}, {"stop_at": clock[0] - 1},
+             {"stop_at": 100.0, "deadline": clock[0]}):
+    assert run({c: [0]}, seconds_per_weight=10.0, **kw) == [c.tag]
+  assert asked == [] and logged[-1].startswith("deadline passed")
+  logged.clear()
+  always = lambda mid, fits: asked.append((mid, fits)) or ({0: None}, 1)
+  run2 = lambda todo, **kw: protocol.run_stacks(
+      todo, prepare, tune, str(tmp_path / "r.jsonl"),
+      scheduling.Schedule(**kw), weight={b: 10, c: 10}.get, split=always)
+  # b: 100 s by the prior, 50 left: a part (15 s); c: 150 s at the 15 s a
+  # weight it measured, 35 left: a part.
+  assert run2({b: [0, 1], c: [0, 1]}, stop_at=clock[0] + 50,
+              seconds_per_weight=10.0) == [f"{b.tag} (in part)",
+                                           f"{c.tag} (in part)"]
+  assert asked == [(b, 5.0), (c, 35 / 15)]
+  assert logged[-1] == ("run in part for the deadline: vanilla-h8 (in part), "
+                        "vanilla-h12 (in part)")
+  asked.clear()
+  run2({b: [0]}, stop_at=clock[0] + 0.5, seconds_per_weight=1.0)
+  assert asked == [(b, 0.5)]
 
 
 def test_a_part_of_a_stack_is_the_whole_stack_cut(tmp_path, monkeypatch):
@@ -710,7 +736,7 @@ def test_run_stacks_counts_claimed_groups_and_names_what_it_skips(
   the stacks this process claims, a tuning loss that is not finite, an
   estimate that ends exactly at ``stop_at`` (it starts), the skipped
   stacks listed, and no estimate line where there is no estimate."""
-  clock = [0.0]
+  clock = [100.0]  # elapsed times are differences
   monkeypatch.setattr(protocol.time, "monotonic", lambda: clock[0])
   monkeypatch.setattr(protocol.time, "perf_counter", lambda: clock[0])
   logged = []
@@ -718,6 +744,7 @@ def test_run_stacks_counts_claimed_groups_and_names_what_it_skips(
     monkeypatch.setattr(protocol.logging, level,
                         lambda fmt, *args: logged.append(fmt % args))
   a, b, c = (protocol.vanilla(h) for h in (4, 8, 12))
+  asked = []
 
   def tune(g, mid):
     clock[0] += 10
@@ -732,7 +759,8 @@ def test_run_stacks_counts_claimed_groups_and_names_what_it_skips(
 
   run = lambda todo, weight=None, **kw: protocol.run_stacks(
       todo, lambda mid, groups: mid, tune, str(tmp_path / "r.jsonl"),
-      scheduling.Schedule(**kw), weight=weight)
+      scheduling.Schedule(**kw), weight=weight,
+      split=lambda mid, fits: asked.append(mid))
   # Another process claims b: its 3 groups leave the count (2 of 2, not 5).
   run({a: [0, 1], b: [0, 1, 2]}, claim=lambda mid: mid != b)
   assert logged == [
@@ -740,14 +768,24 @@ def test_run_stacks_counts_claimed_groups_and_names_what_it_skips(
       "(10.0s); elapsed 10s, ETA 10s",
       "[2/2 groups] vanilla-h4 1: test acc 1.000 +- 0.000 over 1 lines "
       "(10.0s); 1 with a non-finite tuning loss; elapsed 20s, ETA 0s"]
-  # 10 s by the prior, 10 s left: it starts (and ends at stop_at).
+  # 10 s by the prior, 10 s left: it starts whole (and ends at stop_at).
   logged.clear()
   clock[0] = 0.0
   assert run({a: [0]}, weight={a: 1}.get, stop_at=10.0,
              seconds_per_weight=10.0) == []
-  assert clock[0] == 10.0
+  assert clock[0] == 10.0 and asked == []
   # Past the deadline with no estimate: skipped and listed, no estimate.
   logged.clear()
   assert run({b: [0, 1], c: [0]}, stop_at=5.0) == [b.tag, c.tag]
   assert logged == ["deadline passed: skipped 2 stacks (3 groups): "
                     "vanilla-h8 (2 groups), vanilla-h12 (1 groups)"]
+  # An estimate is named only with time left: past the (soft) deadline
+  # without stop_at, at stop_at or past it, none; half a second before it,
+  # the stack's.
+  est = dict(weight={b: 1}.get, seconds_per_weight=10.0)
+  for kw in ({"deadline": 5.0}, {"stop_at": 10.0}, {"stop_at": 9.0},
+             {"stop_at": 10.5}):
+    logged.clear()
+    assert run({b: [0]}, **est, **kw) == [b.tag]
+    assert logged[:-1] == ([] if kw != {"stop_at": 10.5} else [
+        "vanilla-h8: ~10 s by this run's estimate, 0 s left: not started"])
