@@ -7,6 +7,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import sys
 import types
 import time
 
@@ -769,6 +771,109 @@ def test_worker_files_merge_into_results_by_key(tmp_path):
   assert sorted(r.key() for r in figure3.read_results(d)) == sorted(
       r.key() for r in lines)
   assert workers.merge_results(d) == 0
+
+
+class _Worker:
+  """A stand-in for a worker process (``subprocess.Popen``): it runs until
+  ``clock[0]`` (the parent's sleeps) reaches its ``exits``, then ends with
+  its code, writing ``fault`` at ``error_path`` first; a SIGTERM ends it at
+  once (code -15)."""
+
+  def __init__(self, cmd, env, behave, claims_dir, index, clock):
+    self.cmd, self.env, self.signals = cmd, env, []
+    self.exits, self.code, fault = behave
+    self.claims_dir, self.index, self.clock = claims_dir, index, clock
+    self.fault, self.returncode = fault, None
+
+  def poll(self):
+    if self.returncode is None:
+      if self.exits is not None and self.clock[0] >= self.exits:
+        if self.fault:
+          with open(workers.error_path(self.claims_dir, self.index), "w") as f:
+            f.write(self.fault)
+        self.returncode = self.code
+    return self.returncode
+
+  def send_signal(self, sig):
+    self.signals.append(sig)
+    self.returncode = -sig
+
+  def wait(self):
+    return self.returncode
+
+
+@pytest.mark.parametrize("behaviours,raises", [
+    # Worker 1 fails with a fault: the others are stopped, its line is the
+    # binary's.
+    ([(None, 0, ""), (2, 1, "disk full: rerun to resume"), (None, 0, "")],
+     (OSError, "disk full: rerun to resume")),
+    # A worker that fails with no fault: the others run to their end.
+    ([(3, 0, ""), (2, 1, "")], (SystemExit, re.escape(
+        "workers exited with [0, 1] (their logs above); rerun to resume"))),
+    ([(1, 0, ""), (3, 0, "")], None),
+])
+def test_workers_run_pinned_and_a_fault_stops_them_all(
+    tmp_path, monkeypatch, behaviours, raises):
+  """``run_workers``: one process per core, each the binary's command line
+  without ``--workers`` plus its index and the claims; their XLA single
+  threaded and sharing a compilation cache under the claims; a worker's
+  fault stops the others and is raised as the binary's one line; the
+  claims are removed and the worker files merged either way."""
+  procs = []
+  claims_dirs = []
+  real_mkdtemp = workers.tempfile.mkdtemp
+  monkeypatch.setattr(workers.tempfile, "mkdtemp", lambda prefix: (
+      claims_dirs.append(real_mkdtemp(prefix=prefix, dir=str(tmp_path)))
+      or claims_dirs[-1]))
+
+  clock = [0]
+
+  def popen(cmd, env):
+    i = len(procs)
+    procs.append(_Worker(cmd, env, behaviours[i], claims_dirs[-1], i, clock))
+    return procs[-1]
+
+  def sleep(seconds):
+    assert seconds == 0.2 and clock[0] < 10  # polls, not a busy loop
+    clock[0] += 1
+
+  monkeypatch.setattr(workers.subprocess, "Popen", popen)
+  monkeypatch.setattr(workers.time, "sleep", sleep)
+  monkeypatch.setattr(workers, "_cores", lambda: [3, 5])
+  monkeypatch.setattr(workers.shutil, "which", lambda name: "/bin/" + name)
+  monkeypatch.setattr(sys.modules["__main__"], "__spec__",
+                      types.SimpleNamespace(name="experiments.figure3"),
+                      raising=False)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_mine=1")
+  monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+  workdir = str(tmp_path / "w")
+  os.makedirs(workdir)
+  merged = []
+  monkeypatch.setattr(workers, "merge_results", merged.append)
+  argv = ["figure3", "--workers=0", "--preset=tiny", "--workers", "3"]
+  if raises is None:
+    workers.run_workers(argv, len(behaviours), workdir)
+  else:
+    with pytest.raises(raises[0], match="^" + raises[1] + "$"):
+      workers.run_workers(argv, len(behaviours), workdir)
+  claims_dir, = claims_dirs
+  assert [p.cmd for p in procs] == [
+      ["/bin/taskset", "-c", str([3, 5][i % 2]), sys.executable, "-m",
+       "experiments.figure3", "--preset=tiny", f"--worker={i}",
+       f"--claims={claims_dir}"] for i in range(len(behaviours))]
+  for p in procs:
+    assert p.env["XLA_FLAGS"] == (
+        "--xla_mine=1 " + " ".join(workers.SINGLE_THREAD_FLAGS))
+    assert p.env["MALLOC_ARENA_MAX"] == "1"
+    assert p.env["JAX_COMPILATION_CACHE_DIR"] == os.path.join(claims_dir,
+                                                               "xla")
+  faulted = any(fault for _, _, fault in behaviours)
+  # Stopped by SIGTERM: the workers still running when one left a fault.
+  assert [p.signals for p in procs] == [
+      [signal.SIGTERM] if faulted and exits is None else []
+      for exits, _, _ in behaviours]
+  assert not os.path.exists(claims_dir) and merged == [workdir]
 
 
 def test_workers_are_refused_by_name_where_they_cannot_run():

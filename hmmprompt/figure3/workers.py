@@ -130,9 +130,13 @@ def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
            f"--worker={i}", f"--claims={claims_dir}"], env=env))
     # A worker's fault (error_path) stops the others: a full disk or a
     # lost directory is every worker's, and its line should come at once.
-    while any(p.poll() is None for p in procs) and not any(
-        p.returncode and os.path.exists(error_path(claims_dir, i))
-        for i, p in enumerate(procs)):
+    # Every worker is polled each round: a code is known only once polled.
+    while True:
+      codes = [p.poll() for p in procs]
+      if None not in codes or any(
+          code and os.path.exists(error_path(claims_dir, i))
+          for i, code in enumerate(codes)):
+        break
       time.sleep(0.2)
   finally:
     for p in procs:
