@@ -840,31 +840,45 @@ def test_workers_run_pinned_and_a_fault_stops_them_all(
   monkeypatch.setattr(workers.subprocess, "Popen", popen)
   monkeypatch.setattr(workers.time, "sleep", sleep)
   monkeypatch.setattr(workers, "_cores", lambda: [3, 5])
-  monkeypatch.setattr(workers.shutil, "which", lambda name: "/bin/" + name)
-  monkeypatch.setattr(sys.modules["__main__"], "__spec__",
-                      types.SimpleNamespace(name="experiments.figure3"),
+  # No taskset (the last case): the workers run unpinned.
+  pinned = raises is not None
+  monkeypatch.setattr(workers.shutil, "which",
+                      lambda name: "/bin/" + name if pinned else None)
+  monkeypatch.setattr(sys.modules["__main__"], "__spec__", None,
                       raising=False)
-  monkeypatch.setenv("XLA_FLAGS", "--xla_mine=1")
+  with pytest.raises(ValueError, match=re.escape(
+      "--workers needs the binary run as python -m MODULE")):
+    workers.spawn(["figure3"], 1, str(tmp_path / "c"))
+  monkeypatch.setattr(sys.modules["__main__"], "__spec__",
+                      types.SimpleNamespace(name="experiments.figure3"))
+  if pinned:
+    monkeypatch.setenv("XLA_FLAGS", "--xla_mine=1")
+  else:
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+  monkeypatch.setenv("HMMPROMPT_TEST_ENV", "kept")
   monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
   monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
   workdir = str(tmp_path / "w")
   os.makedirs(workdir)
   merged = []
   monkeypatch.setattr(workers, "merge_results", merged.append)
-  argv = ["figure3", "--workers=0", "--preset=tiny", "--workers", "3"]
+  argv = ["figure3", "--preset=tiny", "--workers=0", "--workers", "3"]
   if raises is None:
     workers.run_workers(argv, len(behaviours), workdir)
   else:
     with pytest.raises(raises[0], match="^" + raises[1] + "$"):
       workers.run_workers(argv, len(behaviours), workdir)
   claims_dir, = claims_dirs
+  assert os.path.basename(claims_dir).startswith("hmmprompt-claims-")
   assert [p.cmd for p in procs] == [
-      ["/bin/taskset", "-c", str([3, 5][i % 2]), sys.executable, "-m",
-       "experiments.figure3", "--preset=tiny", f"--worker={i}",
-       f"--claims={claims_dir}"] for i in range(len(behaviours))]
+      (["/bin/taskset", "-c", str([3, 5][i % 2])] if pinned else [])
+      + [sys.executable, "-m", "experiments.figure3", "--preset=tiny",
+         f"--worker={i}", f"--claims={claims_dir}"]
+      for i in range(len(behaviours))]
   for p in procs:
-    assert p.env["XLA_FLAGS"] == (
-        "--xla_mine=1 " + " ".join(workers.SINGLE_THREAD_FLAGS))
+    assert p.env["XLA_FLAGS"] == " ".join(
+        (["--xla_mine=1"] if pinned else []) + [*workers.SINGLE_THREAD_FLAGS])
+    assert p.env["HMMPROMPT_TEST_ENV"] == "kept"
     assert p.env["MALLOC_ARENA_MAX"] == "1"
     assert p.env["JAX_COMPILATION_CACHE_DIR"] == os.path.join(claims_dir,
                                                                "xla")
