@@ -846,8 +846,8 @@ def test_workers_run_pinned_and_a_fault_stops_them_all(
                       lambda name: "/bin/" + name if pinned else None)
   monkeypatch.setattr(sys.modules["__main__"], "__spec__", None,
                       raising=False)
-  with pytest.raises(ValueError, match=re.escape(
-      "--workers needs the binary run as python -m MODULE")):
+  with pytest.raises(ValueError, match="^" + re.escape(
+      "--workers needs the binary run as python -m MODULE") + "$"):
     workers.spawn(["figure3"], 1, str(tmp_path / "c"))
   monkeypatch.setattr(sys.modules["__main__"], "__spec__",
                       types.SimpleNamespace(name="experiments.figure3"))
