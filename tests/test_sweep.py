@@ -398,29 +398,40 @@ def test_a_transformer_sweep_pretrains_each_stack_in_its_own_directory(
   sweep.run_sweep(long, str(tmp_path / "long"), "left", "exact")  # no context
 
 
+def _stub_line(mid, g, final_loss=0.0) -> schema.ResultLine:
+  """A stand-in tuning group ``g``'s one line on stack ``mid``."""
+  return schema.ResultLine(
+      backbone="exact", panel="left", hmm="vanilla", num_states=mid.num_states,
+      memory_size=0, trial=0, task=g, method="head_linear", features="raw",
+      setup="s", hmm_fingerprint="f", size=mid.num_states, test_accuracy=1.0,
+      val_accuracy=1.0, train_accuracy=1.0, final_loss=final_loss, steps=1,
+      seconds=10.0, task_redraws=0, assumptions={}, tune_config={},
+      task_config={})
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+  """``(clock, logged)``: ``run_stacks``' clocks read ``clock[0]`` (set it;
+  0 at first), and its info and warning lines are appended to ``logged``."""
+  clock, logged = [0.0], []
+  monkeypatch.setattr(protocol.time, "monotonic", lambda: clock[0])
+  monkeypatch.setattr(protocol.time, "perf_counter", lambda: clock[0])
+  for level in ("info", "warning"):
+    monkeypatch.setattr(protocol.logging, level,
+                        lambda fmt, *args: logged.append(fmt % args))
+  return clock, logged
+
+
 def test_a_hard_deadline_skips_stacks_it_cannot_finish_and_stops_between_groups(
-    tmp_path, monkeypatch):
+    tmp_path, fake_clock):
   """``stop_at``: a stack starts only if its estimate (its weight times the
   seconds per weight of the stacks finished, or the prior before any) ends
   by the deadline; at the deadline the run stops between two groups, the
   finished groups' lines on disk. A fake clock: each tuned group takes 10
   seconds, each stack's prepare 5."""
-  clock = [0.0]
-  monkeypatch.setattr(protocol.time, "monotonic", lambda: clock[0])
-  monkeypatch.setattr(protocol.time, "perf_counter", lambda: clock[0])
-  logged = []
-  for level in ("info", "warning"):
-    monkeypatch.setattr(protocol.logging, level,
-                        lambda fmt, *args: logged.append(fmt % args))
+  clock, logged = fake_clock
   a, b, c = (protocol.vanilla(h) for h in (4, 8, 12))
   made, path = [], str(tmp_path / "results.jsonl")
-  line = lambda mid, g: schema.ResultLine(
-      backbone="exact", panel="left", hmm="vanilla", num_states=mid.num_states,
-      memory_size=0, trial=0, task=g, method="head_linear", features="raw",
-      setup="s", hmm_fingerprint="f", size=mid.num_states, test_accuracy=1.0,
-      val_accuracy=1.0, train_accuracy=1.0, final_loss=0.0, steps=1,
-      seconds=10.0, task_redraws=0, assumptions={}, tune_config={},
-      task_config={})
 
   def prepare(mid, groups):
     assert groups  # the stack's groups to tune, never an empty stack
@@ -430,7 +441,7 @@ def test_a_hard_deadline_skips_stacks_it_cannot_finish_and_stops_between_groups(
 
   def tune(g, mid):
     clock[0] += 10
-    return [line(mid, g)]
+    return [_stub_line(mid, g)]
 
   weights = {a: 1, b: 2, c: 1}
   run = lambda todo, **kw: protocol.run_stacks(
@@ -585,20 +596,14 @@ def test_parts_of_a_stack(tmp_path):
   assert exact.of(H8, todo[H8]) is None and exact.split(H8, 12.9) is None
 
 
-def test_a_deadline_runs_the_part_of_a_stack_that_fits(tmp_path, monkeypatch):
+def test_a_deadline_runs_the_part_of_a_stack_that_fits(tmp_path, fake_clock):
   """``run_stacks``' ``split``: asked, only where a stack's estimate overruns
   the time left, for the weight that fits; its groups are prepared and
   tuned, its weight is what the measured rate divides by, and the stack is
   named as run in part. A fake clock: prepare 5 s, each group 10 s."""
-  clock = [0.0]
-  monkeypatch.setattr(protocol.time, "monotonic", lambda: clock[0])
-  monkeypatch.setattr(protocol.time, "perf_counter", lambda: clock[0])
-  logged = []
-  monkeypatch.setattr(
-      protocol.logging, "info", lambda fmt, *args: logged.append(
-          fmt % args) if "part" in fmt or "not started" in fmt else None)
-  monkeypatch.setattr(protocol.logging, "warning",
-                      lambda fmt, *args: logged.append(fmt % args))
+  clock, logged = fake_clock
+  # Its lines but the progress lines (the deadline test's).
+  said = lambda: [line for line in logged if not line.startswith("[")]
   a, b, c = (protocol.vanilla(h) for h in (4, 8, 12))
   made, tuned, asked = [], [], []
 
@@ -610,13 +615,7 @@ def test_a_deadline_runs_the_part_of_a_stack_that_fits(tmp_path, monkeypatch):
   def tune(g, mid):
     tuned.append((mid, g))
     clock[0] += 10
-    return [schema.ResultLine(
-        backbone="exact", panel="left", hmm="vanilla",
-        num_states=mid.num_states, memory_size=0, trial=0, task=g,
-        method="head_linear", features="raw", setup="s", hmm_fingerprint="f",
-        size=mid.num_states, test_accuracy=1.0, val_accuracy=1.0,
-        train_accuracy=1.0, final_loss=0.0, steps=1, seconds=10.0,
-        task_redraws=0, assumptions={}, tune_config={}, task_config={})]
+    return [_stub_line(mid, g)]
 
   def split(mid, fits):
     asked.append((mid, fits))
@@ -636,7 +635,7 @@ def test_a_deadline_runs_the_part_of_a_stack_that_fits(tmp_path, monkeypatch):
              seconds_per_weight=10.0) == [c.tag, f"{b.tag} (in part)"]
   assert asked == [(b, 25 / 15), (c, 1.0)]
   assert made == [(a, [0]), (b, [0])] and tuned == [(a, 0), (b, 0)]
-  assert logged == [
+  assert said() == [
       "vanilla-h8: ~60 s by this run's estimate, 25 s left: a part of it "
       "(~30 s) runs",
       "vanilla-h12: ~40 s by this run's estimate, 10 s left: not started",
@@ -651,7 +650,7 @@ def test_a_deadline_runs_the_part_of_a_stack_that_fits(tmp_path, monkeypatch):
   for kw in ({"stop_at": clock[0]}, {"stop_at": clock[0] - 1},
              {"stop_at": clock[0] + 20, "deadline": clock[0]}):
     assert run({c: [0]}, seconds_per_weight=10.0, **kw) == [c.tag]
-  assert asked == [] and logged[-1].startswith("deadline passed")
+  assert asked == [] and said()[-1].startswith("deadline passed")
   logged.clear()
   always = lambda mid, fits: asked.append((mid, fits)) or ({0: None}, 1)
   run2 = lambda todo, **kw: protocol.run_stacks(
@@ -663,7 +662,7 @@ def test_a_deadline_runs_the_part_of_a_stack_that_fits(tmp_path, monkeypatch):
               seconds_per_weight=10.0) == [f"{b.tag} (in part)",
                                            f"{c.tag} (in part)"]
   assert asked == [(b, 5.0), (c, 35 / 15)]
-  assert logged[-1] == ("run in part for the deadline: vanilla-h8 (in part), "
+  assert said()[-1] == ("run in part for the deadline: vanilla-h8 (in part), "
                         "vanilla-h12 (in part)")
   asked.clear()
   run2({b: [0]}, stop_at=clock[0] + 0.5, seconds_per_weight=1.0)
@@ -731,31 +730,19 @@ def test_a_part_of_a_stack_is_the_whole_stack_cut(tmp_path, monkeypatch):
 
 
 def test_run_stacks_counts_claimed_groups_and_names_what_it_skips(
-    tmp_path, monkeypatch):
+    tmp_path, fake_clock):
   """What ``run_stacks`` logs beyond its deadline test: groups counted over
   the stacks this process claims, a tuning loss that is not finite, an
   estimate that ends exactly at ``stop_at`` (it starts), the skipped
   stacks listed, and no estimate line where there is no estimate."""
-  clock = [100.0]  # elapsed times are differences
-  monkeypatch.setattr(protocol.time, "monotonic", lambda: clock[0])
-  monkeypatch.setattr(protocol.time, "perf_counter", lambda: clock[0])
-  logged = []
-  for level in ("info", "warning"):
-    monkeypatch.setattr(protocol.logging, level,
-                        lambda fmt, *args: logged.append(fmt % args))
+  clock, logged = fake_clock
+  clock[0] = 100.0  # elapsed times are differences
   a, b, c = (protocol.vanilla(h) for h in (4, 8, 12))
   asked = []
 
   def tune(g, mid):
     clock[0] += 10
-    return [schema.ResultLine(
-        backbone="exact", panel="left", hmm="vanilla",
-        num_states=mid.num_states, memory_size=0, trial=0, task=g,
-        method="head_linear", features="raw", setup="s", hmm_fingerprint="f",
-        size=mid.num_states, test_accuracy=1.0, val_accuracy=1.0,
-        train_accuracy=1.0, final_loss=float("nan") if g else 0.0, steps=1,
-        seconds=10.0, task_redraws=0, assumptions={}, tune_config={},
-        task_config={})]
+    return [_stub_line(mid, g, final_loss=float("nan") if g else 0.0)]
 
   run = lambda todo, weight=None, **kw: protocol.run_stacks(
       todo, lambda mid, groups: mid, tune, str(tmp_path / "r.jsonl"),
