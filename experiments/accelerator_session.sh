@@ -20,16 +20,17 @@
 #   each CHUNK (default: all, the cheapest stacks first) through
 #   in_chunks with its own --deadline_s and a SIGTERM backstop, each
 #   starting from the committed results plus the chunks before it, each
-#   writing $OUT/<i>/figure3-chunk.tar.gz. WORKDIR=DIR keeps a workdir
-#   (checkpoints: a later command on the same machine resumes a stack cut
-#   short); by default each chunk computes in a temporary one without
-#   checkpoints. A chunk that fails (rc 1) runs once more with the exact
-#   targets inside each step (exact_window=1). Merge here: in_chunks
-#   --preset=gpu --merge=A,B. A later protocol command on the same machine
-#   (kept warm: call it at once, merge afterwards) goes on from STATE
-#   (default /tmp/accelerator-state): the last chunk's results (unless
-#   RESULTS is set), the bias check's verdict (not run again) and the
-#   exact_window=1 fallback if it was taken.
+#   writing $OUT/<i>/figure3-chunk.tar.gz. A chunk that fails (rc 1)
+#   runs once more with the exact targets inside each step
+#   (exact_window=1). Merge here: in_chunks --preset=gpu --merge=A,B.
+#   A later protocol command on the same machine (kept warm: call it at
+#   once, merge afterwards) goes on from STATE (default
+#   /tmp/accelerator-state): the last chunk's results (unless RESULTS is
+#   set), the bias check's verdict (not run again), the exact_window=1
+#   fallback if it was taken, and the workdir every chunk computes in
+#   (WORKDIR, default $STATE/workdir), which checkpoints a stack only
+#   where the deadline stops it (CHECKPOINTS, default deadline; in_chunks
+#   --checkpoints): the later command resumes it there.
 set -uo pipefail
 step=${1:?usage: accelerator_session.sh first_minute|mfu|hmm [SECTIONS]|protocol SECONDS [CHUNK ...]}
 OUT=${OUT:-/tmp/accelerator}
@@ -100,7 +101,8 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
           timeout -s TERM $((left - 5)) python -m experiments.in_chunks \
             --preset="$preset" --chunk="$chunk" --deadline_s=$((left - 25)) \
             --out="$OUT/$i" --results="$results" \
-            ${WORKDIR:+--workdir="$WORKDIR"} $attn ${EXTRA:-} $inside
+            --workdir="${WORKDIR:-$state/workdir}" \
+            --checkpoints="${CHECKPOINTS:-deadline}" $attn ${EXTRA:-} $inside
           rc=$?; echo "rc=$rc"
           archive="$OUT/$i/figure3-chunk.tar.gz"
           if [ -f "$archive" ]; then

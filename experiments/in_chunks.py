@@ -3,8 +3,8 @@ r"""Figure 3 in chunks of size stacks, each resuming from committed results
 
   python -m experiments.in_chunks --preset=gpu --chunk=all \
       --deadline_s=540 --out=$OUT [--results=docs/results/figure3-gpu] \
-      [--backbone=transformer] [--workdir=DIR] [--workers=0] \
-      [--config.<path>=...]
+      [--backbone=transformer] [--workdir=DIR [--checkpoints=deadline]] \
+      [--workers=0] [--config.<path>=...]
   python -m experiments.in_chunks --preset=gpu --merge=A.tar.gz[,B.tar.gz]
   python -m experiments.in_chunks --preset=gpu --chunk=left:30 \
       --step_bytes [--config.pretrain.trials_per_vmap=4]
@@ -58,6 +58,13 @@ _WORKDIR = flags.DEFINE_string(
     "too: delete it when done); a rerun with it resumes a stack cut short "
     "by a time limit; default: a temporary one, deleted after the archive "
     "is written")
+_CHECKPOINTS = flags.DEFINE_enum(
+    "checkpoints", None, ["always", "deadline", "never"],
+    "what pretraining writes to resume from: always (every ckpt_every "
+    "steps; default with --workdir), deadline (only where --deadline_s "
+    "stops a stack: a BERT-width stack's checkpoint is ~10 GB; for "
+    "accelerator commands, the next one on the same machine resumes it) "
+    "or never (default without --workdir)")
 _STEP_MEMORY = flags.DEFINE_bool(
     "step_bytes", False, "print each stack's pretraining-step memory (XLA's "
     "buffer assignment, compiled on shapes only) and stop")
@@ -77,7 +84,8 @@ def _work(setup) -> None:
       _BACKBONE.value, scheduling.Schedule(
           claim=workers.claims(_CLAIMS.value, _BACKBONE.value),
           deadline=_DEADLINE.value),
-      results_file=workers.worker_results_path(_WORKDIR.value, _WORKER.value))
+      results_file=workers.worker_results_path(_WORKDIR.value, _WORKER.value),
+      checkpoints=_CHECKPOINTS.value or "always")
 
 
 @cli.one_line_errors
@@ -112,7 +120,7 @@ def main(argv):
       _BUDGET.value, _WORKDIR.value, _PRESET.value,
       compute=None if count == 1 else workers.chunk_compute(
           sys.argv, count, _BACKBONE.value), info={"workers": count},
-      deadline_s=_DEADLINE_S.value)
+      deadline_s=_DEADLINE_S.value, checkpoints=_CHECKPOINTS.value)
   print(f"{info['cells_computed']} cells, skipped stacks "
         f"{info.get('skipped_stacks')}"
         + (f"; stopped: {info['stopped']}" if "stopped" in info else ""))

@@ -260,10 +260,12 @@ def pretrain(workdir: str, setup: TrialsConfig, mid: ModelId,
 
 
 def pretrained(workdir: str, setup: TrialsConfig, mid: ModelId,
-               models_K: generative.Model, checkpoints: bool = True,
+               models_K: generative.Model, checkpoints: str = "always",
                stop_at: float | None = None, part: range | None = None):
   """``(backbone, params_K, infos)`` (:func:`pretrain.load_trials`) after
-  :func:`pretrain`, or :func:`pretrain.train_trials`' (no checkpoints);
+  :func:`pretrain` (``checkpoints="always"``), or
+  :func:`pretrain.train_trials`' (``deadline``, ``never``:
+  :data:`pretrain.CHECKPOINTS`);
   ``part``: ``models_K`` are the stack's trials ``part`` alone, pretrained
   as in the whole stack (:func:`part_config`) in a directory of their own
   (:func:`pretrain_dir`)."""
@@ -271,15 +273,16 @@ def pretrained(workdir: str, setup: TrialsConfig, mid: ModelId,
   if part is not None and len(part) != len(models_K.initial):
     raise ValueError(f"{mid.tag}: part {part!r} of {len(part)} trials, "
                      f"{len(models_K.initial)} models given")
-  if checkpoints:
+  if pretrain_lib.check_checkpoints(checkpoints) == "always":
     logging.info("pretraining %d trials in %s", len(models_K.initial), pdir)
     pretrain_lib.run_trials(pdir, cfg, models_K, log=logging.info,
                             stop_at=stop_at)
     return pretrain_lib.load_trials(pdir)
-  logging.info("pretraining %d trials in %s (no checkpoints)",
-               len(models_K.initial), pdir)
+  logging.info("pretraining %d trials in %s (%s)", len(models_K.initial),
+               pdir, "no checkpoints" if checkpoints == "never" else
+               "a checkpoint only at the deadline")
   return pretrain_lib.train_trials(pdir, cfg, models_K, log=logging.info,
-                                   stop_at=stop_at)
+                                   stop_at=stop_at, checkpoints=checkpoints)
 
 
 def pretrain_fields(info: pretrain_lib.TrialInfo) -> dict:

@@ -4,6 +4,8 @@ themselves: tests/integration/."""
 
 import dataclasses
 import json
+import logging
+import math
 import os
 import re
 import shutil
@@ -27,6 +29,7 @@ from hmmprompt.figure3 import workers
 from hmmprompt import generative
 from hmmprompt import protocol
 from hmmprompt import files as files_lib
+from hmmprompt.pretrain import loop as pretrain_loop
 from hmmprompt.pretrain import report as pretrain_report
 
 
@@ -1046,19 +1049,22 @@ def _timeless(workdir):
 
 
 @pytest.mark.slow  # ~6 CPU-s: two pretrainings of 4 tiny transformers
-def test_a_stack_run_in_parts_merges_to_the_whole_stack(tmp_path):
+def test_a_stack_run_in_parts_merges_to_the_whole_stack(tmp_path,
+                                                        monkeypatch, caplog):
   """The device protocol's 15-minute sessions: a chunk whose deadline the
   whole stack overruns pretrains and tunes the trials that fit, alone; the
-  next chunk, from the merged results, the rest alone. Merged, the lines
-  equal the whole stack's run bit for bit (timings and the parts aside),
-  and the report numbers the parts' pretraining runs by trial."""
+  next chunk, from the merged results, the rest alone, cut by the deadline
+  mid-pretraining in a kept workdir that checkpoints only then, and
+  resumed there by the next command. Merged, the lines equal the whole
+  stack's run bit for bit (timings and the parts aside), and the report
+  numbers the parts' pretraining runs by trial."""
   setup = dataclasses.replace(figure3.get_setup("tiny", {
       "trials": 4, "features": "raw", "left_sizes": "4",
       "task.num_train": 64, "task.num_val": 16, "task.num_test": 32,
       "task.seq_len": 12, "tune.epochs": 1, "tune.prompt_len": 2,
       "pretrain.steps": 20}), memory_sizes=())
   whole = str(tmp_path / "whole")
-  sweep.run_sweep(setup, whole, "left", "transformer", checkpoints=False)
+  sweep.run_sweep(setup, whole, "left", "transformer", checkpoints="never")
   results = str(tmp_path / "results")
 
   def first_part(cfg, workdir, deadline):  # 3.5 trials' time: 2 fit
@@ -1067,17 +1073,32 @@ def test_a_stack_run_in_parts_merges_to_the_whole_stack(tmp_path):
                                deadline=deadline,
                                stop_at=time.monotonic() + 300,
                                seconds_per_weight=300 / 3.5),
-                           checkpoints=False)
+                           checkpoints="never")
 
   info = chunks.run_chunk(setup, "left:4", "transformer", results,
                           str(tmp_path / "1"), compute=first_part)
   assert info["skipped_stacks"] == ["vanilla-h4 (in part)"]
   assert info["cells_computed"] == 4  # 2 trials x head, prompt
   chunks.merge(os.path.join(tmp_path, "1", chunks.ARCHIVE), results)
-  info = chunks.run_chunk(setup, "left:4", "transformer", results,
-                          str(tmp_path / "2"))
+  calls = [0]
+
+  def cut_at_step_13():  # the loop's clock, read once a step
+    calls[0] += 1
+    return math.inf if calls[0] == 13 else time.monotonic()
+
+  kept = str(tmp_path / "kept")
+  monkeypatch.setattr(pretrain_loop, "_clock", cut_at_step_13)
+  caplog.set_level(logging.INFO)
+  cut, info = [chunks.run_chunk(setup, "left:4", "transformer", results,
+                                str(tmp_path / out), workdir=kept,
+                                deadline_s=300.0, checkpoints="deadline")
+               for out in ("2", "3")]
+  assert cut["cells_computed"] == 0 and "pretraining step 13 of" in (
+      cut["stopped"])
+  # The second command went on from the first's checkpoint of step 13.
+  assert "resumed 2 trials from step 13" in caplog.messages
   assert info["cells_computed"] == 4 and info["skipped_stacks"] == []
-  chunks.merge(os.path.join(tmp_path, "2", chunks.ARCHIVE), results)
+  chunks.merge(os.path.join(tmp_path, "3", chunks.ARCHIVE), results)
   parted = {k: {f: v for f, v in d.items() if f != "pretrain_part"}
             for k, d in _timeless(results).items()}
   assert parted == _timeless(whole)

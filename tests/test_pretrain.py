@@ -580,6 +580,70 @@ def test_a_deadline_stops_between_steps_with_a_checkpoint_to_resume(
                pretrain.load_trials(str(tmp_path / "whole"))[1])
 
 
+@pytest.mark.slow  # a pretraining loop (the fast tier's minute)
+def test_deadline_checkpoints_are_written_only_at_the_stop_and_resume(
+    tmp_path, monkeypatch):
+  """``checkpoints="deadline"`` (an accelerator command's kept workdir):
+  no checkpoint at ``ckpt_every`` or at a trial's stop; at ``stop_at``,
+  less the time to write it, one checkpoint of every trial (the stopped
+  one too, which has no other copy); the rerun resumes it and hands over
+  the params of the run that never stopped, bit for bit; a run that
+  meets no deadline leaves no checkpoint."""
+  cfg = dataclasses.replace(TINY, target_gap=0.5)
+  stacked = generative.random_models(jax.random.PRNGKey(5), 3, "vanilla", 6,
+                                     10)
+  quiet = lambda s: None
+  _, whole, whole_infos = pretrain.train_trials(str(tmp_path / "whole"), cfg,
+                                                stacked, log=quiet)
+  steps = [info.step for info in whole_infos]
+  assert min(steps) == cfg.eval_every < max(steps)  # one stops, one runs on
+  clock = [0]
+
+  def tick():  # read once a step while a deadline is set: the step's time
+    clock[0] += 1
+    return float(clock[0])
+
+  monkeypatch.setattr(pretrain_loop, "_clock", tick)
+  trial_bytes = sum(x.nbytes for x in jax.tree.leaves(
+      pretrain.init_states(jax.random.split(jax.random.PRNGKey(0), 1), cfg)))
+  # Writing 3 trials takes 4 "seconds": the stop comes at step 31 - 4.
+  monkeypatch.setattr(pretrain_loop, "SAVE_BYTES_PER_S", 3 * trial_bytes / 4)
+  workdir, logs = str(tmp_path / "cut"), []
+  with pytest.raises(pretrain.DeadlineReached, match=re.escape(
+      f"the deadline came at pretraining step 27 of {workdir} "
+      f"(checkpointed: a rerun resumes there)")):
+    pretrain.train_trials(workdir, cfg, stacked, log=logs.append,
+                          stop_at=31.0, checkpoints="deadline")
+  assert 27 % cfg.ckpt_every and 27 > cfg.eval_every
+  said, = [line for line in logs if "at the deadline" in line]
+  assert said.startswith("checkpoint of step 27 at the deadline: ")
+  assert said.endswith(" MB/s; 4.0 s kept for it)")
+  ckpts = ckpt_lib.Checkpoints(os.path.join(workdir, "checkpoints"))
+  assert ckpts.all_steps() == [27]  # not 10 or 20
+  assert ckpts.item_tree(27)["trials"].shape == (3,)  # stopped ones too
+  ckpts.close()
+  assert not os.listdir(os.path.join(workdir, "stopped"))
+  monkeypatch.setattr(pretrain_loop, "_clock", time.monotonic)
+  logs = []
+  _, again, infos = pretrain.train_trials(workdir, cfg, stacked,
+                                          log=logs.append,
+                                          checkpoints="deadline")
+  assert "resumed 3 trials from step 27" in logs
+  jax.tree.map(np.testing.assert_array_equal, again, whole)
+  drop = lambda d: {a: b for a, b in d.items() if a != "wall_s"}
+  assert [(i.step, drop(i.metrics)) for i in infos] == [
+      (i.step, drop(i.metrics)) for i in whole_infos]
+  # A run the deadline never stops writes none; "always" is run_trials'.
+  fresh = str(tmp_path / "fresh")
+  pretrain.train_trials(fresh, cfg, stacked, log=quiet,
+                        stop_at=time.monotonic() + 600,
+                        checkpoints="deadline")
+  assert not os.listdir(os.path.join(fresh, "checkpoints"))
+  for bad in ("always", "sometimes"):
+    with pytest.raises(ValueError, match="run_trials|must be one of"):
+      pretrain.train_trials(fresh, cfg, stacked, checkpoints=bad)
+
+
 @pytest.mark.slow
 def test_step_bytes_counts_the_state_and_scales_with_what_steps_at_once(
     model):

@@ -126,7 +126,8 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
               results_dir: str, out_dir: str, budget_s: float | None = None,
               workdir: str | None = None, preset: str = "",
               compute: Callable | None = None, info: dict | None = None,
-              deadline_s: float | None = None) -> dict:
+              deadline_s: float | None = None,
+              checkpoints: str | None = None) -> dict:
   """Computes ``chunk``'s missing cells from ``results_dir`` into the
   archive ``out_dir/figure3-chunk.tar.gz`` (written also after the budget,
   an error or a signal); returns its ``run.json``; ``ValueError`` for a
@@ -137,13 +138,25 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
   cells and returns the tags of the stacks skipped for the deadline
   (default: :func:`sweep.run_sweep`; :func:`workers.chunk_compute`).
   ``info``: more ``run.json`` fields. ``deadline_s``: ``Schedule.stop_at``
-  in seconds from the start (``run.json``'s ``stopped`` says where)."""
+  in seconds from the start (``run.json``'s ``stopped`` says where).
+  ``checkpoints`` (:data:`pretrain.CHECKPOINTS`; default ``always`` in a
+  kept ``workdir``, ``never`` in a temporary one, the only one it takes):
+  ``deadline`` writes a stack's checkpoint only where the deadline stops
+  it, for a next run on the same machine (an accelerator session's)."""
   t0 = time.monotonic()
   deadline = None if budget_s is None else t0 + budget_s
   stop_at = None if deadline_s is None else t0 + deadline_s
   chunk_cfg = chunk_setup(setup, chunk)
   configs.check_run(setup, [backbone])
   keep = workdir is not None
+  checkpoints = pretrain_lib.check_checkpoints(
+      checkpoints or ("always" if keep else "never"))
+  if not keep and checkpoints != "never":
+    raise ValueError(f"--checkpoints={checkpoints} needs --workdir: a "
+                     f"temporary workdir is never resumed")
+  if checkpoints == "deadline" and deadline_s is None:
+    raise ValueError("--checkpoints=deadline writes a checkpoint only where "
+                     "--deadline_s stops a stack: set --deadline_s")
   workdir = workdir or tempfile.mkdtemp(prefix="figure3-chunk-")
   path = os.path.join(out_dir, ARCHIVE)
 
@@ -174,12 +187,11 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
                 f"{workdir if keep else 'this machine'} is gone)")):
       try:
         if compute is None:
-          # A temporary workdir is never resumed: no (large) checkpoints.
           compute = lambda cfg, wd, dl: sweep.run_sweep(
               cfg, wd, "both", backbone, scheduling.Schedule(
                   deadline=dl, stop_at=stop_at,
                   seconds_per_weight=seconds_per_trial(results_dir)),
-              checkpoints=keep)
+              checkpoints=checkpoints)
         run_info["skipped_stacks"] = compute(chunk_cfg, workdir, deadline)
       except protocol.DeadlineReached as e:
         run_info["stopped"] = str(e)

@@ -20,6 +20,7 @@ from hmmprompt.figure3 import configs
 from hmmprompt.figure3 import schema
 from hmmprompt import generative
 from hmmprompt import files as files_lib
+from hmmprompt import pretrain as pretrain_lib
 from hmmprompt.backbones import Backbone
 from hmmprompt.backbones import depth as depth_lib
 from hmmprompt.backbones import exact
@@ -79,7 +80,7 @@ def stack_sizes(setup: configs.Setup) -> dict[ModelId, int]:
 
 def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
               models_K: generative.Model, backbone_name: str,
-              checkpoints: bool = True, stop_at: float | None = None,
+              checkpoints: str = "always", stop_at: float | None = None,
               part: range | None = None):
   """``(backbone, params_K, pretrain_K, configs_K, shallow)`` of ``mid``'s
   trials (:func:`protocol.pretrained`; ``part``: ``models_K`` are those
@@ -248,14 +249,17 @@ def run_sweep(setup: configs.Setup, workdir: str, panel: str,
               backbone_name: str,
               schedule: scheduling.Schedule = scheduling.EVERYTHING,
               results_file: str | None = None,
-              checkpoints: bool = True) -> list[str]:
+              checkpoints: str = "always") -> list[str]:
   """Runs this process's share of the sweep's stacks (``schedule``, a
   stack's weight the trials it pretrains; under ``stop_at`` a transformer
   stack that does not fit runs in part: :class:`Parts`), skipping finished
   lines, into ``results_file`` (default: the host shard's);
-  ``checkpoints=False``: pretraining writes none. Returns and raises as :func:`protocol.run_stacks`; ``ValueError``
-  for a bad backbone, panel or shard, a workdir of another setup, or
-  (transformer) inputs longer than the pretrained context."""
+  ``checkpoints``: what pretraining writes to resume from
+  (:data:`pretrain.CHECKPOINTS`). Returns and raises as
+  :func:`protocol.run_stacks`; ``ValueError`` for a bad backbone, panel,
+  shard or ``checkpoints``, a workdir of another setup, or (transformer)
+  inputs longer than the pretrained context."""
+  pretrain_lib.check_checkpoints(checkpoints)
   by_model, sizes = _start(setup, workdir, panel, backbone_name, schedule)
   todo = missing_cells(setup, workdir, panel, backbone_name, by_model)
   parts = Parts(setup, workdir, sizes, todo, backbone_name)

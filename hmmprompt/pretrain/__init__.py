@@ -11,8 +11,10 @@ from hmmprompt.pretrain.job import Job
 from hmmprompt.pretrain.evaluation import ValidationSet
 from hmmprompt.pretrain.evaluation import evaluate
 from hmmprompt.pretrain.evaluation import validation_set
+from hmmprompt.pretrain.loop import CHECKPOINTS
 from hmmprompt.pretrain.loop import DeadlineReached
 from hmmprompt.pretrain.loop import Keys
+from hmmprompt.pretrain.loop import check_checkpoints
 from hmmprompt.pretrain.loop import evaluate_checkpoints
 from hmmprompt.pretrain.loop import run
 from hmmprompt.pretrain.loop import run_trials

@@ -46,6 +46,30 @@ def _clock() -> float:
   return time.monotonic()
 
 
+CHECKPOINTS = ("always", "deadline", "never")
+"""What a run writes to resume from: ``always`` a checkpoint every
+``ckpt_every`` steps and at ``stop_at`` (a workdir a crash or a kill may
+cut), ``deadline`` one only when ``stop_at`` stops the run (a kept workdir
+that only a deadline cuts: an accelerator command's, where a checkpoint of
+a 20-trial BERT-width stack is ~10 GB), ``never`` none (a temporary one)."""
+
+# The rate a stop's checkpoint is assumed to be written at: the stack stops
+# that much earlier so the save ends by ``stop_at``, before the signal that
+# follows a deadline (accelerator_session.sh sends SIGTERM 20 s later). Not
+# measured alone on a device yet (the stop logs its own rate): on the H200
+# (2026-11-26) a 20-trial checkpoint (0.34 GB a trial with Muon's state),
+# an evaluation of 20 trials and a recompile took 73 s together.
+SAVE_BYTES_PER_S = 150e6
+
+
+def check_checkpoints(checkpoints: str) -> str:
+  """``checkpoints`` if one of :data:`CHECKPOINTS`, else ``ValueError``."""
+  if checkpoints not in CHECKPOINTS:
+    raise ValueError(f"checkpoints must be one of {CHECKPOINTS}, got "
+                     f"{checkpoints!r}")
+  return checkpoints
+
+
 class DeadlineReached(Exception):
   """A run's ``stop_at`` came; everything finished before it is on disk."""
 
@@ -130,7 +154,8 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   it leaves the stack that steps and is saved once, as it stopped, while
   the checkpoints hold the trials still running (the layout:
   :mod:`~hmmprompt.pretrain.workdir`). ``after_step(step)`` runs after each
-  step; past ``stop_at`` (``time.monotonic()``) the step in hand is
+  step; past ``stop_at`` (``time.monotonic()``), less the time to write
+  that checkpoint at :data:`SAVE_BYTES_PER_S`, the step in hand is
   checkpointed and :class:`DeadlineReached` raised. ``cfg.retain``'s steps
   are saved as they pass (a resume logs those trained past unretained). A
   trial that :meth:`PretrainConfig.falls_back` trains again in
@@ -148,13 +173,19 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
 
 def train_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
                  log: Callable[[str], Any] = print,
-                 stop_at: float | None = None
+                 stop_at: float | None = None, checkpoints: str = "never"
                  ) -> tuple[Backbone, Any, list[workdir_lib.TrialInfo]]:
   """:func:`run_trials` then :func:`~hmmprompt.pretrain.workdir.load_trials`
-  with no checkpoint written (same values), for a workdir nothing will
-  resume."""
+  (same values), the params handed over in memory: ``checkpoints`` (of
+  :data:`CHECKPOINTS`) ``never`` writes none, for a workdir nothing will
+  resume; ``deadline`` resumes the checkpoint a stop at ``stop_at`` left
+  (it saves every trial, stopped ones too) and writes no other."""
+  if check_checkpoints(checkpoints) == "always":
+    raise ValueError("train_trials writes no periodic checkpoints: use "
+                     "run_trials, then load_trials")
   finals, states, deeps = _run_trials(workdir, cfg, models_K, log, None,
-                                      checkpoints=False, stop_at=stop_at)
+                                      checkpoints=checkpoints,
+                                      stop_at=stop_at)
   infos = [workdir_lib.TrialInfo(
       cfg, generative.trial(models_K, k), deeps[k][0] if k in deeps else line,
       int(states.step[k])) for k, line in enumerate(finals)]
@@ -165,7 +196,7 @@ def train_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
 
 
 def _run_trials(workdir, cfg, models_K, log, after_step,
-                checkpoints: bool = True, stop_at: float | None = None):
+                checkpoints: str = "always", stop_at: float | None = None):
   """``(finals, states, {k: (own last line, deep line, deep states)})``."""
   if (num := generative.num_trials(models_K)) is None:
     raise ValueError("run_trials needs [K] stacked models "
@@ -255,7 +286,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
                  num: int, log: Callable[[str], Any],
                  after_step: Callable[[int], Any] | None,
                  init: Callable[[jax.Array], Any] | None = None,
-                 checkpoints: bool = True, stop_at: float | None = None
+                 checkpoints: str = "always", stop_at: float | None = None
                  ) -> tuple[list[dict], Any]:
   """:func:`run_trials` without the fallback, also returning the states."""
   mesh = sharding_lib.data_mesh()
@@ -267,10 +298,14 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
 
   # Resume: the newest readable checkpoint and the evaluations up to it.
   ckpts = stopped = found = None
-  if checkpoints:
+  periodic = check_checkpoints(checkpoints) == "always"
+  if checkpoints != "never":
     ckpts = ckpt_lib.Checkpoints(paths.ckpt, keep=cfg.keep)
     stopped = ckpt_lib.Checkpoints(paths.stopped, keep=None)
     found = workdir_lib.restore(ckpts, stopped, cfg, num, log=log)
+    if not periodic:  # read (a workdir "always" began), never written
+      stopped.close()
+      stopped = None
   start, states, saved_rows = found or (0, None, [])
   if found is None:
     states = (train.init_states(keys.init, cfg) if init is None
@@ -375,8 +410,16 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   if unsaved and stopped is not None and running and start < total:
     workdir_lib.save_rows(stopped, start, states, unsaved)
 
+  # The stack stops early enough for the stop's checkpoint to be written
+  # by stop_at.
+  trial_bytes = 0 if stop_at is None or ckpts is None else sum(
+      x.size * x.dtype.itemsize
+      for x in jax.tree.leaves(train.abstract_states(cfg, 1)))
+
   while running and start < total:
     idx = np.asarray(running)
+    halt_at = None if stop_at is None else stop_at - trial_bytes * (
+        len(running) if periodic else num) / SAVE_BYTES_PER_S
     groups = _groups(running, cfg.trials_per_vmap)
     subs = [_take(states, rows) for rows, _ in groups]
     data = [(n, keys.data[rows], _take(models_K, rows),
@@ -429,11 +472,20 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
           workdir_lib.save_rows(ckpts, done, states, running or stopped_now)
       if after_step is not None:
         after_step(done)
-      if stop_at is not None and _clock() >= stop_at:
+      if halt_at is not None and _clock() >= halt_at:
         for (rows, n), sub in zip(groups, subs):
           states = _put(states, rows[:n], _take(sub, np.arange(n)))
-        if ckpts is not None and not is_ckpt:
-          workdir_lib.save_rows(ckpts, done, states, running)
+        save = (None if ckpts is None
+                # "deadline": the stopped trials are in memory alone
+                else list(range(num)) if stopped is None
+                else None if is_ckpt else running)
+        if ckpts is not None and save is not None:
+          t_save = time.perf_counter()
+          workdir_lib.save_rows(ckpts, done, states, save)
+          seconds, size = time.perf_counter() - t_save, trial_bytes * len(save)
+          log(f"checkpoint of step {done} at the deadline: {size / 1e9:.2f} "
+              f"GB in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-3):.0f} "
+              f"MB/s; {size / SAVE_BYTES_PER_S:.1f} s kept for it)")
         _close(ckpts, retained, stopped)
         raise DeadlineReached(
             f"the deadline came at pretraining step {done} of {workdir}"

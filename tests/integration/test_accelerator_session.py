@@ -61,8 +61,9 @@ def test_a_second_command_on_the_machine_goes_on_from_the_first(
     tmp_path, check_rc, stub_rc):
   """Called at once, while the machine is warm: the second command starts
   from the first's last archive (not the committed results), skips the
-  bias check and keeps its verdict, and keeps the exact_window=1 fallback
-  if the first took it."""
+  bias check and keeps its verdict, keeps the exact_window=1 fallback if
+  the first took it, and computes in the first's workdir, which
+  checkpoints only at a deadline's stop."""
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir()
   (bin_dir / "python").write_text(_STUB)
@@ -93,3 +94,5 @@ def test_a_second_command_on_the_machine_goes_on_from_the_first(
   assert [("exact_window=1" in c) for c in first] == (
       [False, True] if stub_rc else [False])
   assert ("exact_window=1" in second[0]) == bool(stub_rc)
+  assert all({f"--workdir={state}/workdir", "--checkpoints=deadline"}
+             <= set(c.split()) for c in first + second)

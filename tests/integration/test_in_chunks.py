@@ -277,13 +277,33 @@ def test_sigterm_mid_tuning_archives_every_finished_cell(tmp_path):
 def test_only_a_kept_workdir_checkpoints(tmp_path, monkeypatch):
   """A temporary workdir is never resumed: its stacks pretrain without
   checkpoints (~10 GB an evaluation for 20 BERT-width trials); a kept
-  --workdir keeps them, so a stack cut short resumes."""
+  --workdir keeps them, so a stack cut short resumes, every ckpt_every
+  steps or, asked, only where the deadline stops it. Other asks are
+  refused by name, before any directory is made."""
   seen = []
   monkeypatch.setattr(sweep, "run_sweep", lambda *a, **k: seen.append(
       (k["checkpoints"], os.path.basename(a[1]))) or [])
   os.makedirs(tmp_path / "results")
+  run = lambda workdir, **kw: chunks.run_chunk(
+      SETUP, "left:4", "transformer", str(tmp_path / "results"),
+      str(tmp_path / "out"), workdir=workdir, **kw)
   for workdir in (None, str(tmp_path / "kept")):
-    chunks.run_chunk(SETUP, "left:4", "transformer", str(tmp_path / "results"),
-                     str(tmp_path / "out"), workdir=workdir)
-  assert seen[0][0] is False and seen[0][1].startswith("figure3-chunk-")
-  assert seen[1] == (True, "kept")
+    run(workdir)
+  run(str(tmp_path / "kept"), checkpoints="deadline", deadline_s=100.0)
+  run(None, checkpoints="never")
+  assert seen[0][0] == "never" and seen[0][1].startswith("figure3-chunk-")
+  assert seen[1:3] == [("always", "kept"), ("deadline", "kept")]
+  assert seen[3][0] == "never"
+  for workdir, kw, refusal in (
+      (None, {"checkpoints": "always"}, "--checkpoints=always needs "
+       "--workdir: a temporary workdir is never resumed"),
+      (None, {"checkpoints": "deadline", "deadline_s": 9.0},
+       "--checkpoints=deadline needs --workdir"),
+      ("new", {"checkpoints": "deadline"}, "--checkpoints=deadline writes "
+       "a checkpoint only where --deadline_s stops a stack: set "
+       "--deadline_s"),
+      ("new", {"checkpoints": "often"}, "checkpoints must be one of "
+       "('always', 'deadline', 'never'), got 'often'")):
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+      run(workdir and str(tmp_path / workdir), **kw)
+  assert len(seen) == 4 and not os.path.exists(tmp_path / "new")
