@@ -553,6 +553,9 @@ def test_a_deadline_stops_between_steps_with_a_checkpoint_to_resume(
                                      10)
   whole = pretrain.run_trials(str(tmp_path / "whole"), cfg, stacked,
                               log=lambda s: None)
+  # Finished, a trial at the step cap included: nothing trains on.
+  assert cfg.total_steps in [m["step"] for m in whole]
+  assert pretrain.running_at_checkpoint(str(tmp_path / "whole")) == []
   now = [0.0]
   monkeypatch.setattr(pretrain_loop, "_clock", lambda: now[0])
 
@@ -623,6 +626,10 @@ def test_deadline_checkpoints_are_written_only_at_the_stop_and_resume(
   assert ckpts.item_tree(27)["trials"].shape == (3,)  # stopped ones too
   ckpts.close()
   assert not os.listdir(os.path.join(workdir, "stopped"))
+  # What a deadline's estimate counts: the trials a rerun still trains.
+  assert pretrain.running_at_checkpoint(workdir) == [
+      k for k, step in enumerate(steps) if step > cfg.eval_every]
+  assert pretrain.running_at_checkpoint(str(tmp_path / "whole")) is None
   monkeypatch.setattr(pretrain_loop, "_clock", time.monotonic)
   logs = []
   _, again, infos = pretrain.train_trials(workdir, cfg, stacked,
@@ -639,6 +646,7 @@ def test_deadline_checkpoints_are_written_only_at_the_stop_and_resume(
                         stop_at=time.monotonic() + 600,
                         checkpoints="deadline")
   assert not os.listdir(os.path.join(fresh, "checkpoints"))
+  assert pretrain.running_at_checkpoint(fresh) is None
   for bad in ("always", "sometimes"):
     with pytest.raises(ValueError, match="run_trials|must be one of"):
       pretrain.train_trials(fresh, cfg, stacked, checkpoints=bad)

@@ -15,6 +15,7 @@ import pytest
 
 from hmmprompt import figure3
 from hmmprompt import generative
+from hmmprompt import pretrain
 from hmmprompt.pretrain import TrialInfo
 from hmmprompt import protocol
 from hmmprompt import scheduling
@@ -547,9 +548,15 @@ def test_a_stack_that_does_not_fit_runs_in_parts_drawn_as_the_whole(
   assert tuned == []
 
 
-def test_parts_of_a_stack(tmp_path):
+def test_parts_of_a_stack(tmp_path, monkeypatch):
   """:class:`sweep.Parts`: which trials a run pretrains and which part of
-  them fits a deadline, in whole groups of ``trials_per_vmap``."""
+  them fits a deadline, in whole groups of ``trials_per_vmap``; a run a
+  deadline cut in the workdir weighs the trials it still trains."""
+  # The pretraining dirs of these tests hold no run; the ones named here
+  # hold one checkpointed with these trials still training.
+  checkpointed: dict = {}
+  monkeypatch.setattr(pretrain, "running_at_checkpoint",
+                      lambda pdir: checkpointed.get(pdir))
   setup = dataclasses.replace(
       SETUP, trials=20, right_trials=5, left_sizes=(8,), memory_sizes=(2,),
       pretrain=SETUP.pretrain.with_overrides(trials_per_vmap=4))
@@ -573,8 +580,20 @@ def test_parts_of_a_stack(tmp_path):
   assert parts.split(H8, 23.9)[1] == 16 and parts.split(H8, 24) is None
   # A kept workdir's part cut short, from the same first trial, is resumed
   # where it fits (not where it does not).
-  os.makedirs(protocol.pretrain_dir(workdir, setup, H8, range(0, 7)))
+  held = protocol.pretrain_dir(workdir, setup, H8, range(0, 7))
+  os.makedirs(held)
   assert parts.split(H8, 12.9)[1] == 7 and parts.split(H8, 9)[1] == 4
+  # Checkpointed by a deadline with 2 of its 7 trials still training: it
+  # weighs 2 and fits where 4 fresh trials do (not where no group does).
+  checkpointed[held] = [3, 5]
+  groups, n = parts.split(H8, 9)
+  assert n == 2 and groups == {left[0]: cells(range(7)),
+                               left[1]: cells(range(7)),
+                               right: cells(range(5))}
+  assert parts.split(H8, 7.9) is None and parts.weight(H8) == 20
+  checkpointed[held] = []  # every trial stopped: its tuning still costs
+  assert parts.split(H8, 8.0)[1] == 1
+  del checkpointed[held]
   # Trials 0-7 done: the rest, 8-19, is the run's part and weight.
   todo[H8] = {left[0]: cells(range(8, 20)), left[1]: cells(range(8, 20))}
   assert parts.of(H8, todo[H8]) == range(8, 20) and parts.weight(H8) == 12
@@ -588,12 +607,18 @@ def test_parts_of_a_stack(tmp_path):
       setup, pretrain=setup.pretrain.with_overrides(trials_per_vmap=0)))
   assert ones.split(H8, 2.5)[1] == 1 and ones.split(H8, 1.9) is None
   # The whole stack's run in the workdir: it is the one resumed, never cut.
-  os.makedirs(protocol.pretrain_dir(workdir, setup, H8))
+  whole = protocol.pretrain_dir(workdir, setup, H8)
+  os.makedirs(whole)
   assert parts.of(H8, todo[H8]) is None and parts.weight(H8) == 20
   assert parts.split(H8, 12.9) is None
+  # Cut by a deadline with 3 trials still training: it weighs 3.
+  checkpointed[whole] = [0, 9, 17]
+  assert parts.weight(H8) == 3 and parts.split(H8, 12.9) is None
   # The exact backbone draws whole stacks and pretrains nothing.
   exact = sweep.Parts(setup, str(tmp_path / "e"), sizes, todo, "exact")
   assert exact.of(H8, todo[H8]) is None and exact.split(H8, 12.9) is None
+  checkpointed[protocol.pretrain_dir(str(tmp_path / "e"), setup, H8)] = [1]
+  assert exact.weight(H8) == 20
 
 
 def test_a_deadline_runs_the_part_of_a_stack_that_fits(tmp_path, fake_clock):

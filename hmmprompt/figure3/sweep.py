@@ -310,16 +310,29 @@ class Parts(NamedTuple):
     return None if part == range(self.sizes[mid]) else part
 
   def weight(self, mid: ModelId) -> int:
-    """The trials a run of ``mid``'s missing cells pretrains."""
+    """The trials a run of ``mid``'s missing cells pretrains: where the
+    workdir holds that run checkpointed (a deadline cut it), those it
+    still trains from there."""
     part = self.of(mid, self.todo[mid])
-    return self.sizes[mid] if part is None else len(part)
+    trials = self.sizes[mid] if part is None else len(part)
+    return self._resumed(mid, part, trials)
+
+  def _resumed(self, mid: ModelId, part: range | None, trials: int) -> int:
+    """``trials``, or the trials that the checkpointed run of ``part`` in
+    the workdir still trains (at least 1: the stopped ones' tuning)."""
+    if self.backbone_name != "transformer":
+      return trials
+    running = pretrain_lib.running_at_checkpoint(
+        protocol.pretrain_dir(self.workdir, self.setup, mid, part))
+    return trials if running is None else max(1, len(running))
 
   def split(self, mid: ModelId, fits: float) -> tuple[dict, int] | None:
-    """``(groups, trials)`` of the first trials of ``mid``'s part
+    """``(groups, weight)`` of the first trials of ``mid``'s part
     (:meth:`of`) that ``fits`` trials' time takes, less one group of
     ``trials_per_vmap`` for a part's own draws and compiles, in whole
     groups; a part a kept workdir holds from the same first trial (cut
-    short) is resumed where it fits. ``None``: not one group fits, the
+    short) is resumed where it fits, by the trials it still trains where
+    it is checkpointed (:meth:`weight`). ``None``: not one group fits, the
     workdir holds the whole stack's run, or the backbone is exact (nothing
     to pretrain: its stacks run whole)."""
     if (self.backbone_name != "transformer" or os.path.isdir(
@@ -328,15 +341,14 @@ class Parts(NamedTuple):
     span = self.of(mid, self.todo[mid]) or range(self.sizes[mid])
     unit = max(1, self.setup.pretrain.trials_per_vmap)
     n = (int(fits) - unit) // unit * unit
-    if n < unit or n >= len(span):
+    if n >= len(span):
       return None
-    part = range(span.start, span.start + n)
-    for stop in range(part.stop, part.start, -1):
+    cut = lambda part: {g: cells for g, all_cells in self.todo[mid].items()
+                        if (cells := {c for c in all_cells if c[0] in part})}
+    for stop in range(span.stop - 1, span.start, -1):  # the longest first
       held = range(span.start, stop)
-      if os.path.isdir(protocol.pretrain_dir(self.workdir, self.setup, mid,
-                                             held)):
-        part = held
-        break
-    groups = {g: cells for g, all_cells in self.todo[mid].items()
-              if (cells := {c for c in all_cells if c[0] in part})}
-    return groups, len(part)
+      if (os.path.isdir(protocol.pretrain_dir(self.workdir, self.setup, mid,
+                                              held))
+          and (weight := self._resumed(mid, held, len(held))) <= n):
+        return cut(held), weight
+    return None if n < unit else (cut(range(span.start, span.start + n)), n)

@@ -18,6 +18,7 @@ from hmmprompt.pretrain.loop import check_checkpoints
 from hmmprompt.pretrain.loop import evaluate_checkpoints
 from hmmprompt.pretrain.loop import run
 from hmmprompt.pretrain.loop import run_trials
+from hmmprompt.pretrain.loop import running_at_checkpoint
 from hmmprompt.pretrain.loop import train_trials
 from hmmprompt.pretrain.train import TrainState
 from hmmprompt.pretrain.train import init_states

@@ -5,6 +5,7 @@ so a resumed run is bit for bit an uninterrupted one."""
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
@@ -129,6 +130,33 @@ def _is_eval(cfg: PretrainConfig, done: int) -> bool:
 def _may_stop(cfg: PretrainConfig, step: int) -> bool:
   """With cycles, an early stop happens only at the bottom of one."""
   return cfg.cycles is None or step in cfg.cycle_ends
+
+
+def _stops(cfg: PretrainConfig, last: dict | None) -> bool:
+  """Whether a trial whose last evaluation is ``last`` trains no more here
+  (at its target, or to its fallback run)."""
+  return (last is not None and _may_stop(cfg, last["step"])
+          and (_reached(cfg, last) or cfg.falls_back(last)))
+
+
+def running_at_checkpoint(workdir: str) -> list[int] | None:
+  """The trials a rerun of the pretraining run in ``workdir`` still
+  trains from its newest checkpoint (the others are only loaded); ``None``
+  where it holds none (a rerun starts over). For a deadline's estimate."""
+  paths = workdir_lib.Paths.of(workdir)
+  if not os.path.isdir(paths.ckpt) or not os.path.exists(paths.config):
+    return None
+  ckpts = ckpt_lib.Checkpoints(paths.ckpt, keep=None)
+  step = ckpts.latest_step()
+  ckpts.close()
+  if step is None:
+    return None
+  _, cfg = workdir_lib.read_config(paths)
+  if step >= cfg.total_steps:
+    return []
+  last = {m.get("trial", 0): m for m in workdir_lib.read_metrics(paths, step)}
+  num = generative.num_trials(generative.load(paths.model)) or 1
+  return [k for k in range(num) if not _stops(cfg, last.get(k))]
 
 
 _take = workdir_lib.take
@@ -335,9 +363,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   total = cfg.total_steps
   metrics = workdir_lib.read_metrics(paths, upto=start)
   last = {m.get("trial", 0): m for m in metrics}
-  stops = lambda k: (k in last and _may_stop(cfg, last[k]["step"])
-                     and (_reached(cfg, last[k]) or cfg.falls_back(last[k])))
-  running = [k for k in range(num) if not stops(k)]
+  running = [k for k in range(num) if not _stops(cfg, last.get(k))]
   # A crash between a checkpoint and its evaluation leaves one to redo.
   missing = ([k for k in running if last.get(k, {}).get("step") != start]
              if start and _is_eval(cfg, start) else [])
