@@ -62,7 +62,7 @@ _CHECKPOINTS = flags.DEFINE_enum(
     "checkpoints", None, ["always", "deadline", "never"],
     "what pretraining writes to resume from: always (every ckpt_every "
     "steps; default with --workdir), deadline (only where --deadline_s "
-    "stops a stack: a BERT-width stack's checkpoint is ~10 GB; for "
+    "stops a stack: a BERT-width stack's checkpoint is ~7 GB; for "
     "accelerator commands, the next one on the same machine resumes it) "
     "or never (default without --workdir)")
 _STEP_MEMORY = flags.DEFINE_bool(

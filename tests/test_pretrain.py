@@ -38,6 +38,17 @@ class _Crash(Exception):
   """Stands for a killed process (the binary tests use real SIGKILLs)."""
 
 
+def _step_clock():
+  """The loop's clock, read once a step while a deadline is set: step
+  ``s`` reads ``s`` seconds."""
+  steps = [0]
+
+  def tick() -> float:
+    steps[0] += 1
+    return float(steps[0])
+  return tick
+
+
 def _crash_after(at: int):
   """An ``after_step`` that raises once step ``at`` is done."""
   def crash(step):
@@ -600,13 +611,7 @@ def test_deadline_checkpoints_are_written_only_at_the_stop_and_resume(
                                                 stacked, log=quiet)
   steps = [info.step for info in whole_infos]
   assert min(steps) == cfg.eval_every < max(steps)  # one stops, one runs on
-  clock = [0]
-
-  def tick():  # read once a step while a deadline is set: the step's time
-    clock[0] += 1
-    return float(clock[0])
-
-  monkeypatch.setattr(pretrain_loop, "_clock", tick)
+  monkeypatch.setattr(pretrain_loop, "_clock", _step_clock())
   trial_bytes = sum(x.nbytes for x in jax.tree.leaves(
       pretrain.init_states(jax.random.split(jax.random.PRNGKey(0), 1), cfg)))
   # Writing 3 trials takes 4 "seconds": the stop comes at step 31 - 4.
@@ -619,16 +624,18 @@ def test_deadline_checkpoints_are_written_only_at_the_stop_and_resume(
                           stop_at=31.0, checkpoints="deadline")
   assert 27 % cfg.ckpt_every and 27 > cfg.eval_every
   said, = [line for line in logs if "at the deadline" in line]
-  assert said.startswith("checkpoint of step 27 at the deadline: ")
+  assert said.startswith(f"checkpoint of step 27 at the deadline: "
+                         f"{3 * trial_bytes / 1e9:.2f} GB in ")
   assert said.endswith(" MB/s; 4.0 s kept for it)")
+  assert 0 <= float(said.split(" GB in ")[1].split(" s ")[0]) < 60
   ckpts = ckpt_lib.Checkpoints(os.path.join(workdir, "checkpoints"))
   assert ckpts.all_steps() == [27]  # not 10 or 20
   assert ckpts.item_tree(27)["trials"].shape == (3,)  # stopped ones too
   ckpts.close()
   assert not os.listdir(os.path.join(workdir, "stopped"))
   # What a deadline's estimate counts: the trials a rerun still trains.
-  assert pretrain.running_at_checkpoint(workdir) == [
-      k for k, step in enumerate(steps) if step > cfg.eval_every]
+  running = [k for k, step in enumerate(steps) if step > cfg.eval_every]
+  assert pretrain.running_at_checkpoint(workdir) == running
   assert pretrain.running_at_checkpoint(str(tmp_path / "whole")) is None
   monkeypatch.setattr(pretrain_loop, "_clock", time.monotonic)
   logs = []
@@ -640,6 +647,8 @@ def test_deadline_checkpoints_are_written_only_at_the_stop_and_resume(
   drop = lambda d: {a: b for a, b in d.items() if a != "wall_s"}
   assert [(i.step, drop(i.metrics)) for i in infos] == [
       (i.step, drop(i.metrics)) for i in whole_infos]
+  # Its checkpoint stays: a rerun (its tuning cut) trains them from there.
+  assert pretrain.running_at_checkpoint(workdir) == running
   # A run the deadline never stops writes none; "always" is run_trials'.
   fresh = str(tmp_path / "fresh")
   pretrain.train_trials(fresh, cfg, stacked, log=quiet,
@@ -647,9 +656,74 @@ def test_deadline_checkpoints_are_written_only_at_the_stop_and_resume(
                         checkpoints="deadline")
   assert not os.listdir(os.path.join(fresh, "checkpoints"))
   assert pretrain.running_at_checkpoint(fresh) is None
-  for bad in ("always", "sometimes"):
-    with pytest.raises(ValueError, match="run_trials|must be one of"):
+  for bad, refusal in (
+      ("always", "train_trials writes no periodic checkpoints: use "
+       "run_trials, then load_trials"),
+      ("sometimes", "checkpoints must be one of ('always', 'deadline', "
+       "'never'), got 'sometimes'")):
+    with pytest.raises(ValueError, match=f"^{re.escape(refusal)}$"):
       pretrain.train_trials(fresh, cfg, stacked, checkpoints=bad)
+
+
+def test_running_at_checkpoint_reads_the_evaluations_up_to_it(tmp_path):
+  """What a rerun still trains, from the files alone: the trials whose
+  evaluations up to the newest checkpoint do not stop them (one at its
+  target before it; one reaching it only after it still trains), none at
+  the step cap, ``None`` without a checkpoint (nothing made on disk);
+  with cycles, a trial at its target stops only at a cycle's end."""
+  cfg = TINY.with_overrides(target_gap=0.5, eval_every=10, cycles=(20, 20))
+  models = generative.random_models(jax.random.PRNGKey(5), 3, "vanilla", 6,
+                                    10)
+  workdir = str(tmp_path)
+  paths = pretrain_workdir.prepare(workdir, cfg, models)
+  assert pretrain.running_at_checkpoint(workdir) is None
+  assert not os.path.exists(paths.ckpt)
+  line = lambda k, step, gap: {"trial": k, "step": step, "ce_gap": gap}
+  pretrain_workdir.write_metrics(paths, [
+      line(0, 10, 0.9), line(1, 10, 0.1), line(2, 10, 0.9),
+      line(0, 20, 0.1), line(1, 20, 0.9), line(2, 20, 0.9),
+      line(1, 30, 0.9), line(2, 30, 0.1), line(1, 40, 0.1)])
+  ckpts = ckpt_lib.Checkpoints(paths.ckpt)
+  for step in (20, 30):
+    ckpts.save(step, {"x": jnp.zeros(2)})
+  ckpts.close()
+  assert pretrain.running_at_checkpoint(workdir) == [1, 2]
+  ckpts = ckpt_lib.Checkpoints(paths.ckpt)
+  ckpts.save(cfg.total_steps, {"x": jnp.zeros(2)})
+  ckpts.close()
+  assert pretrain.running_at_checkpoint(workdir) == []
+
+
+@pytest.mark.slow  # two pretraining loops (the fast tier's minute)
+def test_a_deadline_stops_earlier_by_the_checkpoint_it_writes(
+    tmp_path, monkeypatch):
+  """The time kept for the stop's checkpoint is that of the rows it
+  writes: ``always`` the trials still running (the stopped one is in
+  ``stopped/``), ``never`` none: no checkpoint, no time kept."""
+  cfg = dataclasses.replace(TINY, target_gap=0.5)
+  stacked = generative.random_models(jax.random.PRNGKey(5), 3, "vanilla", 6,
+                                     10)
+  trial_bytes = sum(x.nbytes for x in jax.tree.leaves(
+      pretrain.init_states(jax.random.split(jax.random.PRNGKey(0), 1), cfg)))
+  monkeypatch.setattr(pretrain_loop, "SAVE_BYTES_PER_S", 3 * trial_bytes / 4)
+  for name, train, step in (
+      ("always", pretrain.run_trials, 29),  # 2 rows: 8/3 s before 31
+      ("never", pretrain.train_trials, 31)):
+    monkeypatch.setattr(pretrain_loop, "_clock", _step_clock())
+    workdir = str(tmp_path / name)
+    checkpointed = " (checkpointed: a rerun resumes there)"
+    with pytest.raises(pretrain.DeadlineReached, match=re.escape(
+        f"the deadline came at pretraining step {step} of {workdir}"
+        f"{checkpointed if name == 'always' else ''}") + "$"):
+      train(workdir, cfg, stacked, log=lambda s: None, stop_at=31.0)
+    if name == "always":
+      ckpts = ckpt_lib.Checkpoints(os.path.join(workdir, "checkpoints"))
+      assert ckpts.latest_step() == 29
+      assert ckpts.item_tree(29)["trials"].shape == (2,)  # running ones
+      ckpts.close()
+      assert os.listdir(os.path.join(workdir, "stopped"))
+    else:
+      assert not os.path.exists(os.path.join(workdir, "checkpoints"))
 
 
 @pytest.mark.slow
@@ -1216,6 +1290,12 @@ def test_a_trial_short_of_the_target_at_the_cap_falls_back_to_depth(
   assert [(i.step, i.config) for i in mem_infos] == [
       (i.step, i.config) for i in infos]
   assert mem_infos[1].metrics["layers"] == deeper
+  # Its wall time is both runs', each counted once (as written to disk).
+  lines = lambda d: [json.loads(line) for line in open(
+      os.path.join(d, "metrics.jsonl"))]
+  shallow = [m for m in lines(memory) if m["trial"] == 1][-1]
+  deep = lines(pretrain_workdir.fallback_dir(memory, 1))[-1]
+  assert mem_infos[1].metrics["wall_s"] == shallow["wall_s"] + deep["wall_s"]
   assert all(generative.same(a.model, b.model)
              for a, b in zip(mem_infos, infos))
   assert generative.same(infos[1].model, generative.trial(stacked, 1))

@@ -597,11 +597,30 @@ def test_parts_of_a_stack(tmp_path, monkeypatch):
   # Trials 0-7 done: the rest, 8-19, is the run's part and weight.
   todo[H8] = {left[0]: cells(range(8, 20)), left[1]: cells(range(8, 20))}
   assert parts.of(H8, todo[H8]) == range(8, 20) and parts.weight(H8) == 12
+  rest = protocol.pretrain_dir(workdir, setup, H8, range(8, 20))
+  checkpointed[rest] = [9, 10]  # that run, cut by a deadline
+  assert parts.weight(H8) == 2
+  del checkpointed[rest]
   groups, n = parts.split(H8, 9)
   assert n == 4 and groups == {left[0]: cells(range(8, 12)),
                                left[1]: cells(range(8, 12))}
   os.makedirs(protocol.pretrain_dir(workdir, setup, H8, range(8, 11)))
   assert parts.split(H8, 12.9)[1] == 3
+  # Held parts checkpointed by a deadline, the longest that fits first:
+  # 8-17 with 4 still training fits 9 trials' time (4 less a group);
+  # 8-18 with 5 does not, with 1 it does.
+  held = {stop: protocol.pretrain_dir(workdir, setup, H8, range(8, stop))
+          for stop in (18, 19)}
+  for stop, running in ((18, [9, 10, 11, 12]), (19, [9, 10, 11, 12, 13])):
+    os.makedirs(held[stop])
+    checkpointed[held[stop]] = running
+  rest_of = lambda stop: {left[0]: cells(range(8, stop)),
+                          left[1]: cells(range(8, stop))}
+  assert parts.split(H8, 9) == (rest_of(18), 4)
+  checkpointed[held[19]] = [9]
+  assert parts.split(H8, 9) == (rest_of(19), 1)
+  for path in held.values():
+    del checkpointed[path]
   # One trial at a time (trials_per_vmap 0 or 1): parts of any size.
   ones = parts._replace(setup=dataclasses.replace(
       setup, pretrain=setup.pretrain.with_overrides(trials_per_vmap=0)))

@@ -189,7 +189,7 @@ def _gpu() -> Setup:
       warmup_steps=100, cycles=cycles, steps=sum(cycles), target_gap=0.04,
       # Runtime: fits an H100 (docs/figure3_gpu.md).
       trials_per_vmap=4, eval_every=250, ckpt_every=250, log_every=50,
-      keep=1)  # runtime: 20 trials' params + optimizer are ~10 GB
+      keep=1)  # runtime: 20 trials' params + optimizer are ~7 GB (Muon)
   cpu_paper = _cpu_paper()
   tune = dataclasses.replace(
       cpu_paper.tune, backbone_dtype=pretrain_lib.resolve_dtype("auto"))

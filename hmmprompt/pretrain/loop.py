@@ -52,7 +52,7 @@ CHECKPOINTS = ("always", "deadline", "never")
 ``ckpt_every`` steps and at ``stop_at`` (a workdir a crash or a kill may
 cut), ``deadline`` one only when ``stop_at`` stops the run (a kept workdir
 that only a deadline cuts: an accelerator command's, where a checkpoint of
-a 20-trial BERT-width stack is ~10 GB), ``never`` none (a temporary one)."""
+a 20-trial BERT-width stack is ~7 GB), ``never`` none (a temporary one)."""
 
 # The rate a stop's checkpoint is assumed to be written at: the stack stops
 # that much earlier so the save ends by ``stop_at``, before the signal that
@@ -501,9 +501,8 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
       if halt_at is not None and _clock() >= halt_at:
         for (rows, n), sub in zip(groups, subs):
           states = _put(states, rows[:n], _take(sub, np.arange(n)))
-        save = (None if ckpts is None
-                # "deadline": the stopped trials are in memory alone
-                else list(range(num)) if stopped is None
+        # "deadline" (no stopped/): the stopped trials are in memory alone.
+        save = (list(range(num)) if stopped is None
                 else None if is_ckpt else running)
         if ckpts is not None and save is not None:
           t_save = time.perf_counter()
