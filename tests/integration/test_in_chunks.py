@@ -276,7 +276,7 @@ def test_sigterm_mid_tuning_archives_every_finished_cell(tmp_path):
 
 def test_only_a_kept_workdir_checkpoints(tmp_path, monkeypatch):
   """A temporary workdir is never resumed: its stacks pretrain without
-  checkpoints (~10 GB an evaluation for 20 BERT-width trials); a kept
+  checkpoints (~7 GB an evaluation for 20 BERT-width trials); a kept
   --workdir keeps them, so a stack cut short resumes, every ckpt_every
   steps or, asked, only where the deadline stops it. Other asks are
   refused by name, before any directory is made."""
