@@ -111,6 +111,8 @@ def main(argv):
       raise ValueError("--deadline_s runs in this process: drop --workers")
     chunks.check_chunk(setup, _CHUNK.value, _BACKBONE.value, results,
                        _WORKDIR.value)
+    chunks.resolve_checkpoints(_CHECKPOINTS.value, _WORKDIR.value,
+                               _DEADLINE_S.value)
   if _STEP_MEMORY.value:
     return print(*map(chunks.describe_step_bytes,
                       chunks.chunk_step_bytes(setup, _CHUNK.value)), sep="\n")

@@ -122,6 +122,22 @@ def write_chunk_archive(workdir: str, path: str, run_info: dict) -> list[str]:
   return members + ["run.json"]
 
 
+def resolve_checkpoints(checkpoints: str | None, workdir: str | None,
+                        deadline_s: float | None) -> str:
+  """:func:`run_chunk`'s ``checkpoints``, its default resolved (``always``
+  in a kept ``workdir``, ``never`` in a temporary one); ``ValueError``
+  naming a value it cannot take there."""
+  checkpoints = pretrain_lib.check_checkpoints(
+      checkpoints or ("never" if workdir is None else "always"))
+  if workdir is None and checkpoints != "never":
+    raise ValueError(f"--checkpoints={checkpoints} needs --workdir: a "
+                     f"temporary workdir is never resumed")
+  if checkpoints == "deadline" and deadline_s is None:
+    raise ValueError("--checkpoints=deadline writes a checkpoint only where "
+                     "--deadline_s stops a stack: set --deadline_s")
+  return checkpoints
+
+
 def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
               results_dir: str, out_dir: str, budget_s: float | None = None,
               workdir: str | None = None, preset: str = "",
@@ -149,14 +165,7 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
   chunk_cfg = chunk_setup(setup, chunk)
   configs.check_run(setup, [backbone])
   keep = workdir is not None
-  checkpoints = pretrain_lib.check_checkpoints(
-      checkpoints or ("always" if keep else "never"))
-  if not keep and checkpoints != "never":
-    raise ValueError(f"--checkpoints={checkpoints} needs --workdir: a "
-                     f"temporary workdir is never resumed")
-  if checkpoints == "deadline" and deadline_s is None:
-    raise ValueError("--checkpoints=deadline writes a checkpoint only where "
-                     "--deadline_s stops a stack: set --deadline_s")
+  checkpoints = resolve_checkpoints(checkpoints, workdir, deadline_s)
   workdir = workdir or tempfile.mkdtemp(prefix="figure3-chunk-")
   path = os.path.join(out_dir, ARCHIVE)
 

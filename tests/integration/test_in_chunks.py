@@ -170,10 +170,15 @@ def test_spent_budget_runs_no_stack_and_still_writes_the_archive(tmp_path):
   assert "run.json" in _members(str(tmp_path / "out"))
 
 
-def test_bad_chunk_is_refused_by_name(tmp_path):
-  proc = _binary("--chunk=left:5", f"--out={tmp_path}")
-  assert proc.returncode != 0 and "Traceback" not in proc.stderr
-  assert "--chunk='left:5': [5] not among the left panel's" in proc.stderr
+@pytest.mark.parametrize("flags,refusal", [
+    (["--chunk=left:5"], "--chunk='left:5': [5] not among the left panel's"),
+    (["--checkpoints=deadline"], "error: --checkpoints=deadline needs "
+     "--workdir: a temporary workdir is never resumed\n"),
+])
+def test_bad_chunk_is_refused_by_name(tmp_path, flags, refusal):
+  proc = _binary(*flags, f"--out={tmp_path}")
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  assert refusal in proc.stderr
   assert os.listdir(tmp_path) == []
 
 
