@@ -261,11 +261,12 @@ def pretrain(workdir: str, setup: TrialsConfig, mid: ModelId,
 
 def pretrained(workdir: str, setup: TrialsConfig, mid: ModelId,
                models_K: generative.Model, checkpoints: str = "always",
-               stop_at: float | None = None, part: range | None = None):
+               stop_at: float | None = None, part: range | None = None,
+               keep_by: float | None = None):
   """``(backbone, params_K, infos)`` (:func:`pretrain.load_trials`) after
   :func:`pretrain` (``checkpoints="always"``), or
   :func:`pretrain.train_trials`' (``deadline``, ``never``:
-  :data:`pretrain.CHECKPOINTS`);
+  :data:`pretrain.CHECKPOINTS`; ``keep_by`` its);
   ``part``: ``models_K`` are the stack's trials ``part`` alone, pretrained
   as in the whole stack (:func:`part_config`) in a directory of their own
   (:func:`pretrain_dir`)."""
@@ -282,7 +283,8 @@ def pretrained(workdir: str, setup: TrialsConfig, mid: ModelId,
                pdir, "no checkpoints" if checkpoints == "never" else
                "a checkpoint only at the deadline")
   return pretrain_lib.train_trials(pdir, cfg, models_K, log=logging.info,
-                                   stop_at=stop_at, checkpoints=checkpoints)
+                                   stop_at=stop_at, checkpoints=checkpoints,
+                                   keep_by=keep_by)
 
 
 def pretrain_fields(info: pretrain_lib.TrialInfo) -> dict:

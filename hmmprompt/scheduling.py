@@ -26,6 +26,10 @@ class Schedule(NamedTuple):
       training steps when it comes.
     seconds_per_weight: the estimate's seconds per unit of a stack's
       weight before the run has timed a stack of its own.
+    tune_seconds_per_trial: the estimate's tuning seconds per trial: a
+      stack whose pretraining ends too late for its tuning to end by
+      ``stop_at`` saves it first where it writes no checkpoint otherwise
+      (``hmmprompt.pretrain.CHECKPOINTS``' ``deadline``).
   """
 
   num_hosts: int = 1
@@ -34,6 +38,7 @@ class Schedule(NamedTuple):
   deadline: float | None = None
   stop_at: float | None = None
   seconds_per_weight: float | None = None
+  tune_seconds_per_trial: float | None = None
 
   def check(self) -> Schedule:
     """Returns itself; ``ValueError`` naming a bad host shard."""

@@ -1119,9 +1119,14 @@ def test_a_stack_run_in_parts_merges_to_the_whole_stack(tmp_path,
   # The parts count as stacks of their own in the next run's estimate: each
   # its pretraining wall time and its own tuning programs.
   lines = schema.read_results(results)
-  spent = 0.0
+  spent = tuning = 0.0
   for part in ([0, 2], [2, 4]):
     mine = [r for r in lines if r.pretrain_part == part]
-    spent += max(r.pretrain_wall_s for r in mine) + sum(
-        {(r.panel, r.method, r.features): r.seconds for r in mine}.values())
+    tuned = sum({(r.panel, r.method, r.features): r.seconds
+                 for r in mine}.values())
+    spent += max(r.pretrain_wall_s for r in mine) + tuned
+    tuning += tuned
   assert chunks.seconds_per_trial(results) == pytest.approx(1.2 * spent / 4)
+  # The tuning's share, for a stack that ends late to save its pretraining.
+  assert chunks.seconds_per_trial(results, tuning_only=True) == (
+      pytest.approx(1.2 * tuning / 4))

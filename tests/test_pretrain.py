@@ -649,11 +649,30 @@ def test_deadline_checkpoints_are_written_only_at_the_stop_and_resume(
       (i.step, drop(i.metrics)) for i in whole_infos]
   # Its checkpoint stays: a rerun (its tuning cut) trains them from there.
   assert pretrain.running_at_checkpoint(workdir) == running
-  # A run the deadline never stops writes none; "always" is run_trials'.
+  # Ending past keep_by (step 40's clock reads 40, the end's 41), it saves
+  # every trial first: a rerun (the tuning cut) trains nothing.
+  monkeypatch.setattr(pretrain_loop, "_clock", _step_clock())
+  late, logs = str(tmp_path / "late"), []
+  pretrain.train_trials(late, cfg, stacked, log=logs.append, stop_at=99.0,
+                        checkpoints="deadline", keep_by=41.0)
+  said, = [line for line in logs if "checkpoint of step" in line]
+  assert said.startswith(f"checkpoint of step {cfg.total_steps} before a "
+                         f"tuning the deadline would cut: ")
+  assert pretrain.running_at_checkpoint(late) == []
+  monkeypatch.setattr(pretrain_loop, "_clock", time.monotonic)
+  logs = []
+  _, again, _ = pretrain.train_trials(late, cfg, stacked, log=logs.append,
+                                      checkpoints="deadline")
+  assert f"resumed 3 trials from step {cfg.total_steps}" in logs
+  assert not [line for line in logs if line.startswith("step ")]
+  jax.tree.map(np.testing.assert_array_equal, again, whole)
+  # A run the deadline never stops, ending before keep_by, writes none;
+  # "always" is run_trials'.
   fresh = str(tmp_path / "fresh")
   pretrain.train_trials(fresh, cfg, stacked, log=quiet,
                         stop_at=time.monotonic() + 600,
-                        checkpoints="deadline")
+                        checkpoints="deadline",
+                        keep_by=time.monotonic() + 600)
   assert not os.listdir(os.path.join(fresh, "checkpoints"))
   assert pretrain.running_at_checkpoint(fresh) is None
   for bad, refusal in (

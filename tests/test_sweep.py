@@ -227,7 +227,7 @@ def test_a_stack_with_a_deeper_trial_has_a_backbone_per_depth(monkeypatch,
   infos = [TrialInfo(dataclasses.replace(setup.pretrain, model=m),
                      generative.trial(models, k), {"ce_gap": 0.01}, 30)
            for k, m in enumerate((deep, shallow))]
-  monkeypatch.setattr(protocol, "pretrained", lambda *_: (
+  monkeypatch.setattr(protocol, "pretrained", lambda *_, **__: (
       transformer.make_backbone(deep), {"w": np.zeros((2, 3))}, infos))
   bb, _, fields, configs, by_depth = sweep.backbones(
       "unused", setup, H4, models, "transformer")
@@ -317,22 +317,30 @@ def test_the_stamp_is_written_once_by_whoever_may_write(tmp_path,
 
 class _Calls(list):
   stop_ats: list = []
+  keep_bys: list = []
 
   def __init__(self):
     super().__init__()
-    self.stop_ats = []
+    self.stop_ats, self.keep_bys = [], []
 
 
 @pytest.fixture
 def pretrained(monkeypatch):
   """Stands in for pretraining and loading a stack of transformers: each
-  trial's info as ``pretrain.load_trials`` gives it; the calls
-  ``(pdir, recipe, models)``, each one's ``stop_at`` in ``.stop_ats``."""
+  trial's info as ``pretrain.load_trials`` gives it, checkpointed or in
+  memory; the calls ``(pdir, recipe, models)``, each one's ``stop_at`` in
+  ``.stop_ats`` and ``keep_by`` (in memory) in ``.keep_bys``."""
   calls = _Calls()
 
-  def run_trials(pdir, cfg, models_K, log=None, stop_at=None):
+  def run_trials(pdir, cfg, models_K, log=None, stop_at=None, keep_by=None):
     calls.append((pdir, cfg, models_K))
     calls.stop_ats.append(stop_at)
+    calls.keep_bys.append(keep_by)
+
+  def train_trials(pdir, cfg, models_K, log=None, stop_at=None,
+                   checkpoints="never", keep_by=None):
+    run_trials(pdir, cfg, models_K, stop_at=stop_at, keep_by=keep_by)
+    return load_trials(pdir)
 
   def load_trials(pdir):
     (_, cfg, models_K), = [c for c in calls if c[0] == pdir][-1:]
@@ -345,6 +353,7 @@ def pretrained(monkeypatch):
 
   monkeypatch.setattr(protocol.pretrain_lib, "run_trials", run_trials)
   monkeypatch.setattr(protocol.pretrain_lib, "load_trials", load_trials)
+  monkeypatch.setattr(protocol.pretrain_lib, "train_trials", train_trials)
   return calls
 
 
@@ -510,13 +519,17 @@ def test_a_stack_that_does_not_fit_runs_in_parts_drawn_as_the_whole(
   whole = protocol.draw_stack(setup, H8, 8, setup.tasks_per_hmm,
                               verdicts=True)
   # 100 s left at 100/7 s a trial: 6 trials fit, less a group of 2: 4.
+  # In memory, checkpointed first if pretraining ends within the 4 trials'
+  # tuning estimate (3 s each) of the deadline.
   stop_at = time.monotonic() + 100
   assert sweep.run_sweep(setup, workdir, "left", "transformer",
                          scheduling.Schedule(stop_at=stop_at,
-                                             seconds_per_weight=100 / 7)) == [
-                                                 "vanilla-h8 (in part)"]
+                                             seconds_per_weight=100 / 7,
+                                             tune_seconds_per_trial=3.0),
+                         checkpoints="deadline") == ["vanilla-h8 (in part)"]
   sweep.run_sweep(setup, workdir, "left", "transformer")  # the rest
   assert pretrained.stop_ats == [stop_at, None]
+  assert pretrained.keep_bys == [stop_at - 3.0 * 4, None]
   parts = [range(0, 4), range(4, 8)]
   assert [(pdir, cfg) for pdir, cfg, _ in pretrained] == [
       (protocol.pretrain_dir(workdir, setup, H8, part),

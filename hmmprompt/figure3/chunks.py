@@ -199,7 +199,9 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
           compute = lambda cfg, wd, dl: sweep.run_sweep(
               cfg, wd, "both", backbone, scheduling.Schedule(
                   deadline=dl, stop_at=stop_at,
-                  seconds_per_weight=seconds_per_trial(results_dir)),
+                  seconds_per_weight=seconds_per_trial(results_dir),
+                  tune_seconds_per_trial=seconds_per_trial(
+                      results_dir, tuning_only=True)),
               checkpoints=checkpoints)
         run_info["skipped_stacks"] = compute(chunk_cfg, workdir, deadline)
       except protocol.DeadlineReached as e:
@@ -218,11 +220,13 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
   return run_info
 
 
-def seconds_per_trial(results_dir: str, margin: float = 1.2) -> float | None:
+def seconds_per_trial(results_dir: str, margin: float = 1.2,
+                      tuning_only: bool = False) -> float | None:
   """Seconds per trial of ``results_dir``'s transformer stacks, a part of a
   stack (``pretrain_part``) counted as a stack (pretraining wall time plus
-  each tuning group's program time) times ``margin`` (for draws, compiles
-  and evaluations); ``None`` where it has none."""
+  each tuning group's program time; ``tuning_only``: the latter alone)
+  times ``margin`` (for draws, compiles and evaluations); ``None`` where it
+  has none."""
   stacks: dict[tuple, dict] = {}  # a part of a stack counts as a stack
   for r in schema.read_results(results_dir):
     if r.backbone != "transformer" or r.pretrain_wall_s is None:
@@ -236,7 +240,8 @@ def seconds_per_trial(results_dir: str, margin: float = 1.2) -> float | None:
   trials = sum(len(st["trials"]) for st in stacks.values())
   if not trials:
     return None
-  return margin * sum(st["wall"] + sum(st["groups"].values())
+  return margin * sum((0.0 if tuning_only else st["wall"])
+                      + sum(st["groups"].values())
                       for st in stacks.values()) / trials
 
 

@@ -81,15 +81,17 @@ def stack_sizes(setup: configs.Setup) -> dict[ModelId, int]:
 def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
               models_K: generative.Model, backbone_name: str,
               checkpoints: str = "always", stop_at: float | None = None,
-              part: range | None = None):
+              part: range | None = None, keep_by: float | None = None):
   """``(backbone, params_K, pretrain_K, configs_K, shallow)`` of ``mid``'s
-  trials (:func:`protocol.pretrained`; ``part``: ``models_K`` are those
-  trials of the stack): ``params_K`` ``[K, ...]`` padded to the deepest,
+  trials (:func:`protocol.pretrained`, ``keep_by`` its; ``part``:
+  ``models_K`` are those trials of the stack): ``params_K`` ``[K, ...]``
+  padded to the deepest,
   row ``k``'s ``pretrain_*`` fields and own config (``{}``, ``None``:
   exact), the backbone of each shallower depth; in tuning dtype."""
   if backbone_name == "transformer":
     _, params_K, infos = protocol.pretrained(workdir, setup, mid, models_K,
-                                             checkpoints, stop_at, part)
+                                             checkpoints, stop_at, part,
+                                             keep_by=keep_by)
     configs_K = [info.config.model for info in infos]
     deepest = max(configs_K, key=lambda m: m.num_layers)
     dtype = setup.tune.backbone_dtype  # the loaded backbone's when float32
@@ -270,9 +272,12 @@ def run_sweep(setup: configs.Setup, workdir: str, panel: str,
     part = parts.of(mid, groups)
     stack = protocol.draw_stack(setup, mid, sizes[mid], setup.tasks_per_hmm,
                                 verdicts=True, part=part)
+    tune_s = schedule.tune_seconds_per_trial
+    keep_by = (None if schedule.stop_at is None or tune_s is None
+               else schedule.stop_at - tune_s * len(stack.tasks))
     return Trials(stack, *backbones(workdir, setup, mid, stack.models_K,
                                     backbone_name, checkpoints,
-                                    schedule.stop_at, part))
+                                    schedule.stop_at, part, keep_by))
 
   def tune(g: Group, trials: Trials) -> list[schema.ResultLine]:
     rows = range(trials.stack.first,

@@ -201,19 +201,23 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
 
 def train_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
                  log: Callable[[str], Any] = print,
-                 stop_at: float | None = None, checkpoints: str = "never"
+                 stop_at: float | None = None, checkpoints: str = "never",
+                 keep_by: float | None = None
                  ) -> tuple[Backbone, Any, list[workdir_lib.TrialInfo]]:
   """:func:`run_trials` then :func:`~hmmprompt.pretrain.workdir.load_trials`
   (same values), the params handed over in memory: ``checkpoints`` (of
   :data:`CHECKPOINTS`) ``never`` writes none, for a workdir nothing will
   resume; ``deadline`` resumes the checkpoint a stop at ``stop_at`` left
-  (it saves every trial, stopped ones too) and writes no other."""
+  (it saves every trial, stopped ones too) and writes no other, unless the
+  pretraining ends past ``keep_by`` (``time.monotonic()``; the deadline
+  less the tuning's estimate): then it saves every trial first, so that a
+  tuning the deadline cuts keeps its pretraining."""
   if check_checkpoints(checkpoints) == "always":
     raise ValueError("train_trials writes no periodic checkpoints: use "
                      "run_trials, then load_trials")
   finals, states, deeps = _run_trials(workdir, cfg, models_K, log, None,
                                       checkpoints=checkpoints,
-                                      stop_at=stop_at)
+                                      stop_at=stop_at, keep_by=keep_by)
   infos = [workdir_lib.TrialInfo(
       cfg, generative.trial(models_K, k), deeps[k][0] if k in deeps else line,
       int(states.step[k])) for k, line in enumerate(finals)]
@@ -224,14 +228,16 @@ def train_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
 
 
 def _run_trials(workdir, cfg, models_K, log, after_step,
-                checkpoints: str = "always", stop_at: float | None = None):
+                checkpoints: str = "always", stop_at: float | None = None,
+                keep_by: float | None = None):
   """``(finals, states, {k: (own last line, deep line, deep states)})``."""
   if (num := generative.num_trials(models_K)) is None:
     raise ValueError("run_trials needs [K] stacked models "
                      "(generative.random_models or generative.stack); use "
                      "run for one model")
   finals, states = _train_stack(workdir, cfg, models_K, num, log, after_step,
-                                checkpoints=checkpoints, stop_at=stop_at)
+                                checkpoints=checkpoints, stop_at=stop_at,
+                                keep_by=keep_by)
   deeps = {}
   for k, line in enumerate(finals):
     if cfg.falls_back(line):
@@ -247,7 +253,8 @@ def _run_trials(workdir, cfg, models_K, log, after_step,
       (deep,), deep_states = _train_stack(
           workdir_lib.fallback_dir(workdir, k), deep_cfg,
           generative.stack([generative.trial(models_K, k)]), 1, log,
-          after_step, init=init, checkpoints=checkpoints, stop_at=stop_at)
+          after_step, init=init, checkpoints=checkpoints, stop_at=stop_at,
+          keep_by=keep_by)
       deeps[k] = (line, deep, deep_states)
       finals[k] = workdir_lib.fallback_line(line, deep, k, cfg.fallback_layers)
   return finals, states, deeps
@@ -314,7 +321,8 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
                  num: int, log: Callable[[str], Any],
                  after_step: Callable[[int], Any] | None,
                  init: Callable[[jax.Array], Any] | None = None,
-                 checkpoints: str = "always", stop_at: float | None = None
+                 checkpoints: str = "always", stop_at: float | None = None,
+                 keep_by: float | None = None
                  ) -> tuple[list[dict], Any]:
   """:func:`run_trials` without the fallback, also returning the states."""
   mesh = sharding_lib.data_mesh()
@@ -442,6 +450,17 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
       x.size * x.dtype.itemsize
       for x in jax.tree.leaves(train.abstract_states(cfg, 1)))
 
+  def save_now(ckpts: ckpt_lib.Checkpoints, step: int, rows: list[int],
+               why: str) -> None:
+    """Saves ``rows`` of ``states`` at ``step`` and logs how fast."""
+    t_save = time.perf_counter()
+    workdir_lib.save_rows(ckpts, step, states, rows)
+    seconds, size = time.perf_counter() - t_save, trial_bytes * len(rows)
+    log(f"checkpoint of step {step} {why}: {size / 1e9:.2f} GB in "
+        f"{seconds:.1f} s ({size / 1e6 / max(seconds, 1e-3):.0f} MB/s; "
+        f"{size / SAVE_BYTES_PER_S:.1f} s kept for it)")
+
+  first = start
   while running and start < total:
     idx = np.asarray(running)
     halt_at = None if stop_at is None else stop_at - trial_bytes * (
@@ -505,12 +524,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
         save = (list(range(num)) if stopped is None
                 else None if is_ckpt else running)
         if ckpts is not None and save is not None:
-          t_save = time.perf_counter()
-          workdir_lib.save_rows(ckpts, done, states, save)
-          seconds, size = time.perf_counter() - t_save, trial_bytes * len(save)
-          log(f"checkpoint of step {done} at the deadline: {size / 1e9:.2f} "
-              f"GB in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-3):.0f} "
-              f"MB/s; {size / SAVE_BYTES_PER_S:.1f} s kept for it)")
+          save_now(ckpts, done, save, "at the deadline")
         _close(ckpts, retained, stopped)
         raise DeadlineReached(
             f"the deadline came at pretraining step {done} of {workdir}"
@@ -519,6 +533,10 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
       if stopped_now:
         break  # re-form the groups without the stopped trials
     start = done
+  if (keep_by is not None and ckpts is not None and stopped is None
+      and start > first and _clock() >= keep_by):
+    save_now(ckpts, start, list(range(num)),
+             "before a tuning the deadline would cut")
   _close(ckpts, retained, stopped)
   return [last.get(k, {}) for k in range(num)], states
 
