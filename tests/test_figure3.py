@@ -1089,10 +1089,17 @@ def test_a_stack_run_in_parts_merges_to_the_whole_stack(tmp_path,
   kept = str(tmp_path / "kept")
   monkeypatch.setattr(pretrain_loop, "_clock", cut_at_step_13)
   caplog.set_level(logging.INFO)
+  schedules, run_sweep = [], sweep.run_sweep
+  monkeypatch.setattr(sweep, "run_sweep", lambda *a, **k: (
+      schedules.append(a[4]) or run_sweep(*a, **k)))
   cut, info = [chunks.run_chunk(setup, "left:4", "transformer", results,
                                 str(tmp_path / out), workdir=kept,
                                 deadline_s=300.0, checkpoints="deadline")
                for out in ("2", "3")]
+  # Each chunk's estimate of the tuning, from the first part's lines.
+  tune_s = chunks.seconds_per_trial(results, tuning_only=True)
+  assert tune_s and [s.tune_seconds_per_trial for s in schedules] == [
+      tune_s, tune_s]
   assert cut["cells_computed"] == 0 and "pretraining step 13 of" in (
       cut["stopped"])
   # The second command went on from the first's checkpoint of step 13.

@@ -527,9 +527,10 @@ def test_a_stack_that_does_not_fit_runs_in_parts_drawn_as_the_whole(
                                              seconds_per_weight=100 / 7,
                                              tune_seconds_per_trial=3.0),
                          checkpoints="deadline") == ["vanilla-h8 (in part)"]
-  sweep.run_sweep(setup, workdir, "left", "transformer")  # the rest
+  sweep.run_sweep(setup, workdir, "left", "transformer",  # the rest
+                  scheduling.Schedule(tune_seconds_per_trial=3.0))
   assert pretrained.stop_ats == [stop_at, None]
-  assert pretrained.keep_bys == [stop_at - 3.0 * 4, None]
+  assert pretrained.keep_bys == [stop_at - 3.0 * 4, None]  # no deadline
   parts = [range(0, 4), range(4, 8)]
   assert [(pdir, cfg) for pdir, cfg, _ in pretrained] == [
       (protocol.pretrain_dir(workdir, setup, H8, part),
