@@ -85,9 +85,9 @@ def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
   """``(backbone, params_K, pretrain_K, configs_K, shallow)`` of ``mid``'s
   trials (:func:`protocol.pretrained`, ``keep_by`` its; ``part``:
   ``models_K`` are those trials of the stack): ``params_K`` ``[K, ...]``
-  padded to the deepest,
-  row ``k``'s ``pretrain_*`` fields and own config (``{}``, ``None``:
-  exact), the backbone of each shallower depth; in tuning dtype."""
+  padded to the deepest, row ``k``'s ``pretrain_*`` fields and own config
+  (``{}``, ``None``: exact), the backbone of each shallower depth; in
+  tuning dtype."""
   if backbone_name == "transformer":
     _, params_K, infos = protocol.pretrained(workdir, setup, mid, models_K,
                                              checkpoints, stop_at, part,
