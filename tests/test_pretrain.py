@@ -49,6 +49,16 @@ def _step_clock():
   return tick
 
 
+def _three_trials_in_4_s(monkeypatch, cfg) -> int:
+  """Sets the assumed save rate to 3 trials' state (of ``cfg``, counted
+  from a real state, not the loop's shapes) in 4 seconds; returns one
+  trial's bytes."""
+  trial_bytes = sum(x.nbytes for x in jax.tree.leaves(
+      pretrain.init_states(jax.random.split(jax.random.PRNGKey(0), 1), cfg)))
+  monkeypatch.setattr(pretrain_loop, "SAVE_BYTES_PER_S", 3 * trial_bytes / 4)
+  return trial_bytes
+
+
 def _crash_after(at: int):
   """An ``after_step`` that raises once step ``at`` is done."""
   def crash(step):
@@ -612,10 +622,8 @@ def test_deadline_checkpoints_are_written_only_at_the_stop_and_resume(
   steps = [info.step for info in whole_infos]
   assert min(steps) == cfg.eval_every < max(steps)  # one stops, one runs on
   monkeypatch.setattr(pretrain_loop, "_clock", _step_clock())
-  trial_bytes = sum(x.nbytes for x in jax.tree.leaves(
-      pretrain.init_states(jax.random.split(jax.random.PRNGKey(0), 1), cfg)))
   # Writing 3 trials takes 4 "seconds": the stop comes at step 31 - 4.
-  monkeypatch.setattr(pretrain_loop, "SAVE_BYTES_PER_S", 3 * trial_bytes / 4)
+  trial_bytes = _three_trials_in_4_s(monkeypatch, cfg)
   workdir, logs = str(tmp_path / "cut"), []
   with pytest.raises(pretrain.DeadlineReached, match=re.escape(
       f"the deadline came at pretraining step 27 of {workdir} "
@@ -722,9 +730,7 @@ def test_a_deadline_stops_earlier_by_the_checkpoint_it_writes(
   cfg = dataclasses.replace(TINY, target_gap=0.5)
   stacked = generative.random_models(jax.random.PRNGKey(5), 3, "vanilla", 6,
                                      10)
-  trial_bytes = sum(x.nbytes for x in jax.tree.leaves(
-      pretrain.init_states(jax.random.split(jax.random.PRNGKey(0), 1), cfg)))
-  monkeypatch.setattr(pretrain_loop, "SAVE_BYTES_PER_S", 3 * trial_bytes / 4)
+  _three_trials_in_4_s(monkeypatch, cfg)
   for name, train, step in (
       ("always", pretrain.run_trials, 29),  # 2 rows: 8/3 s before 31
       ("never", pretrain.train_trials, 31)):
