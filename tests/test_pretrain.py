@@ -1958,6 +1958,44 @@ def test_loss_targets_pass_targets_through_and_resolve_the_kernel(
     assert seen == [kernel], (method, length)
 
 
+@pytest.mark.slow  # three compiles, ~4 CPU-s (the fast tier's minute)
+def test_a_step_from_targets_ahead_compiles_once_for_every_hmm_size():
+  """Targets drawn ahead (``exact_window`` > 1) leave the step no HMM to
+  read, so it is not given one: HMMs of 3 and 5 states share one compiled
+  step (on the H100 a compile of the BERT-width step took ~23 s, a sixth
+  of a 5-draw stack), and its loss is the MLM loss on the targets it was
+  given. A state loss still reads the HMMs there: refused without them."""
+  cfg = _EXACT.with_overrides(exact_window=5)  # a step program of its own
+  mesh = sharding.data_mesh()
+  step = pretrain_train.make_train_step(cfg, mesh)
+  rng = np.random.default_rng(0)
+  shape = (1, cfg.batch_size, cfg.corpus.chunk_len)
+  inputs = jnp.asarray(rng.integers(0, 10, shape), jnp.int32)
+  weights = jnp.asarray(rng.random(shape) < 0.5, jnp.float32)
+  targets = jnp.asarray(rng.dirichlet(np.ones(10), shape), jnp.float32)
+  loss_of = jax.jit(pretrain_train.mlm_loss, static_argnums=1)
+  # The same float32 forward in two programs: each logit's dot products
+  # (over d_model) and the mean over the B T positions may be reassociated.
+  rtol = (np.log2(cfg.model.d_model) + np.log2(inputs.size)) * np.finfo(
+      np.float32).eps
+  for h in (3, 5):
+    hmms = jax.tree.map(lambda x: x[None], hmm_lib.random_hmm(
+        jax.random.PRNGKey(h), h, 10))
+    states = pretrain.init_states(jax.random.PRNGKey(h)[None], _EXACT)
+    # Before the step, which donates the states.
+    want = loss_of(jax.tree.map(lambda x: x[0], states.params), cfg.model,
+                   inputs[0], targets[0], weights[0])
+    _, loss = step(states, inputs, targets, weights, hmms)
+    np.testing.assert_allclose(loss[0], want, rtol=rtol)
+  assert pretrain_train._jitted_step(cfg, mesh)._cache_size() == 1
+  readout = cfg.with_overrides(state_loss=1.0, model=dataclasses.replace(
+      cfg.model, state_readout=3))
+  with pytest.raises(ValueError, match=r"^PretrainConfig.state_loss needs "
+                     r"the generating HMMs: pass hmms="):
+    pretrain_train.make_train_step(readout, mesh)(
+        None, inputs, targets, weights)  # refused before the states are read
+
+
 @pytest.mark.slow  # pretraining loops (the fast tier's minute)
 def test_a_run_drawing_targets_ahead_resumes_as_uninterrupted(
     tmp_path, monkeypatch):

@@ -203,15 +203,20 @@ def make_train_step(cfg: PretrainConfig, mesh):
   donated) and ``hmms`` (``jax.vmap(generative.as_hmm)``, for exact targets
   or the state loss) lead with ``[K]``; the batch is ``[K, B, T]``, split
   over the devices along ``B``, and ``tokens`` may be their exact targets
-  ``[K, B, T, V]`` computed ahead (:func:`loss_targets`)."""
+  ``[K, B, T, V]`` computed ahead (:func:`loss_targets`). Then the step
+  reads no HMM (unless the state loss does) and is not given ``hmms``:
+  its program has no ``|H|`` in it, so stacks of every size share one
+  compile."""
   jitted = _jitted_step(cfg, mesh)
 
   def train_step(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT, hmms=None):
-    needs_hmms = cfg.targets == "exact" or cfg.state_loss > 0
+    ahead = tokens_KxBxT.ndim == inputs_KxBxT.ndim + 1
+    needs_hmms = (cfg.targets == "exact" and not ahead) or cfg.state_loss > 0
     if needs_hmms and hmms is None:
-      raise ValueError("PretrainConfig.targets='exact' needs the generating "
-                       "HMMs: pass hmms=jax.vmap(generative.as_hmm)(models_K) "
-                       "to the step")
+      what = ("state_loss" if cfg.state_loss > 0 else "targets='exact'")
+      raise ValueError(f"PretrainConfig.{what} needs the generating HMMs: "
+                       "pass hmms=jax.vmap(generative.as_hmm)(models_K) to "
+                       "the step")
     return jitted(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT,
                   hmms if needs_hmms else None)
 
