@@ -1,13 +1,17 @@
 r"""Does the learned relative-position bias train through cuDNN?
 
   python -m experiments.check_cudnn_bias [--trials=4] [--batch_size=8] \
-      [--seq_len=512] [--dtype=bfloat16] [--also_xla] [--tiny]
+      [--seq_len=512] [--dtype=bfloat16] [--num_layers=6] [--also_xla] \
+      [--tiny]
 
 A gradient step of ``--trials`` paper models with ``rel_pos="bias"``,
 vmapped, through ``attention="dot_product"`` and ``"manual"``: its cuDNN
 calls, the offset tables' gradient difference (per layer: max |d_dp -
 d_manual| / max |d_manual|) and step times. Exits 1 if the dot_product
 bias gradient is missing, zero, not finite or over ``--max_rel_diff``.
+``--num_layers=1`` checks the same attention calls (every layer's have
+the paper model's shapes) in a fraction of the compile time: what
+``accelerator_session.sh protocol`` runs before its chunks.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"],
                            "compute dtype (cuDNN takes bfloat16)")
 _TINY = flags.DEFINE_bool("tiny", False, "a 2-layer width-32 model, T <= 16 "
                           "(a CPU check of the script)")
+_LAYERS = flags.DEFINE_integer("num_layers", 0, "layers (0: the model's "
+                               "own: 6, or --tiny's 2)", lower_bound=0)
 _ALSO_XLA = flags.DEFINE_bool("also_xla", False, "also time the dot_product "
                               "path on XLA's implementation")
 _MAX_REL = flags.DEFINE_float("max_rel_diff", 0.1, "fail above this bias-"
@@ -46,11 +52,13 @@ _REPEATS = 5
 
 def model_config(attention_: str) -> transformer.MLMConfig:
   if _TINY.value:
-    return transformer.MLMConfig(
+    cfg = transformer.MLMConfig(
         vocab_size=10, d_model=32, num_heads=2, d_ff=64, num_layers=2,
         max_len=16, dtype=_DTYPE.value, rel_pos="bias", attention=attention_)
-  return transformer.paper_config(10, rel_pos="bias", dtype=_DTYPE.value,
-                                  attention=attention_)
+  else:
+    cfg = transformer.paper_config(10, rel_pos="bias", dtype=_DTYPE.value,
+                                   attention=attention_)
+  return dataclasses.replace(cfg, num_layers=_LAYERS.value or cfg.num_layers)
 
 
 def grad_step(cfg: transformer.MLMConfig):
