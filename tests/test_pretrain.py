@@ -1958,7 +1958,7 @@ def test_loss_targets_pass_targets_through_and_resolve_the_kernel(
     assert seen == [kernel], (method, length)
 
 
-@pytest.mark.slow  # three compiles, ~4 CPU-s (the fast tier's minute)
+@pytest.mark.slow  # three compiles, up to ~4 CPU-s cold (the fast tier's minute)
 def test_a_step_from_targets_ahead_compiles_once_for_every_hmm_size():
   """Targets drawn ahead (``exact_window`` > 1) leave the step no HMM to
   read, so it is not given one: HMMs of 3 and 5 states share one compiled

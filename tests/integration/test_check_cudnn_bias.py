@@ -2,7 +2,8 @@
 ``accelerator_session.sh protocol`` runs on a device, here on a CPU,
 where XLA's attention stands in for cuDNN: it runs at the depth the script
 asks for (``--num_layers=1``), and ends 1 naming why when the bias
-gradient is off (a bound of 0 no gradient of two paths meets)."""
+gradient is off (here a bound of 0: the two paths' bf16 gradients never
+agree to the bit)."""
 
 import re
 
