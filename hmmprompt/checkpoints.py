@@ -44,6 +44,23 @@ def _quiet_closed_loops(unraisable, default=sys.unraisablehook) -> None:
 sys.unraisablehook = _quiet_closed_loops
 
 
+class _QuietTensorstoreTasks(logging.Filter):
+  """Drops asyncio's ``Task exception was never retrieved`` for a
+  tensorstore error: the sibling tasks of an orbax restore that failed on a
+  damaged checkpoint, logged with their tracebacks whenever they are
+  garbage-collected (seen in a rerun's stderr); the restore raised its own
+  error, which :meth:`Checkpoints.restore_latest` logs in one line."""
+
+  def filter(self, record):
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (record.getMessage().startswith(
+        "Task exception was never retrieved")
+                and "tensorstore_spec=" in str(exc))
+
+
+logging.getLogger("asyncio").addFilter(_QuietTensorstoreTasks())
+
+
 class Checkpoints:
   """The ``keep`` newest (``None``: all) checkpoints under ``directory``."""
 
