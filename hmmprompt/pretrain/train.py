@@ -109,12 +109,18 @@ def grown_states(states_K: TrainState, keys_K, cfg: PretrainConfig
           states_K.params, keys_K)
 
 
+def targets_ahead(inputs, tokens) -> bool:
+  """Whether ``tokens`` are exact targets computed ahead (``[..., V]`` over
+  the inputs' ``[...]``), not the tokens themselves."""
+  return tokens.ndim == inputs.ndim + 1
+
+
 def loss_targets(cfg: PretrainConfig, hmm, inputs_BxT, tokens_BxT, weights_BxT):
   """The true tokens ``[B, T]``, or (``cfg.targets == "exact"``) their
   exact conditionals ``[B, T, V]`` given the inputs under ``hmm``; targets
   passed in place of the tokens (computed ahead: :func:`exact_window`) as
   they are."""
-  if cfg.targets == "sampled" or tokens_BxT.ndim == inputs_BxT.ndim + 1:
+  if cfg.targets == "sampled" or targets_ahead(inputs_BxT, tokens_BxT):
     return tokens_BxT
   exact = functools.partial(corpus_lib.exact_targets, method=(
       hmm_lib.resolve_method(cfg.exact_method, inputs_BxT.shape[-1])))
@@ -210,8 +216,9 @@ def make_train_step(cfg: PretrainConfig, mesh):
   jitted = _jitted_step(cfg, mesh)
 
   def train_step(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT, hmms=None):
-    ahead = tokens_KxBxT.ndim == inputs_KxBxT.ndim + 1
-    needs_hmms = (cfg.targets == "exact" and not ahead) or cfg.state_loss > 0
+    needs_hmms = ((cfg.targets == "exact"
+                   and not targets_ahead(inputs_KxBxT, tokens_KxBxT))
+                  or cfg.state_loss > 0)
     if needs_hmms and hmms is None:
       what = ("state_loss" if cfg.state_loss > 0 else "targets='exact'")
       raise ValueError(f"PretrainConfig.{what} needs the generating HMMs: "
