@@ -564,6 +564,55 @@ def test_groups_of_trials_per_vmap_step_in_fixed_shapes_and_equal_one_stack(
 
 
 @pytest.mark.slow  # a pretraining loop (the fast tier's minute)
+def test_a_group_padded_to_a_power_of_two_counts_each_real_trial_once(
+    tmp_path, monkeypatch):
+  """3 running trials at trials_per_vmap = 4 (as on the gpu preset once a
+  trial stops): the step runs on 4 rows, a copy of the first trial padding
+  the group, but the run writes exactly one metrics line per trial per
+  evaluation, and each progress line's loss is the mean over the real
+  trials of their own curves' losses (a padded copy counted would weigh
+  trial 0 twice: (2 l0 + l1 + l2) / 4)."""
+  pytest.importorskip("tensorboardX")
+  from hmmprompt.pretrain import curves
+  cfg = dataclasses.replace(TINY, target_gap=0.5, trials_per_vmap=4)
+  stacked = generative.random_models(jax.random.PRNGKey(5), 3, "vanilla", 6,
+                                     10)
+  shapes = []
+  make = pretrain_train.make_train_step
+
+  def recording(cfg, mesh):
+    step = make(cfg, mesh)
+
+    def counted(states, *args):
+      shapes.append(int(states.step.shape[0]))
+      return step(states, *args)
+    return counted
+
+  monkeypatch.setattr(pretrain_train, "make_train_step", recording)
+  workdir, logs = str(tmp_path), []
+  final = pretrain.run_trials(workdir, cfg, stacked, log=logs.append)
+  assert shapes[0] == 4  # 3 trials padded to 4: the path under test
+  lines = [json.loads(l) for l in open(os.path.join(workdir,
+                                                    "metrics.jsonl"))]
+  for k in range(3):
+    steps = [m["step"] for m in lines if m["trial"] == k]
+    # Every evaluation up to the trial's stop, each once.
+    assert steps == list(range(cfg.eval_every, final[k]["step"] + 1,
+                               cfg.eval_every))
+  assert len(lines) == sum(m["step"] // cfg.eval_every for m in final)
+  train_loss = [dict(curves.read_scalars(curves.trial_logdir(workdir, k))
+                     ["by_step/train_loss"]) for k in range(3)]
+  flushes = [l.split() for l in logs if re.match(r"step \d+/\d+ loss ", l)]
+  assert len(flushes) == cfg.total_steps // cfg.log_every
+  for words in flushes:
+    step = int(words[1].split("/")[0])
+    ran = [t[step] for t in train_loss if step in t]  # the trials stepping
+    assert ran and len(ran) == sum(m["step"] >= step for m in final)
+    # The line rounds to 4 decimals; the two means differ by rounding.
+    assert float(words[3]) == pytest.approx(np.mean(ran), abs=6e-5)
+
+
+@pytest.mark.slow  # a pretraining loop (the fast tier's minute)
 def test_a_deadline_stops_between_steps_with_a_checkpoint_to_resume(
     tmp_path, monkeypatch):
   """``stop_at``: past it the stack stops after the step in hand, saves
