@@ -1,0 +1,300 @@
+"""The tuning noise floor: how much of a result line is the optimiser.
+
+On one backbone and task, a line's accuracy still depends on the tuning's
+own randomness (initialisation, batch order) and, across machines, on float
+rounding. :func:`run` measures both for a subset of a sweep's left panel:
+each draw's head and prompt arms tuned with ``replicates`` tuning seeds
+(replicate 0 is the sweep's own key, so it is the sweep's line), and once
+more on the backbone perturbed at rounding level. The lines go to their own
+file, ``DIR/replicates.jsonl``: they never re-key or alter the sweep's.
+:func:`summarize` turns them into the floor a report quotes per arm."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from hmmprompt import files as files_lib
+from hmmprompt import protocol
+from hmmprompt import tuning
+from hmmprompt.figure3 import configs
+from hmmprompt.figure3 import sweep
+
+REPLICATES = "replicates.jsonl"
+PERTURBED = -1  # the replicate index of the perturbed backbone's line
+ARMS = ("head", "prompt")
+# Keys of replicates r > 0: fold_in(the cell's tune key, STREAM + r), a
+# stream no other fold_in of a tune key uses.
+_STREAM = 7_000
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicateLine(files_lib.Line):
+  """One tuning of one cell: ``replicate`` r >= 0 its r-th tuning seed (0:
+  the sweep's line), :data:`PERTURBED` the seed-0 tuning of the backbone
+  times ``1 + rel * N(0, 1)`` elementwise."""
+
+  backbone: str
+  size: int
+  trial: int
+  task: int
+  method: str  # head | prompt (linear head, the setup's first features)
+  replicate: int
+  setup: str
+  test_accuracy: float
+  final_loss: float
+  rel: float = 0.0
+
+  KEY_FIELDS = ("backbone", "size", "trial", "task", "method", "replicate",
+                "setup")
+  WHAT = "replicate line"
+
+
+def replicate_key(setup: configs.Setup, trial: int, task: int, r: int):
+  """Replicate ``r``'s tuning key: the sweep's own (:func:`protocol.tune_key`)
+  for ``r`` <= 0, else a fold of it."""
+  key = protocol.tune_key(setup, trial, task)
+  return key if r <= 0 else jax.random.fold_in(key, _STREAM + r)
+
+
+def perturb(key, params, rel: float):
+  """``params`` times ``1 + rel * N(0, 1)``, a draw per element; an exact
+  backbone's HMM rows are renormalised, so they stay distributions (zeros
+  stay zero). ``rel`` = 0: ``params`` themselves (renormalising alone
+  would move them by rounding)."""
+  if rel == 0:
+    return params
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(key, len(leaves))
+  out = [x * (1 + rel * jax.random.normal(k, x.shape, x.dtype))
+         for k, x in zip(keys, leaves)]
+  params = jax.tree.unflatten(treedef, out)
+  if hasattr(params, "transition"):  # hmm.HMM: rows sum to one again
+    params = jax.tree.map(lambda x: x / x.sum(-1, keepdims=True), params)
+  return params
+
+
+def path(workdir: str) -> str:
+  return os.path.join(workdir, REPLICATES)
+
+
+def run(setup: configs.Setup, workdir: str, backbone_name: str,
+        sizes: Sequence[int], trials: int, replicates: int, rel: float = 1e-6,
+        log: Callable[[str], object] = print) -> None:
+  """Appends to ``DIR/replicates.jsonl`` the first ``trials`` draws of each
+  left-panel size in ``sizes``: both arms, ``replicates`` seeds each, and
+  the perturbed backbone (one program per arm, size and depth). A group
+  already in the file is skipped, so a rerun resumes. The transformers are
+  the sweep's in ``workdir`` (pretrained there if missing)."""
+  if trials < 2 or replicates < 2:
+    raise ValueError(f"a noise floor needs at least 2 trials and 2 "
+                     f"replicates, got {trials} and {replicates}")
+  if trials > setup.trials:
+    raise ValueError(f"{trials} trials asked, the setup draws "
+                     f"{setup.trials} per size")
+  fp = setup.fingerprint(backbone_name)
+  done = {(r.backbone, r.size, r.method)
+          for r in files_lib.read_lines(path(workdir), ReplicateLine)
+          if r.setup == fp}
+  features = setup.features[0]
+  for size in sizes:
+    mid = protocol.vanilla(size)
+    todo = [m for m in ARMS if (backbone_name, size, m) not in done]
+    if not todo:
+      continue
+    stack = protocol.draw_stack(setup, mid, sweep.stack_sizes(setup)[mid],
+                                setup.tasks_per_hmm)
+    held = sweep.Trials(stack, *sweep.backbones(workdir, setup, mid,
+                                                stack.models_K,
+                                                backbone_name))
+    for method in todo:
+      cfg = protocol.Group(mid, method, "linear", features).tune_config(
+          setup.tune)
+      lines = []
+      for backbone, params, ids in held.by_depth(list(range(trials))):
+        lines += _tune(setup, cfg, backbone, params, ids, stack, replicates,
+                       rel, backbone_name, size, fp)
+      files_lib.append_lines(path(workdir), lines)
+      log(f"{backbone_name} |H| = {size} {method}: {len(lines)} replicate "
+          f"lines")
+
+
+def _tune(setup, cfg, backbone, params_K, ids, stack, replicates, rel,
+          backbone_name, size, fp) -> list[ReplicateLine]:
+  """Trials ``ids`` (rows of ``params_K``): every task x replicate as a
+  lane of one program, then the perturbed backbone's seed-0 lanes."""
+  tasks = range(setup.tasks_per_hmm)
+  data = [[tuning.data_from_task(stack.tasks[k][s], cfg) for s in tasks]
+          for k in ids]
+  cells = [(s, r) for s in tasks for r in range(replicates)]
+  res, _ = tuning.tune_trials(
+      [[replicate_key(setup, k, s, r) for s, r in cells] for k in ids],
+      backbone, params_K, [[data[i][s] for s, _ in cells]
+                           for i in range(len(ids))], cfg,
+      lane_group=setup.lane_group())
+  shaken = perturb(jax.random.fold_in(jax.random.PRNGKey(setup.seed),
+                                      _STREAM + size), params_K, rel)
+  res_p, _ = tuning.tune_trials(
+      [[replicate_key(setup, k, s, 0) for s in tasks] for k in ids],
+      backbone, shaken, data, cfg, lane_group=setup.lane_group())
+  line = lambda k, s, r, acc, loss, rel=0.0: ReplicateLine(
+      backbone_name, size, k, s, cfg.method, r, fp, float(acc), float(loss),
+      rel)
+  return ([line(k, s, r, res.test_accuracy[i, j], res.final_loss[i, j])
+           for i, k in enumerate(ids) for j, (s, r) in enumerate(cells)]
+          + [line(k, s, PERTURBED, res_p.test_accuracy[i, s],
+                  res_p.final_loss[i, s], rel)
+             for i, k in enumerate(ids) for s in tasks])
+
+
+def summarize(lines: Sequence[ReplicateLine]) -> dict:
+  """Per ``(backbone, size, method)``, in accuracy points: ``seed_sd`` (the
+  pooled within-draw standard deviation over tuning seeds), ``draw_sd``
+  (between draws, of their seed-0 lines), ``seed_range`` (the largest
+  spread of one draw's seeds), ``perturbed`` (the largest change of a
+  seed-0 line under the perturbed backbone), ``draws``, ``seeds``."""
+  by: dict = {}
+  for r in lines:
+    by.setdefault((r.backbone, r.size, r.method), {}).setdefault(
+        (r.trial, r.task), {})[r.replicate] = 100.0 * r.test_accuracy
+  out = {}
+  for key, cells in sorted(by.items()):
+    seeds = [np.array([v for r, v in sorted(c.items()) if r >= 0])
+             for c in cells.values()]
+    out[key] = {
+        "draws": len(cells), "seeds": int(min(len(s) for s in seeds)),
+        "seed_sd": float(np.sqrt(np.mean([s.var(ddof=1) for s in seeds]))),
+        "draw_sd": float(np.std([c[0] for c in cells.values()], ddof=1)),
+        "seed_range": float(max(np.ptp(s) for s in seeds)),
+        "perturbed": float(max((abs(c[PERTURBED] - c[0])
+                                for c in cells.values() if PERTURBED in c),
+                               default=float("nan")))}
+  return out
+
+
+def arm_floor(summary: dict) -> dict:
+  """Per ``(backbone, method)``: ``seed_sd`` pooled over sizes, and the
+  largest ``seed_range`` and ``perturbed`` of any size (points)."""
+  out: dict = {}
+  for (backbone, _, method), s in summary.items():
+    out.setdefault((backbone, method), []).append(s)
+  return {k: {"seed_sd": float(np.sqrt(np.mean([s["seed_sd"] ** 2
+                                                for s in v]))),
+              "seed_range": max(s["seed_range"] for s in v),
+              "perturbed": max(s["perturbed"] for s in v),
+              "sizes": sorted({size for (b, size, m) in summary
+                               if (b, m) == k})}
+          for k, v in out.items()}
+
+
+def difference_floor(floor: dict, backbone: str, a: str = "prompt",
+                     b: str = "head") -> float | None:
+  """The smallest one-draw difference between arms ``a`` and ``b`` that
+  is called a difference: twice the standard deviation of a difference of
+  two independent tunings, ``2 sqrt(sd_a^2 + sd_b^2)`` (points); ``None``
+  without both arms measured on ``backbone``."""
+  fa, fb = floor.get((backbone, a)), floor.get((backbone, b))
+  if fa is None or fb is None:
+    return None
+  return 2.0 * float(np.hypot(fa["seed_sd"], fb["seed_sd"]))
+
+
+def write_floor(workdir: str, out_path: str) -> dict:
+  """Writes :func:`arm_floor` of ``DIR/replicates.jsonl`` as JSON to
+  ``out_path`` (what reports read); returns it."""
+  floor = arm_floor(summarize(
+      files_lib.read_lines(path(workdir), ReplicateLine)))
+  files_lib.atomic_write_text(out_path, json.dumps(
+      [{"backbone": b, "method": m, **v} for (b, m), v in sorted(floor.items())],
+      indent=1) + "\n")
+  return floor
+
+
+def read_floor(path_: str) -> dict:
+  """:func:`write_floor`'s file as ``{(backbone, method): stats}``; ``{}``
+  where there is none."""
+  if not os.path.exists(path_):
+    return {}
+  with open(path_) as f:
+    return {(d.pop("backbone"), d.pop("method")): d for d in json.load(f)}
+
+
+def report(workdir: str, floor_path: str | None = None) -> str:
+  """Markdown of ``DIR/replicates.jsonl``: per backbone, size and arm the
+  spreads of :func:`summarize`, then each arm's floor (written to
+  ``floor_path`` as JSON too, where given)."""
+  summary = summarize(files_lib.read_lines(path(workdir), ReplicateLine))
+  floor = arm_floor(summary)
+  if floor_path:
+    write_floor(workdir, floor_path)
+  rows = [(b, size, m, s["draws"], s["seeds"], f"{s['draw_sd']:.1f}",
+           f"{s['seed_sd']:.1f}", f"{s['seed_range']:.1f}",
+           f"{s['perturbed']:.1f}")
+          for (b, size, m), s in summary.items()]
+  arms = [(b, m, ", ".join(map(str, v["sizes"])), f"{v['seed_sd']:.1f}",
+           f"{v['seed_range']:.1f}", f"{v['perturbed']:.1f}",
+           "" if m != "head" or (d := difference_floor(floor, b)) is None
+           else f"{d:.1f}")
+          for (b, m), v in sorted(floor.items())]
+  return "\n".join([
+      "## Spread per size and arm (test accuracy, points)", "",
+      *files_lib.markdown_table(
+          ("backbone", "size", "arm", "draws", "seeds", "between draws (sd)",
+           "within a draw, tuning seeds (sd)", "largest seed range",
+           "largest change, backbone x (1 + 1e-6 N(0,1))"), rows), "",
+      "## The noise floor of each arm", "",
+      "A prompt-head difference on one draw smaller than the last column "
+      "(2 sqrt(sd_head^2 + sd_prompt^2)) is not called a difference.", "",
+      *files_lib.markdown_table(
+          ("backbone", "arm", "sizes", "tuning seeds (pooled sd)",
+           "largest seed range", "largest perturbed change",
+           "prompt - head floor"), arms), ""])
+
+
+def adam_vs_optimum(lines) -> list[tuple]:
+  """Rows per (backbone, panel, size): lines, Adam below its L-BFGS
+  optimum by > 1 point (count), the mean and largest shortfall (points),
+  and the mean prompt - head difference with Adam's head and with the
+  optimum's (left panel; blank elsewhere). ``lines``: result lines holding
+  both ``head_linear`` and ``head_linear_lbfgs`` for the same cells."""
+  by: dict = {}
+  for r in lines:
+    by.setdefault((r.backbone, r.panel, r.size), {}).setdefault(
+        (r.trial, r.task, r.features), {})[r.method] = 100 * r.test_accuracy
+  rows = []
+  for (backbone, panel, size), cells in sorted(by.items()):
+    pairs = [c for c in cells.values()
+             if "head_linear" in c and "head_linear_lbfgs" in c]
+    if not pairs:
+      continue
+    short = np.array([c["head_linear_lbfgs"] - c["head_linear"]
+                      for c in pairs])
+    with_p = [c for c in pairs if "prompt_linear" in c]
+    gap = lambda head, cs=with_p: (f"{np.mean([c['prompt_linear'] - c[head] for c in cs]):+.1f}"
+                                   if cs else "")
+    rows.append((backbone, panel, size, len(pairs), int((short > 1).sum()),
+                 f"{short.mean():.1f}", f"{short.max():.1f}",
+                 gap("head_linear"), gap("head_linear_lbfgs")))
+  return rows
+
+
+def reproduction(lines, committed) -> list[tuple]:
+  """Rows per (backbone, method, size): the lines of ``lines`` whose key
+  ``committed`` holds, how many differ, and the largest difference in
+  test accuracy (points) and pretraining gap (nats)."""
+  theirs = {r.key(): r for r in committed}
+  by: dict = {}
+  for r in lines:
+    if (c := theirs.get(r.key())) is not None:
+      by.setdefault((r.backbone, r.method, r.size), []).append((r, c))
+  return [(b, m, size, len(pairs),
+           sum(r.test_accuracy != c.test_accuracy for r, c in pairs),
+           f"{100 * max(abs(r.test_accuracy - c.test_accuracy) for r, c in pairs):.1f}",
+           "" if pairs[0][0].pretrain_ce_gap is None else
+           f"{max(abs(r.pretrain_ce_gap - c.pretrain_ce_gap) for r, c in pairs):.4f}")
+          for (b, m, size), pairs in sorted(by.items())]
