@@ -19,9 +19,10 @@
 #                         then a score table per module (docs/mutation.md)
 #   ./launch.sh docs      build the documentation strictly into site/
 #                         (mkdocs.yml; the `docs` extra, pulled in by `test`)
-#   ./launch.sh bench     both benchmarks (installs the `bench` extra:
-#                         hmmlearn, dynamax, torch, transformers); for their
-#                         flags run python -m experiments.bench_hmm / bench_mlm
+#   ./launch.sh bench     the HMM and MLM benchmarks (installs the `bench`
+#                         extra: hmmlearn, dynamax, torch, transformers); for
+#                         their flags, and the others under experiments/bench/:
+#                         python -m experiments.bench.<name> --help
 # Extra arguments pass through to the job (e.g. ./launch.sh --config.trials=5,
 # ./launch.sh --preset=paper, or on many hosts
 # ./launch.sh --num_tasks=$SLURM_ARRAY_TASK_COUNT \
@@ -116,8 +117,8 @@ case "$mode" in
              { status=1; echo "== FAILED under $isa" >&2; }
          done
          exit $status ;;
-  bench) "$VENV/bin/python" -m experiments.bench_hmm
-         exec "$VENV/bin/python" -m experiments.bench_mlm ;;
+  bench) "$VENV/bin/python" -m experiments.bench.hmm
+         exec "$VENV/bin/python" -m experiments.bench.mlm ;;
   demo)  exec "$VENV/bin/python" -m experiments.demo "$@" ;;
   docs)  exec "$VENV/bin/python" -m mkdocs build --strict "$@" ;;
   # Mutation testing, the in-process tests as the oracle (docs/mutation.md):

@@ -8,7 +8,7 @@
 # mfu: the stacked step of the gpu preset's shape (Appendix D's model,
 #   batch 64 x 512, |H| = 30) at trials_per_vmap 1, 4 and 8 beside one
 #   model measured in the same run, then a profile of the last's top ops.
-# hmm [SECTIONS]: issue 51's numbers: bench_hmm's posterior, long-sequence and
+# hmm [SECTIONS]: issue 51's numbers: bench.hmm's posterior, long-sequence and
 #   exact-targets sections (the kernels, and 16 or 64 steps' targets in one
 #   call as PretrainConfig.exact_window draws them; dynamax's smoothers beside them
 #   when DYNAMAX=DIR holds dynamax 1.0.3 and its pure-Python dependencies
@@ -58,14 +58,14 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
       timeout 120 python -m experiments.in_chunks --preset=gpu \
         --chunk=left:30 --step_bytes --config.pretrain.trials_per_vmap=8
       echo "== stacked step, paper model, batch 64, 8 trials"
-      timeout 400 python -m experiments.bench_trials --preset=paper \
+      timeout 400 python -m experiments.bench.trials --preset=paper \
         --batch_size=64 --num_states=30 --trials=8 --steps=20 \
         --trials_per_vmap=1,4,8 --profile_dir="$OUT/profile" ;;
     hmm)
       # hmm targets: the exact targets alone (a minute or two), for the
       # minutes a protocol command leaves.
       echo "== posteriors, long sequences and exact targets, the kernels"
-      timeout 500 python -m experiments.bench_hmm \
+      timeout 500 python -m experiments.bench.hmm \
         --sections="${2:-posterior,long,targets}" --long_repeats=5 \
         --targets_windows=16,64 ;;
     protocol)

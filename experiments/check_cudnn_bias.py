@@ -28,8 +28,7 @@ import numpy as np
 
 from hmmprompt.backbones import attention
 from hmmprompt.backbones import transformer
-
-from experiments import mfu
+from experiments.bench import harness
 
 _TRIALS = flags.DEFINE_integer("trials", 4, "trials vmapped in the step",
                                lower_bound=1)
@@ -80,11 +79,11 @@ def bias_grads(grads, num_layers: int) -> list[np.ndarray]:
 
 
 def median_seconds(step, args) -> float:
-  return mfu.seconds_per_call(lambda: step(*args), _REPEATS, warmup=2)
+  return harness.seconds_per_call(lambda: step(*args), _REPEATS, warmup=2)
 
 
-def main(argv):
-  del argv
+@harness.main(retain_freed_memory=False)
+def main():
   cfg = model_config("manual")
   t = min(_SEQ.value, cfg.max_len)
   k, b = _TRIALS.value, _BATCH.value

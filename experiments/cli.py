@@ -9,6 +9,7 @@ import functools
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -23,15 +24,55 @@ from hmmprompt import sharding
 
 
 def _end(what, status: int, say: bool = True) -> NoReturn:
-  """Prints ``error: <what>; rerun the same command to resume`` and exits
-  at once: the interpreter's exit is where orbax's threads print pages."""
+  """Prints ``error: <what>`` and how to resume (:func:`resume_hint`), and
+  exits at once: the interpreter's exit is where orbax's threads print
+  pages."""
   if say:
-    workdir = flags.FLAGS["workdir"].value if "workdir" in flags.FLAGS else ""
-    print(f"error: {what}; rerun the same command to resume" + (
-        f" (finished work is kept in {workdir})" if workdir else ""),
-          file=sys.stderr, flush=True)
+    workdir = flags.FLAGS["workdir"].value if "workdir" in flags.FLAGS else None
+    print(f"error: {what}{resume_hint(workdir)}", file=sys.stderr,
+          flush=True)
   sys.stdout.flush()
   os._exit(status)
+
+
+def resume_hint(workdir: str | None) -> str:
+  """What a fault's line adds: how to resume and where finished work is
+  kept, where the ``--workdir`` holds some; nothing where it holds none
+  (nothing started: a rerun would start afresh); without one (a binary's
+  own outputs), how to resume alone."""
+  if not workdir:
+    return "; rerun the same command to resume"
+  if not (os.path.isdir(workdir) and os.listdir(workdir)):
+    return ""
+  return (f"; rerun the same command to resume (finished work is kept in "
+          f"{workdir})")
+
+
+def make_dir(path: str, flag: str = "--workdir") -> str:
+  """Creates directory ``path`` (and its parents) where missing and returns
+  it; ``ValueError`` (a usage error: before any work, not a fault to
+  resume) naming ``flag`` and why it cannot be one: a file, or a directory
+  that cannot be created or written."""
+  if os.path.lexists(path) and not os.path.isdir(path):
+    what = "a file" if os.path.isfile(path) else "something else"
+    raise ValueError(f"{flag} {path} is {what}, not a directory")
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    # The usual cause: a parent that is a file (ENOTDIR names none).
+    up = os.path.dirname(os.path.abspath(path))
+    while up != os.path.dirname(up) and not os.path.lexists(up):
+      up = os.path.dirname(up)
+    why = (f"{up} is a file" if os.path.isfile(up) else
+           (e.strerror or str(e)).lower())
+    raise ValueError(f"{flag} {path}: cannot create: {why}") from None
+  try:  # O_TMPFILE where it can: nothing left behind, even when killed
+    with tempfile.TemporaryFile(dir=path):
+      pass
+  except OSError as e:
+    raise ValueError(f"{flag} {path}: cannot write: "
+                     f"{(e.strerror or str(e)).lower()}") from None
+  return path
 
 
 def _is_worker() -> bool:
@@ -51,8 +92,9 @@ def one_line_errors(main: Callable) -> Callable:
   """``main`` whose usage errors end the binary with ``error: <what is
   wrong>`` on stderr and status 2, not absl's whole module help first; its
   faults (``OSError``: a full disk, a missing directory; SIGINT, SIGTERM)
-  end it at once with one such line saying how to resume, status 1 or 128
-  + the signal. Finished work is on disk by then (atomic writes)."""
+  end it at once with one such line saying how to resume where work was
+  kept (:func:`resume_hint`), status 1 or 128 + the signal. Finished work
+  is on disk by then (atomic writes)."""
   @functools.wraps(main)
   def main_with_one_line_errors(argv):
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -86,14 +128,19 @@ def _told_parent(what) -> bool:
 
 def define_config(default_cfg, flag_values=flags.FLAGS) -> ConfigOverrides:
   """``--config.<path>`` string flags for every leaf of ``default_cfg``
-  (:func:`config_flags.leaves`), which a binary lists in its ``--help``
-  with ``flags.adopt_module_key_flags(cli)``."""
+  (:func:`config_flags.leaves`). They are registered to
+  :mod:`hmmprompt.config_flags`, not to this module, so a binary's
+  ``flags.adopt_module_key_flags(cli)`` does not make them key flags:
+  ``--help`` shows the binary's module docstring (its usage: the flags
+  set most often, the common ``--config`` paths) and its own flags, and
+  ``--helpfull`` every ``--config.<path>`` too."""
   for path, hint in config_flags.leaves(default_cfg).items():
     value = functools.reduce(getattr, path.split("."), default_cfg)
     flags.DEFINE_string(f"{config_flags.PREFIX}.{path}", None,
                         f"{getattr(hint, '__name__', hint)}; the default "
                         f"preset's {value!r} (--print_config shows the "
-                        f"chosen --preset's)", flag_values=flag_values)
+                        f"chosen --preset's)", flag_values=flag_values,
+                        module_name=config_flags.__name__)
   return ConfigOverrides(tuple(config_flags.leaves(default_cfg)), flag_values)
 
 
@@ -109,6 +156,9 @@ class ConfigOverrides:
             if flag(p).value is not None}
 
 
+_INTERNAL = "hmmprompt.figure3.workers"  # where --worker's work is done
+
+
 def define_worker_flags(what: str) -> tuple[flags.FlagHolder, ...]:
   """``--workers`` (:mod:`hmmprompt.figure3.workers`) and what it passes
   its workers: ``--worker`` (the index), ``--claims`` (their directory)."""
@@ -117,18 +167,19 @@ def define_worker_flags(what: str) -> tuple[flags.FlagHolder, ...]:
           "workers", 1, f"processes on this machine, one per core, each "
           f"taking the next unclaimed stack of {what} (CPU only; 0: one per "
           f"core, at most one per 4 GB of free memory)"),
+      # Internal, so not the binary's key flags: --helpfull lists them.
       flags.DEFINE_integer("worker", None, "internal: this worker's index "
-                           "(set by --workers)"),
+                           "(set by --workers)", module_name=_INTERNAL),
       flags.DEFINE_string("claims", None, "internal: the workers' shared "
-                          "claims directory"))
+                          "claims directory", module_name=_INTERNAL))
 
 
 def define_print_config():
   return flags.DEFINE_bool(
       "print_config", False, "print the resolved configuration (the "
-      "--preset with every --config.<path> override applied; --help shows "
-      "the default preset's values), one `path = value` line a leaf, and "
-      "run nothing")
+      "--preset with every --config.<path> override applied; --helpfull "
+      "shows the default preset's values), one `path = value` line a leaf, "
+      "and run nothing")
 
 
 def print_config(cfg) -> None:
@@ -152,7 +203,10 @@ def start(argv, **required) -> float:
     if not value:
       raise app.UsageError(f"--{name} is required")
   if path := _COMPILATION_CACHE.value:
-    os.makedirs(path, exist_ok=True)
+    try:
+      make_dir(path, "--compilation_cache")
+    except ValueError as e:
+      raise app.UsageError(str(e)) from e
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

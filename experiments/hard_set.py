@@ -26,7 +26,7 @@ from absl import flags
 import jax
 
 from experiments import cli
-from experiments import mfu
+from experiments.bench import harness
 from hmmprompt.figure3 import configs
 from hmmprompt import protocol
 from hmmprompt import config_flags
@@ -204,23 +204,18 @@ def bench_ratio(cfg: pretrain_lib.PretrainConfig, steps: int,
   per = max(steps // rounds, 1)
 
   def steps_of(c):  # ``per`` train steps of ``c``, its state carried
-    step = train_lib.make_train_step(c, mesh)
     get = jax.jit(jax.vmap(lambda k, s: corpus_lib.batch_at(
         k, s, hmm_model, None, c.corpus, c.batch_size, c.model.vocab_size),
                            in_axes=(0, None)))
     key = jax.random.split(jax.random.PRNGKey(1), 1)
     batches = [get(key, s) for s in range(4)]
-    box = [train_lib.init_states(jax.random.split(jax.random.PRNGKey(0), 1),
-                                 c)]
+    return harness.train_steps(
+        train_lib.make_train_step(c, mesh), lambda i: batches[i % 4],
+        train_lib.init_states(jax.random.split(jax.random.PRNGKey(0), 1), c),
+        hmms, per)
 
-    def run():
-      for i in range(per):
-        box[0], loss = step(box[0], *batches[i % 4], hmms)
-      return loss
-    return run
-
-  spent = mfu.interleaved({"base": steps_of(base), "cand": steps_of(cfg)},
-                          rounds)
+  spent = harness.interleaved(
+      {"base": steps_of(base), "cand": steps_of(cfg)}, rounds)
   return ((spent["cand"] / tokens_per_step(cfg))
           / (spent["base"] / tokens_per_step(base)))
 
@@ -246,6 +241,7 @@ def main(argv):
   cli.start(argv, workdir=_WORKDIR.value)
   with cli.usage_errors():
     cfg = config_flags.apply(default_config(_RECIPE.value), _CONFIG.value())
+    cli.make_dir(_WORKDIR.value)
   pcfg = cfg.pretrain
   workdir = os.path.join(_WORKDIR.value, recipe_fingerprint(pcfg))
   os.makedirs(workdir, exist_ok=True)

@@ -11,7 +11,8 @@ r"""Figure 3 in chunks of size stacks, each resuming from committed results
 
 A run starts from ``--results``' lines, computes the chunk's missing cells
 and writes ``OUT/figure3-chunk.tar.gz`` (no report: ``--merge`` renders
-it), also after the deadline, an error, SIGTERM or SIGINT.
+it), also after the deadline, an error, SIGTERM or SIGINT. Every field of
+the preset is a ``--config.<path>`` flag (``--helpfull`` lists them all).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def _work(setup) -> None:
       chunks.chunk_setup(setup, _CHUNK.value), _WORKDIR.value, "both",
       _BACKBONE.value, scheduling.Schedule(
           claim=workers.claims(_CLAIMS.value, _BACKBONE.value),
+          progress=workers.progress(_CLAIMS.value, _BACKBONE.value),
           deadline=_DEADLINE.value),
       results_file=workers.worker_results_path(_WORKDIR.value, _WORKER.value),
       checkpoints=_CHECKPOINTS.value or "always")
@@ -93,11 +95,15 @@ def main(argv):
   t0 = cli.start(argv)
   results = _RESULTS.value or chunks.results_dir(_PRESET.value)
   with cli.usage_errors():
+    setup = configs.get_setup(_PRESET.value, _CONFIG.value())
     if _MERGE.value:
       if _OUT.value:
         raise ValueError("--merge computes nothing: drop --out")
-      return print(*chunks.merge_all(_MERGE.value, results), sep="\n")
-    setup = configs.get_setup(_PRESET.value, _CONFIG.value())
+      cli.make_dir(results, "--results")
+      # Checked against the archive's: --merge of another preset's
+      # archive into its own --results would pass the results' check.
+      return print(*chunks.merge_all(_MERGE.value, results, setup,
+                                     _PRESET.value), sep="\n")
     if _PRINT_CONFIG.value:
       return cli.print_config(setup)
     if _WORKER.value is not None:
@@ -113,6 +119,10 @@ def main(argv):
                        _WORKDIR.value)
     chunks.resolve_checkpoints(_CHECKPOINTS.value, _WORKDIR.value,
                                _DEADLINE_S.value)
+    # Before any work: an --out it cannot write would lose the chunk's.
+    for flag, path in (("--workdir", _WORKDIR.value), ("--out", _OUT.value)):
+      if path:
+        cli.make_dir(path, flag)
   if _STEP_MEMORY.value:
     return print(*map(chunks.describe_step_bytes,
                       chunks.chunk_step_bytes(setup, _CHUNK.value)), sep="\n")

@@ -59,7 +59,7 @@ def main(argv):
   parts = [f"# The tuning noise floor: preset {_PRESET.value}, |H| = "
            f"{', '.join(map(str, sizes))}, {_TRIALS.value} draws, "
            f"{_REPLICATES.value} tuning seeds", "",
-           noise.report(workdir, os.path.join(workdir, "noise_floor.json"))]
+           noise.report(workdir, os.path.join(workdir, noise.FLOOR))]
   if rows := noise.adam_vs_optimum(lines):
     parts += ["## Adam against the optimum (head, test accuracy, points)",
               "", *files_lib.markdown_table(

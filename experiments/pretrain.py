@@ -8,7 +8,9 @@ r"""Pretrain the masked LM on text from an HMM (docs/pretraining.md).
       --coordinator_address=127.0.0.1:12345 --num_processes=2 --process_id=I
 
 Every leaf of :class:`hmmprompt.pretrain.Job` is a ``--config.<path>``
-flag; rerunning resumes; ``--distributed``: docs/multihost.md.
+flag (``--helpfull`` lists them all with the default preset's values,
+``--print_config`` prints the chosen preset's); rerunning resumes;
+``--distributed``: docs/multihost.md.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def main(argv):
     if _PRINT_CONFIG.value:
       return cli.print_config(pretrain.Job.of(_PRESET.value,
                                               **_CONFIG.value()))
+    cli.make_dir(_WORKDIR.value)  # a file, or not writable: before work
     _INIT_DISTRIBUTED()
     job = pretrain.Job.of(_PRESET.value, **_CONFIG.value())
     sharding.check_batch(job.pretrain.batch_size, sharding.data_mesh())

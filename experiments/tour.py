@@ -6,6 +6,7 @@
 import tempfile
 
 import jax
+import jax.numpy as jnp
 from hmmprompt import hmm, pretrain, tasks, tuning
 from hmmprompt.backbones import exact
 
@@ -16,12 +17,28 @@ hmm.posterior(model, tokens)                 # [T, H]  P[H_t | observed]
 hmm.conditionals(model, tokens)              # [T, V]  P[X_t | x_{-t}]: the exact MLM G
 
 # Batches: vmap. Everything is jittable, vmappable and differentiable.
-# Under jit nothing can look at values: a token out of range gives an
-# all-zero posterior there. Check a batch up front with hmm.check_tokens.
+# Under jit or vmap nothing can look at values: a token out of range makes
+# its sequence impossible (an all-zero posterior, log-likelihood -inf).
+# Check a batch up front with hmm.check_tokens.
 keys = jax.random.split(jax.random.PRNGKey(2), 8)
 batch_BxT = jax.vmap(lambda k: hmm.sample(k, model, 129)[0])(keys)
 hmm.check_tokens(batch_BxT, model.vocab_size)
 post_BxTxH = jax.jit(jax.vmap(hmm.posterior, in_axes=(None, 0)))(model, batch_BxT)
+
+# Sequences of several lengths: right-pad each with MASK to one length
+# (never left-pad). The padding marginalises out: each row's first n
+# posteriors and its log-likelihood are its n tokens' own.
+lengths = [40, 129, 75]
+padded_BxT = jnp.where(jnp.arange(129) < jnp.array(lengths)[:, None],
+                       batch_BxT[:3], hmm.MASK)
+post_BxTxH = jax.vmap(hmm.posterior, in_axes=(None, 0))(model, padded_BxT)
+loglik_B = jax.vmap(hmm.log_likelihood, in_axes=(None, 0))(model, padded_BxT)
+same = all(
+    jnp.allclose(post_BxTxH[i, :n], hmm.posterior(model, batch_BxT[i, :n]),
+                 atol=1e-5)
+    and jnp.allclose(loglik_B[i], hmm.log_likelihood(model, batch_BxT[i, :n]))
+    for i, n in enumerate(lengths))
+print(f"right-padded = unpadded: {same}")
 
 # Head vs prompt tuning on the exact backbone (perfect pretraining), on a
 # task of 2000 / 500 / 1000 examples of 59 tokens (the CPU protocol's).

@@ -124,14 +124,17 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence]
 
 
 def stamp(path: str, identity: dict, what: str = "setup",
-          write: bool = True) -> None:
+          write: bool = True, defaults: dict | None = None) -> None:
   """Records ``identity`` (JSON) at ``path`` on a workdir's first use
-  (``write``); later, ``ValueError`` naming every field that differs."""
+  (``write``); later, ``ValueError`` naming every field that differs
+  (``defaults``: :func:`identity.added_defaults`, naming a field left out
+  at its default by that default)."""
   want = json.loads(json.dumps(identity))
   if os.path.exists(path):
     with open(path, encoding="utf-8") as f:
       had = json.load(f)
-    identity_lib.check_same(had, want, os.path.dirname(path) or ".", what)
+    identity_lib.check_same(had, want, os.path.dirname(path) or ".", what,
+                            defaults)
   elif write:
     atomic_write_text(path, json.dumps(want, indent=1, sort_keys=True))
 

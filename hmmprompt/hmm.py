@@ -49,18 +49,24 @@ class _HMMFields(NamedTuple):
 def _validate_hmm(initial, transition, emission,
                   chk=validation.check_distribution) -> None:
   """Raises ``ValueError`` naming the field (``chk``: the value checks)."""
-  chk("HMM.initial", initial, 1)
-  chk("HMM.transition", transition, 2)
-  chk("HMM.emission", emission, 2)
+  fields = (("HMM.initial", initial, 1), ("HMM.transition", transition, 2),
+            ("HMM.emission", emission, 2))
+  # Shapes before values: a transposed emission's rows sum to anything.
+  for name, p, ndim in fields:
+    validation.check_event_shape(name, p, ndim)
   batch, h = initial.shape[:-1], initial.shape[-1]
   if transition.shape != batch + (h, h):
     raise ValueError(f"HMM.transition must have shape [H, H] = "
                      f"{batch + (h, h)} to match HMM.initial of shape "
                      f"{initial.shape}, got {transition.shape}")
   if emission.shape[:-1] != batch + (h,):
+    transposed = emission.shape[:-2] == batch and emission.shape[-1] == h
     raise ValueError(f"HMM.emission must have shape [H, V] with H = {h} (and "
                      f"the batch shape {batch} of HMM.initial), got "
-                     f"{emission.shape}")
+                     f"{emission.shape}" + (" (a transposed [V, H] "
+                                            "emission?)" if transposed else ""))
+  for name, p, ndim in fields:
+    chk(name, p, ndim)
 
 
 class HMM(validation.ValidatedParams, Emitting, _HMMFields,
@@ -273,6 +279,10 @@ def _normalize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def safe_log(x: jax.Array) -> jax.Array:
+  """Elementwise ``log x`` with ``-inf`` where ``x <= 0``, and no NaN in
+  the value or its gradient there (``jnp.log(0)`` is ``-inf`` too, but
+  its gradient at 0 turns ``0 * inf`` into NaN through a ``where``); the
+  kernels' log-likelihoods take their scales' logs with it."""
   pos = x > 0
   return jnp.where(pos, jnp.log(jnp.where(pos, x, 1.0)), -jnp.inf)
 
@@ -427,7 +437,7 @@ METHODS = ("sequential", "parallel", "blocked", "auto")
 :func:`forward_backward_parallel`, :func:`forward_backward_blocked` or
 ``auto`` (:func:`resolve_method`; never ``blocked``)."""
 # auto's threshold, provisional (docs/hmm.md): from an H100 probe of
-# dynamax's parallel smoother, until experiments/bench_hmm.py times ours.
+# dynamax's parallel smoother, until experiments/bench/hmm.py times ours.
 _AUTO_PARALLEL_FROM = 2048
 
 
@@ -508,13 +518,92 @@ def smooth(hmm: HMM, evidence, method: str = "auto") -> Smoothed:
 
 @validation.entry_point(token_smooth, static_argnums=2, field="log_likelihood")
 def log_likelihood(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
-  """``log P(x)`` of the observed tokens (``MASK`` positions marginalised)."""
+  """``log P(x)`` of the observed tokens (``MASK`` positions marginalised).
+
+  Sequences of several lengths in one batch: right-pad each with ``MASK``
+  to one length ``T`` and ``jax.vmap`` over the rows. A ``MASK``'s
+  evidence is all ones, so trailing padding marginalises out and each
+  row's log-likelihood is its unpadded sequence's (tested). Never
+  left-pad: the chain would start before the first real token (its prior
+  becomes ``pi A^k``, not ``pi``).
+
+  Args:
+    hmm: the model (checked as :func:`check_model` does).
+    tokens: ``int[T]``, one sequence, ``T >= 1``; values in ``[0, V)`` or
+      :data:`MASK`. Batches: ``jax.vmap``.
+    method: the kernel (:data:`METHODS`): ``"sequential"`` (the scan of
+      :func:`forward_backward`, ``2 T`` dependent steps), ``"parallel"``
+      (:func:`forward_backward_parallel`, associative scans, ``O(log T)``
+      steps of ``H x H`` products), ``"blocked"``
+      (:func:`forward_backward_blocked`, about ``5 sqrt(T)`` steps) or
+      ``"auto"`` (:func:`resolve_method`: sequential on CPUs, parallel on
+      accelerators from 2048 positions on; never blocked). All agree to
+      float rounding.
+
+  Returns:
+    ``[]``: ``log P(x)``; ``-inf`` for an impossible sequence, never NaN.
+
+  Raises:
+    ValueError: at the call, before anything runs: a bad ``method``; a
+      model of bad shapes (or, when its arrays are concrete, rows that are
+      not distributions), naming the field; ``tokens`` not integer or not
+      a non-empty 1-D ``[T]``; and, for concrete ``tokens`` only, a token
+      outside ``[0, V)`` other than ``MASK``, naming its index. Under your
+      ``jit``, ``vmap`` or ``grad`` the inputs are tracers: dtypes, shapes
+      and ``method`` still raise while tracing, but no value can be
+      checked, so an out-of-range token makes the sequence impossible
+      (``-inf``) and a model that is not stochastic gives meaningless
+      numbers. Check concrete batches once, up front, with
+      :func:`check_tokens` (and :func:`check_model`), or inside ``jit``
+      with :func:`checkify_tokens` under ``checkify``.
+  """
   return method_args(hmm, tokens, method, check_sequence)
 
 
 @validation.entry_point(token_smooth, static_argnums=2, field="posterior")
 def posterior(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
-  """``[T, H]``: ``P[H_t | observed tokens]``."""
+  """``[T, H]``: ``P[H_t | observed tokens]`` (``MASK`` positions
+  marginalised).
+
+  Sequences of several lengths in one batch: right-pad each with ``MASK``
+  to one length ``T`` and ``jax.vmap`` over the rows. A ``MASK``'s
+  evidence is all ones, so trailing padding marginalises out: each row's
+  first ``n`` posteriors are its unpadded ``n`` tokens' (tested; the
+  padded positions hold the chain's prediction past the end). Never
+  left-pad: the chain would start before the first real token (its prior
+  becomes ``pi A^k``, not ``pi``).
+
+  Args:
+    hmm: the model (checked as :func:`check_model` does).
+    tokens: ``int[T]``, one sequence, ``T >= 1``; values in ``[0, V)`` or
+      :data:`MASK`. Batches: ``jax.vmap``.
+    method: the kernel (:data:`METHODS`): ``"sequential"`` (the scan of
+      :func:`forward_backward`, ``2 T`` dependent steps), ``"parallel"``
+      (:func:`forward_backward_parallel`, associative scans, ``O(log T)``
+      steps of ``H x H`` products), ``"blocked"``
+      (:func:`forward_backward_blocked`, about ``5 sqrt(T)`` steps) or
+      ``"auto"`` (:func:`resolve_method`: sequential on CPUs, parallel on
+      accelerators from 2048 positions on; never blocked). All agree to
+      float rounding.
+
+  Returns:
+    ``[T, H]``, each row a distribution; all zeros for an impossible
+      sequence (log-likelihood ``-inf``), never NaN.
+
+  Raises:
+    ValueError: at the call, before anything runs: a bad ``method``; a
+      model of bad shapes (or, when its arrays are concrete, rows that are
+      not distributions), naming the field; ``tokens`` not integer or not
+      a non-empty 1-D ``[T]``; and, for concrete ``tokens`` only, a token
+      outside ``[0, V)`` other than ``MASK``, naming its index. Under your
+      ``jit``, ``vmap`` or ``grad`` the inputs are tracers: dtypes, shapes
+      and ``method`` still raise while tracing, but no value can be
+      checked, so an out-of-range token makes the sequence impossible (an
+      all-zero posterior at every position) and a model that is not
+      stochastic gives meaningless numbers. Check concrete batches once,
+      up front, with :func:`check_tokens` (and :func:`check_model`), or
+      inside ``jit`` with :func:`checkify_tokens` under ``checkify``.
+  """
   return method_args(hmm, tokens, method, check_sequence)
 
 
@@ -527,7 +616,45 @@ def masked_posterior(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
 @validation.entry_point(token_conditionals, static_argnums=2)
 def conditionals(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``[T, V]``: ``P[X_t | x_{-t}]``, the exact masked LM ``G``; row ``t``
-  does not read ``tokens[t]``, all-zero where ``x_{-t}`` is impossible."""
+  does not read ``tokens[t]``, all-zero where ``x_{-t}`` is impossible.
+
+  Sequences of several lengths in one batch: right-pad each with ``MASK``
+  to one length ``T`` and ``jax.vmap`` over the rows. A ``MASK``'s
+  evidence is all ones, so trailing padding marginalises out: each row's
+  first ``n`` rows are its unpadded ``n`` tokens' (tested). Never
+  left-pad: the chain would start before the first real token (its prior
+  becomes ``pi A^k``, not ``pi``).
+
+  Args:
+    hmm: the model (checked as :func:`check_model` does).
+    tokens: ``int[T]``, one sequence, ``T >= 1``; values in ``[0, V)`` or
+      :data:`MASK`. Batches: ``jax.vmap``.
+    method: the kernel (:data:`METHODS`): ``"sequential"`` (the scan of
+      :func:`forward_backward`, ``2 T`` dependent steps), ``"parallel"``
+      (:func:`forward_backward_parallel`, associative scans, ``O(log T)``
+      steps of ``H x H`` products), ``"blocked"``
+      (:func:`forward_backward_blocked`, about ``5 sqrt(T)`` steps) or
+      ``"auto"`` (:func:`resolve_method`: sequential on CPUs, parallel on
+      accelerators from 2048 positions on; never blocked). All agree to
+      float rounding.
+
+  Returns:
+    ``[T, V]``, each row a distribution over the vocabulary or all zeros.
+
+  Raises:
+    ValueError: at the call, before anything runs: a bad ``method``; a
+      model of bad shapes (or, when its arrays are concrete, rows that are
+      not distributions), naming the field; ``tokens`` not integer or not
+      a non-empty 1-D ``[T]``; and, for concrete ``tokens`` only, a token
+      outside ``[0, V)`` other than ``MASK``, naming its index. Under your
+      ``jit``, ``vmap`` or ``grad`` the inputs are tracers: dtypes, shapes
+      and ``method`` still raise while tracing, but no value can be
+      checked, so an out-of-range token makes every other row all-zero
+      (its context is impossible) and a model that is not stochastic gives
+      meaningless numbers. Check concrete batches once, up front, with
+      :func:`check_tokens` (and :func:`check_model`), or inside ``jit``
+      with :func:`checkify_tokens` under ``checkify``.
+  """
   return method_args(hmm, tokens, method, check_sequence)
 
 

@@ -51,22 +51,60 @@ def fingerprint(blob: Any, digits: int = 12) -> str:
                         ).hexdigest()[:digits]
 
 
-def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+def added_defaults(cfg) -> dict:
+  """The defaults of ``cfg``'s :data:`ADDED` fields, nested as its
+  :func:`identity`: what such a field holds where an identity lacks it."""
+  out = {}
+  for f in dataclasses.fields(cfg):
+    v = getattr(cfg, f.name)
+    if f.metadata.get("added"):
+      out[f.name] = f.default
+    elif dataclasses.is_dataclass(v) and (sub := added_defaults(v)):
+      out[f.name] = sub
+  return out
+
+
+class _Absent:
+  """A key neither identity nor ``defaults`` holds (an older record's)."""
+
+  def __repr__(self) -> str:
+    return "absent"
+
+
+_ABSENT = _Absent()
+
+
+def _json(x) -> Any:
+  """``x`` as JSON reads it back (a default's tuple as a record's list);
+  absent as ``None``, as these checks have always compared it."""
+  return None if x is _ABSENT else json.loads(json.dumps(x))
+
+
+def differences(old: dict, new: dict, prefix: str = "",
+                defaults: dict | None = None) -> list[str]:
   """``"a.b: old -> new"`` for every leaf where two nested dicts (config
-  identities) differ: what a refusal to reuse a directory names."""
-  out = []
+  identities) differ: what a refusal to reuse a directory names. A key one
+  side lacks is an :data:`ADDED` field at its default: named as that
+  default (``defaults``: :func:`added_defaults`), as ``--print_config``
+  shows it, not as ``None``; ``absent`` where ``defaults`` lacks it."""
+  out, defaults = [], defaults or {}
   for key in sorted(set(old) | set(new)):
-    a, b = old.get(key), new.get(key)
+    fill = defaults.get(key, _ABSENT)
+    a, b = old.get(key, fill), new.get(key, fill)
     if isinstance(a, dict) and isinstance(b, dict):
-      out += differences(a, b, f"{prefix}{key}.")
-    elif a != b:
+      out += differences(a, b, f"{prefix}{key}.",
+                         fill if isinstance(fill, dict) else None)
+    elif _json(a) != _json(b):
       out.append(f"{prefix}{key}: {a!r} -> {b!r}")
   return out
 
 
-def check_same(had: dict, want: dict, where: str, what: str = "setup") -> None:
-  """``ValueError`` naming every field where ``had`` differs from ``want``."""
-  if diff := differences(had, json.loads(json.dumps(want))):
+def check_same(had: dict, want: dict, where: str, what: str = "setup",
+               defaults: dict | None = None) -> None:
+  """``ValueError`` naming every field where ``had`` differs from ``want``
+  (``defaults``: as :func:`differences`')."""
+  if diff := differences(had, json.loads(json.dumps(want)),
+                         defaults=defaults):
     raise ValueError(
         f"{where} holds results of another {what} ({'; '.join(diff)}); use "
         f"a new --workdir (or the same config) to resume")

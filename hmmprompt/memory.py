@@ -53,8 +53,10 @@ def _check_fields(cls_name: str, values, ndims, chk) -> None:
 
 def _validate_memory(memory_prior, initial, transition, emission,
                      chk=validation.check_distribution) -> None:
-  _check_fields("MemoryHMM", (memory_prior, initial, transition, emission),
-                (1, 1, 2, 3), chk)
+  fields = (memory_prior, initial, transition, emission)
+  # Shapes before values, as the HMM's: a wrong shape is named as such.
+  _check_fields("MemoryHMM", fields, (1, 1, 2, 3),
+                validation.check_event_shape)
   batch = memory_prior.shape[:-1]
   m, h = memory_prior.shape[-1], initial.shape[-1]
   if initial.shape[:-1] != batch or transition.shape != batch + (h, h):
@@ -63,6 +65,7 @@ def _validate_memory(memory_prior, initial, transition, emission,
   if emission.shape[:-1] != batch + (m, h):
     raise ValueError(f"MemoryHMM.emission must have shape [M, H, V] = "
                      f"({m}, {h}, V), got {emission.shape}")
+  _check_fields("MemoryHMM", fields, (1, 1, 2, 3), chk)
 
 
 class MemoryHMM(validation.ValidatedParams, hmm_lib.Emitting,
@@ -206,7 +209,40 @@ def token_memory_masked_posterior(mhmm: MemoryHMM, tokens_T,
 def memory_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
                      ) -> jax.Array:
   """``[M]``: ``P[M | observed tokens]`` (``MASK`` positions marginalised;
-  all zeros if impossible). ``method``: as :func:`hmm.posterior`'s."""
+  all zeros if impossible).
+
+  Sequences of several lengths in one batch: right-pad each with ``MASK``
+  to one length ``T`` and ``jax.vmap`` over the rows. A ``MASK``'s
+  evidence is all ones, so trailing padding marginalises out: each row's
+  memory posterior is its unpadded sequence's (tested). Never left-pad:
+  the syntax chain would start before the first real token.
+
+  Args:
+    mhmm: the model (checked as :func:`check_model` does).
+    tokens: ``int[T]``, one sequence, ``T >= 1``; values in ``[0, V)`` or
+      ``hmm.MASK``. Batches: ``jax.vmap``.
+    method: the kernel, as in :func:`hmm.posterior`: ``"sequential"``
+      (a scan), ``"parallel"`` (associative scans, ``O(log T)`` steps),
+      ``"blocked"`` (about ``5 sqrt(T)`` steps) or ``"auto"``
+      (:func:`hmm.resolve_method`: sequential on CPUs, parallel on
+      accelerators from 2048 positions on); all agree to float rounding.
+
+  Returns:
+    ``[M]``, a distribution, or all zeros for an impossible sequence.
+
+  Raises:
+    ValueError: at the call, before anything runs: a bad ``method``; a
+      model of bad shapes (or, when its arrays are concrete, rows that are
+      not distributions), naming its own field (:func:`check_model`);
+      ``tokens`` not integer or not a non-empty 1-D ``[T]``; and, for
+      concrete ``tokens`` only, a token outside ``[0, V)`` other than
+      ``MASK``, naming its index. Under your ``jit``, ``vmap`` or ``grad``
+      the inputs are tracers: dtypes, shapes and ``method`` still raise
+      while tracing, but no value can be checked, so an out-of-range token
+      makes the sequence impossible (an all-zero posterior) and a model that
+      is not stochastic gives meaningless numbers. Check concrete batches
+      once, up front, with :func:`hmm.check_tokens` (and :func:`check_model`).
+  """
   return hmm_lib.method_args(mhmm, tokens, method, hmm_lib.check_sequence,
                              check_model)
 
@@ -214,15 +250,82 @@ def memory_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
 @validation.entry_point(token_memory_masked_posterior, static_argnums=2)
 def memory_masked_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
                             ) -> jax.Array:
-  """``[T, M]``: ``P[M | x_{-t}]`` for every position ``t`` (``method``:
-  as :func:`hmm.posterior`'s)."""
+  """``[T, M]``: ``P[M | x_{-t}]`` for every position ``t`` (row ``t``
+  does not read ``tokens[t]``; all zeros where ``x_{-t}`` is impossible).
+
+  Sequences of several lengths in one batch: right-pad each with ``MASK``
+  to one length ``T`` and ``jax.vmap`` over the rows. A ``MASK``'s
+  evidence is all ones, so trailing padding marginalises out: each row's
+  first ``n`` rows are its unpadded ``n`` tokens' (tested). Never
+  left-pad: the syntax chain would start before the first real token.
+
+  Args:
+    mhmm: the model (checked as :func:`check_model` does).
+    tokens: ``int[T]``, one sequence, ``T >= 1``; values in ``[0, V)`` or
+      ``hmm.MASK``. Batches: ``jax.vmap``.
+    method: the kernel, as in :func:`hmm.posterior`: ``"sequential"``
+      (a scan), ``"parallel"`` (associative scans, ``O(log T)`` steps),
+      ``"blocked"`` (about ``5 sqrt(T)`` steps) or ``"auto"``
+      (:func:`hmm.resolve_method`: sequential on CPUs, parallel on
+      accelerators from 2048 positions on); all agree to float rounding.
+
+  Returns:
+    ``[T, M]``, each row a distribution or all zeros.
+
+  Raises:
+    ValueError: at the call, before anything runs: a bad ``method``; a
+      model of bad shapes (or, when its arrays are concrete, rows that are
+      not distributions), naming its own field (:func:`check_model`);
+      ``tokens`` not integer or not a non-empty 1-D ``[T]``; and, for
+      concrete ``tokens`` only, a token outside ``[0, V)`` other than
+      ``MASK``, naming its index. Under your ``jit``, ``vmap`` or ``grad``
+      the inputs are tracers: dtypes, shapes and ``method`` still raise
+      while tracing, but no value can be checked, so an out-of-range token
+      makes the sequence impossible (every other row all-zero) and a model
+      that is not stochastic gives meaningless numbers. Check concrete batches
+      once, up front, with :func:`hmm.check_tokens` (and :func:`check_model`).
+  """
   return hmm_lib.method_args(mhmm, tokens, method, hmm_lib.check_sequence,
                              check_model)
 
 
 def conditionals(mhmm: MemoryHMM, tokens, method: str = "auto") -> jax.Array:
-  """``[T, V]``: the exact masked LM ``P[X_t | x_{-t}]`` of a memory HMM
-  (``method``: as :func:`hmm.conditionals`')."""
+  """``[T, V]``: the exact masked LM ``P[X_t | x_{-t}]`` of a memory HMM:
+  :func:`hmm.conditionals` on its product HMM (:func:`to_hmm`); row ``t``
+  does not read ``tokens[t]``, all-zero where ``x_{-t}`` is impossible.
+
+  Sequences of several lengths in one batch: right-pad each with ``MASK``
+  to one length ``T`` and ``jax.vmap`` over the rows. A ``MASK``'s
+  evidence is all ones, so trailing padding marginalises out: each row's
+  first ``n`` rows are its unpadded ``n`` tokens' (tested). Never
+  left-pad: the syntax chain would start before the first real token.
+
+  Args:
+    mhmm: the model (checked as :func:`check_model` does).
+    tokens: ``int[T]``, one sequence, ``T >= 1``; values in ``[0, V)`` or
+      ``hmm.MASK``. Batches: ``jax.vmap``.
+    method: the kernel, as in :func:`hmm.posterior`: ``"sequential"``
+      (a scan), ``"parallel"`` (associative scans, ``O(log T)`` steps),
+      ``"blocked"`` (about ``5 sqrt(T)`` steps) or ``"auto"``
+      (:func:`hmm.resolve_method`: sequential on CPUs, parallel on
+      accelerators from 2048 positions on); all agree to float rounding.
+
+  Returns:
+    ``[T, V]``, each row a distribution over the vocabulary or all zeros.
+
+  Raises:
+    ValueError: at the call, before anything runs: a bad ``method``; a
+      model of bad shapes (or, when its arrays are concrete, rows that are
+      not distributions), naming its own field (:func:`check_model`);
+      ``tokens`` not integer or not a non-empty 1-D ``[T]``; and, for
+      concrete ``tokens`` only, a token outside ``[0, V)`` other than
+      ``MASK``, naming its index. Under your ``jit``, ``vmap`` or ``grad``
+      the inputs are tracers: dtypes, shapes and ``method`` still raise
+      while tracing, but no value can be checked, so an out-of-range token
+      makes the sequence impossible (every other row all-zero) and a model
+      that is not stochastic gives meaningless numbers. Check concrete batches
+      once, up front, with :func:`hmm.check_tokens` (and :func:`check_model`).
+  """
   # Checked first: a bad model is named by its own fields, not the product's.
   return hmm_lib.conditionals(to_hmm(check_model(mhmm)), tokens, method=method)
 
@@ -232,8 +335,9 @@ def conditionals(mhmm: MemoryHMM, tokens, method: str = "auto") -> jax.Array:
 
 def _validate_multi(memory_prior, initial, transition, emission,
                     chk=validation.check_distribution) -> None:
-  _check_fields("MultiMemoryHMM", (memory_prior, initial, transition,
-                                   emission), (2, 1, 2, 4), chk)
+  fields = (memory_prior, initial, transition, emission)
+  _check_fields("MultiMemoryHMM", fields, (2, 1, 2, 4),
+                validation.check_event_shape)  # shapes first, as above
   if memory_prior.ndim != 2:
     raise ValueError("MultiMemoryHMM.memory_prior must have shape [N, M] "
                      "(batches of multi-cell HMMs are not supported)")
@@ -246,6 +350,7 @@ def _validate_multi(memory_prior, initial, transition, emission,
     raise ValueError(f"MultiMemoryHMM.initial/transition must have shapes "
                      f"({k},) and ({k}, {k}) for N*S = {k}, got "
                      f"{initial.shape} and {transition.shape}")
+  _check_fields("MultiMemoryHMM", fields, (2, 1, 2, 4), chk)
 
 
 class MultiMemoryHMM(validation.ValidatedParams, hmm_lib.Emitting,
@@ -359,7 +464,38 @@ def token_cell_posteriors(mm: MultiMemoryHMM, tokens_T) -> jax.Array:
 @validation.entry_point(token_cell_posteriors)
 def cell_posteriors(mm: MultiMemoryHMM, tokens) -> jax.Array:
   """``[N, M]``: ``P[M_j | observed tokens]`` for every cell ``j`` (mask
-  position ``t`` for ``P[M_j | x_{-t}]``)."""
+  position ``t`` for ``P[M_j | x_{-t}]``), by the sequential scan on the
+  product HMM (:func:`multi_to_hmm`; no ``method``).
+
+  Sequences of several lengths in one batch: right-pad each with ``MASK``
+  to one length ``T`` and ``jax.vmap`` over the rows. A ``MASK``'s
+  evidence is all ones, so trailing padding marginalises out: each row's
+  cell posteriors are its unpadded sequence's (tested). Never left-pad:
+  the chain would start before the first real token.
+
+  Args:
+    mm: the model (checked as :func:`check_model` does).
+    tokens: ``int[T]``, one sequence, ``T >= 1``; values in ``[0, V)`` or
+      ``hmm.MASK``. Batches: ``jax.vmap``.
+
+  Returns:
+    ``[N, M]``, each row a distribution, or all zeros for an impossible
+      sequence.
+
+  Raises:
+    ValueError: at the call, before anything runs: a model of bad shapes
+      (or, when its arrays are concrete, rows that are not distributions),
+      naming its own field (:func:`check_model`), or a product HMM above
+      :data:`MAX_PRODUCT_STATES` states; ``tokens`` not integer or not a
+      non-empty 1-D ``[T]``; and, for concrete ``tokens`` only, a token
+      outside ``[0, V)`` other than ``MASK``, naming its index. Under your
+      ``jit``, ``vmap`` or ``grad`` the inputs are tracers: dtypes and
+      shapes still raise while tracing, but no value can be checked, so an
+      out-of-range token makes the sequence impossible (all-zero
+      posteriors) and a model that is not stochastic gives meaningless
+      numbers. Check concrete batches once, up front, with
+      :func:`hmm.check_tokens` (and :func:`check_model`).
+  """
   mm = check_model(mm)
   _check_product_size(mm)
   return validation.kernel_args(mm, hmm_lib.check_sequence(tokens, mm))

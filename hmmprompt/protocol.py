@@ -337,6 +337,24 @@ def stack_order(mids, schedule: scheduling.Schedule,
       0 if weight is None else weight(mid), mid.size))
 
 
+def _progress(schedule: scheduling.Schedule, key: str, done: int,
+              total: int, elapsed: float) -> tuple[str, str]:
+  """A progress line's count and timing after this process's ``done``-th
+  group (``key``) of the run's ``total``, ``elapsed`` seconds in
+  (:func:`run_stacks`)."""
+  if schedule.claim is None:
+    return (f"[{done}/{total} groups]", f"elapsed {elapsed:.0f}s, ETA "
+            f"{elapsed / done * (total - done):.0f}s")
+  if schedule.progress is None:
+    return f"[{done} done here, of the run's {total} groups]", (
+        f"elapsed {elapsed:.0f}s")
+  finished, processes = schedule.progress(key)
+  # This process's seconds per group, the groups left shared between all.
+  eta = elapsed / done * max(total - finished, 0) / max(processes, 1)
+  return (f"[{finished}/{total} groups, all workers]",
+          f"elapsed {elapsed:.0f}s, ETA {eta:.0f}s")
+
+
 def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
                schedule: scheduling.Schedule = scheduling.EVERYTHING,
                weight: Callable[[ModelId], float] | None = None,
@@ -351,7 +369,15 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
   weight that fits)`` returns ``(groups, their weight)``, a part of it is
   run: ``prepare`` and ``tune`` get those groups (so a short stretch of
   time still lands whole trials). Returns the tags of the stacks skipped
-  (or cut) for the deadline; raises :class:`DeadlineReached` inside one."""
+  (or cut) for the deadline; raises :class:`DeadlineReached` inside one.
+
+  Each group logs a progress line, ``[done/total groups]`` with an ETA.
+  Under ``schedule.claim`` the total is the whole run's (every process
+  sharing the claims holds every stack), so it stays one number on every
+  line: with ``schedule.progress`` the line counts every process's groups
+  (``, all workers``) and its ETA shares the groups left between them;
+  without it, it counts this process's against the run's, and has no
+  ETA."""
   mine = stack_order(todo, schedule, weight)
   total = sum(len(todo[mid]) for mid in mine)
   done, t0, skipped, cut = 0, time.perf_counter(), [], []
@@ -379,8 +405,7 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
       skipped.append((mid.tag, len(groups)))
       continue
     if schedule.claim is not None and not schedule.claim(mid):
-      total -= len(groups)
-      continue
+      continue  # another process's: still in the run's total
     if part is not None and rate:
       groups, part_weight = part
       logging.info("%s: ~%.0f s by this run's estimate, %.0f s left: a part "
@@ -400,12 +425,13 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
       elapsed = time.perf_counter() - t0
       accs = [r.test_accuracy for r in lines]
       bad = sum(not np.isfinite(r.final_loss) for r in lines)
+      count, timing = _progress(schedule, f"{mid.tag}-{i}", done, total,
+                                elapsed)
       logging.info(
-          "[%d/%d groups] %s %s: test acc %.3f +- %.3f over %d lines "
-          "(%.1fs)%s; elapsed %.0fs, ETA %.0fs", done, total, mid.tag,
-          g, np.mean(accs), np.std(accs), len(lines), lines[0].seconds,
-          f"; {bad} with a non-finite tuning loss" if bad else "", elapsed,
-          elapsed / done * (total - done))
+          "%s %s %s: test acc %.3f +- %.3f over %d lines (%.1fs)%s; %s",
+          count, mid.tag, g, np.mean(accs), np.std(accs), len(lines),
+          lines[0].seconds,
+          f"; {bad} with a non-finite tuning loss" if bad else "", timing)
     if weight is not None:
       spent.append((time.monotonic() - started,
                     weight(mid) if part is None else part[1]))

@@ -30,6 +30,14 @@ class Schedule(NamedTuple):
       stack whose pretraining ends too late for its tuning to end by
       ``stop_at`` saves it first where it writes no checkpoint otherwise
       (``hmmprompt.pretrain.CHECKPOINTS``' ``deadline``).
+    progress: with ``claim``: ``progress(key)`` records one tuning group
+      this process finished (``key`` unique in the run) and returns
+      ``(groups finished by all the processes that share the claims, how
+      many processes share them)``: the progress lines then count the whole
+      run's groups, and the estimate shares the groups left between the
+      processes (``hmmprompt.figure3.workers.progress``). Without it a
+      claiming process counts its own groups against the run's, with no
+      estimate (it cannot know its share).
   """
 
   num_hosts: int = 1
@@ -39,6 +47,7 @@ class Schedule(NamedTuple):
   stop_at: float | None = None
   seconds_per_weight: float | None = None
   tune_seconds_per_trial: float | None = None
+  progress: Callable[[str], tuple[int, int]] | None = None
 
   def check(self) -> Schedule:
     """Returns itself; ``ValueError`` naming a bad host shard."""

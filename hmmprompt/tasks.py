@@ -161,6 +161,10 @@ def draw_task(key, model: Model, config: TaskConfig, chunk: int | None = None):
 
 
 def majority_share(labels, num_classes: int = 2) -> float:
+  """The share of the most frequent label among ``labels`` (integers in
+  ``[0, num_classes)``, any shape): 1.0 when every label is the same, 0.0
+  for none. A task whose share exceeds ``TaskConfig.max_label_share`` is
+  degenerate and redrawn (:func:`make_tasks`)."""
   counts = np.bincount(np.asarray(labels).ravel(), minlength=num_classes)
   return float(counts.max() / max(counts.sum(), 1))
 

@@ -117,8 +117,11 @@ def check_fields(params, validate):
   return params
 
 
-def _check_event_shape(name: str, p: jax.Array, ndim: int) -> None:
-  """What a distribution's checks know without its values."""
+def check_event_shape(name: str, p: jax.Array, ndim: int) -> None:
+  """What a distribution's checks know without its values (rank, dtype,
+  size): a model's checks run it on every field, compare the fields'
+  shapes, and only then their values, so a transposed ``[V, H]`` emission
+  is named by its shape, not by rows that do not sum to 1."""
   if p.ndim < ndim:
     raise ValueError(f"{name} must have {ndim} dimension(s) (plus optional "
                      f"leading batch dimensions), got shape {p.shape}")
@@ -133,7 +136,7 @@ def checkify_distribution(name: str, p: jax.Array, ndim: int) -> None:
   """:func:`check_distribution` for traced ``p`` under ``checkify.checkify``
   only: shape and dtype raise ``ValueError`` at once, bad values become its
   error value (``err.throw()`` raises ``checkify.JaxRuntimeError``)."""
-  _check_event_shape(name, p, ndim)
+  check_event_shape(name, p, ndim)
   checkify.check(jnp.all(jnp.isfinite(p)), f"{name} has a non-finite entry")
   checkify.check(jnp.all(p >= 0), f"{name} has a negative entry {{low:.3g}}",
                  low=jnp.min(p))
@@ -148,7 +151,7 @@ def checkify_distribution(name: str, p: jax.Array, ndim: int) -> None:
 def check_distribution(name: str, p: jax.Array, ndim: int) -> None:
   """Validates concrete probability vectors along the last axis: ``p`` has
   ``ndim`` event dimensions after any leading batch dimensions."""
-  _check_event_shape(name, p, ndim)
+  check_event_shape(name, p, ndim)
   p_np = np.asarray(p, dtype=np.float64)
   if not np.all(np.isfinite(p_np)):
     bad = np.argwhere(~np.isfinite(p_np))[0].tolist()

@@ -221,7 +221,12 @@ def test_a_workdir_holds_one_setup(tmp_path):
       ({"trials": "3"}, "right_trials: 2 -> 3; trials: 2 -> 3"),
       ({"tune.epochs": "1", "tune.prompt_len": "1"},
        "tune.epochs: 2 -> 1; tune.prompt_len: 4 -> 1"),
-      ({"pretrain.lr": "1e-3"}, "pretrain.lr: 0.003 -> 0.001")]:
+      ({"pretrain.lr": "1e-3"}, "pretrain.lr: 0.003 -> 0.001"),
+      # An identity.ADDED field at its default is left out of the stamp:
+      # named by that default, as --print_config shows it, not None
+      # (issue 66).
+      ({"pretrain.corpus.train_mask_rate": "0.4"},
+       "pretrain.corpus.train_mask_rate: 0.0 -> 0.4")]:
     with pytest.raises(ValueError, match=re.escape(
         f"holds results of another setup ({named})")):
       sweep.check_workdir(str(tmp_path),
@@ -532,74 +537,6 @@ def test_the_pretraining_plot_draws_each_trials_gap_against_its_tokens(
   assert [ax.get_visible() for ax in fig.axes] == [True] * 5 + [False] * 3
 
 
-def matplotlib_colors():
-  import matplotlib.colors  # pylint: disable=g-import-not-at-top
-  return matplotlib.colors
-
-
-def test_the_figure3_plot_draws_each_curve_with_its_interval(
-    tmp_path, monkeypatch):
-  """Left panel x = |H|, right x = |M||H|, the paper's points beside; a
-  curve's band is its 95% interval clipped to [0, 100] (none with one
-  trial); raw features solid, the other dashed, one colour per arm."""
-  figs = _captured_figures(monkeypatch)
-  summary = {
-      ("exact", "left", "vanilla", "prompt_linear", "raw"): {
-          4: (90.0, 5.0, 3), 8: (80.0, 30.0, 3), 15: (10.0, 30.0, 3)},
-      ("exact", "left", "vanilla", "prompt_linear", "features"): {
-          4: (70.0, float("nan"), 1)},
-      ("exact", "left", "vanilla", "head_linear", "raw"): {4: (60.0, 1.0, 3)},
-      ("transformer", "right", "memory", "head_attention", "raw"): {
-          8: (99.0, 4.0, 3)}}
-  reporting.write_plot(summary, str(tmp_path / "figure3.png"))
-  fig, dpi = figs["figure3.png"]
-  assert dpi == 120
-  left, right = fig.axes
-  assert (left.get_xlabel(), right.get_xlabel()) == ("hidden states |H|",
-                                                     "|M||H|")
-  assert left.get_title() == "Head vs prompt tuning"
-  assert right.get_title() == "Memory vs vanilla HMM (head tuning)"
-  assert left.get_ylim()[1] == 101
-  paper = {l.get_label(): l for l in left.get_lines()}
-  prompt = paper["paper: prompt"]
-  assert list(prompt.get_xdata()) == sorted(reporting.PAPER_LEFT["prompt"])
-  assert list(prompt.get_ydata()) == [reporting.PAPER_LEFT["prompt"][x] for x
-                                      in sorted(reporting.PAPER_LEFT["prompt"])]
-  raw = paper["exact: vanilla + prompt linear (raw)"]
-  feats = paper["exact: vanilla + prompt linear (features)"]
-  assert (list(raw.get_xdata()), list(raw.get_ydata())) == (
-      [4, 8, 15], [90.0, 80.0, 10.0])
-  assert (raw.get_linestyle(), feats.get_linestyle()) == ("-", "--")
-  assert raw.get_color() == feats.get_color()  # one arm, one colour
-  assert paper["exact: vanilla + head linear (raw)"].get_color() != (
-      raw.get_color())
-  assert (prompt.get_linestyle(), prompt.get_marker()) == (":", "x")
-  # A marker per backbone: exact squares, transformer dots.
-  ours = {l.get_label(): l for l in right.get_lines()}
-  assert raw.get_marker() == "s"
-  assert ours["transformer: memory + head attention (raw)"].get_marker() == "o"
-  assert left.get_ylabel() == right.get_ylabel() == "test accuracy (%)"
-  # The band: [m - ci, m + ci] clipped to [0, 100], in its curve's colour;
-  # the one-trial curve (no interval) has a band of width 0.
-  band, flat, head_band = left.collections
-  y = band.get_paths()[0].vertices[:, 1]
-  assert (y.min(), y.max()) == (0.0, 100.0)
-  np.testing.assert_allclose(
-      sorted(set(np.round(y, 6))), [0.0, 40.0, 50.0, 85.0, 95.0, 100.0])
-  assert tuple(band.get_facecolor()[0][:3]) == matplotlib_colors().to_rgb(
-      raw.get_color())
-  assert set(flat.get_paths()[0].vertices[:, 1]) == {70.0}
-  head = paper["exact: vanilla + head linear (raw)"]
-  assert tuple(head_band.get_facecolor()[0][:3]) == (
-      matplotlib_colors().to_rgb(head.get_color()))
-  assert "paper: memory" in [l.get_label() for l in right.get_lines()]
-  prompted = dict(summary)
-  prompted[("exact", "right", "memory", "prompt_attention", "raw")] = {
-      8: (99.0, 1.0, 3)}
-  reporting.write_plot(prompted, str(tmp_path / "figure3.png"))
-  assert figs["figure3.png"][0].axes[1].get_title() == "Memory vs vanilla HMM"
-
-
 def test_fingerprints_survive_the_head_optimum_fields():
   """TuneConfig's optimizer and lbfgs_* fields came after lines had been
   written: at their defaults they are not hashed, so every preset keeps
@@ -891,6 +828,38 @@ def test_workers_run_pinned_and_a_fault_stops_them_all(
       [signal.SIGTERM] if faulted and exits is None else []
       for exits, _, _ in behaviours]
   assert not os.path.exists(claims_dir) and merged == [workdir]
+
+
+def test_workers_progress_counts_every_workers_groups(tmp_path, monkeypatch):
+  """``workers.progress``: each worker marks its finished groups under the
+  shared claims and reads how many all have finished, and how many workers
+  ``spawn`` started, so every worker's lines count the whole run."""
+  claims_dir = str(tmp_path / "claims")
+  seen = []
+
+  class Ended:
+    returncode = 0
+
+    def poll(self):
+      return 0
+
+  def popen(cmd, env):  # each worker marks one group as it starts here
+    del cmd, env
+    mark = workers.progress(claims_dir, "exact")
+    seen.append(mark(f"vanilla-h4-{len(seen)}"))
+    return Ended()
+
+  monkeypatch.setattr(workers.subprocess, "Popen", popen)
+  monkeypatch.setattr(sys.modules["__main__"], "__spec__",
+                      types.SimpleNamespace(name="experiments.figure3"),
+                      raising=False)
+  assert workers.spawn(["figure3"], 3, claims_dir) == [0, 0, 0]
+  assert seen == [(1, 3), (2, 3), (3, 3)]
+  # A key marked again counts once; another backbone counts apart.
+  assert workers.progress(claims_dir, "exact")("vanilla-h4-0") == (3, 3)
+  assert workers.progress(claims_dir, "transformer")("vanilla-h4-0") == (1, 3)
+  # Without spawn's count (called by hand): one worker.
+  assert workers.progress(str(tmp_path / "bare"), "exact")("a") == (1, 1)
 
 
 def test_workers_are_refused_by_name_where_they_cannot_run():

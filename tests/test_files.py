@@ -62,9 +62,18 @@ def test_stamp_records_then_refuses_another_identity_naming_fields(tmp_path):
   files.stamp(path, {"a": 1, "b": {"c": 2}})
   files.stamp(path, {"b": {"c": 2}, "a": 1})  # the same: fine
   with pytest.raises(ValueError, match=re.escape(
-      "holds results of another setup (a: 1 -> 3; b.c: 2 -> None; "
-      "b.d: None -> 4)")):
+      "holds results of another setup (a: 1 -> 3; b.c: 2 -> absent; "
+      "b.d: absent -> 4)")):
     files.stamp(path, {"a": 3, "b": {"d": 4}})
+  # A key one side lacks is named by its default where one is given (an
+  # identity.ADDED field at it, left out), and a default written out
+  # equals it left out.
+  with pytest.raises(ValueError, match=re.escape(
+      "(b.c: 2 -> 0.0; b.d: 0.5 -> 4)")):
+    files.stamp(path, {"a": 1, "b": {"d": 4}},
+                defaults={"b": {"c": 0.0, "d": 0.5}})
+  files.stamp(path, {"a": 1, "b": {"c": 2, "e": []}},
+              defaults={"b": {"e": ()}})
   with open(path) as f:
     assert json.load(f) == {"a": 1, "b": {"c": 2}}  # untouched
 

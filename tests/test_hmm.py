@@ -370,6 +370,21 @@ def test_malformed_hmm_raises(field, value, match):
     hmm_lib.HMM(**kwargs)
 
 
+def test_a_transposed_emission_is_named_by_its_shape():
+  """Issue 66: shapes are checked before values, so ``B.T`` ([V, H] for
+  [H, V]) is a shape error naming the expected shape, not a row sum."""
+  rng = np.random.default_rng(0)
+  h, v = 5, 8
+  initial = np.full(h, 1 / h, np.float32)
+  transition = rng.dirichlet(np.ones(h), h).astype(np.float32)
+  emission = rng.dirichlet(np.ones(v), h).astype(np.float32)
+  with pytest.raises(ValueError, match="^" + re.escape(
+      "HMM.emission must have shape [H, V] with H = 5 (and the batch shape "
+      "() of HMM.initial), got (8, 5) (a transposed [V, H] emission?)")
+      + "$"):
+    hmm_lib.HMM(initial, transition, emission.T)
+
+
 def test_hmm_accepts_lists_and_tracers():
   hmm = hmm_lib.HMM(**GOOD)
   assert hmm.num_states == 2 and hmm.vocab_size == 3
@@ -889,3 +904,31 @@ def test_right_padding_with_mask_gives_each_sequence_its_own_posterior(
                          rows[0]])
   assert abs(float(hmm_lib.log_likelihood(paper_hmm, left))
              - float(hmm_lib.log_likelihood(paper_hmm, rows[0]))) > 1e-3
+
+
+@pytest.mark.parametrize("entry", [
+    hmm_lib.posterior, hmm_lib.log_likelihood, hmm_lib.conditionals,
+    memory_lib.memory_posterior, memory_lib.memory_masked_posterior,
+    memory_lib.conditionals, memory_lib.cell_posteriors])
+def test_an_entry_points_docstring_says_how_to_call_it(entry):
+  """What a user reads in the API reference: the ``method`` values (where
+  it takes one), what raises and when (at the call; under jit nothing is
+  checked, hmm.check_tokens up front) and the right-padding rule."""
+  doc = inspect.getdoc(entry)
+  wants = ["Raises:", "ValueError", "jit", "check_tokens", "right-pad",
+           "MASK", "left-pad"]
+  if "method" in inspect.signature(entry).parameters:
+    wants += ['"sequential"', '"parallel"', '"blocked"', '"auto"']
+  assert [w for w in wants if w not in doc] == [], entry.__name__
+
+
+def test_the_helpers_a_user_calls_have_docstrings():
+  from hmmprompt import tasks, tuning  # pylint: disable=g-import-not-at-top
+  for fn in (hmm_lib.safe_log, tasks.majority_share, tuning.stack_data):
+    assert inspect.getdoc(fn), fn.__name__
+  # safe_log's docstring: -inf at and below 0, and a gradient there that
+  # a where() does not turn into NaN.
+  np.testing.assert_array_equal(
+      hmm_lib.safe_log(jnp.asarray([0.0, -1.0, 1.0])), [-np.inf, -np.inf, 0])
+  assert float(jax.grad(lambda x: jnp.where(
+      x > 0, hmm_lib.safe_log(x), 0.0))(0.0)) == 0.0

@@ -191,6 +191,22 @@ def test_malformed_memory_hmm_raises(field, value, match):
     memory_lib.MemoryHMM(**kwargs)
 
 
+def test_a_wrong_shape_is_named_before_row_sums():
+  """Issue 66: a memory HMM's field of the wrong shape (rows that do not
+  sum to 1, too) is named by its shape, as the HMM's."""
+  rng = np.random.default_rng(0)
+  emission = _dense(rng, (2, 2, 5)).transpose(0, 2, 1)  # [M, V, H]
+  with pytest.raises(ValueError, match=r"^MemoryHMM.emission must have "
+                     r"shape \[M, H, V\] = \(2, 2, V\), got \(2, 5, 2\)$"):
+    memory_lib.MemoryHMM(_dense(rng, (2,)), _dense(rng, (2,)),
+                         _dense(rng, (2, 2)), emission)
+  multi = memory_lib.random_multi_memory_hmm(jax.random.PRNGKey(0), 2, 2,
+                                             2, 3)
+  with pytest.raises(ValueError, match=r"^MultiMemoryHMM.initial/transition "
+                     r"must have shapes \(4,\)"):
+    multi._replace(initial=np.full(3, 0.5, np.float32))
+
+
 def test_memory_bad_tokens_raise(tiny_memory):
   with pytest.raises(ValueError, match="out of range"):
     memory_lib.memory_posterior(tiny_memory, [0, 4])
@@ -479,3 +495,34 @@ def test_memory_entry_points_take_a_method_and_agree():
       np.testing.assert_allclose(fn(mhmm, tokens, method=method), seq,
                                  atol=3e-5)
     np.testing.assert_array_equal(fn(mhmm, tokens), seq)  # auto on a CPU
+
+
+def test_right_padding_with_mask_gives_each_memory_sequence_its_own(
+    tiny_multi):
+  """The memory entry points' docstrings' padding rule: a batch of several
+  lengths right-padded with MASK gives each row its unpadded sequence's
+  memory posterior, masked posteriors, conditionals and (multi-cell) cell
+  posteriors at its real positions."""
+  mhmm = memory_lib.random_memory_hmm(jax.random.PRNGKey(2), 4, 3, 10)
+  lengths, width = [3, 9, 16], 16
+  rows = [np.asarray(memory_lib.sample(jax.random.PRNGKey(n), mhmm, n)[0])
+          for n in lengths]
+  padded = np.full((len(rows), width), MASK, np.int32)
+  for i, r in enumerate(rows):
+    padded[i, :len(r)] = r
+  for fn, per_position in ((memory_lib.memory_posterior, False),
+                           (memory_lib.memory_masked_posterior, True),
+                           (memory_lib.conditionals, True)):
+    got = jax.vmap(lambda t, f=fn: f(mhmm, t))(padded)
+    for i, r in enumerate(rows):
+      np.testing.assert_allclose(got[i, :len(r)] if per_position else got[i],
+                                 fn(mhmm, r), atol=3e-5, err_msg=fn.__name__)
+  multi = [np.asarray(memory_lib.multi_sample(jax.random.PRNGKey(n),
+                                              tiny_multi, n)[0])
+           for n in (2, 5)]
+  padded = np.full((2, 5), MASK, np.int32)
+  padded[0, :2], padded[1] = multi
+  got = jax.vmap(lambda t: memory_lib.cell_posteriors(tiny_multi, t))(padded)
+  for i, r in enumerate(multi):
+    np.testing.assert_allclose(got[i], memory_lib.cell_posteriors(
+        tiny_multi, r), atol=3e-5)

@@ -127,3 +127,27 @@ def test_too_few_trials_or_replicates_are_refused_by_name(tmp_path):
     noise.run(SETUP, str(tmp_path), "exact", [12], trials=2, replicates=1)
   with pytest.raises(ValueError, match="3 trials asked, the setup draws 2"):
     noise.run(SETUP, str(tmp_path), "exact", [12], trials=3, replicates=2)
+
+
+def test_a_difference_within_the_floor_is_a_tie_in_the_report(tmp_path):
+  """The draw-by-draw table calls a prompt - head difference within the
+  floor (2 sqrt(1^2 + 1^2) = 2.83 points here) a tie; without a floor
+  only equal accuracies tie; the report states the floor it used."""
+  from hmmprompt.figure3 import reporting
+  lines = [_result("head_linear", 0.90, 0), _result("prompt_linear", 0.92, 0),
+           _result("head_linear", 0.80, 1), _result("prompt_linear", 0.90, 1),
+           _result("head_linear", 0.95, 2), _result("prompt_linear", 0.95, 2)]
+  floor = {("exact", m): {"seed_sd": 1.0, "seed_range": 2.0, "perturbed": 0.0,
+                          "sizes": [4]} for m in ("head", "prompt")}
+  assert "| exact | raw | 4 | 3 | 2 | 1 | 0 |" in reporting.wins_table(lines)
+  assert "| exact | raw | 4 | 3 | 1 | 2 | 0 |" in reporting.wins_table(
+      lines, floor)
+  assert "| exact | head | 4 | 1.0 | 2.0 | 0.0 | 2.8 |" in (
+      reporting.floor_note(floor))
+  assert reporting.floor_note({}) == ""
+  # Read back from a results directory's file, as the report does.
+  path = str(tmp_path / noise.FLOOR)
+  files.atomic_write_text(path, '[{"backbone": "exact", "method": "head", '
+                          '"seed_sd": 1.0, "seed_range": 2.0, "perturbed": '
+                          '0.0, "sizes": [4]}]')
+  assert noise.read_floor(path) == {("exact", "head"): floor["exact", "head"]}

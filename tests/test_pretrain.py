@@ -196,6 +196,12 @@ def test_other_config_in_same_workdir_is_refused(trained, model):
       f"another") + "$"):
     pretrain.run(workdir, dataclasses.replace(TINY, lr=1e-3, warmup_steps=6),
                  model)
+  # An identity.ADDED field at its default (left out of the identity) is
+  # named by that default, as --print_config shows it (issue 66: None).
+  with pytest.raises(ValueError, match=re.escape(
+      "(corpus.train_mask_rate: 0.0 -> 0.4)")):
+    pretrain.run(workdir, dataclasses.replace(TINY, corpus=dataclasses.replace(
+        TINY.corpus, train_mask_rate=0.4)), model)
   with pytest.raises(ValueError, match="^" + re.escape(
       f"{workdir} was pretrained on a different HMM") + "$"):
     pretrain.run(workdir, TINY, hmm_lib.random_hmm(jax.random.PRNGKey(4), 6,

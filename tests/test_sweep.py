@@ -787,12 +787,52 @@ def test_a_part_of_a_stack_is_the_whole_stack_cut(tmp_path, monkeypatch):
         lambda x: x[:3], whole.models_K), part=range(3, 5))
 
 
+def test_a_workers_progress_lines_keep_the_whole_runs_total(tmp_path,
+                                                           fake_clock):
+  """Under claims with ``progress`` (the binaries' ``--workers``), every
+  line counts the groups all workers finished against the run's total, one
+  number on every line: a stack another worker claims stays in it (before,
+  a worker printed ``[1/6 groups]`` and then ``[2/3 groups]``). The ETA is
+  this worker's seconds per group times the groups left, shared between
+  the 2 workers (before: 50 s on the first line, all 5 groups left at this
+  worker's pace)."""
+  clock, logged = fake_clock
+  a, b, c = (protocol.vanilla(h) for h in (4, 8, 12))
+  finished = []  # the keys every worker marked, in order
+
+  def claim(mid):
+    if mid == b:  # the other worker's: it finishes b's 3 groups meanwhile
+      finished.extend(f"{b.tag}-{i}" for i in range(3))
+    return mid != b
+
+  def progress(key):
+    finished.append(key)
+    return len(finished), 2
+
+  def tune(g, mid):
+    clock[0] += 10
+    return [_stub_line(mid, g)]
+
+  protocol.run_stacks({a: [0, 1], b: [0, 1, 2], c: [0]},
+                      lambda mid, groups: mid, tune,
+                      str(tmp_path / "r.jsonl"),
+                      scheduling.Schedule(claim=claim, progress=progress))
+  line = ("[{}/6 groups, all workers] vanilla-h{} {}: test acc 1.000 +- "
+          "0.000 over 1 lines (10.0s); elapsed {}s, ETA {}s")
+  # The costliest first: c (this worker's), b (the other's), a (this one's).
+  assert logged == [line.format(1, 12, 0, 10, 25), line.format(5, 4, 0, 20, 5),
+                    line.format(6, 4, 1, 30, 0)]
+  assert finished == [f"{c.tag}-0", *(f"{b.tag}-{i}" for i in range(3)),
+                      f"{a.tag}-0", f"{a.tag}-1"]
+
+
 def test_run_stacks_counts_claimed_groups_and_names_what_it_skips(
     tmp_path, fake_clock):
-  """What ``run_stacks`` logs beyond its deadline test: groups counted over
-  the stacks this process claims, a tuning loss that is not finite, an
-  estimate that ends exactly at ``stop_at`` (it starts), the skipped
-  stacks listed, and no estimate line where there is no estimate."""
+  """What ``run_stacks`` logs beyond its deadline test: a claiming process
+  without ``progress`` counts its groups against the run's (no ETA: it
+  cannot know its share), a tuning loss that is not finite, an estimate
+  that ends exactly at ``stop_at`` (it starts), the skipped stacks listed,
+  and no estimate line where there is no estimate."""
   clock, logged = fake_clock
   clock[0] = 100.0  # elapsed times are differences
   a, b, c = (protocol.vanilla(h) for h in (4, 8, 12))
@@ -806,13 +846,14 @@ def test_run_stacks_counts_claimed_groups_and_names_what_it_skips(
       todo, lambda mid, groups: mid, tune, str(tmp_path / "r.jsonl"),
       scheduling.Schedule(**kw), weight=weight,
       split=lambda mid, fits: asked.append(mid))
-  # Another process claims b: its 3 groups leave the count (2 of 2, not 5).
+  # Another process claims b: this one's 2 groups of the run's 5.
   run({a: [0, 1], b: [0, 1, 2]}, claim=lambda mid: mid != b)
   assert logged == [
-      "[1/2 groups] vanilla-h4 0: test acc 1.000 +- 0.000 over 1 lines "
-      "(10.0s); elapsed 10s, ETA 10s",
-      "[2/2 groups] vanilla-h4 1: test acc 1.000 +- 0.000 over 1 lines "
-      "(10.0s); 1 with a non-finite tuning loss; elapsed 20s, ETA 0s"]
+      "[1 done here, of the run's 5 groups] vanilla-h4 0: test acc 1.000 "
+      "+- 0.000 over 1 lines (10.0s); elapsed 10s",
+      "[2 done here, of the run's 5 groups] vanilla-h4 1: test acc 1.000 "
+      "+- 0.000 over 1 lines (10.0s); 1 with a non-finite tuning loss; "
+      "elapsed 20s"]
   # 10 s by the prior, 10 s left: it starts whole (and ends at stop_at).
   logged.clear()
   clock[0] = 0.0

@@ -38,6 +38,8 @@ def test_the_tour_runs_and_prints_what_the_readme_says():
                         out.getvalue(), re.M))
   assert set(got) == {"exact head", "exact prompt", "transformer head",
                       "transformer prompt"}, out.getvalue()[-2000:]
+  # The right-padded batch equals its sequences alone, as the README says.
+  assert re.search(r"^right-padded = unpadded: True$", out.getvalue(), re.M)
   # Prompt tuning beats the head on both backbones (the paper's claim on
   # a 30-state HMM), and the pretrained model stopped within the target.
   assert float(got["exact prompt"]) > float(got["exact head"])

@@ -2,13 +2,11 @@ r"""Forward against gradient time for each part of one ``cpu_capped`` block
 (docs/performance.md, "The backward pass on XLA:CPU").
 
   taskset -c 0 env XLA_FLAGS=--xla_cpu_multi_thread_eigen=false \
-      python -m experiments.bench_block_parts
+      python -m experiments.bench.block_parts
 
 Each part on a ``[32, 80]`` batch, then the whole block:
 ``jit(sum(tanh(part(x))))`` against its ``jit(grad)`` in every input.
 """
-
-from __future__ import annotations
 
 from absl import app
 import flax.linen as nn
@@ -18,14 +16,13 @@ import jax.numpy as jnp
 from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import protocol
 from hmmprompt.backbones import transformer
-
-from experiments import mfu
+from experiments.bench import harness
 
 
 def fwd_and_grad_ms(f, *args, n: int = 40) -> tuple[float, float]:
   """Mean ms per call of ``sum(tanh(f(*args)))`` and of its gradient."""
   loss = lambda *a: jnp.sum(jnp.tanh(f(*a)))
-  fwd, grad = (1e3 * mfu.seconds_per_call(lambda g=g: g(*args), steps=n)
+  fwd, grad = (1e3 * harness.seconds_per_call(lambda g=g: g(*args), steps=n)
                for g in (jax.jit(loss), jax.jit(jax.grad(
                    loss, argnums=tuple(range(len(args)))))))
   return fwd, grad
@@ -58,14 +55,12 @@ def parts(b: int = 32, t: int = 80) -> dict:
       "block": module(transformer.Block(cfg), x_BxTxD)}
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+@harness.main(retain_freed_memory=False)
+def main():
   print("| part | forward (ms) | grad (ms) | grad / forward |\n|---|---|---|---|")
   for name, (f, args) in parts().items():
     fwd, grad = fwd_and_grad_ms(f, *args)
-    print(f"| {name} | {fwd:.2f} | {grad:.2f} | {grad / fwd:.1f} |",
-          flush=True)
+    print(f"| {name} | {fwd:.2f} | {grad:.2f} | {grad / fwd:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

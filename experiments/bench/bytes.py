@@ -1,7 +1,7 @@
 """Peak memory and time of a Figure 3 sweep, bounded against unbounded
 (docs/performance.md, "Bounded memory").
 
-  python -m experiments.bench_bytes --preset=paper --workdir=/tmp/bench_mem
+  python -m experiments.bench.bytes --preset=paper --workdir=/tmp/bench_mem
 
 The sweep twice under ``/usr/bin/time -v``: in ``DIR/unbounded``
 (``--config.lanes_per_vmap=0 --config.task_budget_mb=0``), then in
@@ -9,16 +9,15 @@ The sweep twice under ``/usr/bin/time -v``: in ``DIR/unbounded``
 time of a fresh directory means anything).
 """
 
-from __future__ import annotations
-
 import json
 import os
 import re
-import subprocess
 import sys
 
 from absl import app
 from absl import flags
+
+from experiments.bench import harness
 
 _PRESET = flags.DEFINE_string("preset", "paper", "figure3 preset")
 _BACKBONE = flags.DEFINE_string("backbone", "exact", "exact | transformer")
@@ -45,10 +44,7 @@ def run_arm(name: str, workdir: str) -> dict:
          f"--preset={_PRESET.value}", f"--backbone={_BACKBONE.value}",
          f"--panel={_PANEL.value}", f"--workdir={workdir}", *ARMS[name]]
   print("$", " ".join(cmd[2:]), flush=True)
-  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-  if proc.returncode:
-    sys.stderr.write(proc.stderr[-4000:])
-    raise SystemExit(f"{name}: the sweep failed (exit {proc.returncode})")
+  proc = harness.child(cmd, f"{name}: the sweep")
   out = {}
   for field, (pattern, value) in _TIME_FIELDS.items():
     if (m := re.search(pattern, proc.stderr)) is None:
@@ -57,15 +53,15 @@ def run_arm(name: str, workdir: str) -> dict:
   return out
 
 
-def main(argv):
-  del argv
+@harness.main(retain_freed_memory=False, devices=False)  # the sweeps: theirs
+def main():
   if not os.path.exists("/usr/bin/time"):
     raise SystemExit("needs /usr/bin/time (GNU time) for peak RSS")
-  measured = {name: run_arm(name, os.path.join(_WORKDIR.value, name))
-              for name in ARMS}
+  workdir = os.path.abspath(_WORKDIR.value)  # the sweeps run in the root
+  measured = {name: run_arm(name, os.path.join(workdir, name)) for name in ARMS}
   from hmmprompt.figure3 import schema  # pylint: disable=g-import-not-at-top
   a, b = ({r.key(): r for r in schema.read_results(os.path.join(
-      _WORKDIR.value, name))} for name in ("unbounded", "bounded"))
+      workdir, name))} for name in ("unbounded", "bounded"))
   # The two arms share their setup fingerprint (runtime settings only).
   common = sorted(set(a) & set(b))
   if not common or len(common) != len(a) or len(a) != len(b):

@@ -2,17 +2,13 @@ r"""Compile reuse in the transformer sweep: XLA compilations and their time
 with transformer backbones cached per config (as shipped) against rebuilt
 per model (a new static jit argument for every pretrained model).
 
-  python -m experiments.bench_compiles [--preset=cpu] [--pretrain_steps=100]
+  python -m experiments.bench.compiles [--preset=cpu] [--pretrain_steps=100]
 
 Runs the sweep twice in fresh processes and workdirs, pretraining cut to
 ``--pretrain_steps`` (only tuning's compilations differ).
 """
 
-from __future__ import annotations
-
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,7 +16,7 @@ import time
 from absl import app
 from absl import flags
 
-from hmmprompt import glibc
+from experiments.bench import harness
 
 _PRESET = flags.DEFINE_string("preset", "cpu", "figure3 preset")
 _STEPS = flags.DEFINE_integer("pretrain_steps", 100,
@@ -54,22 +50,18 @@ def _child(mode: str, workdir: str) -> None:
   print(json.dumps(stats))
 
 
-def main(argv):
-  del argv
-  glibc.retain_freed_memory()  # XLA:CPU step temporaries
+@harness.main(devices=False)  # the sweeps start theirs in their processes
+def main():
   if _CHILD.value:
     return _child(_CHILD.value, _WORKDIR.value)
   out = {}
   for mode in ("uncached", "cached"):
     with tempfile.TemporaryDirectory() as d:
-      proc = subprocess.run(
-          [sys.executable, "-m", "experiments.bench_compiles",
+      proc = harness.child(
+          [sys.executable, "-m", "experiments.bench.compiles",
            f"--child={mode}", f"--child_workdir={d}",
            f"--preset={_PRESET.value}", f"--pretrain_steps={_STEPS.value}"],
-          capture_output=True, text=True, check=False,
-          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-      if proc.returncode:
-        sys.exit(proc.stderr[-3000:])
+          f"the {mode} sweep")
       out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
       print(f"{mode:9s} {out[mode]}", flush=True)
   u, c = out["uncached"], out["cached"]

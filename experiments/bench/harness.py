@@ -1,22 +1,88 @@
-"""What the benchmarks share: timing, model FLOP utilisation (achieved
+"""What the benchmarks share: their start (glibc, a header line), timers,
+a ratio against the first arm, train steps, model FLOP utilisation (achieved
 FLOP/s over the device's dense peak), where a profiled step's time goes."""
 
-from __future__ import annotations
-
 import collections
+from collections.abc import Callable
 import glob
 import gzip
 import json
 import os
+import platform
+import re
+import shutil
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
 
+from absl import app
 import jax
+import jax.numpy as jnp
 
+from hmmprompt import glibc
 from hmmprompt import sharding
 
 peak_tflops = sharding.peak_tflops  # the library's (pretraining logs MFU)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))))  # the checkout, where the benchmarks' subprocesses run
+
+
+def header(devices: bool = True) -> str:
+  """The date, CPU (lscpu's model; the cores this process may use), python
+  and jax versions and (``devices``: starts jax's backend) the devices."""
+  lscpu = shutil.which("lscpu") and subprocess.run(
+      ["lscpu"], capture_output=True, text=True, check=False).stdout
+  cpu = re.search(r"^Model name:\s*(.+)$", lscpu or "", re.M)
+  return (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+          f"{cpu[1] if cpu else platform.processor() or platform.machine()}, "
+          f"{len(os.sched_getaffinity(0))} cores; python "
+          f"{platform.python_version()}, jax {jax.__version__}" + (
+              f" on {jax.default_backend()}: {jax.device_count()} x "
+              f"{jax.devices()[0].device_kind}" if devices else ""))
+
+
+def main(retain_freed_memory: bool | Callable[[], bool] = True,
+         devices: bool = True) -> Callable:
+  """A benchmark's ``body()`` as an absl ``main(argv)``: no positional
+  arguments, glibc's settings as the binaries make them (a callable: if it
+  returns true), then the :func:`header`."""
+  def wrap(body: Callable[[], None]) -> Callable:
+    def main_(argv):
+      if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+      if (retain_freed_memory() if callable(retain_freed_memory)
+          else retain_freed_memory):
+        glibc.retain_freed_memory()  # XLA:CPU step temporaries
+      print(header(devices), flush=True)
+      return body()
+    return main_
+  return wrap
+
+
+def child(args: list[str], what: str) -> subprocess.CompletedProcess:
+  """``args`` run in the checkout's root, output captured; exits with the
+  tail of its stderr if it fails."""
+  proc = subprocess.run(args, capture_output=True, text=True, check=False,
+                        cwd=ROOT)
+  if proc.returncode:
+    sys.exit(f"{proc.stderr[-4000:]}\n{what} failed (exit {proc.returncode})")
+  return proc
+
+
+def train_steps(step: Callable, batch: Callable, state, hmms, n: int = 1
+                ) -> Callable:
+  """A callable that runs ``n`` steps ``state, loss = step(state, *batch(i),
+  hmms)`` (``i``: 0, 1, ... over all its calls), the state carried; returns
+  the last loss."""
+  box = [state, 0]
+
+  def run():
+    for _ in range(n):
+      box[0], loss = step(box[0], *batch(box[1]), hmms)
+      box[1] += 1
+    return loss
+  return run
 
 
 def seconds_per_call(fn: Callable, repeats: int = 1, steps: int = 1,
@@ -48,6 +114,27 @@ def interleaved(arms: dict[str, Callable], rounds: int) -> dict[str, float]:
       jax.block_until_ready(fn())
       spent[name] += time.perf_counter() - t0
   return spent
+
+
+def against_first(fns: dict, args, repeats: int, line: Callable, first: str):
+  """Prints ``line(name, seconds)`` of each of ``fns`` called on ``args``,
+  then its time as a multiple of the first's (``first`` names it) and its
+  largest difference from the first's result."""
+  base = ref = None
+  for name, fn in fns.items():
+    try:
+      got = fn(*args)
+      secs = seconds_per_call(lambda fn=fn: fn(*args), repeats)
+    except jax.errors.JaxRuntimeError as e:  # e.g. [B, T, H, H] at 10 240
+      print(f"  {name:<34s} failed: {str(e).splitlines()[0][:80]}")
+      continue
+    out = line(name, secs)
+    if base is None:
+      base, ref = secs, got
+    else:
+      out += (f"   {secs / base:6.2f}x {first}, max |diff| "
+              f"{float(jnp.max(jnp.abs(got - ref))):.1e}")
+    print(out)
 
 
 def describe(flops: float, seconds: float, peak: float | None) -> str:

@@ -1,6 +1,6 @@
 r"""Throughput of hmmprompt's HMM sampler and posterior vs hmmlearn / dynamax.
 
-  python -m experiments.bench_hmm            # needs the `bench` extra
+  python -m experiments.bench.hmm            # needs the `bench` extra
 
 Every ratio is against a baseline measured in the same run; the
 ``--sections`` (sampling, posterior, long sequences on the grid
@@ -15,10 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hmmprompt import glibc
 from hmmprompt import hmm as hmm_lib
 
-from experiments import mfu
+from experiments.bench import harness
 
 _STATES = flags.DEFINE_integer("num_states", 30, "hidden states |H|")
 _VOCAB = flags.DEFINE_integer("vocab_size", 10, "vocabulary |X|")
@@ -85,29 +84,14 @@ def _dynamax_smoothers(model) -> dict:
                           ("parallel_hmm_smoother", parallel_hmm_smoother))}
 
 
+def _seconds(fn) -> float:
+  return harness.seconds_per_call(fn, _REPEATS.value)
+
+
 def _report(name, tokens, seconds, baseline=None):
   print(f"  {name:<44s} {tokens / seconds / 1e6:10.3f} M tokens/s" + (
       "" if baseline is None else
       f"   hmmprompt is {seconds / baseline:7.1f}x faster"))
-
-
-def _against_first(fns: dict, args, repeats: int, line, first: str):
-  """``line(name, seconds)`` of each of ``fns``, then against the first."""
-  base = ref = None
-  for name, fn in fns.items():
-    try:
-      got = fn(*args)
-      secs = mfu.seconds_per_call(lambda fn=fn: fn(*args), repeats)
-    except jax.errors.JaxRuntimeError as e:  # e.g. [B, T, H, H] at 10 240
-      print(f"  {name:<34s} failed: {str(e).splitlines()[0][:80]}")
-      continue
-    out = line(name, secs)
-    if base is None:
-      base, ref = secs, got
-    else:
-      out += (f"   {secs / base:6.2f}x {first}, max |diff| "
-              f"{float(jnp.max(jnp.abs(got - ref))):.1e}")
-    print(out)
 
 
 def bench_sampling(model):
@@ -116,7 +100,7 @@ def bench_sampling(model):
         f"|X|={model.vocab_size}")
   keys = jax.random.split(jax.random.PRNGKey(0), b)
   ours = jax.jit(jax.vmap(lambda k: hmm_lib.sample(k, model, t)))
-  t_ours = mfu.seconds_per_call(lambda: ours(keys), _REPEATS.value)
+  t_ours = _seconds(lambda: ours(keys))
   _report("hmmprompt jit(vmap(sample))", b * t, t_ours)
   try:
     from dynamax.hidden_markov_model import CategoricalHMM  # pylint: disable=g-import-not-at-top
@@ -126,7 +110,7 @@ def bench_sampling(model):
         transition_matrix=model.transition,
         emission_probs=model.emission[:, None, :])
     dyn_fn = jax.jit(jax.vmap(lambda k: dyn.sample(params, k, t)))
-    t_dyn = mfu.seconds_per_call(lambda: dyn_fn(keys), _REPEATS.value)
+    t_dyn = _seconds(lambda: dyn_fn(keys))
     _report("dynamax CategoricalHMM.sample (jit+vmap)", b * t, t_dyn, t_ours)
   except ImportError:
     print("  dynamax", _NO_BENCH)
@@ -146,18 +130,18 @@ def bench_posterior(model):
   tokens = _tokens(model, t, b, 1)
   ours = jax.jit(jax.vmap(hmm_lib.posterior, in_axes=(None, 0)))
   post = ours(model, tokens)
-  t_ours = mfu.seconds_per_call(lambda: ours(model, tokens), _REPEATS.value)
+  t_ours = _seconds(lambda: ours(model, tokens))
   _report("hmmprompt jit(vmap(posterior))", b * t, t_ours)
   # As many write it: the HMM closed over, its arrays the jit's constants.
   closed = jax.jit(jax.vmap(lambda x: hmm_lib.posterior(model, x)))
-  t_closed = mfu.seconds_per_call(lambda: closed(tokens), _REPEATS.value)
+  t_closed = _seconds(lambda: closed(tokens))
   _report("  same, HMM closed over", b * t, t_closed)
   print(f"    closed over / argument time: {t_closed / t_ours:.2f}")
   par = jax.jit(jax.vmap(lambda m, x: hmm_lib.posterior(m, x,
                                                         method="parallel"),
                          in_axes=(None, 0)))
   err = float(jnp.max(jnp.abs(par(model, tokens) - post)))
-  t_par = mfu.seconds_per_call(lambda: par(model, tokens), _REPEATS.value)
+  t_par = _seconds(lambda: par(model, tokens))
   _report("hmmprompt posterior, method=parallel", b * t, t_par, t_ours)
   print(f"    max |difference| from the scan: {err:.2e}")
   dyn = _dynamax_smoothers(model).get("dynamax hmm_smoother")
@@ -165,7 +149,7 @@ def bench_posterior(model):
     print("  dynamax", _NO_BENCH)
   else:
     err = float(jnp.max(jnp.abs(dyn(tokens) - post)))
-    t_dyn = mfu.seconds_per_call(lambda: dyn(tokens), _REPEATS.value)
+    t_dyn = _seconds(lambda: dyn(tokens))
     _report("dynamax hmm_smoother (jit+vmap)", b * t, t_dyn, t_ours)
     print(f"    max |difference| from hmmprompt: {err:.2e}")
   if (hl := _hmmlearn_model(model)) is None:
@@ -192,7 +176,7 @@ def bench_long(vocab_size):
       fns = {f"hmmprompt method={m}": jax.jit(jax.vmap(
           lambda x, m=m: hmm_lib.posterior(model, x, method=m)))
              for m in _METHODS}
-      _against_first(
+      harness.against_first(
           fns | _dynamax_smoothers(model), (tokens,), _LONG_REPEATS.value,
           lambda name, secs: f"  {name:<34s} {b * t / secs / 1e6:9.3f} M "
           "tokens/s", "our sequential time")
@@ -210,21 +194,16 @@ def bench_targets(vocab_size):
         jax.random.PRNGKey(4), _tokens(model, t, n * b, 3), 0.15, vocab_size,
         bert=True)
     print(f"Exact targets: {n} x {b} x {t} tokens, |H|={h}, in one call")
-    _against_first(
+    harness.against_first(
         {m: jax.jit(jax.vmap(lambda x, w, m=m: corpus_lib.exact_targets(
             model, x, w, m))) for m in _METHODS}, (inputs, weights),
         _REPEATS.value, lambda m, secs, n=n: f"  exact_targets, {m:<10s} "
         f"{secs * 1e3 / n:9.2f} ms per batch of {b}", "the scan's time")
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  glibc.retain_freed_memory()  # XLA:CPU step temporaries
-  print(f"jax {jax.__version__} on {jax.devices()[0].platform}, "
-        f"{jax.device_count()} device(s)")
-  model = hmm_lib.random_hmm(jax.random.PRNGKey(0), _STATES.value,
-                             _VOCAB.value)
+@harness.main()
+def main():
+  model = hmm_lib.random_hmm(jax.random.PRNGKey(0), _STATES.value, _VOCAB.value)
   sections = {"sampling": lambda: bench_sampling(model),
               "posterior": lambda: bench_posterior(model),
               "long": lambda: bench_long(_VOCAB.value),

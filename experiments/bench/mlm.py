@@ -1,7 +1,7 @@
 r"""Train-step throughput: our Flax MLM vs HuggingFace's PyTorch
 ``BertForMaskedLM`` (what the authors used), same config, same device, one run.
 
-  python -m experiments.bench_mlm [--preset=cpu|paper|...] \
+  python -m experiments.bench.mlm [--preset=cpu|paper|...] \
       [--config.model.d_model=64 --config.batch_size=32 \
        --config.corpus.chunk_len=128 --config.model.max_len=128 ...]
   # needs the `bench` extra (torch, transformers)
@@ -17,15 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import cli
+from experiments.bench import harness
 from hmmprompt import config_flags
-from hmmprompt import glibc
 from hmmprompt import corpus as corpus_lib
 from hmmprompt import hmm
 from hmmprompt import pretrain
 from hmmprompt import sharding
 from hmmprompt.backbones import transformer
-
-from experiments import mfu
 
 _PRESET = flags.DEFINE_enum("preset", "cpu", list(pretrain.PRESETS),
                             "pretraining preset whose step is timed")
@@ -70,7 +68,8 @@ def model_config(shape: dict, vocab: int) -> transformer.MLMConfig:
 
 
 def _time(step_fn, sync=jax.block_until_ready) -> float:
-  return mfu.seconds_per_call(step_fn, _REPEATS.value, _STEPS.value, 1, sync)
+  return harness.seconds_per_call(step_fn, _REPEATS.value, _STEPS.value,
+                                  sync=sync)
 
 
 def bench_ours(shape: dict, vocab=10, targets="sampled"):
@@ -83,21 +82,16 @@ def bench_ours(shape: dict, vocab=10, targets="sampled"):
   model = hmm.random_hmm(jax.random.PRNGKey(2), _NUM_STATES.value, vocab)
   mesh = sharding.data_mesh()
   # One model: a stack of one (the unbatched body inside the step).
-  box = [jax.device_put(pretrain.init_states(jax.random.PRNGKey(0)[None], cfg),
-                        sharding.replicated(mesh))]
-  n_params = transformer.num_params(jax.tree.map(lambda x: x[0],
-                                                 box[0].params))
-  step = pretrain.make_train_step(cfg, mesh)
+  state = jax.device_put(pretrain.init_states(jax.random.PRNGKey(0)[None],
+                                              cfg), sharding.replicated(mesh))
+  n_params = transformer.num_params(jax.tree.map(lambda x: x[0], state.params))
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, vocab, (1, b, t)), jnp.int32)
   inputs, weights = corpus_lib.mask_tokens(jax.random.PRNGKey(1), tokens,
                                            0.15, vocab)
-  hmms = jax.tree.map(lambda x: x[None], model)
-
-  def step_fn():
-    box[0], _ = step(box[0], inputs, tokens, weights, hmms)
-    return box[0]
-  return _time(step_fn), n_params
+  return _time(harness.train_steps(
+      pretrain.make_train_step(cfg, mesh), lambda _: (inputs, tokens, weights),
+      state, jax.tree.map(lambda x: x[None], model))), n_params
 
 
 def bench_hf(shape: dict, vocab=10):
@@ -143,17 +137,14 @@ def bench_hf(shape: dict, vocab=10):
   return _time(step_fn, sync), n_params, desc
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _RETAIN.value:
-    glibc.retain_freed_memory()  # XLA:CPU step temporaries
+@harness.main(retain_freed_memory=lambda: _RETAIN.value)
+def main():
   shape = resolve_shape()
   vocab = 10
   tokens = shape["batch_size"] * shape["seq_len"]
   flops = (transformer.train_flops_per_token(model_config(shape, vocab),
                                              shape["seq_len"]) * tokens)
-  peak = mfu.peak_tflops(shape["dtype"], _PEAK.value)
+  peak = harness.peak_tflops(shape["dtype"], _PEAK.value)
   print(f"MLM train step, d={shape['d_model']} layers={shape['num_layers']} "
         f"heads={shape['num_heads']} T={shape['seq_len']} "
         f"B={shape['batch_size']} {shape['dtype']}; jax {jax.__version__} on "
@@ -163,7 +154,7 @@ def main(argv):
   def report(name, sec, n_params, extra=""):
     print(f"  {name:22s} {tokens / sec / 1e3:9.1f}k tokens/s "
           f"({n_params} params, {1e3 * sec:.2f} ms/step, "
-          f"{mfu.describe(flops, sec, peak)}{extra})")
+          f"{harness.describe(flops, sec, peak)}{extra})")
   t_ours, n_ours = bench_ours(shape, vocab)
   attention = model_config(shape, vocab).resolved_attention
   report("hmmprompt Flax MLM", t_ours, n_ours, f", attention={attention}")

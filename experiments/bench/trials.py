@@ -1,14 +1,12 @@
 r"""Stacked pretraining steps: K trials in one jitted step, per trial-step.
 
-  python -m experiments.bench_trials [--preset=cpu_capped] [--trials=3] \
+  python -m experiments.bench.trials [--preset=cpu_capped] [--trials=3] \
       [--steps=40] [--batch_size=64] [--trials_per_vmap=0,1,4] \
       [--profile_dir=/tmp/prof]
 
 One model's step (the baseline), then K stacked models (own HMMs, states
 and batches) at each ``--trials_per_vmap``, with the MFU where known.
 """
-
-from __future__ import annotations
 
 import dataclasses
 
@@ -17,13 +15,11 @@ from absl import flags
 import jax
 
 from hmmprompt import corpus
-from hmmprompt import glibc
 from hmmprompt import generative
 from hmmprompt import pretrain
 from hmmprompt import sharding
 from hmmprompt.backbones import transformer
-
-from experiments import mfu
+from experiments.bench import harness
 
 _PRESET = flags.DEFINE_enum("preset", "cpu_capped", list(pretrain.PRESETS),
                             "pretraining preset (its model and batch)")
@@ -41,23 +37,12 @@ _PROFILE = flags.DEFINE_string(
     "the top ops by device time")
 
 
-def _stepper(step_fn, batch_fn, state, hmm):
-  box = [state, 0]  # one(): the next step (batches 0, 1, ...); its loss
-
-  def one():
-    box[0], loss = step_fn(box[0], *batch_fn(box[1]), hmm)
-    box[1] += 1
-    return loss
-  return one
-
-
 def _time(one) -> float:
-  return mfu.seconds_per_call(one, steps=_STEPS.value, warmup=5)
+  return harness.seconds_per_call(one, steps=_STEPS.value, warmup=5)
 
 
-def main(argv):
-  del argv
-  glibc.retain_freed_memory()
+@harness.main()
+def main():
   try:
     per_vmap = [int(m) for m in _PER_VMAP.value]
   except ValueError as e:
@@ -78,35 +63,36 @@ def main(argv):
       in_axes=(0, None, 0)))
   # The baseline: one model, a stack of one (the unbatched body).
   take1 = lambda tree: jax.tree.map(lambda x: x[:1], tree)
-  single = _time(_stepper(pretrain.make_train_step(cfg, mesh),
-                          lambda s: take1(batch(keys, s, stacked)),
-                          pretrain.init_states(keys[:1], cfg), take1(hmms)))
-  stacked_steps = lambda c: _stepper(  # the K trials' steps under ``c``
+  single = _time(harness.train_steps(
+      pretrain.make_train_step(cfg, mesh),
+      lambda s: take1(batch(keys, s, stacked)),
+      pretrain.init_states(keys[:1], cfg), take1(hmms)))
+  stacked_steps = lambda c: harness.train_steps(  # the K trials' under ``c``
       pretrain.make_train_step(c, mesh), lambda s: batch(keys, s, stacked),
       pretrain.init_states(keys, c), hmms)
   flops = transformer.train_flops_per_token(
       cfg.model, cfg.corpus.chunk_len) * cfg.batch_size * cfg.corpus.chunk_len
-  peak = mfu.peak_tflops(cfg.model.dtype, _PEAK.value)
+  peak = harness.peak_tflops(cfg.model.dtype, _PEAK.value)
   print(f"{_PRESET.value}, |H| {_STATES.value}, B {cfg.batch_size}, T "
         f"{cfg.corpus.chunk_len}, {cfg.model.dtype}, {jax.default_backend()} "
         f"({jax.devices()[0].device_kind}); {flops / 1e9:.2f} GFLOP per "
         f"trial-step")
   print(f"single model            {single * 1e3:7.2f} ms/step (baseline; "
-        f"{mfu.describe(flops, single, peak)})")
+        f"{harness.describe(flops, single, peak)})")
   for m in per_vmap:
     name = {0: "one vmap", 1: "one trial at a time"}.get(m, f"vmaps of {m}")
     c = dataclasses.replace(cfg, trials_per_vmap=m)
     t = _time(stacked_steps(c))
     print(f"{k} trials, {name:20s}{t * 1e3 / k:7.2f} ms per trial-step "
           f"({t / k / single:.2f}x the single model; "
-          f"{mfu.describe(flops * k, t, peak)})")
+          f"{harness.describe(flops * k, t, peak)})")
   if _PROFILE.value and per_vmap:
     one = stacked_steps(c)
     jax.block_until_ready(one())  # compile
     with jax.profiler.trace(_PROFILE.value, create_perfetto_trace=True):
       jax.block_until_ready([one() for _ in range(5)])
     print(f"top ops over 5 steps of {k} trials, {name} (ms, share):")
-    for op, ms, share in mfu.top_ops(_PROFILE.value):
+    for op, ms, share in harness.top_ops(_PROFILE.value):
       print(f"  {ms:9.2f} {100 * share:5.1f}%  {op[:100]}")
 
 

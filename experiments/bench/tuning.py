@@ -1,14 +1,12 @@
 r"""Prompt tuning on a transformer: the MASK's row alone in the last block
 (``Backbone.apply_at``, as shipped) against the full forward sliced after.
 
-  python -m experiments.bench_tuning [--preset=cpu_paper] [--lanes=4] \
+  python -m experiments.bench.tuning [--preset=cpu_paper] [--lanes=4] \
       [--rounds=3]
 
 A random-init transformer of the preset's, an ``|H|`` = 30 task, prompt
 tuning of ``--lanes`` seeds in one program (docs/performance.md).
 """
-
-from __future__ import annotations
 
 import dataclasses
 import functools
@@ -19,22 +17,19 @@ import jax
 
 from hmmprompt import figure3
 from hmmprompt import generative
-from hmmprompt import glibc
 from hmmprompt import protocol
 from hmmprompt import tasks
 from hmmprompt import tuning
 from hmmprompt.backbones import transformer
-
-from experiments import mfu
+from experiments.bench import harness
 
 _PRESET = flags.DEFINE_string("preset", "cpu_paper", "figure3 preset")
 _LANES = flags.DEFINE_integer("lanes", 4, "seeds tuned in one program")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "timed runs of each arm")
 
 
-def main(argv):
-  del argv
-  glibc.retain_freed_memory()
+@harness.main()
+def main():
   setup = figure3.get_setup(_PRESET.value)
   model = generative.as_hmm(generative.random_model(
       jax.random.PRNGKey(0), "vanilla", 30, protocol.VOCAB))
@@ -48,7 +43,7 @@ def main(argv):
   at = transformer.build_backbone(setup.pretrain.model)
   arms = {"full forward (baseline)": dataclasses.replace(at, apply_at=None),
           "MASK row in the last block": at}
-  spent = mfu.interleaved({name: functools.partial(
+  spent = harness.interleaved({name: functools.partial(
       tuning.tune, keys, bb, params, data, cfg) for name, bb in arms.items()},
                           _ROUNDS.value)
   print(f"{_PRESET.value}: prompt tuning, {lanes} lanes, "

@@ -1,4 +1,22 @@
-"""The Figure 3 binary: parse flags into a Setup, run, report."""
+r"""Figure 3: head vs prompt tuning on HMM draws, exact and pretrained
+backbones (docs/figure3.md): parses the flags into a Setup, runs, reports.
+
+  python -m experiments.figure3 --preset=tiny --workdir=/tmp/figure3-tiny
+  python -m experiments.figure3 --preset=cpu --backbone=exact,transformer \
+      --workdir=runs/figure3 --workers=0 [--panel=left] [--config.trials=5]
+
+The flags set most often:
+  --preset       tiny (a smoke run), cpu (the main job), cpu_paper, paper, gpu
+  --panel        left (vanilla HMMs), right (memory HMMs) or both
+  --backbone     exact and/or transformer, comma-separated
+  --workdir      the output directory (required; a rerun resumes)
+  --workers      processes on this machine (0: one per core)
+  --config.trials, --config.right_trials      HMM draws per size
+  --config.left_sizes, --config.memory_sizes  the panels' sizes, e.g. 4,8
+Every field of the preset is a --config.<path>=<value> flag (e.g.
+--config.task.num_train=500): --helpfull lists them all with the default
+preset's values, --print_config prints the chosen preset's.
+"""
 
 from __future__ import annotations
 
@@ -46,7 +64,9 @@ flags.adopt_module_key_flags(cli)
 def _schedule(backbone: str) -> scheduling.Schedule:
   """This process's share: a worker's claims, or a host's shard."""
   if _WORKER.value is not None:
-    return scheduling.Schedule(claim=workers.claims(_CLAIMS.value, backbone))
+    return scheduling.Schedule(
+        claim=workers.claims(_CLAIMS.value, backbone),
+        progress=workers.progress(_CLAIMS.value, backbone))
   return scheduling.Schedule(num_hosts=_NUM_TASKS.value,
                              host_index=_TASK_INDEX.value)
 
@@ -81,7 +101,7 @@ def main(argv):
     _schedule("exact").check()
     count = (1 if _WORKER.value is not None else
              workers.resolve_count(_WORKERS.value, _NUM_TASKS.value))
-    os.makedirs(workdir, exist_ok=True)
+    cli.make_dir(workdir)  # a file, or not writable: refused before work
     sweep.check_workdir(workdir, setup)  # a workdir of another setup?
   if _WORKER.value is not None:
     return _run(setup, workdir, names)

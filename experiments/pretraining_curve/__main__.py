@@ -1,4 +1,16 @@
-"""The pretraining-curve binary (see the package docstring)."""
+"""Accuracy against pretraining quality (docs/pretraining_curve.md): head
+and prompt tuning on the checkpoints one stacked pretraining run per model
+retains, the exact backbone on the same tasks as the limit.
+
+  python -m experiments.pretraining_curve --preset=cpu --workdir=DIR
+
+The flags set most often: --preset (tiny or cpu), --workdir (required; a
+rerun resumes), --config.trials, --config.vanilla_sizes,
+--config.memory_sizes, --config.pretrain.retain (the checkpoint steps).
+Every field of the preset is a --config.<path>=<value> flag: --helpfull
+lists them all with the default preset's values, --print_config prints
+the chosen preset's.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +41,7 @@ def main(argv):
     setup = curve.get_setup(_PRESET.value, _CONFIG.value())
     if _PRINT_CONFIG.value:
       return cli.print_config(setup)
+    cli.make_dir(workdir)  # a file, or not writable: before any work
     curve.check_workdir(workdir, setup)
   curve.run_curve(setup, workdir)
   print(report.write_curve_report(workdir))

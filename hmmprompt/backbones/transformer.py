@@ -152,7 +152,7 @@ class Block(nn.Module):
           out_BxTxAxE.reshape(b, t, d)))[:, rows]
     else:
       # Heads-major [3, B, A, T, E]: XLA:CPU runs the textbook [B, T, A, E]
-      # einsums several times slower (experiments/bench_mlm.py).
+      # einsums several times slower (experiments/bench/mlm.py).
       q, k, v = qkv_BxTx3xAxE.transpose(2, 0, 3, 1, 4)
       q = q[:, :, rows]  # [B, A, Q, E], Q = T or 1
       logits_BxAxQxT = jnp.matmul(q, jnp.swapaxes(k, -1, -2)) / jnp.sqrt(

@@ -31,6 +31,7 @@ from hmmprompt.figure3 import sweep
 from hmmprompt import generative
 from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import files as files_lib
+from hmmprompt import identity as identity_lib
 from hmmprompt import sharding as sharding_lib
 from hmmprompt.pretrain import report as pretrain_report
 
@@ -283,30 +284,67 @@ def check_chunk(setup: configs.Setup, chunk: str, backbone: str,
       sweep.check_workdir(where, setup, write=False)
 
 
-def merge_all(archives: list[str], results_dir: str) -> list[str]:
+def merge_all(archives: list[str], results_dir: str,
+              setup: configs.Setup | None = None, preset: str = ""
+              ) -> list[str]:
   """:func:`merge` of each archive in turn; one line of counts for each.
   ``ValueError`` naming a missing archive, or :func:`merge`'s."""
   if missing := [a for a in archives if not os.path.isfile(a)]:
     raise ValueError(f"--merge: no such archive {missing}")
   return [f"{a}: {c['added']} lines added, {c['kept']} already in "
           f"{results_dir} ({c['conflicts']} with other values, kept)"
-          for a in archives for c in [merge(a, results_dir)]]
+          for a in archives for c in [merge(a, results_dir, setup, preset)]]
 
 
-def merge(archive: str, results_dir: str) -> dict:
+def check_archive(archive: str, unpacked: str, run: dict,
+                  setup: configs.Setup, preset: str = "") -> None:
+  """``ValueError`` where ``archive`` (unpacked in ``unpacked``; ``run``:
+  its ``run.json``) holds results of another setup than ``setup`` (the
+  merging command's ``--preset`` and ``--config`` flags): the preset it
+  ran with named where it is another, else the fields that differ."""
+  stamp = os.path.join(unpacked, sweep.STAMP)
+  diff = identity_lib.differences(
+      json.loads(pathlib.Path(stamp).read_text()), setup.identity(),
+      defaults=identity_lib.added_defaults(setup)
+  ) if os.path.exists(stamp) else []
+  mine = {setup.fingerprint(b) for b in sweep.BACKBONES}
+  theirs = sorted({r.setup for r in schema.read_results(unpacked)} - mine)
+  if not diff and not theirs:
+    return
+  ran, this = run.get("preset"), f"--preset={preset}" if preset else "setup"
+  if ran and preset and ran != preset:
+    raise ValueError(f"{archive} holds results of --preset={ran}, not of "
+                     f"this {this}: merge it with --preset={ran} (and the "
+                     f"--config flags it ran with)")
+  raise ValueError(
+      f"{archive} holds results of another setup than this {this} and its "
+      f"--config flags ({'; '.join(diff) or f'setups {theirs}'}): merge it "
+      f"with the flags it ran with")
+
+
+def merge(archive: str, results_dir: str,
+          setup: configs.Setup | None = None, preset: str = "") -> dict:
   """Adds ``archive``'s result lines and pretraining metrics to
   ``results_dir``, renders its report again and returns the counts of
   :func:`files.merge_lines`; ``ValueError`` for unexpected members or
-  another setup's results."""
+  another setup's results (than ``setup``'s too, where given:
+  :func:`check_archive`). Its ``run.json`` joins ``runs.jsonl`` once:
+  merging an archive again adds no entry."""
   with tempfile.TemporaryDirectory() as tmp:
     names = files_lib.read_archive(archive, tmp, _MEMBER)
     try:
       new = schema.read_results(tmp)
     except ValueError as e:
       raise ValueError(f"{archive}: {e}") from None
+    run = (json.loads(pathlib.Path(tmp, "run.json").read_text())
+           if "run.json" in names else None)
+    if setup is not None:
+      check_archive(archive, tmp, run or {}, setup, preset)
     if sweep.STAMP in names:
       sweep.stamp(results_dir,
-                  json.loads(pathlib.Path(tmp, sweep.STAMP).read_text()))
+                  json.loads(pathlib.Path(tmp, sweep.STAMP).read_text()),
+                  defaults=None if setup is None else
+                  identity_lib.added_defaults(setup))
     schema.check_one_setup(schema.read_results(results_dir) + new,
                             f"merging {archive} into {results_dir}")
     added, kept, conflicts = files_lib.merge_lines(
@@ -318,10 +356,14 @@ def merge(archive: str, results_dir: str) -> dict:
     for name in names:
       if name.startswith("pretrain/"):
         _copy_new(os.path.join(tmp, name), os.path.join(results_dir, name))
-    if "run.json" in names:
-      with open(os.path.join(tmp, "run.json")) as f:
-        files_lib.append_jsonl(os.path.join(results_dir, "runs.jsonl"), [{
-            **json.load(f), "archive": os.path.basename(archive)}])
+    runs_path = os.path.join(results_dir, "runs.jsonl")
+    # A run is its run.json (its start time and machine among it), not
+    # the archive's name: every chunk's archive has the same one.
+    if run is not None and not any(
+        {k: v for k, v in r.items() if k != "archive"} == run
+        for r in files_lib.read_jsonl(runs_path)):
+      files_lib.append_jsonl(runs_path, [
+          {**run, "archive": os.path.basename(archive)}])
   reporting.write_figure3_report(results_dir)
   return {"added": len(added), "kept": kept, "conflicts": len(conflicts)}
 

@@ -26,6 +26,7 @@ from hmmprompt.figure3 import configs
 from hmmprompt.figure3 import sweep
 
 REPLICATES = "replicates.jsonl"
+FLOOR = "noise_floor.json"  # what a results directory's report reads
 PERTURBED = -1  # the replicate index of the perturbed backbone's line
 ARMS = ("head", "prompt")
 # Keys of replicates r > 0: fold_in(the cell's tune key, STREAM + r), a

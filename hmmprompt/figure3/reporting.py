@@ -7,8 +7,11 @@ import os
 
 import numpy as np
 
+from hmmprompt.figure3 import configs
+from hmmprompt.figure3 import noise
 from hmmprompt.figure3 import schema
 from hmmprompt import files as files_lib
+from hmmprompt import protocol
 from hmmprompt.pretrain import report as pretrain_report
 
 # Read off the authors' Figure 3 (approximate), test accuracy in %.
@@ -108,9 +111,13 @@ def trial_table(lines: list[schema.ResultLine]) -> str:
   return "\n".join(out) if lines else ""
 
 
-def wins_table(lines: list[schema.ResultLine]) -> str:
+def wins_table(lines: list[schema.ResultLine], floor: dict | None = None
+               ) -> str:
   """Markdown: per backbone and left-panel size, on how many draws prompt
-  tuning beats head tuning (each draw's tasks averaged)."""
+  tuning beats head tuning (each draw's tasks averaged). With ``floor``
+  (:func:`noise.read_floor`), a difference within the backbone's
+  :func:`noise.difference_floor` is a tie, not a win; without, only
+  equal accuracies tie."""
   by: dict = {}
   for r in lines:
     if r.panel == "left":
@@ -122,12 +129,35 @@ def wins_table(lines: list[schema.ResultLine]) -> str:
              for m in trials.values()
              if "prompt_linear" in m and "head_linear" in m]
     if pairs:
-      p, h = np.array(pairs).T
-      rows.append((backbone, features, size, len(pairs), int((p > h).sum()),
-                   int((p == h).sum()), int((p < h).sum())))
+      p, h = 100 * np.array(pairs).T
+      tie = noise.difference_floor(floor or {}, backbone) or 0.0
+      rows.append((backbone, features, size, len(pairs),
+                   int((p - h > tie).sum()), int((abs(p - h) <= tie).sum()),
+                   int((h - p > tie).sum())))
   return _section("Prompt vs head tuning, draw by draw (left panel)",
                   ("backbone", "features", "size", "draws", "prompt wins",
                    "ties", "head wins"), rows)
+
+
+def floor_note(floor: dict) -> str:
+  """Markdown stating each arm's noise floor (:func:`noise.read_floor`):
+  what the tables' differences are measured against; "" without one."""
+  if not floor:
+    return ""
+  rows = [(b, m, ", ".join(map(str, v["sizes"])), f"{v['seed_sd']:.1f}",
+           f"{v['seed_range']:.1f}", f"{v['perturbed']:.1f}",
+           "" if m != "head" or (d := noise.difference_floor(floor, b)) is None
+           else f"{d:.1f}")
+          for (b, m), v in sorted(floor.items())]
+  return _section(
+      "The noise floor of each arm (test accuracy, points; "
+      f"{noise.FLOOR}: docs/noise_floor.md)",
+      ("backbone", "arm", "sizes measured", "tuning seeds (sd)",
+       "largest seed range", "largest change at a 1e-6 perturbation",
+       "prompt - head floor"), rows) + (
+           "\nOne draw's prompt - head difference within the floor (twice "
+           "the sd of a difference of two tunings) is a tie in the draw-by-"
+           "draw table; a mean's interval adds the floor's sd / sqrt(n).\n")
 
 
 def diverged_table(lines: list[schema.ResultLine]) -> str:
@@ -190,14 +220,38 @@ def inputs_note(lines) -> str:
           f"prompt included).")
 
 
+# The report's first lines and the plot's title where its lines are the
+# tiny preset's (:func:`smoke_note`).
+SMOKE_TITLE = "A smoke test, not a result"
+
+
+def smoke_note(lines) -> str:
+  """What heads the report of the ``tiny`` preset's lines (any setup of
+  its fingerprint: its trial counts, sizes and arms may differ): that its
+  numbers are a smoke test's; "" for every other setup's."""
+  tiny = configs.get_setup("tiny")
+  if not {r.setup for r in lines} & {tiny.fingerprint(b)
+                                     for b in protocol.BACKBONES}:
+    return ""
+  return (f"**{SMOKE_TITLE}.** These lines are the `tiny` preset's "
+          f"({tiny.trials} HMM draws per size, {tiny.task.num_train} "
+          f"training and {tiny.task.num_test} test examples of "
+          f"{tiny.task.seq_len} tokens, {tiny.tune.epochs} epochs of "
+          f"tuning): they show that the sweep runs end to end, not how head "
+          f"and prompt tuning compare. Figure 3's results: `--preset=cpu` "
+          f"(the main job) or the committed `docs/results/` (docs/figure3.md).")
+
+
 def write_table(summary: dict, path: str, extra: str = "",
-                inputs: str = "") -> None:
-  out = ["# Figure 3: test accuracy (%)", "",
-         "Mean ± 95% t-interval over trials (n): a trial is an HMM draw "
-         "with its own backbone and tasks, its tasks averaged first (with "
-         "one trial, the interval is over its tasks). Paper values (20 "
-         "trials left, 5 right) read off the authors' Figure 3 "
-         "(approximate)." + (" " + inputs if inputs else ""), ""]
+                inputs: str = "", smoke: str = "") -> None:
+  """``path``: the panels' tables beside the paper's numbers, then
+  ``extra``; ``smoke`` (:func:`smoke_note`) first where given."""
+  out = ["# Figure 3: test accuracy (%)", ""] + ([smoke, ""] if smoke else [])
+  out += ["Mean ± 95% t-interval over trials (n): a trial is an HMM draw "
+          "with its own backbone and tasks, its tasks averaged first (with "
+          "one trial, the interval is over its tasks). Paper values (20 "
+          "trials left, 5 right) read off the authors' Figure 3 "
+          "(approximate)." + (" " + inputs if inputs else ""), ""]
   for panel, title in (("left", "Left: head vs prompt tuning, vanilla HMM, "
                         "|X| = 10, x = |H|"),
                        ("right", "Right: memory HMM + attention head vs "
@@ -221,36 +275,111 @@ def write_table(summary: dict, path: str, extra: str = "",
   files_lib.atomic_write_text(path, "\n".join(out))
 
 
-def write_plot(summary: dict, path: str) -> None:
-  fig, axes = files_lib.pyplot().subplots(1, 2, figsize=(12, 4.5))
-  colors: dict = {}  # one colour per (backbone, hmm, method); style by features
+# The plot's styles (write_plot). An arm, (hmm, method), has a marker and a
+# colour, the same in both panels; the paper's curve of that arm has its
+# marker, open, on a grey dotted line. The backbone sets the line style, the
+# feature transform the marker's fill.
+_ARM_STYLES = {("vanilla", "head_linear"): ("s", "C0"),
+               ("vanilla", "prompt_linear"): ("o", "C3"),
+               ("vanilla", "head_linear_lbfgs"): ("D", "C4"),
+               ("vanilla", "finetune_linear"): ("P", "C1"),
+               ("memory", "head_attention"): ("^", "C2"),
+               ("memory", "prompt_attention"): ("v", "C6")}
+_MORE_ARM_STYLES = (("X", "C5"), ("*", "C8"), ("h", "C9"), ("<", "C7"))
+# The paper's curves' arms, in our keys.
+_PAPER_ARMS = {"prompt": ("vanilla", "prompt_linear"),
+               "head": ("vanilla", "head_linear"),
+               "memory": ("memory", "head_attention"),
+               "vanilla": ("vanilla", "head_linear")}
+_BACKBONE_LINES = {"exact": "-", "transformer": "--"}
+_MORE_LINES = ("-.", (0, (5, 1, 1, 1, 1, 1)))
+_FEATURE_FILLS = {"raw": "full", "log": "none", "standardized": "bottom"}
+_MORE_FILLS = ("left", "top")
+_PAPER_STYLE = dict(color="0.55", linestyle=":", fillstyle="none",
+                    markersize=6, zorder=1.5)
+# Curves tied at a size are drawn side by side: each of a panel's curves is
+# drawn this many points right of the one before (the first to the last at
+# most _DODGE_SPAN points apart), its band with it; the paper's are not
+# moved, nor are any curve's data.
+_DODGE_PT = 5.5
+_DODGE_SPAN = 16.0
+
+
+def _style(choices: dict, spares: tuple, seen: dict, key):
+  """``choices[key]``, else the next of ``spares`` for ``key`` (the same
+  in every panel, spares reused in turn)."""
+  if key in choices:
+    return choices[key]
+  return seen.setdefault(key, spares[len(seen) % len(spares)])
+
+
+def _curve_order(k) -> tuple:
+  """Exact before transformer, head before prompt, raw features first."""
+  fills = list(_FEATURE_FILLS)
+  return (*k[:4], fills.index(k[4]) if k[4] in fills else len(fills), k[4])
+
+
+def _panels(summary: dict) -> list[str]:
+  """The panels with result lines, left first; both where there are none."""
+  ran = [p for p in ("left", "right") if any(k[1] == p for k in summary)]
+  return ran or ["left", "right"]
+
+
+def write_plot(summary: dict, path: str, note: str = "") -> None:
+  """A panel per panel that ran: each curve's means and its 95% band beside
+  the paper's curves; ``note`` a title over them (a smoke test's)."""
+  plt = files_lib.pyplot()
+  import matplotlib.transforms as mtransforms  # pylint: disable=g-import-not-at-top
+  panels = _panels(summary)
+  fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 5.2),
+                           squeeze=False)
+  seen: dict = {"arm": {}, "backbone": {}, "features": {}}
+  arm_style = lambda arm: _style(_ARM_STYLES, _MORE_ARM_STYLES, seen["arm"],
+                                 arm)
   prompted = any(k[1] == "right" and k[3].startswith("prompt")
                  for k in summary)  # Theorem 4.6's arm
-  for ax, panel, paper, xlabel, title in (
-      (axes[0], "left", PAPER_LEFT, "hidden states |H|",
-       "Head vs prompt tuning"),
-      (axes[1], "right", PAPER_RIGHT, "|M||H|", "Memory vs vanilla HMM"
-       + ("" if prompted else " (head tuning)"))):
+  titles = {"left": (PAPER_LEFT, "hidden states |H|", "Head vs prompt tuning"),
+            "right": (PAPER_RIGHT, "|M||H|", "Memory vs vanilla HMM"
+                      + ("" if prompted else " (head tuning)"))}
+  for ax, panel in zip(axes[0], panels):
+    paper, xlabel, title = titles[panel]
     for name, pts in paper.items():
       xs = sorted(pts)
-      ax.plot(xs, [pts[x] for x in xs], ":", color="gray", alpha=0.7,
-              marker="x", label=f"paper: {name}")
-    for k, d in summary.items():
-      if k[1] != panel:
-        continue
+      ax.plot(xs, [pts[x] for x in xs], marker=arm_style(_PAPER_ARMS[name])[0],
+              label=f"paper: {name}", **_PAPER_STYLE)
+    ours = sorted((k for k in summary if k[1] == panel), key=_curve_order)
+    step = min(_DODGE_PT, _DODGE_SPAN / max(len(ours) - 1, 1))
+    for i, k in enumerate(ours):
+      backbone, _, hmm, method, features = k
+      d = summary[k]
       xs = sorted(d)
       m = np.array([d[x][0] for x in xs])
       ci = np.nan_to_num(np.array([d[x][1] for x in xs]))
-      style = "-" if k[4] == "raw" else "--"
-      color = colors.setdefault(k[:4], f"C{len(colors)}")
-      marker = {"exact": "s", "transformer": "o"}.get(k[0], "^")
-      ax.plot(xs, m, style, marker=marker, color=color, label=_label(k))
-      ax.fill_between(xs, np.maximum(m - ci, 0), np.minimum(m + ci, 100),
-                      color=color, alpha=0.12)
-    ax.set(xlabel=xlabel, ylabel="test accuracy (%)", ylim=(None, 101),
+      marker, color = arm_style((hmm, method))
+      fill = _style(_FEATURE_FILLS, _MORE_FILLS, seen["features"], features)
+      shift = ax.transData + mtransforms.ScaledTranslation(
+          (i - (len(ours) - 1) / 2) * step / 72, 0, fig.dpi_scale_trans)
+      ax.plot(xs, m, color=color, marker=marker, markersize=5.5,
+              linestyle=_style(_BACKBONE_LINES, _MORE_LINES, seen["backbone"],
+                               backbone),
+              fillstyle=fill,
+              markerfacecoloralt="white", label=_label(k), transform=shift,
+              # A white rim parts the markers of curves tied at a size.
+              **({} if fill != "full" else dict(markeredgecolor="white",
+                                                markeredgewidth=0.7)))
+      lo, hi = np.maximum(m - ci, 0), np.minimum(m + ci, 100)
+      ax.fill_between(xs, lo, hi, color=color, alpha=0.08, linewidth=0,
+                      transform=shift)
+      # A shifted artist leaves the data limits alone: its data set them.
+      ax.update_datalim(np.column_stack([xs + xs, np.concatenate([lo, hi])]))
+    ax.autoscale_view()
+    ax.set(xlabel=xlabel, ylabel="test accuracy (%)", ylim=(None, 102),
            title=title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, handlelength=3.5, ncol=2, loc="upper center",
+              bbox_to_anchor=(0.5, -0.14), frameon=False)
+  if note:
+    fig.suptitle(note, color="firebrick", fontsize=11)
   fig.tight_layout()
   files_lib.atomic_write_png(path, fig, dpi=120)
 
@@ -261,9 +390,14 @@ def write_figure3_report(workdir: str) -> dict:
   lines = schema.read_results(workdir)
   schema.check_one_setup(lines, workdir)
   summary = summarize(lines)
-  extra = [diverged_table(lines), wins_table(lines), components_table(lines),
+  smoke = smoke_note(lines)
+  floor = noise.read_floor(os.path.join(workdir, noise.FLOOR))
+  extra = [diverged_table(lines), floor_note(floor),
+           wins_table(lines, floor), components_table(lines),
            trial_table(lines), pretrain_report.section(workdir)]
   write_table(summary, os.path.join(workdir, "figure3.md"),
-              extra="\n".join(e for e in extra if e), inputs=inputs_note(lines))
-  write_plot(summary, os.path.join(workdir, "figure3.png"))
+              extra="\n".join(e for e in extra if e), inputs=inputs_note(lines),
+              smoke=smoke)
+  write_plot(summary, os.path.join(workdir, "figure3.png"),
+             note=SMOKE_TITLE if smoke else "")
   return summary

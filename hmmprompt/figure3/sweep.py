@@ -20,6 +20,7 @@ from hmmprompt.figure3 import configs
 from hmmprompt.figure3 import schema
 from hmmprompt import generative
 from hmmprompt import files as files_lib
+from hmmprompt import identity as identity_lib
 from hmmprompt import pretrain as pretrain_lib
 from hmmprompt.backbones import Backbone
 from hmmprompt.backbones import depth as depth_lib
@@ -174,7 +175,8 @@ def check_workdir(workdir: str, setup: configs.Setup,
   others = sorted({r.setup for r in schema.read_results(workdir)} - mine)
   # With others, the stamp names what differs; the digits alone do not.
   if not others or os.path.exists(os.path.join(workdir, STAMP)):
-    stamp(workdir, identity, write and not others)
+    stamp(workdir, identity, write and not others,
+          identity_lib.added_defaults(setup))
   if others:
     raise ValueError(
         f"{workdir} holds result lines of setup {others}, this run's are "
@@ -182,10 +184,11 @@ def check_workdir(workdir: str, setup: configs.Setup,
         f"number): use a new --workdir for the new setup")
 
 
-def stamp(workdir: str, identity: dict, write: bool = True) -> None:
-  """:func:`files.stamp` of ``DIR/sweep.json``, written by process 0 only;
-  an earlier stamp of the trial counts alone is compared on those and,
-  where they agree, upgraded."""
+def stamp(workdir: str, identity: dict, write: bool = True,
+          defaults: dict | None = None) -> None:
+  """:func:`files.stamp` of ``DIR/sweep.json`` (``defaults`` as its),
+  written by process 0 only; an earlier stamp of the trial counts alone is
+  compared on those and, where they agree, upgraded."""
   path = os.path.join(workdir, STAMP)
   write = write and jax.process_index() == 0
   if os.path.exists(path):
@@ -196,7 +199,7 @@ def stamp(workdir: str, identity: dict, write: bool = True) -> None:
       if not write:
         return
       os.remove(path)  # upgraded below
-  files_lib.stamp(path, identity, "setup", write=write)
+  files_lib.stamp(path, identity, "setup", write=write, defaults=defaults)
 
 
 def missing_cells(setup: configs.Setup, workdir: str, panel: str,

@@ -106,6 +106,8 @@ def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
   allowed core; returns their exit codes (the rest stopped by SIGTERM if
   this one is stopped or a worker left a fault at :func:`error_path`)."""
   os.makedirs(claims_dir, exist_ok=True)
+  with open(_count_path(claims_dir), "w") as f:  # for progress()
+    f.write(str(count))
   env = dict(os.environ, XLA_FLAGS=" ".join(
       [os.environ.get("XLA_FLAGS", ""), *SINGLE_THREAD_FLAGS]).strip())
   # One malloc arena: glibc serves a block over 64 MiB in a thread's arena
@@ -158,6 +160,36 @@ def claims(claims_dir: str, backbone: str
       return False
     return True
   return claim
+
+
+def _count_path(claims_dir: str) -> str:
+  return os.path.join(claims_dir, "workers")
+
+
+def progress(claims_dir: str, backbone: str
+             ) -> Callable[[str], tuple[int, int]]:
+  """``progress(key)`` for :class:`scheduling.Schedule`: marks the tuning
+  group ``key`` finished (a file in ``claims_dir/finished-<backbone>/``)
+  and returns ``(groups the workers sharing claims_dir have finished, how
+  many workers share it)``, so each worker's progress lines count the
+  whole run with one total and share its estimate (:func:`spawn` writes
+  the count; 1 where it did not)."""
+  folder = os.path.join(claims_dir, f"finished-{backbone}")
+
+  def progress(key: str) -> tuple[int, int]:
+    try:  # a progress line is not worth a fault
+      os.makedirs(folder, exist_ok=True)
+      os.close(os.open(os.path.join(folder, key),
+                       os.O_CREAT | os.O_WRONLY))
+      finished = len(os.listdir(folder))
+    except OSError:
+      finished = 0
+    try:
+      workers = int(_read(_count_path(claims_dir)))
+    except (OSError, ValueError):
+      workers = 1
+    return finished, workers
+  return progress
 
 
 def worker_results_path(workdir: str, worker: int) -> str:

@@ -72,7 +72,9 @@ def prepare(workdir: str, cfg: PretrainConfig,
   os.makedirs(workdir, exist_ok=True)
   if os.path.exists(paths.config):
     _, old = read_config(paths)
-    if diff := identity_lib.differences(old.identity(), cfg.identity()):
+    if diff := identity_lib.differences(
+        old.identity(), cfg.identity(),
+        defaults=identity_lib.added_defaults(cfg)):
       raise ValueError(f"{workdir} holds a run with a different config "
                        f"({'; '.join(diff)}); use a new --workdir (or "
                        f"delete it) to start another")

@@ -195,7 +195,7 @@ def check_workdir(workdir: str, setup: CurveSetup) -> None:
   """Stamps DIR/curve.json with the setup's identity on first use;
   ``ValueError`` naming what differs if it holds another setup's."""
   files_lib.stamp(os.path.join(workdir, "curve.json"), setup.identity(),
-                  "curve setup")
+                  "curve setup", defaults=identity_lib.added_defaults(setup))
 
 
 class Checkpoints(NamedTuple):

@@ -226,6 +226,10 @@ def tune(key_L, backbone: Backbone, bparams, data_L: Data, cfg: TuneConfig,
 
 
 def stack_data(datas: Sequence[Data]) -> Data:
+  """One :class:`Data` with a new leading lane axis: every array of
+  ``datas`` stacked (``[S, N, T]`` tokens, ``[S, N]`` labels), as
+  :func:`tune` takes lanes; stack twice for ``[K, S]`` (:func:`tune_trials`).
+  The datasets must share their shapes (the same task sizes)."""
   return jax.tree.map(lambda *xs: jnp.stack(xs), *datas)
 
 

@@ -416,6 +416,17 @@ def test_sharded_sweep_merges_to_the_unsharded_one(tmp_path):
                         text=True, timeout=300, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "worker 0" in proc.stderr and "worker 1" in proc.stderr
+  # No log line that looks like an error: JAX's probe for libtpu is not
+  # logged (experiments/__init__.py).
+  assert "Unable to initialize backend" not in proc.stderr, proc.stderr
+  # Both workers count the run's groups against one total (before, a
+  # worker's total shrank as the other claimed stacks).
+  counts = re.findall(r"\[(\d+)/(\d+) groups, all workers\]", proc.stderr)
+  # 2 stacks x head and prompt; the last line (either worker's) at 4 of 4.
+  assert len(counts) == 4 and {int(n) for _, n in counts} == {4}, (
+      proc.stderr[-3000:])
+  assert max(int(k) for k, _ in counts) == 4
+  assert not re.search(r"\[\d+/\d+ groups\]", proc.stderr)
   assert sorted(os.listdir(pool)) == ["figure3.md", "figure3.png",
                                       "results.jsonl", "sweep.json"]
   assert acc(pool) == acc(whole)

@@ -312,3 +312,37 @@ def test_only_a_kept_workdir_checkpoints(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=re.escape(refusal)):
       run(workdir and str(tmp_path / workdir), **kw)
   assert len(seen) == 4 and not os.path.exists(tmp_path / "new")
+
+
+def test_merging_an_archive_again_or_into_another_preset(tmp_path,
+                                                         monkeypatch):
+  """Issue 66: an archive merged twice adds its run.json to runs.jsonl
+  once; one merged under another --preset (or --config) than it ran with
+  is refused by name, as a usage error of the binary, merging nothing."""
+  monkeypatch.setattr(sweep, "run_sweep", lambda *a, **k: [])
+  results, out = str(tmp_path / "results"), str(tmp_path / "out")
+  os.makedirs(results)
+  chunks.run_chunk(SETUP, "left:4", "exact", results, out, preset="tiny")
+  archive = os.path.join(out, chunks.ARCHIVE)
+  runs = os.path.join(results, "runs.jsonl")
+  for _ in range(2):
+    chunks.merge(archive, results, SETUP, "tiny")
+    assert len(files_lib.read_jsonl(runs)) == 1
+  before = sorted(os.listdir(results))
+  with pytest.raises(ValueError, match="^" + re.escape(
+      f"{archive} holds results of another setup than this --preset=tiny "
+      f"and its --config flags (seed: 0 -> 1): merge it with the flags it "
+      f"ran with") + "$"):
+    chunks.merge(archive, results, dataclasses.replace(SETUP, seed=1),
+                 "tiny")
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.in_chunks", "--preset=cpu",
+       f"--merge={archive}", f"--results={results}"],
+      capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert proc.stderr.splitlines()[-1] == (
+      f"error: {archive} holds results of --preset=tiny, not of this "
+      f"--preset=cpu: merge it with --preset=tiny (and the --config flags "
+      f"it ran with)")
+  assert sorted(os.listdir(results)) == before
+  assert len(files_lib.read_jsonl(runs)) == 1

@@ -1,0 +1,1 @@
+"""The benchmarks: ``python -m experiments.bench.<name>``; harness.py."""

@@ -1,0 +1,40 @@
+"""Every binary that writes to a directory refuses one it cannot use (a
+file, or one it cannot create) before any work, as a usage error naming
+it, saying nothing of resuming (issue 66: ``[Errno 17] File exists ...;
+rerun the same command to resume (finished work is kept in FILE)``)."""
+
+import os
+
+import binaries  # tests/integration/binaries.py
+
+
+def test_a_workdir_that_cannot_be_one_is_a_usage_error(tmp_path):
+  a_file = str(tmp_path / "some-file")
+  with open(a_file, "w") as f:
+    f.write("kept")
+  under = os.path.join(a_file, "w")  # cannot be created, even by root
+  is_file = f"--workdir {a_file} is a file, not a directory"
+  cannot = f"--workdir {under}: cannot create: {a_file} is a file"
+  out = str(tmp_path / "out")
+  workdirs = [([f"--workdir={a_file}"], is_file),
+              ([f"--workdir={under}"], cannot)]
+  for module, cases in [
+      ("experiments.figure3.__main__", workdirs),
+      ("experiments.pretrain", workdirs),
+      ("experiments.pretraining_curve.__main__", workdirs),
+      ("experiments.noise_floor", workdirs),
+      ("experiments.in_chunks", [
+          ([f"--out={out}", *args], refusal) for args, refusal in workdirs]
+       + [([f"--out={a_file}"], f"--out {a_file} is a file, not a "
+           f"directory"),
+          ([f"--merge={a_file}", f"--results={under}"],
+           f"--results {under}: cannot create: {a_file} is a file")])]:
+    ends = binaries.usage_errors(
+        module, [["--preset=tiny", *args] for args, _ in cases])
+    for (args, refusal), end in zip(cases, ends):
+      assert end["returncode"] == 2, (module, args, end["stderr"][-2000:])
+      assert end["stderr"].strip().splitlines() == [f"error: {refusal}"], (
+          module, args, end["stderr"][-2000:])
+  with open(a_file) as f:
+    assert f.read() == "kept"
+  assert not os.path.exists(out)
