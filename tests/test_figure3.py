@@ -22,6 +22,7 @@ from hmmprompt import figure3
 from hmmprompt import pretraining_curve
 from hmmprompt.figure3 import chunks
 from hmmprompt import scheduling
+from hmmprompt.figure3 import noise
 from hmmprompt.figure3 import schema
 from hmmprompt.figure3 import reporting
 from hmmprompt.figure3 import sweep
@@ -654,8 +655,9 @@ def test_the_committed_cpu_paper_report_is_rebuilt_from_its_lines(tmp_path):
   """The committed protocol (docs/results/figure3-cpu-paper/) is what its
   lines and pretraining metrics give: its report, rendered again here with
   no pretraining, is the committed figure3.md to the byte, with every
-  transformer's gap in it; the README's table rows are its summary."""
-  for name in ("results.jsonl", "sweep.json", "pretrain"):
+  transformer's gap in it, and the noise floor it was judged by
+  (docs/results/noise-floor/); the README's table rows are its summary."""
+  for name in ("results.jsonl", "sweep.json", "pretrain", noise.FLOOR):
     src = os.path.join(_CPU_PAPER, name)
     if os.path.isdir(src):
       shutil.copytree(src, tmp_path / name)
