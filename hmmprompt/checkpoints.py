@@ -18,17 +18,15 @@ import orbax.checkpoint as ocp
 from hmmprompt import sharding as sharding_lib
 
 
-class _QuietOrbax(logging.Filter):
+def _quiet_orbax(record: logging.LogRecord) -> bool:
   """Drops orbax's INFO chatter (several lines per save) from absl logs, and
   the tracebacks its threads log for a failed write: the error comes back
   from :meth:`Checkpoints.save`, where it is raised as an ``OSError``."""
-
-  def filter(self, record):
-    return "orbax" not in record.pathname or (
-        record.levelno >= logging.WARNING and not record.exc_info)
+  return "orbax" not in record.pathname or (
+      record.levelno >= logging.WARNING and not record.exc_info)
 
 
-logging.getLogger("absl").addFilter(_QuietOrbax())
+logging.getLogger("absl").addFilter(_quiet_orbax)
 
 
 def _quiet_closed_loops(unraisable, default=sys.unraisablehook) -> None:
@@ -44,21 +42,18 @@ def _quiet_closed_loops(unraisable, default=sys.unraisablehook) -> None:
 sys.unraisablehook = _quiet_closed_loops
 
 
-class _QuietTensorstoreTasks(logging.Filter):
+def _quiet_tensorstore_tasks(record: logging.LogRecord) -> bool:
   """Drops asyncio's ``Task exception was never retrieved`` for a
   tensorstore error: the sibling tasks of an orbax restore that failed on a
   damaged checkpoint, logged with their tracebacks whenever they are
-  garbage-collected (seen in a rerun's stderr); the restore raised its own
-  error, which :meth:`Checkpoints.restore_latest` logs in one line."""
-
-  def filter(self, record):
-    exc = record.exc_info[1] if record.exc_info else None
-    return not (record.getMessage().startswith(
-        "Task exception was never retrieved")
-                and "tensorstore_spec=" in str(exc))
+  garbage-collected; the restore raised its own error, which
+  :meth:`Checkpoints.restore_latest` logs in one line."""
+  exc = record.exc_info[1] if record.exc_info else None
+  return not (record.getMessage().startswith(
+      "Task exception was never retrieved") and "tensorstore_spec=" in str(exc))
 
 
-logging.getLogger("asyncio").addFilter(_QuietTensorstoreTasks())
+logging.getLogger("asyncio").addFilter(_quiet_tensorstore_tasks)
 
 
 class Checkpoints:

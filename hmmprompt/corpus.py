@@ -47,9 +47,7 @@ class CorpusConfig:
   train_mask_rate: float = identity_lib.added(0.0)
 
   def __post_init__(self):
-    if self.corruption not in CORRUPTIONS:
-      raise ValueError(f"CorpusConfig.corruption must be one of "
-                       f"{CORRUPTIONS}, got {self.corruption!r}")
+    validation.require_choices(self, corruption=CORRUPTIONS)
     validation.require_positive(self, "num_seqs", "seq_len", "chunk_len",
                                 "val_seqs")
     if not 0 < self.mask_rate < 1:

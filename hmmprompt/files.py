@@ -85,8 +85,7 @@ def atomic_write_png(path: str, fig, dpi: int = 110) -> None:
 
 def line_from_json(cls, d: dict, what: str) -> Any:
   """``cls(**d)``; ``ValueError`` naming ``what`` and bad or missing fields."""
-  unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
-  if unknown:
+  if unknown := sorted(set(d) - {f.name for f in dataclasses.fields(cls)}):
     raise ValueError(f"{what} has unknown fields {unknown}")
   try:
     return cls(**d)
@@ -181,8 +180,7 @@ def merge_lines(path: str, lines: Iterable[Line],
   """Adds to ``path`` the ``lines`` whose key it lacks; returns ``(added,
   kept, conflicts)``: the lines added, how many keys were already there,
   and those whose values differ (``ignore`` aside; the file's win)."""
-  lines = list(lines)
-  if not lines:
+  if not (lines := list(lines)):
     return [], 0, []
   had = {r.key(): r for r in read_lines(path, type(lines[0]))}
   added, conflicts = [], []

@@ -22,6 +22,7 @@ import numpy as np
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import memory as memory_lib
 from hmmprompt import files as files_lib
+from hmmprompt import validation
 
 Model = hmm_lib.HMM | memory_lib.MemoryHMM
 KINDS = ("vanilla", "memory")
@@ -43,9 +44,7 @@ def is_memory(model: Model) -> TypeIs[memory_lib.MemoryHMM]:
 
 def as_hmm(model: Model) -> hmm_lib.HMM:
   """The vanilla HMM that generates the same text (``|M||H|`` states)."""
-  if is_memory(model):
-    return memory_lib.to_hmm(model)
-  return model
+  return memory_lib.to_hmm(model) if is_memory(model) else model
 
 
 def latent_size(model: Model) -> int:
@@ -74,12 +73,10 @@ def latent_posterior(model: Model, tokens_T: jax.Array) -> jax.Array:
 def random_model(key, model_kind: str, num_states: int, vocab_size: int,
                  memory_size: int = 0) -> Model:
   """Appendix D's random model; ``num_states``: ``|H|`` (syntax states)."""
-  if model_kind == "memory":
+  if validation.one_of("model kind", model_kind, KINDS) == "memory":
     return memory_lib.random_memory_hmm(key, memory_size, num_states,
                                         vocab_size)
-  if model_kind == "vanilla":
-    return hmm_lib.random_hmm(key, num_states, vocab_size)
-  raise ValueError(f"model kind must be one of {KINDS}, got {model_kind!r}")
+  return hmm_lib.random_hmm(key, num_states, vocab_size)
 
 
 # Trials: models of one kind and size stacked on a leading axis ``[K]`` of
@@ -102,8 +99,7 @@ def num_trials(model: Model) -> int | None:
 def stack(models) -> Model:
   """``[K]`` stacked models from a sequence of models of one kind and size;
   ``ValueError`` if empty, of mixed kinds or of different sizes (named)."""
-  models = list(models)
-  if not models:
+  if not (models := list(models)):
     raise ValueError("stack needs at least one model (a trial count >= 1)")
   kinds = {kind(m) for m in models}
   if len(kinds) > 1:
@@ -188,11 +184,10 @@ def load(path: str) -> Model:
   with np.load(path) as z:
     model_kind = str(z["kind"])
     fields = {k: z[k] for k in z.files if k != "kind"}
-  if model_kind == "memory":
-    return memory_lib.MemoryHMM(**fields)
-  if model_kind == "vanilla":
-    return hmm_lib.HMM(**fields)
-  raise ValueError(f"{path} holds a model of unknown kind {model_kind!r}")
+  if model_kind not in KINDS:
+    raise ValueError(f"{path} holds a model of unknown kind {model_kind!r}")
+  return (memory_lib.MemoryHMM if model_kind == "memory"
+          else hmm_lib.HMM)(**fields)
 
 
 def same(a: Model, b: Model) -> bool:

@@ -8,10 +8,34 @@ ones for ``MASK``) or a soft prompt's vector in ``[0, 1]^H`` (Appendix B).
 
 Traceable **kernels** (:func:`forward_backward`, :func:`token_smooth`, ...)
 and jitted **entry points** over them (:func:`sample`, :func:`posterior`,
-...), one sequence each, which raise ``ValueError`` on bad concrete input
-(docs/hmm.md). Messages are rescaled at every step (float32 holds on 10^4
-tokens); an impossible sequence gives log-likelihood ``-inf`` and all-zero
-posteriors and conditionals, never NaN.
+...), one sequence each (docs/hmm.md). Messages are rescaled at every step
+(float32 holds on 10^4 tokens); an impossible sequence gives log-likelihood
+``-inf`` and all-zero posteriors and conditionals, never NaN. The entry
+points on tokens, here and in :mod:`~hmmprompt.memory`, share three rules:
+
+* ``method`` (:data:`METHODS`): ``"sequential"`` (:func:`forward_backward`,
+  ``2 T`` dependent steps), ``"parallel"`` (:func:`forward_backward_parallel`,
+  ``O(log T)``), ``"blocked"`` (:func:`forward_backward_blocked`, ``~5
+  sqrt(T)``) or ``"auto"`` (:func:`resolve_method`: sequential on CPUs,
+  parallel on accelerators from 2048 positions on, never blocked); all
+  agree to float rounding.
+* Batches of several lengths: right-pad each sequence with ``MASK`` to one
+  length ``T`` and ``jax.vmap`` over the rows. A ``MASK``'s evidence is
+  all ones, so trailing padding marginalises out: each row's results at its
+  real positions, and its log-likelihood, are its unpadded sequence's
+  (tested; padded positions hold the chain's prediction past the end).
+  Never left-pad: the chain would start before the first real token (its
+  prior becomes ``pi A^k``, not ``pi``).
+* ``ValueError`` at the call, before anything runs: a bad ``method``, a
+  model of bad shapes (or, if concrete, rows that are not distributions),
+  ``tokens`` not a non-empty integer ``[T]``, or (concrete ``tokens``
+  only) a token outside ``[0, V)`` other than ``MASK``, each named. Under
+  your ``jit``, ``vmap`` or ``grad`` the inputs are tracers: dtypes,
+  shapes and ``method`` still raise, but no value is checked, so an
+  out-of-range token makes its sequence impossible (as above) and a
+  non-stochastic model gives meaningless numbers. Check concrete batches
+  once, up front, with :func:`check_tokens` (and :func:`check_model`), or
+  inside ``jit`` with :func:`checkify_tokens` under ``checkify``.
 """
 
 from __future__ import annotations
@@ -433,9 +457,7 @@ def token_evidence(hmm: HMM, tokens_T: jax.Array) -> jax.Array:
 
 
 METHODS = ("sequential", "parallel", "blocked", "auto")
-"""The entry points' ``method``: :func:`forward_backward`,
-:func:`forward_backward_parallel`, :func:`forward_backward_blocked` or
-``auto`` (:func:`resolve_method`; never ``blocked``)."""
+"""The entry points' ``method`` (the module docstring)."""
 # auto's threshold, provisional (docs/hmm.md): from an H100 probe of
 # dynamax's parallel smoother, until experiments/bench/hmm.py times ours.
 _AUTO_PARALLEL_FROM = 2048
@@ -445,9 +467,7 @@ def resolve_method(method: str, length: int) -> str:
   """The kernel for ``method`` on ``length`` positions (``auto``: parallel
   on accelerators from ``_AUTO_PARALLEL_FROM`` on); ``ValueError`` naming a
   bad one."""
-  if method not in METHODS:
-    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-  if method == "auto":
+  if validation.one_of("method", method, METHODS) == "auto":
     return ("parallel" if jax.default_backend() != "cpu"
             and length >= _AUTO_PARALLEL_FROM else "sequential")
   return method
@@ -518,44 +538,15 @@ def smooth(hmm: HMM, evidence, method: str = "auto") -> Smoothed:
 
 @validation.entry_point(token_smooth, static_argnums=2, field="log_likelihood")
 def log_likelihood(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
-  """``log P(x)`` of the observed tokens (``MASK`` positions marginalised).
-
-  Sequences of several lengths in one batch: right-pad each with ``MASK``
-  to one length ``T`` and ``jax.vmap`` over the rows. A ``MASK``'s
-  evidence is all ones, so trailing padding marginalises out and each
-  row's log-likelihood is its unpadded sequence's (tested). Never
-  left-pad: the chain would start before the first real token (its prior
-  becomes ``pi A^k``, not ``pi``).
-
-  Args:
-    hmm: the model (checked as :func:`check_model` does).
-    tokens: ``int[T]``, one sequence, ``T >= 1``; values in ``[0, V)`` or
-      :data:`MASK`. Batches: ``jax.vmap``.
-    method: the kernel (:data:`METHODS`): ``"sequential"`` (the scan of
-      :func:`forward_backward`, ``2 T`` dependent steps), ``"parallel"``
-      (:func:`forward_backward_parallel`, associative scans, ``O(log T)``
-      steps of ``H x H`` products), ``"blocked"``
-      (:func:`forward_backward_blocked`, about ``5 sqrt(T)`` steps) or
-      ``"auto"`` (:func:`resolve_method`: sequential on CPUs, parallel on
-      accelerators from 2048 positions on; never blocked). All agree to
-      float rounding.
-
-  Returns:
-    ``[]``: ``log P(x)``; ``-inf`` for an impossible sequence, never NaN.
+  """``log P(x)`` of the observed tokens (``MASK`` positions marginalised);
+  ``-inf`` for an impossible sequence, never NaN. ``method``:
+  ``"sequential"``, ``"parallel"``, ``"blocked"`` or ``"auto"``; batches:
+  right-pad with ``MASK`` and ``jax.vmap`` (never left-pad). The module
+  docstring has the details.
 
   Raises:
-    ValueError: at the call, before anything runs: a bad ``method``; a
-      model of bad shapes (or, when its arrays are concrete, rows that are
-      not distributions), naming the field; ``tokens`` not integer or not
-      a non-empty 1-D ``[T]``; and, for concrete ``tokens`` only, a token
-      outside ``[0, V)`` other than ``MASK``, naming its index. Under your
-      ``jit``, ``vmap`` or ``grad`` the inputs are tracers: dtypes, shapes
-      and ``method`` still raise while tracing, but no value can be
-      checked, so an out-of-range token makes the sequence impossible
-      (``-inf``) and a model that is not stochastic gives meaningless
-      numbers. Check concrete batches once, up front, with
-      :func:`check_tokens` (and :func:`check_model`), or inside ``jit``
-      with :func:`checkify_tokens` under ``checkify``.
+    ValueError: at the call, on a bad ``method``, model or ``tokens``;
+      under your ``jit`` only on dtypes and shapes (:func:`check_tokens`).
   """
   return method_args(hmm, tokens, method, check_sequence)
 
@@ -563,46 +554,14 @@ def log_likelihood(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
 @validation.entry_point(token_smooth, static_argnums=2, field="posterior")
 def posterior(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``[T, H]``: ``P[H_t | observed tokens]`` (``MASK`` positions
-  marginalised).
-
-  Sequences of several lengths in one batch: right-pad each with ``MASK``
-  to one length ``T`` and ``jax.vmap`` over the rows. A ``MASK``'s
-  evidence is all ones, so trailing padding marginalises out: each row's
-  first ``n`` posteriors are its unpadded ``n`` tokens' (tested; the
-  padded positions hold the chain's prediction past the end). Never
-  left-pad: the chain would start before the first real token (its prior
-  becomes ``pi A^k``, not ``pi``).
-
-  Args:
-    hmm: the model (checked as :func:`check_model` does).
-    tokens: ``int[T]``, one sequence, ``T >= 1``; values in ``[0, V)`` or
-      :data:`MASK`. Batches: ``jax.vmap``.
-    method: the kernel (:data:`METHODS`): ``"sequential"`` (the scan of
-      :func:`forward_backward`, ``2 T`` dependent steps), ``"parallel"``
-      (:func:`forward_backward_parallel`, associative scans, ``O(log T)``
-      steps of ``H x H`` products), ``"blocked"``
-      (:func:`forward_backward_blocked`, about ``5 sqrt(T)`` steps) or
-      ``"auto"`` (:func:`resolve_method`: sequential on CPUs, parallel on
-      accelerators from 2048 positions on; never blocked). All agree to
-      float rounding.
-
-  Returns:
-    ``[T, H]``, each row a distribution; all zeros for an impossible
-      sequence (log-likelihood ``-inf``), never NaN.
+  marginalised); all zeros if impossible, never NaN. ``method``:
+  ``"sequential"``, ``"parallel"``, ``"blocked"`` or ``"auto"``; batches:
+  right-pad with ``MASK`` and ``jax.vmap`` (never left-pad). The module
+  docstring has the details.
 
   Raises:
-    ValueError: at the call, before anything runs: a bad ``method``; a
-      model of bad shapes (or, when its arrays are concrete, rows that are
-      not distributions), naming the field; ``tokens`` not integer or not
-      a non-empty 1-D ``[T]``; and, for concrete ``tokens`` only, a token
-      outside ``[0, V)`` other than ``MASK``, naming its index. Under your
-      ``jit``, ``vmap`` or ``grad`` the inputs are tracers: dtypes, shapes
-      and ``method`` still raise while tracing, but no value can be
-      checked, so an out-of-range token makes the sequence impossible (an
-      all-zero posterior at every position) and a model that is not
-      stochastic gives meaningless numbers. Check concrete batches once,
-      up front, with :func:`check_tokens` (and :func:`check_model`), or
-      inside ``jit`` with :func:`checkify_tokens` under ``checkify``.
+    ValueError: at the call, on a bad ``method``, model or ``tokens``;
+      under your ``jit`` only on dtypes and shapes (:func:`check_tokens`).
   """
   return method_args(hmm, tokens, method, check_sequence)
 
@@ -617,49 +576,20 @@ def masked_posterior(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
 def conditionals(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``[T, V]``: ``P[X_t | x_{-t}]``, the exact masked LM ``G``; row ``t``
   does not read ``tokens[t]``, all-zero where ``x_{-t}`` is impossible.
-
-  Sequences of several lengths in one batch: right-pad each with ``MASK``
-  to one length ``T`` and ``jax.vmap`` over the rows. A ``MASK``'s
-  evidence is all ones, so trailing padding marginalises out: each row's
-  first ``n`` rows are its unpadded ``n`` tokens' (tested). Never
-  left-pad: the chain would start before the first real token (its prior
-  becomes ``pi A^k``, not ``pi``).
-
-  Args:
-    hmm: the model (checked as :func:`check_model` does).
-    tokens: ``int[T]``, one sequence, ``T >= 1``; values in ``[0, V)`` or
-      :data:`MASK`. Batches: ``jax.vmap``.
-    method: the kernel (:data:`METHODS`): ``"sequential"`` (the scan of
-      :func:`forward_backward`, ``2 T`` dependent steps), ``"parallel"``
-      (:func:`forward_backward_parallel`, associative scans, ``O(log T)``
-      steps of ``H x H`` products), ``"blocked"``
-      (:func:`forward_backward_blocked`, about ``5 sqrt(T)`` steps) or
-      ``"auto"`` (:func:`resolve_method`: sequential on CPUs, parallel on
-      accelerators from 2048 positions on; never blocked). All agree to
-      float rounding.
-
-  Returns:
-    ``[T, V]``, each row a distribution over the vocabulary or all zeros.
+  ``method``: ``"sequential"``, ``"parallel"``, ``"blocked"`` or
+  ``"auto"``; batches: right-pad with ``MASK`` and ``jax.vmap`` (never
+  left-pad). The module docstring has the details.
 
   Raises:
-    ValueError: at the call, before anything runs: a bad ``method``; a
-      model of bad shapes (or, when its arrays are concrete, rows that are
-      not distributions), naming the field; ``tokens`` not integer or not
-      a non-empty 1-D ``[T]``; and, for concrete ``tokens`` only, a token
-      outside ``[0, V)`` other than ``MASK``, naming its index. Under your
-      ``jit``, ``vmap`` or ``grad`` the inputs are tracers: dtypes, shapes
-      and ``method`` still raise while tracing, but no value can be
-      checked, so an out-of-range token makes every other row all-zero
-      (its context is impossible) and a model that is not stochastic gives
-      meaningless numbers. Check concrete batches once, up front, with
-      :func:`check_tokens` (and :func:`check_model`), or inside ``jit``
-      with :func:`checkify_tokens` under ``checkify``.
+    ValueError: at the call, on a bad ``method``, model or ``tokens``;
+      under your ``jit`` only on dtypes and shapes (:func:`check_tokens`).
   """
   return method_args(hmm, tokens, method, check_sequence)
 
 
 @validation.entry_point(evidence_conditionals, static_argnums=2)
-def conditionals_from_evidence(hmm: HMM, evidence, method: str = "auto") -> jax.Array:
+def conditionals_from_evidence(hmm: HMM, evidence, method: str = "auto"
+                               ) -> jax.Array:
   """``[T, V]``: Appendix B's ``G-bar``: ``W τ_t / ||τ_t||_1`` on evidence
   vectors, ``τ_t ∝ P[H_t, e_{-t}]``; 0 where ``τ_t = 0``."""
   return method_args(hmm, evidence, method, check_evidence)

@@ -64,14 +64,8 @@ def added_defaults(cfg) -> dict:
   return out
 
 
-class _Absent:
-  """A key neither identity nor ``defaults`` holds (an older record's)."""
-
-  def __repr__(self) -> str:
-    return "absent"
-
-
-_ABSENT = _Absent()
+# A key neither identity nor ``defaults`` holds (an older record's).
+_ABSENT: Any = type("Absent", (), {"__repr__": lambda self: "absent"})()
 
 
 def _json(x) -> Any:

@@ -209,39 +209,14 @@ def token_memory_masked_posterior(mhmm: MemoryHMM, tokens_T,
 def memory_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
                      ) -> jax.Array:
   """``[M]``: ``P[M | observed tokens]`` (``MASK`` positions marginalised;
-  all zeros if impossible).
-
-  Sequences of several lengths in one batch: right-pad each with ``MASK``
-  to one length ``T`` and ``jax.vmap`` over the rows. A ``MASK``'s
-  evidence is all ones, so trailing padding marginalises out: each row's
-  memory posterior is its unpadded sequence's (tested). Never left-pad:
-  the syntax chain would start before the first real token.
-
-  Args:
-    mhmm: the model (checked as :func:`check_model` does).
-    tokens: ``int[T]``, one sequence, ``T >= 1``; values in ``[0, V)`` or
-      ``hmm.MASK``. Batches: ``jax.vmap``.
-    method: the kernel, as in :func:`hmm.posterior`: ``"sequential"``
-      (a scan), ``"parallel"`` (associative scans, ``O(log T)`` steps),
-      ``"blocked"`` (about ``5 sqrt(T)`` steps) or ``"auto"``
-      (:func:`hmm.resolve_method`: sequential on CPUs, parallel on
-      accelerators from 2048 positions on); all agree to float rounding.
-
-  Returns:
-    ``[M]``, a distribution, or all zeros for an impossible sequence.
+  all zeros if impossible). ``method``: ``"sequential"``, ``"parallel"``,
+  ``"blocked"`` or ``"auto"``; batches: right-pad with ``MASK`` and
+  ``jax.vmap`` (never left-pad). Details: :mod:`~hmmprompt.hmm`.
 
   Raises:
-    ValueError: at the call, before anything runs: a bad ``method``; a
-      model of bad shapes (or, when its arrays are concrete, rows that are
-      not distributions), naming its own field (:func:`check_model`);
-      ``tokens`` not integer or not a non-empty 1-D ``[T]``; and, for
-      concrete ``tokens`` only, a token outside ``[0, V)`` other than
-      ``MASK``, naming its index. Under your ``jit``, ``vmap`` or ``grad``
-      the inputs are tracers: dtypes, shapes and ``method`` still raise
-      while tracing, but no value can be checked, so an out-of-range token
-      makes the sequence impossible (an all-zero posterior) and a model that
-      is not stochastic gives meaningless numbers. Check concrete batches
-      once, up front, with :func:`hmm.check_tokens` (and :func:`check_model`).
+    ValueError: at the call, on a bad ``method``, model (its own fields
+      named) or ``tokens``; under your ``jit`` only on dtypes and shapes
+      (:func:`hmm.check_tokens`).
   """
   return hmm_lib.method_args(mhmm, tokens, method, hmm_lib.check_sequence,
                              check_model)
@@ -252,38 +227,14 @@ def memory_masked_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
                             ) -> jax.Array:
   """``[T, M]``: ``P[M | x_{-t}]`` for every position ``t`` (row ``t``
   does not read ``tokens[t]``; all zeros where ``x_{-t}`` is impossible).
-
-  Sequences of several lengths in one batch: right-pad each with ``MASK``
-  to one length ``T`` and ``jax.vmap`` over the rows. A ``MASK``'s
-  evidence is all ones, so trailing padding marginalises out: each row's
-  first ``n`` rows are its unpadded ``n`` tokens' (tested). Never
-  left-pad: the syntax chain would start before the first real token.
-
-  Args:
-    mhmm: the model (checked as :func:`check_model` does).
-    tokens: ``int[T]``, one sequence, ``T >= 1``; values in ``[0, V)`` or
-      ``hmm.MASK``. Batches: ``jax.vmap``.
-    method: the kernel, as in :func:`hmm.posterior`: ``"sequential"``
-      (a scan), ``"parallel"`` (associative scans, ``O(log T)`` steps),
-      ``"blocked"`` (about ``5 sqrt(T)`` steps) or ``"auto"``
-      (:func:`hmm.resolve_method`: sequential on CPUs, parallel on
-      accelerators from 2048 positions on); all agree to float rounding.
-
-  Returns:
-    ``[T, M]``, each row a distribution or all zeros.
+  ``method``: ``"sequential"``, ``"parallel"``, ``"blocked"`` or
+  ``"auto"``; batches: right-pad with ``MASK`` and ``jax.vmap`` (never
+  left-pad). Details: :mod:`~hmmprompt.hmm`.
 
   Raises:
-    ValueError: at the call, before anything runs: a bad ``method``; a
-      model of bad shapes (or, when its arrays are concrete, rows that are
-      not distributions), naming its own field (:func:`check_model`);
-      ``tokens`` not integer or not a non-empty 1-D ``[T]``; and, for
-      concrete ``tokens`` only, a token outside ``[0, V)`` other than
-      ``MASK``, naming its index. Under your ``jit``, ``vmap`` or ``grad``
-      the inputs are tracers: dtypes, shapes and ``method`` still raise
-      while tracing, but no value can be checked, so an out-of-range token
-      makes the sequence impossible (every other row all-zero) and a model
-      that is not stochastic gives meaningless numbers. Check concrete batches
-      once, up front, with :func:`hmm.check_tokens` (and :func:`check_model`).
+    ValueError: at the call, on a bad ``method``, model (its own fields
+      named) or ``tokens``; under your ``jit`` only on dtypes and shapes
+      (:func:`hmm.check_tokens`).
   """
   return hmm_lib.method_args(mhmm, tokens, method, hmm_lib.check_sequence,
                              check_model)
@@ -293,38 +244,14 @@ def conditionals(mhmm: MemoryHMM, tokens, method: str = "auto") -> jax.Array:
   """``[T, V]``: the exact masked LM ``P[X_t | x_{-t}]`` of a memory HMM:
   :func:`hmm.conditionals` on its product HMM (:func:`to_hmm`); row ``t``
   does not read ``tokens[t]``, all-zero where ``x_{-t}`` is impossible.
-
-  Sequences of several lengths in one batch: right-pad each with ``MASK``
-  to one length ``T`` and ``jax.vmap`` over the rows. A ``MASK``'s
-  evidence is all ones, so trailing padding marginalises out: each row's
-  first ``n`` rows are its unpadded ``n`` tokens' (tested). Never
-  left-pad: the syntax chain would start before the first real token.
-
-  Args:
-    mhmm: the model (checked as :func:`check_model` does).
-    tokens: ``int[T]``, one sequence, ``T >= 1``; values in ``[0, V)`` or
-      ``hmm.MASK``. Batches: ``jax.vmap``.
-    method: the kernel, as in :func:`hmm.posterior`: ``"sequential"``
-      (a scan), ``"parallel"`` (associative scans, ``O(log T)`` steps),
-      ``"blocked"`` (about ``5 sqrt(T)`` steps) or ``"auto"``
-      (:func:`hmm.resolve_method`: sequential on CPUs, parallel on
-      accelerators from 2048 positions on); all agree to float rounding.
-
-  Returns:
-    ``[T, V]``, each row a distribution over the vocabulary or all zeros.
+  ``method``: ``"sequential"``, ``"parallel"``, ``"blocked"`` or
+  ``"auto"``; batches: right-pad with ``MASK`` and ``jax.vmap`` (never
+  left-pad). Details: :mod:`~hmmprompt.hmm`.
 
   Raises:
-    ValueError: at the call, before anything runs: a bad ``method``; a
-      model of bad shapes (or, when its arrays are concrete, rows that are
-      not distributions), naming its own field (:func:`check_model`);
-      ``tokens`` not integer or not a non-empty 1-D ``[T]``; and, for
-      concrete ``tokens`` only, a token outside ``[0, V)`` other than
-      ``MASK``, naming its index. Under your ``jit``, ``vmap`` or ``grad``
-      the inputs are tracers: dtypes, shapes and ``method`` still raise
-      while tracing, but no value can be checked, so an out-of-range token
-      makes the sequence impossible (every other row all-zero) and a model
-      that is not stochastic gives meaningless numbers. Check concrete batches
-      once, up front, with :func:`hmm.check_tokens` (and :func:`check_model`).
+    ValueError: at the call, on a bad ``method``, model (its own fields
+      named) or ``tokens``; under your ``jit`` only on dtypes and shapes
+      (:func:`hmm.check_tokens`).
   """
   # Checked first: a bad model is named by its own fields, not the product's.
   return hmm_lib.conditionals(to_hmm(check_model(mhmm)), tokens, method=method)
@@ -464,37 +391,15 @@ def token_cell_posteriors(mm: MultiMemoryHMM, tokens_T) -> jax.Array:
 @validation.entry_point(token_cell_posteriors)
 def cell_posteriors(mm: MultiMemoryHMM, tokens) -> jax.Array:
   """``[N, M]``: ``P[M_j | observed tokens]`` for every cell ``j`` (mask
-  position ``t`` for ``P[M_j | x_{-t}]``), by the sequential scan on the
-  product HMM (:func:`multi_to_hmm`; no ``method``).
-
-  Sequences of several lengths in one batch: right-pad each with ``MASK``
-  to one length ``T`` and ``jax.vmap`` over the rows. A ``MASK``'s
-  evidence is all ones, so trailing padding marginalises out: each row's
-  cell posteriors are its unpadded sequence's (tested). Never left-pad:
-  the chain would start before the first real token.
-
-  Args:
-    mm: the model (checked as :func:`check_model` does).
-    tokens: ``int[T]``, one sequence, ``T >= 1``; values in ``[0, V)`` or
-      ``hmm.MASK``. Batches: ``jax.vmap``.
-
-  Returns:
-    ``[N, M]``, each row a distribution, or all zeros for an impossible
-      sequence.
+  position ``t`` for ``P[M_j | x_{-t}]``; all zeros if impossible), by the
+  sequential scan on the product HMM (:func:`multi_to_hmm`; no ``method``).
+  Batches: right-pad with ``MASK`` and ``jax.vmap`` (never left-pad).
+  Details: :mod:`~hmmprompt.hmm`.
 
   Raises:
-    ValueError: at the call, before anything runs: a model of bad shapes
-      (or, when its arrays are concrete, rows that are not distributions),
-      naming its own field (:func:`check_model`), or a product HMM above
-      :data:`MAX_PRODUCT_STATES` states; ``tokens`` not integer or not a
-      non-empty 1-D ``[T]``; and, for concrete ``tokens`` only, a token
-      outside ``[0, V)`` other than ``MASK``, naming its index. Under your
-      ``jit``, ``vmap`` or ``grad`` the inputs are tracers: dtypes and
-      shapes still raise while tracing, but no value can be checked, so an
-      out-of-range token makes the sequence impossible (all-zero
-      posteriors) and a model that is not stochastic gives meaningless
-      numbers. Check concrete batches once, up front, with
-      :func:`hmm.check_tokens` (and :func:`check_model`).
+    ValueError: at the call, on a bad model (its own fields named),
+      ``tokens`` or a product HMM above :data:`MAX_PRODUCT_STATES` states;
+      under your ``jit`` only on dtypes and shapes (:func:`hmm.check_tokens`).
   """
   mm = check_model(mm)
   _check_product_size(mm)

@@ -71,17 +71,10 @@ class TrialsConfig:
 
   def _check(self, counts: Sequence[str], sizes: Sequence[str]) -> None:
     """``counts`` ints >= 1, ``sizes`` positive, runtime bounds ints >= 0."""
-    self._check_ints(counts, 1, "a trial count < 1 runs nothing")
+    validation.require_ints(self, counts, 1, "a trial count < 1 runs nothing")
     validation.require_positive_ints(self, *sizes)
-    self._check_ints(("lanes_per_vmap", "task_budget_mb"), 0, "0: no bound")
-
-  def _check_ints(self, names: Sequence[str], low: int, why: str) -> None:
-    for name in names:
-      v = getattr(self, name)
-      if not (isinstance(v, int) and v >= low or v is None
-              and self.__dataclass_fields__[name].default is None):
-        raise ValueError(f"{type(self).__name__}.{name} must be an int >= "
-                         f"{low} ({why}), got {v!r}")
+    validation.require_ints(self, ("lanes_per_vmap", "task_budget_mb"), 0,
+                            "0: no bound")
 
   def lane_group(self) -> int | None:
     """``tuning.tune``'s ``lane_group`` (``None``: all lanes at once)."""
@@ -118,9 +111,8 @@ class ModelId:
 
   @property
   def tag(self) -> str:
-    if self.hmm == "memory":
-      return f"memory-h{self.num_states}-m{self.memory_size}"
-    return f"vanilla-h{self.num_states}"
+    m = f"-m{self.memory_size}" if self.hmm == "memory" else ""
+    return f"{self.hmm}-h{self.num_states}{m}"
 
 
 def vanilla(num_states: int) -> ModelId:
@@ -204,8 +196,7 @@ def draw_stack(setup: TrialsConfig, mid: ModelId, num: int, num_tasks: int = 1,
                                   setup.task_budget_bytes())
              for keys_K in keys_SxK]
   rows = range(num) if part is None else part
-  if part is not None:
-    models_K = jax.tree.map(lambda x: x[part.start:part.stop], models_K)
+  models_K = jax.tree.map(lambda x: x[rows.start:rows.stop], models_K)
   tasks = [[t[k] for t in by_task] for k in rows]
   checks = [[theory.verdicts(generative.trial(models_K, i), t.mu)
              for t in row] for i, row in enumerate(tasks)] if verdicts else None
@@ -226,10 +217,9 @@ def check_part(part: range | None, num: int) -> range | None:
 
 def part_config(setup: TrialsConfig, part: range | None
                 ) -> pretrain_lib.PretrainConfig:
-  """The pretraining config of stack ``part``'s trials: row ``i`` is seeded
-  as trial ``part.start + i`` of the whole stack (:func:`pretrain.run_trials`
-  seeds row ``k`` ``seed + k``), so a part trains its trials as the whole
-  stack does."""
+  """The pretraining config of stack ``part``'s trials: row ``i`` seeded as
+  trial ``part.start + i`` of the whole stack (:func:`pretrain.run_trials`
+  seeds row ``k`` ``seed + k``), which it trains as the whole stack does."""
   cfg = setup.pretrain
   return cfg if not part else cfg.with_overrides(seed=cfg.seed + part.start)
 
@@ -249,13 +239,14 @@ def pretrain_dir(workdir: str, setup: TrialsConfig, mid: ModelId,
 
 
 def pretrain(workdir: str, setup: TrialsConfig, mid: ModelId,
-             models_K: generative.Model, stop_at: float | None = None) -> str:
-  """Pretrains, reuses or resumes ``mid``'s transformers in
-  :func:`pretrain_dir`, which it returns."""
-  pdir = pretrain_dir(workdir, setup, mid)
+             models_K: generative.Model, stop_at: float | None = None,
+             part: range | None = None) -> str:
+  """Pretrains, reuses or resumes ``mid``'s transformers (its trials
+  ``part``: :func:`part_config`) in :func:`pretrain_dir`, which it returns."""
+  pdir = pretrain_dir(workdir, setup, mid, part)
   logging.info("pretraining %d trials in %s", len(models_K.initial), pdir)
-  pretrain_lib.run_trials(pdir, setup.pretrain, models_K, log=logging.info,
-                          stop_at=stop_at)
+  pretrain_lib.run_trials(pdir, part_config(setup, part), models_K,
+                          log=logging.info, stop_at=stop_at)
   return pdir
 
 
@@ -264,21 +255,17 @@ def pretrained(workdir: str, setup: TrialsConfig, mid: ModelId,
                stop_at: float | None = None, part: range | None = None,
                keep_by: float | None = None):
   """``(backbone, params_K, infos)`` (:func:`pretrain.load_trials`) after
-  :func:`pretrain` (``checkpoints="always"``), or
-  :func:`pretrain.train_trials`' (``deadline``, ``never``:
-  :data:`pretrain.CHECKPOINTS`; ``keep_by`` its);
-  ``part``: ``models_K`` are the stack's trials ``part`` alone, pretrained
-  as in the whole stack (:func:`part_config`) in a directory of their own
-  (:func:`pretrain_dir`)."""
-  pdir, cfg = pretrain_dir(workdir, setup, mid, part), part_config(setup, part)
+  :func:`pretrain` (``checkpoints="always"``), or those of
+  :func:`pretrain.train_trials` (``deadline``, ``never``; ``keep_by`` its);
+  ``part``: ``models_K`` are the stack's trials ``part``, pretrained as in
+  the whole stack (:func:`part_config`) in a directory of their own."""
   if part is not None and len(part) != len(models_K.initial):
     raise ValueError(f"{mid.tag}: part {part!r} of {len(part)} trials, "
                      f"{len(models_K.initial)} models given")
   if pretrain_lib.check_checkpoints(checkpoints) == "always":
-    logging.info("pretraining %d trials in %s", len(models_K.initial), pdir)
-    pretrain_lib.run_trials(pdir, cfg, models_K, log=logging.info,
-                            stop_at=stop_at)
-    return pretrain_lib.load_trials(pdir)
+    return pretrain_lib.load_trials(
+        pretrain(workdir, setup, mid, models_K, stop_at, part))
+  pdir, cfg = pretrain_dir(workdir, setup, mid, part), part_config(setup, part)
   logging.info("pretraining %d trials in %s (%s)", len(models_K.initial),
                pdir, "no checkpoints" if checkpoints == "never" else
                "a checkpoint only at the deadline")
@@ -289,12 +276,9 @@ def pretrained(workdir: str, setup: TrialsConfig, mid: ModelId,
 
 def pretrain_fields(info: pretrain_lib.TrialInfo) -> dict:
   """The ``pretrain_*`` fields of a result line from its trial's ``info``."""
-  m = info.metrics
-  return {"pretrain_ce_gap": m.get("ce_gap"), "pretrain_tv": m.get("tv"),
-          "pretrain_mlm_ce": m.get("mlm_ce"),
-          "pretrain_bayes_ce": m.get("bayes_ce"),
-          "pretrain_steps": info.step, "pretrain_wall_s": m.get("wall_s"),
-          "pretrain_layers": m.get("layers")}
+  return {"pretrain_steps": info.step, **{
+      f"pretrain_{k}": info.metrics.get(k) for k in (
+          "ce_gap", "tv", "mlm_ce", "bayes_ce", "wall_s", "layers")}}
 
 
 def tune_lanes(setup: TrialsConfig, cfg: tuning.TuneConfig, backbone,
@@ -310,11 +294,9 @@ def tune_lanes(setup: TrialsConfig, cfg: tuning.TuneConfig, backbone,
       params_L, [[data[k, s] for s in ss] for k, ss in lanes], cfg,
       lane_group=setup.lane_group())
   assert res.lane_steps is not None  # tune_trials reports every lane's
-  return [[dict(test_accuracy=float(res.test_accuracy[i, j]),
-                val_accuracy=float(res.val_accuracy[i, j]),
-                train_accuracy=float(res.train_accuracy[i, j]),
-                final_loss=float(res.final_loss[i, j]),
-                steps=int(res.lane_steps[i, j]), seconds=res.seconds)
+  floats = ("test_accuracy", "val_accuracy", "train_accuracy", "final_loss")
+  return [[{**{f: float(getattr(res, f)[i, j]) for f in floats},
+           "steps": int(res.lane_steps[i, j]), "seconds": res.seconds}
            for j in range(len(ss))] for i, (_, ss) in enumerate(lanes)]
 
 
@@ -366,39 +348,31 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
   appended to ``path``; ``schedule`` bounds the run (a stack's estimate:
   ``weight(mid)`` times the seconds per weight so far). A stack whose
   estimate does not fit the time left is skipped, or, where ``split(mid,
-  weight that fits)`` returns ``(groups, their weight)``, a part of it is
-  run: ``prepare`` and ``tune`` get those groups (so a short stretch of
-  time still lands whole trials). Returns the tags of the stacks skipped
-  (or cut) for the deadline; raises :class:`DeadlineReached` inside one.
-
-  Each group logs a progress line, ``[done/total groups]`` with an ETA.
-  Under ``schedule.claim`` the total is the whole run's (every process
-  sharing the claims holds every stack), so it stays one number on every
-  line: with ``schedule.progress`` the line counts every process's groups
-  (``, all workers``) and its ETA shares the groups left between them;
-  without it, it counts this process's against the run's, and has no
-  ETA."""
+  weight that fits)`` returns ``(groups, their weight)``, run in part with
+  those groups (a short stretch of time still lands whole trials). Returns
+  the tags of the stacks skipped (or cut) for the deadline; raises
+  :class:`DeadlineReached` inside one. Each group logs a progress line,
+  ``[done/total groups]``; under ``schedule.claim`` the total is the whole
+  run's, the count every process's with ``schedule.progress`` (``, all
+  workers``, the ETA shared between them), else this process's (no ETA)."""
   mine = stack_order(todo, schedule, weight)
   total = sum(len(todo[mid]) for mid in mine)
   done, t0, skipped, cut = 0, time.perf_counter(), [], []
   spent: list[tuple[float, float]] = []  # (seconds, weight) of stacks run
   deadline, stop_at = schedule.deadline, schedule.stop_at
   for mid in mine:
-    groups = todo[mid]
-    if not groups:
+    if not (groups := todo[mid]):
       continue
     now = time.monotonic()
     rate = (sum(s for s, _ in spent) / sum(w for _, w in spent) if spent
             else schedule.seconds_per_weight)
     left = math.inf if stop_at is None else stop_at - now
     need = (math.nan if stop_at is None or weight is None or rate is None
-            else rate * weight(mid))
-    part = None
-    if ((deadline is None or now < deadline) and left > 0 and need > left
-        and split is not None and rate):  # need > left: an estimate
-      part = split(mid, left / rate)
-    if (deadline is not None and now >= deadline) or left <= 0 or (
-        need > left and part is None):
+            else rate * weight(mid))  # need > left: an estimate
+    past = (deadline is not None and now >= deadline) or left <= 0
+    part = (split(mid, left / rate) if not past and need > left
+            and split is not None and rate else None)
+    if past or (need > left and part is None):
       if left > 0 and not math.isnan(need):
         logging.info("%s: ~%.0f s by this run's estimate, %.0f s left: not "
                      "started", mid.tag, need, left)

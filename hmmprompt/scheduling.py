@@ -11,33 +11,30 @@ class Schedule(NamedTuple):
   """How a run shares and bounds its stacks (any hashable keys).
 
   Attributes:
-    num_hosts: hosts sharing the stacks (a SLURM array); each runs every
+    num_hosts: hosts sharing the stacks (a SLURM array), each running every
       ``num_hosts``-th.
     host_index: this host's index in ``[0, num_hosts)``.
-    claim: ``claim(stack)`` asked just before a stack starts; a refused
-      stack is another process's (``hmmprompt.figure3.workers``). With it
-      every stack is this process's to claim, the costliest first.
-    deadline: a ``time.monotonic()`` value: no stack starts after it, and a
-      stack started is finished.
+    claim: ``claim(stack)``, asked as a stack starts; a refused stack is
+      another process's (``hmmprompt.figure3.workers``). With it every
+      stack is this process's to claim, the costliest first.
+    deadline: a ``time.monotonic()`` value after which no stack starts (one
+      started is finished).
     stop_at: a hard deadline (monotonic): no stack starts that its estimate
-      does not finish by then (a part of it may: ``run_stacks``' ``split``),
-      the cheapest run first without ``claim`` (so a short stretch still
-      lands whole stacks), and a run stops between two tuning groups or
-      training steps when it comes.
+      does not finish by then (a part may: ``run_stacks``' ``split``), the
+      cheapest first without ``claim`` (a short stretch still lands whole
+      stacks); it stops a run between two tuning groups or training steps.
     seconds_per_weight: the estimate's seconds per unit of a stack's
-      weight before the run has timed a stack of its own.
-    tune_seconds_per_trial: the estimate's tuning seconds per trial: a
-      stack whose pretraining ends too late for its tuning to end by
-      ``stop_at`` saves it first where it writes no checkpoint otherwise
+      weight until the run has timed a stack of its own.
+    tune_seconds_per_trial: the estimate's tuning seconds per trial: a stack
+      whose pretraining ends too late for its tuning to end by ``stop_at``
+      saves it first where it writes no checkpoint otherwise
       (``hmmprompt.pretrain.CHECKPOINTS``' ``deadline``).
-    progress: with ``claim``: ``progress(key)`` records one tuning group
-      this process finished (``key`` unique in the run) and returns
-      ``(groups finished by all the processes that share the claims, how
-      many processes share them)``: the progress lines then count the whole
-      run's groups, and the estimate shares the groups left between the
-      processes (``hmmprompt.figure3.workers.progress``). Without it a
-      claiming process counts its own groups against the run's, with no
-      estimate (it cannot know its share).
+    progress: with ``claim``, ``progress(key)`` records a tuning group this
+      process finished (``key`` unique in the run) and returns ``(groups
+      all processes sharing the claims finished, how many share them)``,
+      for progress lines over the whole run and a shared estimate
+      (``hmmprompt.figure3.workers.progress``); without it a claiming
+      process counts its own groups, with no estimate.
   """
 
   num_hosts: int = 1

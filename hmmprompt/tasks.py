@@ -114,9 +114,8 @@ def label_posterior(model: Model, tokens_T: jax.Array,
                     labeling: str = "paper") -> jax.Array:
   """``[Z]``: the posterior a label is a linear function of (module doc);
   ``tokens_T`` includes the leading ``MASK``. Traceable; vmap it."""
-  if labeling not in LABELINGS:
-    raise ValueError(f"labeling must be one of {LABELINGS}, got {labeling!r}")
-  if labeling == "authors" and not generative.is_memory(model):
+  if (validation.one_of("labeling", labeling, LABELINGS) == "authors"
+      and not generative.is_memory(model)):
     first_real_H = hmm_lib.token_smooth(model, tokens_T[1:]).posterior[0]
     return model.transition @ first_real_H
   return generative.latent_posterior(model, tokens_T)
@@ -132,8 +131,7 @@ def sample_examples(key, model: Model, n: int, seq_len: int,
   """``int32 [N, T+1]`` examples: ``seq_len + 1`` sampled tokens with the
   first masked (``"paper"``), or ``MASK`` prepended to ``seq_len``
   (``"authors"``). Traceable (sizes static)."""
-  if labeling not in LABELINGS:
-    raise ValueError(f"labeling must be one of {LABELINGS}, got {labeling!r}")
+  validation.one_of("labeling", labeling, LABELINGS)
   length = seq_len if labeling == "authors" else seq_len + 1
   tokens_NxL = corpus.sample_sequences(key, model, n, length)
   if labeling == "authors":

@@ -259,20 +259,10 @@ def assumption_4_4(mhmm: memory_lib.MemoryHMM, atol: float = 1e-3) -> Verdict:
   return Verdict("4.4", True, "regular and stationary", details)
 
 
-def vanilla_verdicts(hmm: hmm_lib.HMM, mu) -> dict:
-  return {"3.1": assumption_3_1(hmm).as_dict(),
-          "3.2": assumption_3_2(hmm).as_dict(),
-          "3.5": assumption_3_5(hmm, mu).as_dict()}
-
-
-def memory_verdicts(mhmm: memory_lib.MemoryHMM, mu) -> dict:
-  return {"4.2": assumption_4_2(mhmm).as_dict(),
-          "4.4": assumption_4_4(mhmm).as_dict(),
-          "4.5": assumption_4_5(mhmm, mu).as_dict()}
-
-
 def verdicts(model: generative.Model, mu) -> dict:
   """The assumptions of the model's section, as JSON-ready dicts."""
-  if generative.is_memory(model):
-    return memory_verdicts(model, mu)
-  return vanilla_verdicts(model, mu)
+  found = ((assumption_4_2(model), assumption_4_4(model),
+            assumption_4_5(model, mu)) if generative.is_memory(model) else
+           (assumption_3_1(model), assumption_3_2(model),
+            assumption_3_5(model, mu)))
+  return {v.name: v.as_dict() for v in found}

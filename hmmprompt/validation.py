@@ -3,8 +3,7 @@ config checks, validated parameter pytrees (:class:`ValidatedParams`) and
 validating, jitted entry points over pure kernels (:func:`entry_point`).
 Checks see values only when their input is concrete (:func:`is_concrete`);
 under a caller's ``jit``/``vmap`` only dtypes, shapes and Python numbers,
-or values under ``checkify.checkify`` (:func:`checkify_distribution`).
-"""
+or values under ``checkify.checkify`` (:func:`checkify_distribution`)."""
 
 from __future__ import annotations
 
@@ -44,11 +43,35 @@ def require_positive_ints(config, *names: str) -> None:
                        f"integers, got {sizes}")
 
 
+def require_ints(config, names, low: int, why: str = "") -> None:
+  """Raises ``ValueError`` naming the first field of ``names`` that is not
+  an int >= ``low`` (nor ``None`` where ``None`` is its default)."""
+  for name in names:
+    v = getattr(config, name)
+    if not (isinstance(v, int) and v >= low or v is None
+            and config.__dataclass_fields__[name].default is None):
+      raise ValueError(f"{type(config).__name__}.{name} must be an int >= "
+                       f"{low}{f' ({why})' if why else ''}, got {v!r}")
+
+
 def positive_int(name: str, value) -> int:
   """``value`` as an ``int``; ``ValueError`` naming it unless an int >= 1."""
   if not isinstance(value, (int, np.integer)) or value < 1:
     raise ValueError(f"{name} must be a positive int, got {value!r}")
   return int(value)
+
+
+def one_of(name: str, value, options):
+  """``value``; ``ValueError`` naming ``name`` unless among ``options``."""
+  if value not in options:
+    raise ValueError(f"{name} must be one of {tuple(options)}, got {value!r}")
+  return value
+
+
+def require_choices(config, **options) -> None:
+  """:func:`one_of` on each field named (``Class.field``) of ``config``."""
+  for name, known in options.items():
+    one_of(f"{type(config).__name__}.{name}", getattr(config, name), known)
 
 
 def is_concrete(x) -> bool:
@@ -74,8 +97,7 @@ class ValidatedParams(tuple):
   ``ValueError`` on the fields as ``jnp`` arrays. Concrete fields (or
   nested lists) are converted and validated, ``_replace`` and ``_make``
   included; tracers and ``vmap`` axis specs pass unchecked, as do JAX's
-  rebuilds (:func:`register_unchecked_pytree`).
-  """
+  rebuilds (:func:`register_unchecked_pytree`)."""
 
   __slots__ = ()
   _fields_cls: ClassVar[Any]  # a NamedTuple class

@@ -83,14 +83,9 @@ class MLMConfig:
     if self.d_model % self.num_heads:
       raise ValueError(f"MLMConfig.d_model = {self.d_model} must be divisible "
                        f"by num_heads = {self.num_heads}")
-    for field, options in (("pos_init", POS_INITS), ("rel_pos", REL_POS),
-                           ("attention", ATTENTIONS)):
-      if getattr(self, field) not in options:
-        raise ValueError(f"MLMConfig.{field} must be one of {options}, got "
-                         f"{getattr(self, field)!r}")
-    if not (isinstance(self.state_readout, int) and self.state_readout >= 0):
-      raise ValueError(f"MLMConfig.state_readout must be an int >= 0, got "
-                       f"{self.state_readout!r}")
+    validation.require_choices(self, pos_init=POS_INITS, rel_pos=REL_POS,
+                               attention=ATTENTIONS)
+    validation.require_ints(self, ["state_readout"], 0)
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"MLMConfig.dtype must be float32 or bfloat16, got "
                        f"{self.dtype!r}")

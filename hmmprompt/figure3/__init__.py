@@ -9,13 +9,7 @@ machine) and :mod:`.workers` (one process per core) write, atomically (a
 rerun skips finished lines), DIR/sweep.json (the setup's identity),
 DIR/results.jsonl, DIR/figure3.{md,png} and DIR/pretrain/."""
 
-from hmmprompt.figure3.configs import PRESETS
-from hmmprompt.figure3.configs import Setup
-from hmmprompt.figure3.configs import get_setup
-from hmmprompt.figure3.schema import ResultLine
-from hmmprompt.figure3.schema import read_results
-from hmmprompt.figure3.schema import results_path
-from hmmprompt.figure3.reporting import mean_ci
-from hmmprompt.figure3.reporting import write_figure3_report
-from hmmprompt.figure3.sweep import BACKBONES
-from hmmprompt.figure3.sweep import run_sweep
+from hmmprompt.figure3.configs import PRESETS, Setup, get_setup
+from hmmprompt.figure3.schema import ResultLine, read_results, results_path
+from hmmprompt.figure3.reporting import mean_ci, write_figure3_report
+from hmmprompt.figure3.sweep import BACKBONES, run_sweep

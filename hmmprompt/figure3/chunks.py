@@ -72,8 +72,7 @@ def chunk_sizes(setup: configs.Setup,
       raise ValueError(f"--chunk={chunk!r}: sizes must be comma-separated "
                        f"integers, e.g. {panel}:{known[0] if known else 4}"
                        ) from None
-    bad = [s for s in chosen if s not in known]
-    if bad:
+    if bad := [s for s in chosen if s not in known]:
       raise ValueError(
           f"--chunk={chunk!r}: {bad} not among the {panel} panel's sizes "
           f"{known} ({'|H|' if panel == 'left' else '|M|'}) of this preset")
@@ -156,10 +155,9 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
   (default: :func:`sweep.run_sweep`; :func:`workers.chunk_compute`).
   ``info``: more ``run.json`` fields. ``deadline_s``: ``Schedule.stop_at``
   in seconds from the start (``run.json``'s ``stopped`` says where).
-  ``checkpoints`` (:data:`pretrain.CHECKPOINTS`; default ``always`` in a
-  kept ``workdir``, ``never`` in a temporary one, the only one it takes):
-  ``deadline`` writes a stack's checkpoint only where the deadline stops
-  it, for a next run on the same machine (an accelerator session's)."""
+  ``checkpoints``: :func:`resolve_checkpoints` (``deadline``: a stack's
+  checkpoint only where the deadline stops it, for a next run on the same
+  machine, an accelerator session's)."""
   t0 = time.monotonic()
   deadline = None if budget_s is None else t0 + budget_s
   stop_at = None if deadline_s is None else t0 + deadline_s
@@ -223,12 +221,11 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
 
 def seconds_per_trial(results_dir: str, margin: float = 1.2,
                       tuning_only: bool = False) -> float | None:
-  """Seconds per trial of ``results_dir``'s transformer stacks, a part of a
-  stack (``pretrain_part``) counted as a stack (pretraining wall time plus
-  each tuning group's program time; ``tuning_only``: the latter alone)
-  times ``margin`` (for draws, compiles and evaluations); ``None`` where it
-  has none."""
-  stacks: dict[tuple, dict] = {}  # a part of a stack counts as a stack
+  """Seconds per trial of ``results_dir``'s transformer stacks (a part of
+  one, ``pretrain_part``, counted as a stack): pretraining wall time plus
+  each tuning group's program time (``tuning_only``: the latter alone)
+  times ``margin`` (for draws, compiles and evaluations); ``None`` if none."""
+  stacks: dict[tuple, dict] = {}
   for r in schema.read_results(results_dir):
     if r.backbone != "transformer" or r.pretrain_wall_s is None:
       continue
@@ -238,8 +235,7 @@ def seconds_per_trial(results_dir: str, margin: float = 1.2,
     st["wall"] = max(st["wall"], r.pretrain_wall_s)
     st["groups"][(r.panel, r.method, r.features)] = r.seconds
     st["trials"].add(r.trial)
-  trials = sum(len(st["trials"]) for st in stacks.values())
-  if not trials:
+  if not (trials := sum(len(st["trials"]) for st in stacks.values())):
     return None
   return margin * sum((0.0 if tuning_only else st["wall"])
                       + sum(st["groups"].values())

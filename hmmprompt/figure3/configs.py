@@ -25,9 +25,8 @@ class Setup(protocol.TrialsConfig):
 
   Attributes:
     trials: HMM draws per size on the left panel (the paper: 20).
-    right_trials: HMM draws per size on the right panel (the paper: 5;
-      ``None``: ``trials``). A vanilla HMM both panels use is one stack of
-      the larger count; the right panel reads its first ``right_trials``.
+    right_trials: on the right panel (the paper: 5; ``None``: ``trials``);
+      a vanilla HMM of both panels is one stack of the larger count.
     tasks_per_hmm: tasks per trial; more than one separates task noise
       from HMM noise (the report shows both).
     left_sizes: ``|H|`` of the left panel's vanilla HMMs.
@@ -38,8 +37,8 @@ class Setup(protocol.TrialsConfig):
     finetune: add full fine-tuning of the transformer as a third arm.
     prompt_attention: Theorem 4.6's arm: prompt tuning with the attention
       head on each memory HMM of the right panel.
-    head_optimum: add, for every linear-head arm, a twin whose head is
-      solved to its optimum (``TuneConfig.optimizer = "lbfgs"``; lines
+    head_optimum: add a twin of every linear-head arm with its head solved
+      to its optimum (``TuneConfig.optimizer = "lbfgs"``; lines
       ``<method>_<head>_lbfgs``).
   """
 

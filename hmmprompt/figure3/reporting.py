@@ -141,17 +141,19 @@ def wins_table(lines: list[schema.ResultLine], floor: dict | None = None
 
 def floor_note(floor: dict) -> str:
   """Markdown stating each arm's noise floor (:func:`noise.read_floor`):
-  what the tables' differences are measured against; "" without one."""
+  what the tables' differences are measured against, or that none is."""
   if not floor:
-    return ""
+    return ("No noise floor is measured for these lines (`python -m "
+            "experiments.noise_floor --workdir=DIR`, docs/noise_floor.md): "
+            "the draw-by-draw table counts any difference.\n")
   rows = [(b, m, ", ".join(map(str, v["sizes"])), f"{v['seed_sd']:.1f}",
            f"{v['seed_range']:.1f}", f"{v['perturbed']:.1f}",
            "" if m != "head" or (d := noise.difference_floor(floor, b)) is None
            else f"{d:.1f}")
           for (b, m), v in sorted(floor.items())]
   return _section(
-      "The noise floor of each arm (test accuracy, points; "
-      f"{noise.FLOOR}: docs/noise_floor.md)",
+      "The noise floor of each arm (test accuracy, points; how it is "
+      "measured: docs/noise_floor.md)",
       ("backbone", "arm", "sizes measured", "tuning seeds (sd)",
        "largest seed range", "largest change at a 1e-6 perturbation",
        "prompt - head floor"), rows) + (
@@ -220,8 +222,7 @@ def inputs_note(lines) -> str:
           f"prompt included).")
 
 
-# The report's first lines and the plot's title where its lines are the
-# tiny preset's (:func:`smoke_note`).
+# The report's first words and the plot's title for the tiny preset's lines.
 SMOKE_TITLE = "A smoke test, not a result"
 
 
@@ -256,8 +257,7 @@ def write_table(summary: dict, path: str, extra: str = "",
                         "|X| = 10, x = |H|"),
                        ("right", "Right: memory HMM + attention head vs "
                         "vanilla HMM + linear head, x = |M||H|")):
-    cols = [k for k in summary if k[1] == panel]
-    if not cols:
+    if not (cols := [k for k in summary if k[1] == panel]):
       continue
     sizes = sorted({s for k in cols for s in summary[k]})
     paper = PAPER_LEFT if panel == "left" else PAPER_RIGHT
@@ -268,17 +268,16 @@ def write_table(summary: dict, path: str, extra: str = "",
         for s in sizes]) + [""]
     notes = [f"* {label}: {note}" for m, (label, note) in _ARMS.items()
              if any(k[3] == m for k in cols)]
-    if notes:
-      out += notes + [""]
+    out += notes + [""] if notes else []
   if extra:
     out.append(extra)
   files_lib.atomic_write_text(path, "\n".join(out))
 
 
-# The plot's styles (write_plot). An arm, (hmm, method), has a marker and a
-# colour, the same in both panels; the paper's curve of that arm has its
-# marker, open, on a grey dotted line. The backbone sets the line style, the
-# feature transform the marker's fill.
+# The plot's styles (write_plot): an arm, (hmm, method), has a marker and a
+# colour in both panels (the paper's curve of that arm: its marker, open, on
+# a grey dotted line); the backbone sets the line style, the features the
+# marker's fill; other keys take the spares in turn.
 _ARM_STYLES = {("vanilla", "head_linear"): ("s", "C0"),
                ("vanilla", "prompt_linear"): ("o", "C3"),
                ("vanilla", "head_linear_lbfgs"): ("D", "C4"),
@@ -286,8 +285,7 @@ _ARM_STYLES = {("vanilla", "head_linear"): ("s", "C0"),
                ("memory", "head_attention"): ("^", "C2"),
                ("memory", "prompt_attention"): ("v", "C6")}
 _MORE_ARM_STYLES = (("X", "C5"), ("*", "C8"), ("h", "C9"), ("<", "C7"))
-# The paper's curves' arms, in our keys.
-_PAPER_ARMS = {"prompt": ("vanilla", "prompt_linear"),
+_PAPER_ARMS = {"prompt": ("vanilla", "prompt_linear"),  # in our keys
                "head": ("vanilla", "head_linear"),
                "memory": ("memory", "head_attention"),
                "vanilla": ("vanilla", "head_linear")}
@@ -297,17 +295,14 @@ _FEATURE_FILLS = {"raw": "full", "log": "none", "standardized": "bottom"}
 _MORE_FILLS = ("left", "top")
 _PAPER_STYLE = dict(color="0.55", linestyle=":", fillstyle="none",
                     markersize=6, zorder=1.5)
-# Curves tied at a size are drawn side by side: each of a panel's curves is
-# drawn this many points right of the one before (the first to the last at
-# most _DODGE_SPAN points apart), its band with it; the paper's are not
-# moved, nor are any curve's data.
-_DODGE_PT = 5.5
-_DODGE_SPAN = 16.0
+# Curves tied at a size are drawn side by side: each of a panel's curves
+# (and its band) _DODGE_PT points right of the one before, the first to the
+# last at most _DODGE_SPAN apart; the paper's curves and all data stay put.
+_DODGE_PT, _DODGE_SPAN = 5.5, 16.0
 
 
 def _style(choices: dict, spares: tuple, seen: dict, key):
-  """``choices[key]``, else the next of ``spares`` for ``key`` (the same
-  in every panel, spares reused in turn)."""
+  """``choices[key]``, else ``key``'s spare (the same in every panel)."""
   if key in choices:
     return choices[key]
   return seen.setdefault(key, spares[len(seen) % len(spares)])
@@ -334,8 +329,7 @@ def write_plot(summary: dict, path: str, note: str = "") -> None:
   fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 5.2),
                            squeeze=False)
   seen: dict = {"arm": {}, "backbone": {}, "features": {}}
-  arm_style = lambda arm: _style(_ARM_STYLES, _MORE_ARM_STYLES, seen["arm"],
-                                 arm)
+  arm_style = lambda a: _style(_ARM_STYLES, _MORE_ARM_STYLES, seen["arm"], a)
   prompted = any(k[1] == "right" and k[3].startswith("prompt")
                  for k in summary)  # Theorem 4.6's arm
   titles = {"left": (PAPER_LEFT, "hidden states |H|", "Head vs prompt tuning"),
@@ -351,22 +345,20 @@ def write_plot(summary: dict, path: str, note: str = "") -> None:
     step = min(_DODGE_PT, _DODGE_SPAN / max(len(ours) - 1, 1))
     for i, k in enumerate(ours):
       backbone, _, hmm, method, features = k
-      d = summary[k]
-      xs = sorted(d)
-      m = np.array([d[x][0] for x in xs])
-      ci = np.nan_to_num(np.array([d[x][1] for x in xs]))
+      xs = sorted(summary[k])
+      m = np.array([summary[k][x][0] for x in xs])
+      ci = np.nan_to_num(np.array([summary[k][x][1] for x in xs]))
       marker, color = arm_style((hmm, method))
       fill = _style(_FEATURE_FILLS, _MORE_FILLS, seen["features"], features)
+      line = _style(_BACKBONE_LINES, _MORE_LINES, seen["backbone"], backbone)
       shift = ax.transData + mtransforms.ScaledTranslation(
           (i - (len(ours) - 1) / 2) * step / 72, 0, fig.dpi_scale_trans)
+      # A white rim parts the full markers of curves tied at a size.
+      rim = dict(markeredgecolor="white", markeredgewidth=0.7)
       ax.plot(xs, m, color=color, marker=marker, markersize=5.5,
-              linestyle=_style(_BACKBONE_LINES, _MORE_LINES, seen["backbone"],
-                               backbone),
-              fillstyle=fill,
-              markerfacecoloralt="white", label=_label(k), transform=shift,
-              # A white rim parts the markers of curves tied at a size.
-              **({} if fill != "full" else dict(markeredgecolor="white",
-                                                markeredgewidth=0.7)))
+              linestyle=line, fillstyle=fill, markerfacecoloralt="white",
+              label=_label(k), transform=shift, **(rim if fill == "full"
+                                                   else {}))
       lo, hi = np.maximum(m - ci, 0), np.minimum(m + ci, 100)
       ax.fill_between(xs, lo, hi, color=color, alpha=0.08, linewidth=0,
                       transform=shift)

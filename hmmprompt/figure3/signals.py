@@ -48,8 +48,7 @@ def archive_on_signal(save: Callable[[str], None], workdir: str | None = None,
       data = os.read(read_fd, 64)
       if done.is_set() or not data:
         return
-      sigs = [b for b in data if b in SIGNALS]
-      if not sigs:
+      if not (sigs := [b for b in data if b in SIGNALS]):
         continue
       name = signal.Signals(sigs[0]).name
       try:

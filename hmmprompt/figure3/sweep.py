@@ -22,6 +22,7 @@ from hmmprompt import generative
 from hmmprompt import files as files_lib
 from hmmprompt import identity as identity_lib
 from hmmprompt import pretrain as pretrain_lib
+from hmmprompt import validation
 from hmmprompt.backbones import Backbone
 from hmmprompt.backbones import depth as depth_lib
 from hmmprompt.backbones import exact
@@ -84,11 +85,10 @@ def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
               checkpoints: str = "always", stop_at: float | None = None,
               part: range | None = None, keep_by: float | None = None):
   """``(backbone, params_K, pretrain_K, configs_K, shallow)`` of ``mid``'s
-  trials (:func:`protocol.pretrained`, ``keep_by`` its; ``part``:
-  ``models_K`` are those trials of the stack): ``params_K`` ``[K, ...]``
-  padded to the deepest, row ``k``'s ``pretrain_*`` fields and own config
-  (``{}``, ``None``: exact), the backbone of each shallower depth; in
-  tuning dtype."""
+  trials (``models_K``: the stack's ``part``; :func:`protocol.pretrained`):
+  ``params_K`` padded to the deepest, row ``k``'s ``pretrain_*`` fields and
+  own config (``{}``, ``None``: exact), the backbone of each shallower
+  depth; in tuning dtype."""
   if backbone_name == "transformer":
     _, params_K, infos = protocol.pretrained(workdir, setup, mid, models_K,
                                              checkpoints, stop_at, part,
@@ -209,10 +209,8 @@ def missing_cells(setup: configs.Setup, workdir: str, panel: str,
   """:func:`protocol.missing` of ``workdir``'s lines over :func:`plan`'s
   models (or ``by_model``), cells ``(trial, task)``."""
   fp = setup.fingerprint(backbone_name)
-  if by_model is None:
-    by_model = plan(setup, panel, backbone_name)
   return protocol.missing(
-      by_model,
+      plan(setup, panel, backbone_name) if by_model is None else by_model,
       {line.key() for line in schema.read_results(workdir)},
       lambda g: {(k, s): (backbone_name, g.panel, g.model_id.hmm,
                           g.model_id.num_states, g.model_id.memory_size, k,
@@ -224,9 +222,7 @@ def missing_cells(setup: configs.Setup, workdir: str, panel: str,
 def _start(setup: configs.Setup, workdir: str, panel: str,
            backbone_name: str, schedule: scheduling.Schedule):
   """The checks, the plan and the stamped workdir: ``(by_model, sizes)``."""
-  if backbone_name not in BACKBONES:
-    raise ValueError(f"backbone must be one of {BACKBONES}, got "
-                     f"{backbone_name!r}")
+  validation.one_of("backbone", backbone_name, BACKBONES)
   if panel not in ("left", "right", "both"):
     raise ValueError(f"panel must be left, right or both, got {panel!r}")
   schedule.check()
@@ -322,8 +318,8 @@ class Parts(NamedTuple):
     workdir holds that run checkpointed (a deadline cut it), those it
     still trains from there."""
     part = self.of(mid, self.todo[mid])
-    trials = self.sizes[mid] if part is None else len(part)
-    return self._resumed(mid, part, trials)
+    return self._resumed(mid, part,
+                         self.sizes[mid] if part is None else len(part))
 
   def _resumed(self, mid: ModelId, part: range | None, trials: int) -> int:
     """``trials``, or the trials that the checkpointed run of ``part`` in

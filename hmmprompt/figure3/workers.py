@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -77,8 +78,8 @@ def run_workers(argv: list[str], count: int, workdir: str) -> None:
   claims_dir = tempfile.mkdtemp(prefix="hmmprompt-claims-")
   try:
     codes = spawn(argv, count, claims_dir)
-    faults = [_read(path) for path in sorted(glob.glob(
-        error_path(claims_dir, "*")))]
+    faults = [pathlib.Path(path).read_text() for path in sorted(
+        glob.glob(error_path(claims_dir, "*")))]
   finally:
     shutil.rmtree(claims_dir, ignore_errors=True)
     merge_results(workdir)
@@ -93,11 +94,6 @@ def error_path(claims_dir: str, worker: int | str) -> str:
   """Where worker ``worker`` leaves its fault (an ``OSError``'s text) for
   the parent, which stops the other workers and ends with it."""
   return os.path.join(claims_dir, f"error-worker{worker}")
-
-
-def _read(path: str) -> str:
-  with open(path) as f:
-    return f.read()
 
 
 def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
@@ -168,24 +164,21 @@ def _count_path(claims_dir: str) -> str:
 
 def progress(claims_dir: str, backbone: str
              ) -> Callable[[str], tuple[int, int]]:
-  """``progress(key)`` for :class:`scheduling.Schedule`: marks the tuning
-  group ``key`` finished (a file in ``claims_dir/finished-<backbone>/``)
-  and returns ``(groups the workers sharing claims_dir have finished, how
-  many workers share it)``, so each worker's progress lines count the
-  whole run with one total and share its estimate (:func:`spawn` writes
-  the count; 1 where it did not)."""
+  """``Schedule.progress``: marks the tuning group ``key`` finished (a file
+  in ``claims_dir/finished-<backbone>/``) and returns ``(groups the workers
+  sharing claims_dir have finished, how many share it)`` (:func:`spawn`
+  writes the count; 1 where it did not)."""
   folder = os.path.join(claims_dir, f"finished-{backbone}")
 
   def progress(key: str) -> tuple[int, int]:
     try:  # a progress line is not worth a fault
       os.makedirs(folder, exist_ok=True)
-      os.close(os.open(os.path.join(folder, key),
-                       os.O_CREAT | os.O_WRONLY))
+      pathlib.Path(folder, key).touch()
       finished = len(os.listdir(folder))
     except OSError:
       finished = 0
     try:
-      workers = int(_read(_count_path(claims_dir)))
+      workers = int(pathlib.Path(_count_path(claims_dir)).read_text())
     except (OSError, ValueError):
       workers = 1
     return finished, workers

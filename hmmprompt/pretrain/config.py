@@ -82,12 +82,9 @@ class PretrainConfig:
   exact_window: int = identity_lib.runtime(0)
 
   def __post_init__(self):
-    for name, known in (("targets", TARGETS), ("optimizer", OPTIMIZERS),
-                        ("fallback_init", FALLBACK_INITS),
-                        ("exact_method", hmm_lib.METHODS)):
-      if getattr(self, name) not in known:
-        raise ValueError(f"PretrainConfig.{name} must be one of {known}, "
-                         f"got {getattr(self, name)!r}")
+    validation.require_choices(
+        self, targets=TARGETS, optimizer=OPTIMIZERS,
+        fallback_init=FALLBACK_INITS, exact_method=hmm_lib.METHODS)
     if self.state_loss < 0 or self.state_loss_steps < 0:
       raise ValueError("PretrainConfig.state_loss and state_loss_steps must "
                        "be >= 0")
@@ -119,9 +116,7 @@ class PretrainConfig:
     if self.corpus.chunk_len > self.model.max_len:
       raise ValueError(f"corpus chunk_len {self.corpus.chunk_len} exceeds the "
                        f"model context max_len {self.model.max_len}")
-    if not isinstance(self.exact_window, int) or self.exact_window < 0:
-      raise ValueError(f"PretrainConfig.exact_window must be an int >= 0 "
-                       f"(0: by backend), got {self.exact_window!r}")
+    validation.require_ints(self, ["exact_window"], 0, "0: by backend")
     validation.require_positive(self, "batch_size", "epochs", "log_every",
                                 "eval_every", "ckpt_every", "keep",
                                 "eval_batch", optional=("steps",))
@@ -134,11 +129,8 @@ class PretrainConfig:
       if self.steps != sum(self.cycles):
         raise ValueError(f"PretrainConfig.steps = {self.steps} must equal "
                          f"sum(cycles) = {sum(self.cycles)}")
-    if not (isinstance(self.trials_per_vmap, int)
-            and self.trials_per_vmap >= 0):
-      raise ValueError(f"PretrainConfig.trials_per_vmap must be an int >= 0 "
-                       f"(0: all trials in one vmap), got "
-                       f"{self.trials_per_vmap!r}")
+    validation.require_ints(self, ["trials_per_vmap"], 0,
+                            "0: all trials in one vmap")
     retain = self.retain
     if (not isinstance(retain, tuple)
         or not all(isinstance(s, int) and not isinstance(s, bool)

@@ -8,6 +8,7 @@ import jax
 
 from hmmprompt import config_flags
 from hmmprompt import generative
+from hmmprompt import validation
 from hmmprompt.pretrain import config as config_lib
 
 
@@ -25,9 +26,7 @@ class Job:
   trials: int = 1
 
   def __post_init__(self):
-    if self.model_kind not in generative.KINDS:
-      raise ValueError(f"model_kind must be one of {generative.KINDS}, got "
-                       f"{self.model_kind!r}")
+    validation.one_of("model_kind", self.model_kind, generative.KINDS)
     if not isinstance(self.trials, int) or self.trials < 1:
       raise ValueError(f"trials must be an int >= 1, got {self.trials!r}")
 

@@ -18,6 +18,7 @@ from hmmprompt import checkpoints as ckpt_lib
 from hmmprompt import corpus as corpus_lib
 from hmmprompt import generative
 from hmmprompt import sharding as sharding_lib
+from hmmprompt import validation
 from hmmprompt.backbones import Backbone
 from hmmprompt.backbones import transformer
 from hmmprompt.pretrain import curves as curves_lib
@@ -54,21 +55,17 @@ cut), ``deadline`` one only when ``stop_at`` stops the run (a kept workdir
 that only a deadline cuts: an accelerator command's, where a checkpoint of
 a 20-trial BERT-width stack is ~7 GB), ``never`` none (a temporary one)."""
 
-# The rate a stop's checkpoint is assumed to be written at: the stack stops
-# that much earlier so the save ends by ``stop_at``, before the signal that
-# follows a deadline (accelerator_session.sh sends SIGTERM 20 s later). Not
-# measured alone on a device yet (the stop logs its own rate): on the H200
-# (2026-11-26) a 20-trial checkpoint (0.34 GB a trial with Muon's state),
-# an evaluation of 20 trials and a recompile took 73 s together.
+# The rate a stop's checkpoint is assumed written at: the stack stops that
+# much earlier so the save ends by ``stop_at``, before the SIGTERM that
+# accelerator_session.sh sends 20 s later. On the H200 (2026-11-26) a
+# 20-trial checkpoint (0.34 GB a trial with Muon's state), an evaluation of
+# 20 trials and a recompile took 73 s together (the stop logs its rate).
 SAVE_BYTES_PER_S = 150e6
 
 
 def check_checkpoints(checkpoints: str) -> str:
   """``checkpoints`` if one of :data:`CHECKPOINTS`, else ``ValueError``."""
-  if checkpoints not in CHECKPOINTS:
-    raise ValueError(f"checkpoints must be one of {CHECKPOINTS}, got "
-                     f"{checkpoints!r}")
-  return checkpoints
+  return validation.one_of("checkpoints", checkpoints, CHECKPOINTS)
 
 
 class DeadlineReached(Exception):
@@ -178,15 +175,14 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   """Pretrains (or resumes, bit for bit) K transformers in ``workdir``, one
   per trial of ``models_K``, in one jitted step; returns each trial's final
   ``metrics.jsonl`` line. Trial ``k`` is trial ``k`` alone with ``seed =
-  cfg.seed + k`` (:class:`Keys`) and stops on its own at the target gap:
-  it leaves the stack that steps and is saved once, as it stopped, while
-  the checkpoints hold the trials still running (the layout:
+  cfg.seed + k`` (:class:`Keys`); at the target gap it leaves the stack and
+  is saved once, as it stopped (the layout:
   :mod:`~hmmprompt.pretrain.workdir`). ``after_step(step)`` runs after each
-  step; past ``stop_at`` (``time.monotonic()``), less the time to write
-  that checkpoint at :data:`SAVE_BYTES_PER_S`, the step in hand is
-  checkpointed and :class:`DeadlineReached` raised. ``cfg.retain``'s steps
-  are saved as they pass (a resume logs those trained past unretained). A
-  trial that :meth:`PretrainConfig.falls_back` trains again in
+  step; past ``stop_at`` (``time.monotonic()``) less the checkpoint's time
+  at :data:`SAVE_BYTES_PER_S`, the step in hand is checkpointed and
+  :class:`DeadlineReached` raised. ``cfg.retain``'s steps are saved as they
+  pass (a resume logs those trained past unretained). A trial that
+  :meth:`PretrainConfig.falls_back` trains again in
   :func:`~hmmprompt.pretrain.workdir.fallback_dir`.
 
   Raises:
@@ -353,8 +349,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
       if s > start:  # saved by a run cut before its checkpoint: redone
         stopped.delete(s)
   states = jax.device_put(states, rep)
-  # The state in hand is step ``start``'s: a crash may have cut its
-  # retained copy off.
+  # The state in hand is step start's: a crash may have cut its retained copy.
   retained = (ckpt_lib.Checkpoints(paths.retained, keep=None)
               if cfg.retain else None)
   have = set(retained.all_steps()) if retained else set()
@@ -404,9 +399,8 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   wall_before = max((m.get("wall_s", 0.0) for m in metrics), default=0.0)
   t_run = time.perf_counter()
 
-  def stacked_vals(rows):
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *[vals[int(k)]
-                                                     for k in rows])
+  stacked_vals = lambda rows: jax.tree.map(
+      lambda *xs: jnp.stack(xs), *[vals[int(k)] for k in rows])
 
   def evaluate(step, sub, rows, n, vals_N):
     """Appends (and writes) the metrics of trials ``rows[:n]`` (``vals_N``:
@@ -444,8 +438,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   if unsaved and stopped is not None and running and start < total:
     workdir_lib.save_rows(stopped, start, states, unsaved)
 
-  # The stack stops early enough for the stop's checkpoint to be written
-  # by stop_at.
+  # The stack stops early enough for its stop's checkpoint to end by stop_at.
   trial_bytes = 0 if stop_at is None or ckpts is None else sum(
       x.size * x.dtype.itemsize
       for x in jax.tree.leaves(train.abstract_states(cfg, 1)))

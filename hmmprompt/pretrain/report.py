@@ -121,8 +121,7 @@ def write_plot(runs, path: str) -> list[tuple[str, int]]:
 def section(workdir: str) -> str:
   """Writes ``DIR/pretraining.png`` (:func:`write_plot`); returns
   :func:`table`, the plot linked, the stalled trials named ("" if none)."""
-  found = runs(workdir)
-  if not found:
+  if not (found := runs(workdir)):
     return ""
   text = table(found) + (
       f"\n![Held-out Bayes gap of every pretrained trial against training "

@@ -128,18 +128,16 @@ def loss_targets(cfg: PretrainConfig, hmm, inputs_BxT, tokens_BxT, weights_BxT):
       hmm, inputs_BxT, weights_BxT))
 
 
-# exact_window's choice on accelerators: there the targets' scan costs the
-# latency of its 2T dependent steps, nearly flat in the batch, so 16 steps'
-# worth should cost little more than one step's (docs/performance.md,
-# "Exact targets of 16 steps in one call").
 _ACCELERATOR_WINDOW = 16
 
 
 def exact_window(cfg: PretrainConfig) -> int:
   """Steps whose exact targets the loop computes in one call ahead of them:
-  ``cfg.exact_window``, or for 0 :data:`_ACCELERATOR_WINDOW` off the CPU
-  and 1 on it (the targets computed inside each step, where the scan is
-  bound by its arithmetic). 1 with sampled targets: nothing to compute."""
+  ``cfg.exact_window``, or for 0 :data:`_ACCELERATOR_WINDOW` off the CPU,
+  where the targets' scan costs the latency of its 2T dependent steps,
+  nearly flat in the batch (docs/performance.md, "Exact targets of 16 steps
+  in one call"), and 1 on it, where it is bound by its arithmetic (the
+  targets computed inside each step). 1 with sampled targets."""
   if cfg.targets != "exact":
     return 1
   if cfg.exact_window:

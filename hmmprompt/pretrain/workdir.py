@@ -4,8 +4,7 @@ Layout :data:`LAYOUT`: ``config.json``, ``hmm.npz`` (the models ``[K]``),
 ``checkpoints/`` (orbax, rotated: ``{"trials": [R], "states": TrainState [R]}``,
 the trials still running), ``stopped/`` (each trial once, as it stopped),
 ``metrics.jsonl``, ``retained/`` (:attr:`PretrainConfig.retain`). Layout 2 and
-layout-1 stacked runs resume and load as they are.
-"""
+layout-1 stacked runs resume and load as they are."""
 
 from __future__ import annotations
 
@@ -71,16 +70,14 @@ def prepare(workdir: str, cfg: PretrainConfig,
   paths = Paths.of(workdir)
   os.makedirs(workdir, exist_ok=True)
   if os.path.exists(paths.config):
-    _, old = read_config(paths)
     if diff := identity_lib.differences(
-        old.identity(), cfg.identity(),
+        read_config(paths)[1].identity(), cfg.identity(),
         defaults=identity_lib.added_defaults(cfg)):
       raise ValueError(f"{workdir} holds a run with a different config "
                        f"({'; '.join(diff)}); use a new --workdir (or "
                        f"delete it) to start another")
     old_models = generative.load(paths.model)
-    had = generative.num_trials(old_models)
-    has = generative.num_trials(models_K)
+    had, has = map(generative.num_trials, (old_models, models_K))
     if had is None:
       raise ValueError(_LAYOUT1_SINGLE.format(workdir=workdir))
     if had != has:
@@ -98,8 +95,8 @@ def prepare(workdir: str, cfg: PretrainConfig,
 
 def read_metrics(paths: Paths, upto: int | None = None) -> list[dict]:
   """Evaluation lines, those after step ``upto`` dropped."""
-  lines = files_lib.read_jsonl(paths.metrics)
-  return [m for m in lines if upto is None or m["step"] <= upto]
+  return [m for m in files_lib.read_jsonl(paths.metrics)
+          if upto is None or m["step"] <= upto]
 
 
 def write_metrics(paths: Paths, metrics: list[dict]) -> None:
@@ -182,8 +179,7 @@ def _open_run(workdir: str) -> tuple[Paths, PretrainConfig, generative.Model,
     if not os.path.exists(path):
       raise FileNotFoundError(f"{path} not found: {workdir} is not a "
                               f"pretraining workdir")
-  _, cfg = read_config(paths)
-  models_K = generative.load(paths.model)
+  cfg, models_K = read_config(paths)[1], generative.load(paths.model)
   if (num := generative.num_trials(models_K)) is None:
     raise ValueError(_LAYOUT1_SINGLE.format(workdir=workdir))
   return paths, cfg, models_K, num
@@ -298,8 +294,7 @@ def load_retained(workdir: str) -> tuple[Backbone, Any, list[int], list[dict]]:
         f"pretrain with PretrainConfig.retain set")
   retained = ckpt_lib.Checkpoints(paths.retained, keep=None)
   try:
-    steps = retained.all_steps()
-    if not steps:
+    if not (steps := retained.all_steps()):
       raise FileNotFoundError(
           f"no retained checkpoints in {paths.retained}: pretrain with "
           f"PretrainConfig.retain set (a runtime field: the steps already "

@@ -30,7 +30,8 @@ from hmmprompt.backbones import exact
 # Bumped when a line's meaning changes for the same setup.
 LAYOUT = 1
 BACKBONES = ("transformer", "exact")
-# TuneConfig fields the curve's identity holds whatever their value.
+# TuneConfig fields the curve's identity holds at any value (it was keyed
+# before they became identity.ADDED).
 _TUNE_KEYED = ("optimizer", "lbfgs_tol", "lbfgs_max_steps", "lbfgs_l2")
 
 
@@ -69,8 +70,6 @@ class CurveSetup(protocol.TrialsConfig):
     """What DIR/curve.json records and :meth:`fingerprint` hashes: every
     result-deciding field, the checkpoint schedule and the versions."""
     ident = identity_lib.identity(self)
-    # Keyed before TuneConfig's L-BFGS fields became identity.ADDED: the
-    # curve's identity keeps them at any value.
     ident["tune"].update({n: getattr(self.tune, n) for n in _TUNE_KEYED})
     return json.loads(json.dumps(
         {**ident, "retain": self.pretrain.retain,
@@ -231,8 +230,7 @@ def tune_group(setup: CurveSetup, g: Group, stack: protocol.Stack,
   steps: tuple[int | None, ...]
   quality: list[list[dict[str, Any]]]  # [Q][K]
   if g.backbone == "transformer":
-    assert ckpts is not None, (
-        "run_curve() prepares a transformer group's checkpoints")
+    assert ckpts is not None, "run_curve prepares a transformer's checkpoints"
     steps, backbone = setup.pretrain.retain, ckpts.backbone
     params = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]),
                           ckpts.params_QxK)

@@ -6,23 +6,10 @@ backbone's params are never differentiated.
 :mod:`~hmmprompt.tuning.config` says what a run is,
 :mod:`~hmmprompt.tuning.loop` runs it (:func:`run_seed`, :func:`tune`)."""
 
-from hmmprompt.tuning.config import METHODS
-from hmmprompt.tuning.config import OPTIMIZERS
-from hmmprompt.tuning.config import SPLITS
-from hmmprompt.tuning.config import Data
-from hmmprompt.tuning.config import Method
-from hmmprompt.tuning.config import TuneConfig
-from hmmprompt.tuning.config import backbone_head_inputs
-from hmmprompt.tuning.config import data_from_task
-from hmmprompt.tuning.config import num_steps
-from hmmprompt.tuning.loop import Result
-from hmmprompt.tuning.loop import init_tunable
-from hmmprompt.tuning.loop import run_seed
-from hmmprompt.tuning.loop import stack_data
-from hmmprompt.tuning.loop import tune
-from hmmprompt.tuning.loop import lane_group_for
-from hmmprompt.tuning.loop import tune_many
-from hmmprompt.tuning.loop import tune_trials
-from hmmprompt.tuning.optim import tuning_lr
-from hmmprompt.tuning.optim import tuning_optimizer
+from hmmprompt.tuning.config import (METHODS, OPTIMIZERS, SPLITS, Data, Method,
+                                     TuneConfig, backbone_head_inputs,
+                                     data_from_task, num_steps)
+from hmmprompt.tuning.loop import (Result, init_tunable, run_seed, stack_data,
+                                   tune, lane_group_for, tune_many, tune_trials)
+from hmmprompt.tuning.optim import tuning_lr, tuning_optimizer
 

@@ -102,13 +102,9 @@ class TuneConfig:
   backbone_dtype: str = identity_lib.added("float32")
 
   def __post_init__(self):
-    for field, registry in (("backbone_dtype", BACKBONE_DTYPES),
-                            ("method", METHODS), ("head", heads.HEADS),
-                            ("features", heads.TRANSFORMS),
-                            ("optimizer", OPTIMIZERS)):
-      if getattr(self, field) not in registry:
-        raise ValueError(f"TuneConfig.{field} must be one of "
-                         f"{tuple(registry)}, got {getattr(self, field)!r}")
+    validation.require_choices(
+        self, backbone_dtype=BACKBONE_DTYPES, method=METHODS,
+        head=heads.HEADS, features=heads.TRANSFORMS, optimizer=OPTIMIZERS)
     if self.optimizer == "lbfgs" and not METHODS[self.method].caches_features:
       cached = tuple(m for m, v in METHODS.items() if v.caches_features)
       raise ValueError(

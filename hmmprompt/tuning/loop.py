@@ -17,11 +17,8 @@ from hmmprompt import heads
 from hmmprompt import tasks as tasks_lib
 from hmmprompt.backbones import Backbone
 from hmmprompt.tuning import optim
-from hmmprompt.tuning.config import METHODS
-from hmmprompt.tuning.config import SPLITS
-from hmmprompt.tuning.config import Data
-from hmmprompt.tuning.config import TuneConfig
-from hmmprompt.tuning.config import num_steps
+from hmmprompt.tuning.config import (METHODS, SPLITS, Data, TuneConfig,
+                                     num_steps)
 
 
 def init_tunable(key, backbone: Backbone, bparams, cfg: TuneConfig,

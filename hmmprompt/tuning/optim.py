@@ -9,8 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from hmmprompt.tuning.config import METHODS
-from hmmprompt.tuning.config import TuneConfig
+from hmmprompt.tuning.config import METHODS, TuneConfig
 
 
 def tuning_lr(total: int, cfg: TuneConfig):
@@ -29,8 +28,7 @@ def tuning_optimizer(total: int, cfg: TuneConfig):
   """Adam on :func:`tuning_lr`; the method's ``slow_keys`` (fine-tuning's
   ``"backbone"``) on their own schedule peaking at ``cfg.backbone_lr``."""
   opt = optax.adam(tuning_lr(total, cfg))
-  slow_keys = METHODS[cfg.method].slow_keys
-  if not slow_keys:
+  if not (slow_keys := METHODS[cfg.method].slow_keys):
     return opt
   slow = optax.adam(tuning_lr(total, dataclasses.replace(
       cfg, lr=cfg.backbone_lr)))
