@@ -11,8 +11,6 @@ with DIR's lines set beside ``--committed``'s and, where DIR holds
 ``--config.head_optimum`` lines, Adam beside the optimum. Reruns resume.
 """
 
-from __future__ import annotations
-
 import os
 
 from absl import app
@@ -22,7 +20,7 @@ from experiments import cli
 from hmmprompt import files as files_lib
 from hmmprompt.figure3 import configs
 from hmmprompt.figure3 import noise
-from hmmprompt.figure3 import schema
+from hmmprompt.figure3 import reporting
 from hmmprompt.figure3 import sweep
 
 _PRESET = flags.DEFINE_enum("preset", "cpu_paper", list(configs.PRESETS),
@@ -44,8 +42,7 @@ flags.adopt_module_key_flags(cli)
 
 @cli.one_line_errors
 def main(argv):
-  t0 = cli.start(argv, workdir=_WORKDIR.value)
-  workdir = _WORKDIR.value
+  t0, workdir = cli.start(argv, workdir=_WORKDIR.value), _WORKDIR.value
   with cli.usage_errors():
     setup = configs.get_setup(_PRESET.value, _CONFIG.value())
     configs.check_run(setup, _BACKBONE.value)
@@ -55,27 +52,12 @@ def main(argv):
     for name in _BACKBONE.value:
       noise.run(setup, workdir, name, sizes, _TRIALS.value,
                 _REPLICATES.value, _REL.value)
-  lines = schema.read_results(workdir)
-  parts = [f"# The tuning noise floor: preset {_PRESET.value}, |H| = "
+  title = (f"The tuning noise floor: preset {_PRESET.value}, |H| = "
            f"{', '.join(map(str, sizes))}, {_TRIALS.value} draws, "
-           f"{_REPLICATES.value} tuning seeds", "",
-           noise.report(workdir, os.path.join(workdir, noise.FLOOR))]
-  if rows := noise.adam_vs_optimum(lines):
-    parts += ["## Adam against the optimum (head, test accuracy, points)",
-              "", *files_lib.markdown_table(
-                  ("backbone", "panel", "size", "lines",
-                   "Adam > 1 point below", "mean shortfall",
-                   "largest shortfall", "prompt - Adam head",
-                   "prompt - optimum head"), rows), ""]
-  if _COMMITTED.value:
-    parts += [f"## Beside the lines of {_COMMITTED.value}", "",
-              *files_lib.markdown_table(
-                  ("backbone", "arm", "size", "lines", "differ",
-                   "largest accuracy change", "largest gap change (nats)"),
-                  noise.reproduction(lines, schema.read_results(
-                      _COMMITTED.value))), ""]
+           f"{_REPLICATES.value} tuning seeds")
   page = os.path.join(workdir, "noise_floor.md")
-  files_lib.atomic_write_text(page, "\n".join(parts))
+  files_lib.atomic_write_text(page, reporting.noise_floor_page(
+      workdir, title, _COMMITTED.value))
   cli.done(t0, report=page)
 
 

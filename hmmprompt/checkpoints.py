@@ -1,7 +1,5 @@
 """Thin wrapper over orbax-checkpoint; only finite states are ever saved."""
 
-from __future__ import annotations
-
 import errno
 import logging
 import os

@@ -3,8 +3,6 @@
 are ``experiments/cli.py``'s), parsed by type (``4,8`` or ``4:8`` for a
 tuple, ``none``) and applied so every ``__post_init__`` check runs."""
 
-from __future__ import annotations
-
 import dataclasses
 import functools
 import types

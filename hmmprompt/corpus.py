@@ -10,8 +10,6 @@ the true tokens: the sampled token's one-hot has them as its mean, so
 cross-entropy to them has the same expected gradient with less variance.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import functools
 

@@ -2,8 +2,6 @@
 typed lines (:class:`Line`, one JSONL line per finished cell, keyed for
 resume) and workdir stamps (:func:`stamp`: one workdir, one setup)."""
 
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import glob

@@ -6,8 +6,6 @@ backbones, pretraining, the sweep) goes through these functions instead of
 telling the kinds apart itself, so a new kind is added here once.
 """
 
-from __future__ import annotations
-
 import functools
 import hashlib
 import io

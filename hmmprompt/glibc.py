@@ -3,8 +3,6 @@
 for XLA:CPU's sake (docs/performance.md, "Where the system time went"; the
 resident size stays at its peak), and end a worker with its parent."""
 
-from __future__ import annotations
-
 import ctypes
 import ctypes.util
 import functools

@@ -13,8 +13,6 @@ e(x_i))``, ``logits = Σ_i a_i v_i``. Both registered by name
 interfaces.
 """
 
-from __future__ import annotations
-
 import dataclasses
 from collections.abc import Callable
 from typing import Any

@@ -38,8 +38,6 @@ points on tokens, here and in :mod:`~hmmprompt.memory`, share three rules:
   inside ``jit`` with :func:`checkify_tokens` under ``checkify``.
 """
 
-from __future__ import annotations
-
 from typing import NamedTuple
 
 import jax

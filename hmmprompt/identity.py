@@ -3,8 +3,6 @@ A config (frozen dataclasses) has as its identity the JSON-able dict of the
 fields that decide results: all but :data:`RUNTIME` ones (and :data:`ADDED`
 ones at their default)."""
 
-from __future__ import annotations
-
 import dataclasses
 import hashlib
 import json

@@ -12,8 +12,6 @@ on the product HMM on ``(m_1..m_N, j, s)``, of at most
 :data:`MAX_PRODUCT_STATES` states. Entry points and kernels as in :mod:`hmm`.
 """
 
-from __future__ import annotations
-
 import itertools
 from typing import NamedTuple
 

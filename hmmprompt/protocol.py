@@ -3,8 +3,6 @@ pretraining curve and a user's own experiment: config fields, HMM draws and
 tuning arms (one seed, the same draws everywhere), a size's stack of trials,
 one tuning program over lanes and the resume loop (:func:`run_stacks`)."""
 
-from __future__ import annotations
-
 import dataclasses
 import math
 import os

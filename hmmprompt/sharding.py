@@ -1,8 +1,6 @@
 """Data parallelism with jax.sharding: one mesh axis over all devices (of
 every process after ``jax.distributed.initialize``; docs/multihost.md)."""
 
-from __future__ import annotations
-
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np

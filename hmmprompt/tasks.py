@@ -13,8 +13,6 @@ A dataset whose majority label (over all splits) exceeds
 ``max_label_share`` is re-drawn (:func:`make_tasks`), as the original did.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import functools
 from typing import NamedTuple, cast

@@ -10,8 +10,6 @@ condition number too). ``mu`` is the task's ``[C, Z]`` weight matrix,
 ``supp(mu)`` the latent values with a non-zero weight in any row.
 """
 
-from __future__ import annotations
-
 import itertools
 from typing import Any, NamedTuple
 

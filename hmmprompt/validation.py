@@ -5,8 +5,6 @@ Checks see values only when their input is concrete (:func:`is_concrete`);
 under a caller's ``jit``/``vmap`` only dtypes, shapes and Python numbers,
 or values under ``checkify.checkify`` (:func:`checkify_distribution`)."""
 
-from __future__ import annotations
-
 import functools
 from collections.abc import Callable
 from typing import Any, ClassVar, ParamSpec, TypeVar

@@ -125,7 +125,7 @@ def test_adam_against_the_optimum_and_lines_beside_committed_ones():
 def test_too_few_trials_or_replicates_are_refused_by_name(tmp_path):
   with pytest.raises(ValueError, match="at least 2 trials and 2 replicates"):
     noise.run(SETUP, str(tmp_path), "exact", [12], trials=2, replicates=1)
-  with pytest.raises(ValueError, match="3 trials asked, the setup draws 2"):
+  with pytest.raises(ValueError, match="at most the setup's 2 trials; got 3"):
     noise.run(SETUP, str(tmp_path), "exact", [12], trials=3, replicates=2)
 
 

@@ -10,8 +10,6 @@ of ``apply``, the others skipped where it can; ``prompt_embedding(raw [P,
 D]) -> [P, D]``, raw prompt parameters to valid embeddings; ``finetunable``:
 every params leaf is free (not the exact backbone's stochastic matrices)."""
 
-from __future__ import annotations
-
 import dataclasses
 from collections.abc import Callable
 from typing import Any

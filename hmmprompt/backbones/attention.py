@@ -1,8 +1,6 @@
 """``jax.nn.dot_product_attention`` as the transformer calls it: on cuDNN
 where it can, vmapped by folding, differentiable (comments below)."""
 
-from __future__ import annotations
-
 import functools
 import re
 

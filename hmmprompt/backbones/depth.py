@@ -1,8 +1,6 @@
 """Depth surgery on an ``MLM``'s params (any leading axes) for pretraining's
 fallbacks (``fallback_layers``, :mod:`hmmprompt.pretrain.workdir`)."""
 
-from __future__ import annotations
-
 import jax
 import jax.numpy as jnp
 

@@ -5,8 +5,6 @@ Appendix B's message passing, ``W τ_t / ||τ_t||_1``. A memory HMM runs as
 its product-state HMM (``D = |M||H|``). Soft prompts go through a sigmoid
 into ``[0, 1]^H`` ("fake tokens", Section 3.1)."""
 
-from __future__ import annotations
-
 import jax
 
 from hmmprompt import hmm as hmm_lib

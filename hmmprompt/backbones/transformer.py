@@ -4,8 +4,6 @@ ids are the HMM's symbols ``0..V-1`` plus ``[MASK]`` = ``V`` (``hmm.MASK``
 maps to it). ``embed`` and ``encode`` split the forward pass so soft prompts
 can be prepended (positions then count the prompt)."""
 
-from __future__ import annotations
-
 import dataclasses
 import functools
 

@@ -5,8 +5,6 @@ adds back (the binary: ``experiments/in_chunks.py``). Under a deadline a
 stack that does not fit runs in parts of whole trials
 (:class:`~hmmprompt.figure3.sweep.Parts`)."""
 
-from __future__ import annotations
-
 import dataclasses
 import glob
 import json

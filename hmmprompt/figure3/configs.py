@@ -2,8 +2,6 @@
 number that decides a result line is a field of :class:`Setup`;
 :func:`get_setup` is the one way in (each leaf a ``--config.<path>`` flag)."""
 
-from __future__ import annotations
-
 import dataclasses
 from typing import Any
 from collections.abc import Mapping

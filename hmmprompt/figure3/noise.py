@@ -1,15 +1,10 @@
 """The tuning noise floor: how much of a result line is the optimiser.
 
-On one backbone and task, a line's accuracy still depends on the tuning's
-own randomness (initialisation, batch order) and, across machines, on float
-rounding. :func:`run` measures both for a subset of a sweep's left panel:
-each draw's head and prompt arms tuned with ``replicates`` tuning seeds
-(replicate 0 is the sweep's own key, so it is the sweep's line), and once
-more on the backbone perturbed at rounding level. The lines go to their own
-file, ``DIR/replicates.jsonl``: they never re-key or alter the sweep's.
-:func:`summarize` turns them into the floor a report quotes per arm."""
-
-from __future__ import annotations
+:func:`run` tunes a sweep's left-panel draws again with ``replicates``
+tuning seeds (replicate 0 is the sweep's own key, so its line) and once on
+the backbone perturbed at rounding level, into ``DIR/replicates.jsonl``:
+never re-keying or altering the sweep's lines. :func:`summarize` and
+:func:`arm_floor` turn them into the floor a report quotes per arm."""
 
 import dataclasses
 import json
@@ -29,9 +24,7 @@ REPLICATES = "replicates.jsonl"
 FLOOR = "noise_floor.json"  # what a results directory's report reads
 PERTURBED = -1  # the replicate index of the perturbed backbone's line
 ARMS = ("head", "prompt")
-# Keys of replicates r > 0: fold_in(the cell's tune key, STREAM + r), a
-# stream no other fold_in of a tune key uses.
-_STREAM = 7_000
+_STREAM = 7_000  # replicate r > 0: fold_in(tune key, _STREAM + r), unused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +57,8 @@ def replicate_key(setup: configs.Setup, trial: int, task: int, r: int):
 
 
 def perturb(key, params, rel: float):
-  """``params`` times ``1 + rel * N(0, 1)``, a draw per element; an exact
-  backbone's HMM rows are renormalised, so they stay distributions (zeros
-  stay zero). ``rel`` = 0: ``params`` themselves (renormalising alone
-  would move them by rounding)."""
+  """``params`` times ``1 + rel * N(0, 1)`` elementwise, an HMM's rows
+  renormalised (zeros stay zero); ``rel`` = 0: ``params`` themselves."""
   if rel == 0:
     return params
   leaves, treedef = jax.tree.flatten(params)
@@ -80,7 +71,7 @@ def perturb(key, params, rel: float):
   return params
 
 
-def path(workdir: str) -> str:
+def path(workdir: str) -> str:  # the replicates' file
   return os.path.join(workdir, REPLICATES)
 
 
@@ -92,12 +83,10 @@ def run(setup: configs.Setup, workdir: str, backbone_name: str,
   the perturbed backbone (one program per arm, size and depth). A group
   already in the file is skipped, so a rerun resumes. The transformers are
   the sweep's in ``workdir`` (pretrained there if missing)."""
-  if trials < 2 or replicates < 2:
+  if min(trials, replicates) < 2 or trials > setup.trials:
     raise ValueError(f"a noise floor needs at least 2 trials and 2 "
-                     f"replicates, got {trials} and {replicates}")
-  if trials > setup.trials:
-    raise ValueError(f"{trials} trials asked, the setup draws "
-                     f"{setup.trials} per size")
+                     f"replicates, and at most the setup's {setup.trials} "
+                     f"trials; got {trials} and {replicates}")
   fp = setup.fingerprint(backbone_name)
   done = {(r.backbone, r.size, r.method)
           for r in files_lib.read_lines(path(workdir), ReplicateLine)
@@ -179,18 +168,16 @@ def summarize(lines: Sequence[ReplicateLine]) -> dict:
 
 
 def arm_floor(summary: dict) -> dict:
-  """Per ``(backbone, method)``: ``seed_sd`` pooled over sizes, and the
-  largest ``seed_range`` and ``perturbed`` of any size (points)."""
-  out: dict = {}
-  for (backbone, _, method), s in summary.items():
-    out.setdefault((backbone, method), []).append(s)
-  return {k: {"seed_sd": float(np.sqrt(np.mean([s["seed_sd"] ** 2
-                                                for s in v]))),
-              "seed_range": max(s["seed_range"] for s in v),
-              "perturbed": max(s["perturbed"] for s in v),
-              "sizes": sorted({size for (b, size, m) in summary
-                               if (b, m) == k})}
-          for k, v in out.items()}
+  """Per ``(backbone, method)``: ``seed_sd`` pooled over sizes, the largest
+  ``seed_range`` and ``perturbed`` of any size (points), the ``sizes``."""
+  by: dict = {}
+  for (backbone, size, method), s in summary.items():
+    by.setdefault((backbone, method), {})[size] = s
+  pool = lambda v, k, f=max: f([s[k] for s in v.values()])
+  return {key: {"seed_sd": float(np.sqrt(pool(v, "seed_sd", lambda x: np.mean(
+      np.square(x))))), "seed_range": pool(v, "seed_range"),
+                "perturbed": pool(v, "perturbed"), "sizes": sorted(v)}
+          for key, v in by.items()}
 
 
 def difference_floor(floor: dict, backbone: str, a: str = "prompt",
@@ -205,15 +192,11 @@ def difference_floor(floor: dict, backbone: str, a: str = "prompt",
   return 2.0 * float(np.hypot(fa["seed_sd"], fb["seed_sd"]))
 
 
-def write_floor(workdir: str, out_path: str) -> dict:
-  """Writes :func:`arm_floor` of ``DIR/replicates.jsonl`` as JSON to
-  ``out_path`` (what reports read); returns it."""
-  floor = arm_floor(summarize(
-      files_lib.read_lines(path(workdir), ReplicateLine)))
-  files_lib.atomic_write_text(out_path, json.dumps(
+def write_floor(path_: str, floor: dict) -> None:
+  """Writes :func:`arm_floor`'s ``floor`` as the JSON reports read."""
+  files_lib.atomic_write_text(path_, json.dumps(
       [{"backbone": b, "method": m, **v} for (b, m), v in sorted(floor.items())],
       indent=1) + "\n")
-  return floor
 
 
 def read_floor(path_: str) -> dict:
@@ -223,38 +206,6 @@ def read_floor(path_: str) -> dict:
     return {}
   with open(path_) as f:
     return {(d.pop("backbone"), d.pop("method")): d for d in json.load(f)}
-
-
-def report(workdir: str, floor_path: str | None = None) -> str:
-  """Markdown of ``DIR/replicates.jsonl``: per backbone, size and arm the
-  spreads of :func:`summarize`, then each arm's floor (written to
-  ``floor_path`` as JSON too, where given)."""
-  summary = summarize(files_lib.read_lines(path(workdir), ReplicateLine))
-  floor = arm_floor(summary)
-  if floor_path:
-    write_floor(workdir, floor_path)
-  rows = [(b, size, m, s["draws"], s["seeds"], f"{s['draw_sd']:.1f}",
-           f"{s['seed_sd']:.1f}", f"{s['seed_range']:.1f}",
-           f"{s['perturbed']:.1f}")
-          for (b, size, m), s in summary.items()]
-  arms = [(b, m, ", ".join(map(str, v["sizes"])), f"{v['seed_sd']:.1f}",
-           f"{v['seed_range']:.1f}", f"{v['perturbed']:.1f}",
-           "" if m != "head" or (d := difference_floor(floor, b)) is None
-           else f"{d:.1f}")
-          for (b, m), v in sorted(floor.items())]
-  return "\n".join([
-      "## Spread per size and arm (test accuracy, points)", "",
-      *files_lib.markdown_table(
-          ("backbone", "size", "arm", "draws", "seeds", "between draws (sd)",
-           "within a draw, tuning seeds (sd)", "largest seed range",
-           "largest change, backbone x (1 + 1e-6 N(0,1))"), rows), "",
-      "## The noise floor of each arm", "",
-      "A prompt-head difference on one draw smaller than the last column "
-      "(2 sqrt(sd_head^2 + sd_prompt^2)) is not called a difference.", "",
-      *files_lib.markdown_table(
-          ("backbone", "arm", "sizes", "tuning seeds (pooled sd)",
-           "largest seed range", "largest perturbed change",
-           "prompt - head floor"), arms), ""])
 
 
 def adam_vs_optimum(lines) -> list[tuple]:

@@ -1,8 +1,6 @@
 """The report: mean and 95% interval per curve beside the paper's numbers,
 the plot, and the pretrained models' table and gap curves."""
 
-from __future__ import annotations
-
 import os
 
 import numpy as np
@@ -160,6 +158,39 @@ def floor_note(floor: dict) -> str:
            "\nOne draw's prompt - head difference within the floor (twice "
            "the sd of a difference of two tunings) is a tie in the draw-by-"
            "draw table; a mean's interval adds the floor's sd / sqrt(n).\n")
+
+
+def noise_floor_page(workdir: str, title: str,
+                     committed: str | None = None) -> str:
+  """The noise-floor run's page (``DIR/replicates.jsonl``, written by
+  :func:`noise.run`): the spreads per size and arm, each arm's floor (also
+  written to ``DIR/noise_floor.json``), Adam beside its optimum where DIR
+  holds ``head_optimum`` lines, and DIR's lines beside ``committed``'s."""
+  summary = noise.summarize(files_lib.read_lines(noise.path(workdir),
+                                                 noise.ReplicateLine))
+  floor = noise.arm_floor(summary)
+  noise.write_floor(os.path.join(workdir, noise.FLOOR), floor)
+  lines = schema.read_results(workdir)
+  parts = [f"# {title}\n", _section(
+      "Spread per size and arm (test accuracy, points)",
+      ("backbone", "size", "arm", "draws", "seeds", "between draws (sd)",
+       "within a draw, tuning seeds (sd)", "largest seed range",
+       "largest change at a 1e-6 perturbation"),
+      [(b, size, m, s["draws"], s["seeds"], *(f"{s[k]:.1f}" for k in (
+          "draw_sd", "seed_sd", "seed_range", "perturbed")))
+       for (b, size, m), s in summary.items()]), floor_note(floor),
+           _section("Adam against the optimum (head, test accuracy, points)",
+                    ("backbone", "panel", "size", "lines",
+                     "Adam > 1 point below", "mean shortfall",
+                     "largest shortfall", "prompt - Adam head",
+                     "prompt - optimum head"), noise.adam_vs_optimum(lines))]
+  if committed:
+    parts.append(_section(
+        f"Beside the lines of {committed}",
+        ("backbone", "arm", "size", "lines", "differ",
+         "largest accuracy change", "largest gap change (nats)"),
+        noise.reproduction(lines, schema.read_results(committed))))
+  return "\n".join(p for p in parts if p)
 
 
 def diverged_table(lines: list[schema.ResultLine]) -> str:

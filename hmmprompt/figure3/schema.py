@@ -2,8 +2,6 @@
 arm, size, trial, task), written, keyed for resume and read back
 (:func:`read_results`) through this one definition."""
 
-from __future__ import annotations
-
 import dataclasses
 import os
 

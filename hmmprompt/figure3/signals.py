@@ -4,8 +4,6 @@ that runs for minutes (where a Python handler would run too late): a
 thread of its own, woken through :func:`signal.set_wakeup_fd`, writes it
 from what is on disk (whole files: atomic rewrites) and ends the process."""
 
-from __future__ import annotations
-
 import contextlib
 import os
 import shutil

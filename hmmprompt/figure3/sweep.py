@@ -3,8 +3,6 @@ size) by model; :func:`run_sweep` draws and pretrains each model's stack of
 trials, then tunes each group's missing cells (a :class:`schema.ResultLine`
 each) in one program. Both panels share a vanilla HMM and its transformer."""
 
-from __future__ import annotations
-
 import dataclasses
 import json
 import os

@@ -4,8 +4,6 @@ models' small matmuls poorly over cores: docs/performance.md): the binary's
 stacks into its own results file; the parent merges those. The lines are
 one process's, to float rounding, and keyed alike."""
 
-from __future__ import annotations
-
 import glob
 import os
 import pathlib

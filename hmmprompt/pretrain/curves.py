@@ -5,8 +5,6 @@ tensorboardX (the ``tensorboard`` extra), appending and closing the file
 per write, so a killed run keeps every point; a resumed run's points
 replace those at later steps (:func:`read_scalars`)."""
 
-from __future__ import annotations
-
 import glob
 import os
 import socket

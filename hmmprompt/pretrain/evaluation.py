@@ -1,8 +1,6 @@
 """Held-out quality at ``MASK``ed positions: the model's CE ``mlm_ce``, the
 exact conditionals' ``bayes_ce`` (:func:`hmm.conditionals`), their TV."""
 
-from __future__ import annotations
-
 import functools
 from typing import NamedTuple
 

@@ -1,7 +1,5 @@
 """The train state, optimizer, loss and the jitted data-parallel step."""
 
-from __future__ import annotations
-
 import functools
 from typing import Any
 

@@ -5,8 +5,6 @@ pretraining run per model without early stop, the exact backbone on the
 same tasks the limit. Writes DIR/curve.json, DIR/pretrain/<model>/,
 DIR/curve.jsonl (:class:`CurveLine`; a rerun resumes) and the report."""
 
-from __future__ import annotations
-
 import dataclasses
 import json
 import os

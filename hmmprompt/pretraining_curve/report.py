@@ -1,8 +1,6 @@
 """The curve's report: DIR/curve.md (:func:`markdown`) and DIR/curve.png
 (:func:`write_plot`)."""
 
-from __future__ import annotations
-
 import os
 from typing import Any, cast
 

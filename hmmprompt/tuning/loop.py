@@ -1,8 +1,6 @@
 """Tuning: one seed end to end (:func:`run_seed`, traceable and vmappable) and
 the host driver (:func:`tune`, one jitted program over any lane axes)."""
 
-from __future__ import annotations
-
 import functools
 import time
 from collections.abc import Sequence

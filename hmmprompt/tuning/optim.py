@@ -1,8 +1,6 @@
 """Tuning's optimisers: mini-batch Adam (the paper's recipe) and full-batch
 L-BFGS on the head's L2-regularised objective."""
 
-from __future__ import annotations
-
 import dataclasses
 
 import jax
