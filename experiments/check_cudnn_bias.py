@@ -1,20 +1,13 @@
 r"""Does the learned relative-position bias train through cuDNN?
 
-  python -m experiments.check_cudnn_bias [--trials=4] [--batch_size=8] \
-      [--seq_len=512] [--dtype=bfloat16] [--num_layers=6] [--also_xla] \
-      [--tiny]
+  python -m experiments.check_cudnn_bias [--trials=4] [--num_layers=1] \
+      [--also_xla] [--tiny]
 
-A gradient step of ``--trials`` paper models with ``rel_pos="bias"``,
-vmapped, through ``attention="dot_product"`` and ``"manual"``: its cuDNN
-calls, the offset tables' gradient difference (per layer: max |d_dp -
-d_manual| / max |d_manual|) and step times. Exits 1 if the dot_product
-bias gradient is missing, zero, not finite or over ``--max_rel_diff``.
-``--num_layers=1`` checks the same attention calls (every layer's have
-the paper model's shapes) in a fraction of the compile time: what
-``accelerator_session.sh protocol`` runs before its chunks.
+A gradient step of paper models with ``rel_pos="bias"`` through
+``attention="dot_product"`` and ``"manual"`` (docs/figure3_gpu.md); exits
+1 if the dot_product bias gradient is missing, zero, not finite or over
+``--max_rel_diff``. ``accelerator_session.sh protocol`` runs it first.
 """
-
-from __future__ import annotations
 
 import dataclasses
 import sys
@@ -30,45 +23,36 @@ from hmmprompt.backbones import attention
 from hmmprompt.backbones import transformer
 from experiments.bench import harness
 
-_TRIALS = flags.DEFINE_integer("trials", 4, "trials vmapped in the step",
-                               lower_bound=1)
-_BATCH = flags.DEFINE_integer("batch_size", 8, "sequences per trial",
-                              lower_bound=1)
-_SEQ = flags.DEFINE_integer("seq_len", 512, "positions (<= max_len)",
-                            lower_bound=2)
+_TRIALS = flags.DEFINE_integer("trials", 4, "trials vmapped", lower_bound=1)
+_BATCH = flags.DEFINE_integer("batch_size", 8, "per trial", lower_bound=1)
+_SEQ = flags.DEFINE_integer("seq_len", 512, "<= max_len", lower_bound=2)
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"],
                            "compute dtype (cuDNN takes bfloat16)")
-_TINY = flags.DEFINE_bool("tiny", False, "a 2-layer width-32 model, T <= 16 "
-                          "(a CPU check of the script)")
+_TINY = flags.DEFINE_bool("tiny", False, "2 layers, width 32, T <= 16 (CPU)")
 _LAYERS = flags.DEFINE_integer("num_layers", 0, "layers (0: the model's "
                                "own: 6, or --tiny's 2)", lower_bound=0)
-_ALSO_XLA = flags.DEFINE_bool("also_xla", False, "also time the dot_product "
-                              "path on XLA's implementation")
+_ALSO_XLA = flags.DEFINE_bool("also_xla", False, "also time XLA's dot_product")
 _MAX_REL = flags.DEFINE_float("max_rel_diff", 0.1, "fail above this bias-"
                               "gradient difference from the manual path")
 _REPEATS = 5
 
 
-def model_config(attention_: str) -> transformer.MLMConfig:
-  if _TINY.value:
-    cfg = transformer.MLMConfig(
-        vocab_size=10, d_model=32, num_heads=2, d_ff=64, num_layers=2,
-        max_len=16, dtype=_DTYPE.value, rel_pos="bias", attention=attention_)
-  else:
-    cfg = transformer.paper_config(10, rel_pos="bias", dtype=_DTYPE.value,
-                                   attention=attention_)
+def model_config() -> transformer.MLMConfig:
+  """The manual path's model (``--tiny``'s, or the paper's)."""
+  kw = {"rel_pos": "bias", "dtype": _DTYPE.value, "attention": "manual"}
+  cfg = (transformer.MLMConfig(vocab_size=10, d_model=32, num_heads=2,
+                               d_ff=64, num_layers=2, max_len=16, **kw)
+         if _TINY.value else transformer.paper_config(10, **kw))
   return dataclasses.replace(cfg, num_layers=_LAYERS.value or cfg.num_layers)
 
 
 def grad_step(cfg: transformer.MLMConfig):
   """Jitted ``(params [K, ...], tokens, targets [K, B, T]) -> grads``."""
   model = transformer.MLM(cfg)
-
   def loss(params, tokens, targets):
     logits = model.apply(params, tokens)
     picked = jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
     return jnp.mean(jax.nn.logsumexp(logits, -1) - picked)
-
   return jax.jit(jax.vmap(jax.grad(loss)))
 
 
@@ -78,33 +62,27 @@ def bias_grads(grads, num_layers: int) -> list[np.ndarray]:
           for i in range(num_layers)]
 
 
-def median_seconds(step, args) -> float:
-  return harness.seconds_per_call(lambda: step(*args), _REPEATS, warmup=2)
-
-
-@harness.main(retain_freed_memory=False)
-def main():
-  cfg = model_config("manual")
-  t = min(_SEQ.value, cfg.max_len)
-  k, b = _TRIALS.value, _BATCH.value
+def main(argv):
+  harness.start(argv, retain_freed_memory=False)
+  cfg = model_config()
+  k, b, t = _TRIALS.value, _BATCH.value, min(_SEQ.value, cfg.max_len)
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; "
         f"{cfg.num_layers} layers, d {cfg.d_model}, {cfg.num_heads} heads; "
         f"{k} trials x batch {b} x T {t}, {cfg.dtype}")
   params = jax.jit(jax.vmap(lambda key: transformer.init_params(key, cfg)))(
       jax.random.split(jax.random.PRNGKey(0), k))
   for i in range(cfg.num_layers):  # each trial its own, nonzero table
-    table = params["params"][f"block_{i}"]["rel_bias"]
-    params["params"][f"block_{i}"]["rel_bias"] = 0.5 * jax.random.normal(
-        jax.random.PRNGKey(100 + i), table.shape)
+    block = params["params"][f"block_{i}"]
+    block["rel_bias"] = 0.5 * jax.random.normal(jax.random.PRNGKey(100 + i),
+                                                block["rel_bias"].shape)
   args = (params, *(jax.random.randint(key, (k, b, t), 0, cfg.vocab_size)
                     for key in jax.random.split(jax.random.PRNGKey(1))))
-  dp_step = grad_step(dataclasses.replace(cfg, attention="dot_product"))
-  lowered = dp_step.lower(*args)
+  dp = dataclasses.replace(cfg, attention="dot_product")
+  lowered = grad_step(dp).lower(*args)
   compiled = lowered.compile()
-  print("cuDNN fMHA calls, lowered:",
-        attention.cudnn_fmha_targets(lowered.as_text()) or "none")
-  print("cuDNN fMHA calls, compiled:",
-        attention.cudnn_fmha_targets(compiled.as_text()) or "none")
+  for name, step in (("lowered", lowered), ("compiled", compiled)):
+    print(f"cuDNN fMHA calls, {name}:",
+          attention.cudnn_fmha_targets(step.as_text()) or "none")
   print("cuDNN in the compiled step:",
         "yes" if attention.uses_cudnn(compiled.as_text()) else "absent")
   failures = []
@@ -113,9 +91,8 @@ def main():
   try:
     got = bias_grads(compiled(*args), cfg.num_layers)
   except KeyError:
-    got = None
     failures.append("the dot_product path gave no rel_bias gradient")
-  if got is not None:
+  else:
     rel = [float(np.abs(g - w).max() / np.abs(w).max())
            for g, w in zip(got, want)]
     smallest = min(float(np.abs(g).reshape(k, -1).max(1).min()) for g in got)
@@ -130,15 +107,13 @@ def main():
     if max(rel) > _MAX_REL.value:
       failures.append(f"the bias gradient is {max(rel):.2e} from manual's "
                       f"(> --max_rel_diff={_MAX_REL.value})")
-  times = {"dot_product": median_seconds(compiled, args),
-           "manual": median_seconds(manual_step, args)}
+  steps = {"dot_product": compiled, "manual": manual_step}
   if _ALSO_XLA.value:
     with mock.patch.object(attention, "dot_product_implementation",
                            lambda *_: None):
-      xla_step = grad_step(dataclasses.replace(cfg, attention="dot_product"))
-      times["dot_product (XLA)"] = median_seconds(
-          xla_step.lower(*args).compile(), args)
-  for name, sec in times.items():
+      steps["dot_product (XLA)"] = grad_step(dp).lower(*args).compile()
+  for name, step in steps.items():
+    sec = harness.seconds_per_call(lambda s=step: s(*args), _REPEATS, warmup=2)
     print(f"step time, {name}: {1e3 * sec:.2f} ms (median of {_REPEATS})")
   if failures:
     print("FAILED:", "; ".join(failures))

@@ -1,18 +1,16 @@
 """What the experiment binaries share around the library call: flags,
 the command line's checks, usage errors and the outputs' report."""
 
-from __future__ import annotations
-
 import contextlib
-import dataclasses
 import functools
 import os
 import signal
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from absl import app
 from absl import flags
@@ -24,22 +22,18 @@ from hmmprompt import sharding
 
 
 def _end(what, status: int, say: bool = True) -> NoReturn:
-  """Prints ``error: <what>`` and how to resume (:func:`resume_hint`), and
-  exits at once: the interpreter's exit is where orbax's threads print
-  pages."""
+  """Prints ``error: <what>`` and how to resume, and exits at once (at the
+  interpreter's exit orbax's threads print pages)."""
   if say:
     workdir = flags.FLAGS["workdir"].value if "workdir" in flags.FLAGS else None
-    print(f"error: {what}{resume_hint(workdir)}", file=sys.stderr,
-          flush=True)
+    print(f"error: {what}{resume_hint(workdir)}", file=sys.stderr, flush=True)
   sys.stdout.flush()
   os._exit(status)
 
 
 def resume_hint(workdir: str | None) -> str:
-  """What a fault's line adds: how to resume and where finished work is
-  kept, where the ``--workdir`` holds some; nothing where it holds none
-  (nothing started: a rerun would start afresh); without one (a binary's
-  own outputs), how to resume alone."""
+  """How to resume, and where finished work is kept if ``workdir`` holds
+  some (empty: nothing started, nothing to say)."""
   if not workdir:
     return "; rerun the same command to resume"
   if not (os.path.isdir(workdir) and os.listdir(workdir)):
@@ -49,29 +43,24 @@ def resume_hint(workdir: str | None) -> str:
 
 
 def make_dir(path: str, flag: str = "--workdir") -> str:
-  """Creates directory ``path`` (and its parents) where missing and returns
-  it; ``ValueError`` (a usage error: before any work, not a fault to
-  resume) naming ``flag`` and why it cannot be one: a file, or a directory
-  that cannot be created or written."""
+  """Creates directory ``path`` where missing and returns it; else a
+  ``ValueError`` (a usage error) naming ``flag`` and why."""
   if os.path.lexists(path) and not os.path.isdir(path):
     what = "a file" if os.path.isfile(path) else "something else"
     raise ValueError(f"{flag} {path} is {what}, not a directory")
+  why = lambda e: (e.strerror or str(e)).lower()
   try:
     os.makedirs(path, exist_ok=True)
-  except OSError as e:
-    # The usual cause: a parent that is a file (ENOTDIR names none).
+  except OSError as e:  # usually a parent that is a file (ENOTDIR names none)
     up = os.path.dirname(os.path.abspath(path))
     while up != os.path.dirname(up) and not os.path.lexists(up):
       up = os.path.dirname(up)
-    why = (f"{up} is a file" if os.path.isfile(up) else
-           (e.strerror or str(e)).lower())
-    raise ValueError(f"{flag} {path}: cannot create: {why}") from None
+    raise ValueError(f"{flag} {path}: cannot create: " + (
+        f"{up} is a file" if os.path.isfile(up) else why(e))) from None
   try:  # O_TMPFILE where it can: nothing left behind, even when killed
-    with tempfile.TemporaryFile(dir=path):
-      pass
+    tempfile.TemporaryFile(dir=path).close()
   except OSError as e:
-    raise ValueError(f"{flag} {path}: cannot write: "
-                     f"{(e.strerror or str(e)).lower()}") from None
+    raise ValueError(f"{flag} {path}: cannot write: {why(e)}") from None
   return path
 
 
@@ -89,12 +78,9 @@ def _stop(signum, _) -> None:
 
 
 def one_line_errors(main: Callable) -> Callable:
-  """``main`` whose usage errors end the binary with ``error: <what is
-  wrong>`` on stderr and status 2, not absl's whole module help first; its
-  faults (``OSError``: a full disk, a missing directory; SIGINT, SIGTERM)
-  end it at once with one such line saying how to resume where work was
-  kept (:func:`resume_hint`), status 1 or 128 + the signal. Finished work
-  is on disk by then (atomic writes)."""
+  """``main`` ending a usage error with ``error: <what>`` and status 2 (not
+  absl's whole help), a fault (``OSError``, SIGINT, SIGTERM) at once with
+  one such line saying how to resume, status 1 or 128 + the signal."""
   @functools.wraps(main)
   def main_with_one_line_errors(argv):
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -111,11 +97,9 @@ def one_line_errors(main: Callable) -> Callable:
 
 def _told_parent(what) -> bool:
   """Whether this ``--workers`` process left ``what`` for its parent, which
-  stops the other workers and ends with the line (workers.error_path)."""
+  stops the other workers and prints the line (workers.error_path)."""
   if not _is_worker():
     return False
-  # Here, not at the top: only the figure3 binaries (which import it
-  # already) have workers; the pretrain binary needs none of figure3.
   from hmmprompt.figure3 import workers  # pylint: disable=g-import-not-at-top
   try:
     with open(workers.error_path(flags.FLAGS["claims"].value,
@@ -126,60 +110,41 @@ def _told_parent(what) -> bool:
     return False
 
 
-def define_config(default_cfg, flag_values=flags.FLAGS) -> ConfigOverrides:
-  """``--config.<path>`` string flags for every leaf of ``default_cfg``
-  (:func:`config_flags.leaves`). They are registered to
-  :mod:`hmmprompt.config_flags`, not to this module, so a binary's
-  ``flags.adopt_module_key_flags(cli)`` does not make them key flags:
-  ``--help`` shows the binary's module docstring (its usage: the flags
-  set most often, the common ``--config`` paths) and its own flags, and
-  ``--helpfull`` every ``--config.<path>`` too."""
-  for path, hint in config_flags.leaves(default_cfg).items():
+def define_config(default_cfg, flag_values=flags.FLAGS):
+  """``--config.<path>`` string flags for every leaf of ``default_cfg``,
+  registered to :mod:`hmmprompt.config_flags` (so ``--helpfull`` lists
+  them, ``--help`` not); ``.value()``: ``{path: value}`` of those given."""
+  paths = config_flags.leaves(default_cfg)
+  for path, hint in paths.items():
     value = functools.reduce(getattr, path.split("."), default_cfg)
     flags.DEFINE_string(f"{config_flags.PREFIX}.{path}", None,
                         f"{getattr(hint, '__name__', hint)}; the default "
                         f"preset's {value!r} (--print_config shows the "
                         f"chosen --preset's)", flag_values=flag_values,
                         module_name=config_flags.__name__)
-  return ConfigOverrides(tuple(config_flags.leaves(default_cfg)), flag_values)
-
-
-@dataclasses.dataclass(frozen=True)
-class ConfigOverrides:
-  paths: tuple[str, ...]
-  flag_values: Any
-
-  def value(self) -> dict[str, str]:
-    """The ``--config.*`` flags given on the command line."""
-    flag = lambda path: self.flag_values[f"{config_flags.PREFIX}.{path}"]
-    return {p: flag(p).value for p in self.paths
-            if flag(p).value is not None}
-
-
-_INTERNAL = "hmmprompt.figure3.workers"  # where --worker's work is done
+  given = lambda p: flag_values[f"{config_flags.PREFIX}.{p}"].value
+  return types.SimpleNamespace(value=lambda: {
+      p: given(p) for p in paths if given(p) is not None})
 
 
 def define_worker_flags(what: str) -> tuple[flags.FlagHolder, ...]:
-  """``--workers`` (:mod:`hmmprompt.figure3.workers`) and what it passes
-  its workers: ``--worker`` (the index), ``--claims`` (their directory)."""
+  """``--workers`` (:mod:`hmmprompt.figure3.workers`) and, internal (only
+  ``--helpfull`` lists them), ``--worker`` and ``--claims``."""
+  internal = "hmmprompt.figure3.workers"
   return (
       flags.DEFINE_integer(
-          "workers", 1, f"processes on this machine, one per core, each "
-          f"taking the next unclaimed stack of {what} (CPU only; 0: one per "
-          f"core, at most one per 4 GB of free memory)"),
-      # Internal, so not the binary's key flags: --helpfull lists them.
-      flags.DEFINE_integer("worker", None, "internal: this worker's index "
-                           "(set by --workers)", module_name=_INTERNAL),
-      flags.DEFINE_string("claims", None, "internal: the workers' shared "
-                          "claims directory", module_name=_INTERNAL))
+          "workers", 1, f"processes here, each taking the next unclaimed "
+          f"stack of {what} (CPU; 0: one per core and per 4 GB free memory)"),
+      flags.DEFINE_integer("worker", None, "internal: this worker's index",
+                           module_name=internal),
+      flags.DEFINE_string("claims", None, "internal: the workers' claims "
+                          "directory", module_name=internal))
 
 
 def define_print_config():
   return flags.DEFINE_bool(
-      "print_config", False, "print the resolved configuration (the "
-      "--preset with every --config.<path> override applied; --helpfull "
-      "shows the default preset's values), one `path = value` line a leaf, "
-      "and run nothing")
+      "print_config", False, "print the resolved config (--preset and its "
+      "--config.<path> overrides), `path = value` a leaf; run nothing")
 
 
 def print_config(cfg) -> None:
@@ -187,30 +152,26 @@ def print_config(cfg) -> None:
 
 
 _COMPILATION_CACHE = flags.DEFINE_string(
-    "compilation_cache", None, "opt-in: keep every compiled XLA program in "
-    "this directory (e.g. DIR/jax-cache under the --workdir) and reuse it "
-    "in later runs, which then skip their compiles (the JAX_COMPILATION_"
-    "CACHE_DIR variable does the same)")
+    "compilation_cache", None, "opt-in: a directory (e.g. DIR/jax-cache) "
+    "keeping compiled XLA programs for later runs to reuse")
 
 
 def start(argv, **required) -> float:
-  """Checks the command line (no positional arguments; every ``required``
-  flag set), turns on ``--compilation_cache`` and retains freed host
-  memory (XLA:CPU's per-step temporaries); returns the start time."""
+  """Checks the command line (no positional arguments; each ``required``
+  flag set unless ``--print_config``), turns on ``--compilation_cache``,
+  retains freed host memory; returns the start time."""
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  for name, value in required.items():
-    if not value:
-      raise app.UsageError(f"--{name} is required")
+  missing = [f"--{name}" for name, value in required.items() if not value]
+  if missing and not flags.FLAGS.get_flag_value("print_config", False):
+    raise app.UsageError(f"{missing[0]} is required")
   if path := _COMPILATION_CACHE.value:
-    try:
+    with usage_errors():
       make_dir(path, "--compilation_cache")
-    except ValueError as e:
-      raise app.UsageError(str(e)) from e
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  glibc.retain_freed_memory()
+  glibc.retain_freed_memory()  # XLA:CPU's per-step temporaries
   if _is_worker():
     glibc.end_with_parent()  # whatever ends the parent (its SIGTERM, a kill)
   return time.perf_counter()
@@ -218,8 +179,7 @@ def start(argv, **required) -> float:
 
 @contextlib.contextmanager
 def usage_errors():
-  """A ``ValueError`` raised inside (bad flags, config or workdir) ends the
-  binary as a usage error; anything else keeps its traceback."""
+  """A ``ValueError`` raised inside ends the binary as a usage error."""
   try:
     yield
   except ValueError as e:
@@ -237,25 +197,18 @@ def define_distributed_flags() -> Callable[[], None]:
   """``--distributed`` and its settings; returns ``initialize()`` (before
   any JAX computation): joins the processes, or refuses the settings."""
   on = flags.DEFINE_bool(
-      "distributed", False, "data-parallel over several processes (hosts): "
-      "call jax.distributed.initialize(), which finds the three settings "
-      "below on SLURM, Open MPI and TPU VMs")
-  settings = {
-      "--coordinator_address": flags.DEFINE_string(
-          "coordinator_address", None, "--distributed: HOST:PORT of process "
-          "0's coordinator (default: auto-detected, or "
-          "$JAX_COORDINATOR_ADDRESS); 127.0.0.1:PORT runs several processes "
-          "on one machine"),
-      "--num_processes": flags.DEFINE_integer(
-          "num_processes", None, "--distributed: how many processes "
-          "(default: auto-detected)"),
-      "--process_id": flags.DEFINE_integer(
-          "process_id", None, "--distributed: this process's index in [0, "
-          "num_processes) (default: auto-detected)")}
-
+      "distributed", False, "data-parallel over processes (hosts) joined by "
+      "jax.distributed.initialize(), which finds the settings below itself "
+      "on SLURM, Open MPI and TPU VMs")
+  settings = (
+      flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process "
+                          "0's coordinator (or $JAX_COORDINATOR_ADDRESS; "
+                          "127.0.0.1:PORT: processes on one machine)"),
+      flags.DEFINE_integer("num_processes", None, "how many processes"),
+      flags.DEFINE_integer("process_id", None, "this one's, < num_processes"))
   def initialize() -> None:
     if on.value:
-      sharding.initialize_distributed(*(f.value for f in settings.values()))
-    elif given := [k for k, f in settings.items() if f.value is not None]:
+      sharding.initialize_distributed(*(f.value for f in settings))
+    elif given := [f"--{f.name}" for f in settings if f.value is not None]:
       raise ValueError(f"{', '.join(given)} need --distributed")
   return initialize

@@ -1,17 +1,11 @@
-r"""The hard set: pretrain the hard HMM draws with a recipe and report how
-fast each comes within 0.04 nats of the Bayes CE (docs/pretraining.md, "The
-hard set": the draws, the report's columns, the recipes tried).
+r"""The hard set: pretrain hard HMM draws with a recipe, in
+``DIR/<fingerprint>/``; how fast each comes within 0.04 nats of the Bayes CE
+(docs/pretraining.md, "The hard set").
 
   python -m experiments.hard_set --workdir=DIR [--recipe=cpu_adamw] \
       [--config.pretrain.model.num_layers=4 --config.pretrain.lr=3e-3 ...] \
-      [--config.only=h28t2,m7t0] [--bench_steps=60]
-
-The config: ``pretrain`` (the ``--recipe`` preset), ``draws`` (a set of
-:data:`SETS`) and ``only`` (tags such as ``h28t2``; empty: all). Each
-recipe trains and reports in ``DIR/<fingerprint>/`` (rerunning resumes).
+      [--config.draws=hard --config.only=h28t2,m7t0] [--bench_steps=60]
 """
-
-from __future__ import annotations
 
 import dataclasses
 import hashlib
@@ -35,46 +29,40 @@ from hmmprompt import generative
 from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import files as files_lib
 from hmmprompt import sharding as sharding_lib
-from hmmprompt.pretrain import train as train_lib
 from hmmprompt.pretrain import workdir as workdir_lib
 
-TARGET = 0.04
-MARKS = (1.0e6, 2.5e6, 5.0e6)
-BUDGET = 2000 * 32 * 80
+TARGET, BUDGET = 0.04, 2000 * 32 * 80  # nats above the Bayes CE, by tokens
+MARKS = (1.0e6, 2.5e6, 5.0e6)  # tokens at which the report takes the gaps
 
 
 @dataclasses.dataclass(frozen=True)
 class Draws:
-  """Trials ``trials`` of one size, drawn from ``preset``'s streams."""
-
-  preset: str  # the figure3 Setup whose seed roots the stream
+  """Trials of one size from ``preset``'s streams, tagged ``<name>t<k>``."""
+  preset: str
   model_id: protocol.ModelId
   trials: tuple[int, ...]
-  name: str  # tag prefix: h28, m7
+  name: str  # h28, m7
 
   def tags(self) -> list[str]:
     return [f"{self.name}t{k}" for k in self.trials]
 
 
-HARD_SET = (
-    Draws("cpu", protocol.vanilla(12), (0,), "h12"),
-    Draws("paper", protocol.vanilla(25), (0, 1, 2, 3, 4), "h25"),
-    Draws("cpu", protocol.vanilla(28), (0, 1, 2), "h28"),
-    Draws("paper", protocol.vanilla(30), (0, 1, 2, 3, 4), "h30"),
-    Draws("cpu", protocol.memory(7), (0,), "m7"))
+def _vanilla(h: int, trials, preset: str = "paper") -> Draws:
+  return Draws(preset, protocol.vanilla(h), tuple(trials), f"h{h}")
 
 
+HARD_SET = (_vanilla(12, [0], "cpu"), _vanilla(25, range(5)),
+            _vanilla(28, range(3), "cpu"), _vanilla(30, range(5)),
+            Draws("cpu", protocol.memory(7), (0,), "m7"))
 # --config.draws (docs/figure3.md): the cpu_paper protocol's misses beyond
 # the hard set's, its ten 4-layer fallbacks, and three easy sizes' first 20.
-SETS = {"hard": HARD_SET, "protocol_misses": (
-    Draws("paper", protocol.vanilla(25), (13, 18), "h25"),
-    Draws("paper", protocol.vanilla(30), (10, 11, 12, 16, 19), "h30"),
-), "protocol_fallbacks": (
-    Draws("paper", protocol.vanilla(25), (2, 13, 18), "h25"),
-    Draws("cpu", protocol.vanilla(28), (2,), "h28"),
-    Draws("paper", protocol.vanilla(30), (0, 10, 11, 12, 16, 19), "h30"),
-), "protocol_easy": tuple(Draws("paper", protocol.vanilla(h), tuple(
-    range(20)), f"h{h}") for h in (4, 10, 15))}
+SETS = {"hard": HARD_SET,
+        "protocol_misses": (_vanilla(25, [13, 18]),
+                            _vanilla(30, [10, 11, 12, 16, 19])),
+        "protocol_fallbacks": (_vanilla(25, [2, 13, 18]),
+                               _vanilla(28, [2], "cpu"),
+                               _vanilla(30, [0, 10, 11, 12, 16, 19])),
+        "protocol_easy": tuple(_vanilla(h, range(20)) for h in (4, 10, 15))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +82,8 @@ class HardSetConfig:
 
 
 def default_config(recipe: str = "cpu_capped") -> HardSetConfig:
-  # Evaluations every 100 steps show the marks; they change no result.
   return HardSetConfig(pretrain=pretrain_lib.configure(
-      recipe, protocol.VOCAB, eval_every=100))
+      recipe, protocol.VOCAB, eval_every=100))  # the marks; no result moves
 
 
 def draw_models(draws: Draws) -> generative.Model:
@@ -117,10 +104,6 @@ def _runs(trials: list[int]) -> list[list[int]]:
 def recipe_fingerprint(cfg: pretrain_lib.PretrainConfig) -> str:
   return hashlib.sha256(json.dumps(cfg.identity(), sort_keys=True).encode()
                         ).hexdigest()[:8]
-
-
-def tokens_per_step(cfg: pretrain_lib.PretrainConfig) -> int:
-  return cfg.batch_size * cfg.corpus.chunk_len
 
 
 def pretrain_hard_set(workdir: str, cfg: HardSetConfig, log=print) -> dict:
@@ -154,8 +137,7 @@ def pretrain_hard_set(workdir: str, cfg: HardSetConfig, log=print) -> dict:
 
 
 def read_hard_set(workdir: str) -> dict:
-  """``{tag: [metrics lines]}`` of every draw in ``workdir``'s run
-  directories (``<name>-t<k0>-<k1>/``), in :data:`SETS`' order."""
+  """``{tag: [metrics lines]}`` of every draw in ``workdir``, as in SETS."""
   found = {}
   for entry in sorted(os.listdir(workdir)):
     m = re.fullmatch(r"([a-z]+\d+)-t(\d+)-(\d+)", entry)
@@ -172,11 +154,9 @@ def read_hard_set(workdir: str) -> dict:
 
 
 def hard_set_table(per_draw: dict, tok_step: int) -> str:
-  """Per draw, the gap at the first evaluation past each of :data:`MARKS`
-  (stopped before: its last) and the tokens to :data:`TARGET`."""
-  rows = ["| draw | gap @1M | gap @2.5M | gap @5M | M tokens to 0.04 |",
-          "|---|---|---|---|---|"]
-  n_in = 0
+  """Per draw, the gap at the first evaluation past each of MARKS (stopped
+  before: its last) and the tokens to TARGET."""
+  rows, n_in = [], 0
   for tag, lines in per_draw.items():
     lines = sorted(lines, key=lambda m: m["step"])
     gaps = [next((m["ce_gap"] for m in lines if m["step"] * tok_step >= mark),
@@ -184,55 +164,46 @@ def hard_set_table(per_draw: dict, tok_step: int) -> str:
     hit = next((m["step"] * tok_step for m in lines
                 if m["ce_gap"] <= TARGET), None)
     n_in += hit is not None and hit <= BUDGET
-    to = (f"> {lines[-1]['step'] * tok_step / 1e6:.2f}" if hit is None
-          else f"{hit / 1e6:.2f}")
-    rows.append(f"| {tag} | " + " | ".join(
-        "" if g is None else f"{g:.3f}" for g in gaps) + f" | {to} |")
-  rows.append(f"\n{n_in} of {len(per_draw)} within {TARGET} by "
-              f"{BUDGET / 1e6:.2f} M tokens ({tok_step} tokens per step).")
-  return "\n".join(rows)
+    rows.append([tag, *("" if g is None else f"{g:.3f}" for g in gaps),
+                 f"> {lines[-1]['step'] * tok_step / 1e6:.2f}" if hit is None
+                 else f"{hit / 1e6:.2f}"])
+  return "\n".join(files_lib.markdown_table(
+      ("draw", "gap @1M", "gap @2.5M", "gap @5M", "M tokens to 0.04"), rows)
+      + [f"\n{n_in} of {len(per_draw)} within {TARGET} by "
+         f"{BUDGET / 1e6:.2f} M tokens ({tok_step} tokens per step)."])
 
 
 def bench_ratio(cfg: pretrain_lib.PretrainConfig, steps: int,
                 rounds: int = 5) -> float:
-  """Time per training token of ``cfg`` over ``cpu_adamw``'s, stepping one
-  ``|H|`` = 28 draw, the two interleaved in ``rounds`` blocks."""
+  """Time per token of ``cfg`` over ``cpu_adamw``'s on an ``|H|`` = 28 draw,
+  interleaved in ``rounds`` blocks."""
   base = default_config("cpu_adamw").pretrain
   hmm_model = generative.trial(draw_models(HARD_SET[2]), 0)
-  mesh = sharding_lib.data_mesh()
   hmms = jax.tree.map(lambda x: x[None], generative.as_hmm(hmm_model))
   per = max(steps // rounds, 1)
-
+  key0, key1 = (jax.random.split(jax.random.PRNGKey(i), 1) for i in (0, 1))
   def steps_of(c):  # ``per`` train steps of ``c``, its state carried
     get = jax.jit(jax.vmap(lambda k, s: corpus_lib.batch_at(
         k, s, hmm_model, None, c.corpus, c.batch_size, c.model.vocab_size),
                            in_axes=(0, None)))
-    key = jax.random.split(jax.random.PRNGKey(1), 1)
-    batches = [get(key, s) for s in range(4)]
+    batches = [get(key1, s) for s in range(4)]
     return harness.train_steps(
-        train_lib.make_train_step(c, mesh), lambda i: batches[i % 4],
-        train_lib.init_states(jax.random.split(jax.random.PRNGKey(0), 1), c),
-        hmms, per)
-
+        pretrain_lib.make_train_step(c, sharding_lib.data_mesh()),
+        lambda i: batches[i % 4], pretrain_lib.init_states(key0, c), hmms, per)
   spent = harness.interleaved(
       {"base": steps_of(base), "cand": steps_of(cfg)}, rounds)
-  return ((spent["cand"] / tokens_per_step(cfg))
-          / (spent["base"] / tokens_per_step(base)))
+  tokens = lambda c: c.batch_size * c.corpus.chunk_len  # per step
+  return (spent["cand"] / tokens(cfg)) / (spent["base"] / tokens(base))
 
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "output directory")
-_RECIPE = flags.DEFINE_enum(
-    "recipe", "cpu_capped", ["cpu_capped", "cpu_adamw"], "the pretraining "
-    "preset the --config.pretrain overrides apply to (cpu_adamw: the main "
-    "job's before issue 30)")
-_BENCH = flags.DEFINE_integer(
-    "bench_steps", 0, "first time this many train steps of the recipe "
-    "against cpu_adamw's, interleaved, and print the per-token ratio")
-_REPORT_ONLY = flags.DEFINE_bool(
-    "report_only", False, "print the table of what DIR holds for this "
-    "recipe (a run still going: its evaluations so far); train nothing")
-_BENCH_ONLY = flags.DEFINE_bool("bench_only", False,
-                                 "with --bench_steps: stop after the ratio")
+_RECIPE = flags.DEFINE_enum("recipe", "cpu_capped", ["cpu_capped", "cpu_adamw"],
+                            "pretraining preset under --config.pretrain")
+_BENCH = flags.DEFINE_integer("bench_steps", 0, "first time this many steps "
+                              "against cpu_adamw's: the per-token ratio")
+_REPORT_ONLY = flags.DEFINE_bool("report_only", False, "print the table of "
+                                 "what DIR holds for the recipe; train none")
+_BENCH_ONLY = flags.DEFINE_bool("bench_only", False, "stop after the ratio")
 _CONFIG = cli.define_config(default_config())
 flags.adopt_module_key_flags(cli)
 
@@ -243,14 +214,17 @@ def main(argv):
     cfg = config_flags.apply(default_config(_RECIPE.value), _CONFIG.value())
     cli.make_dir(_WORKDIR.value)
   pcfg = cfg.pretrain
+  tok_step = pcfg.batch_size * pcfg.corpus.chunk_len
   workdir = os.path.join(_WORKDIR.value, recipe_fingerprint(pcfg))
   os.makedirs(workdir, exist_ok=True)
-  files_lib.atomic_write_text(os.path.join(workdir, "recipe.json"), json.dumps(
-      {"overrides": _CONFIG.value(), "pretrain": pcfg.to_json()}, indent=1))
+  put = lambda name, text: files_lib.atomic_write_text(
+      os.path.join(workdir, name), text)
+  put("recipe.json", json.dumps({"overrides": _CONFIG.value(),
+                                 "pretrain": pcfg.to_json()}, indent=1))
   print(f"recipe {recipe_fingerprint(pcfg)}: overrides {_CONFIG.value()}",
         flush=True)
   if _REPORT_ONLY.value:  # every draw of DIR, however grouped
-    return print(hard_set_table(read_hard_set(workdir), tokens_per_step(pcfg)))
+    return print(hard_set_table(read_hard_set(workdir), tok_step))
   ratio = None
   if _BENCH.value:
     ratio = bench_ratio(pcfg, _BENCH.value)
@@ -261,23 +235,20 @@ def main(argv):
   t0, c0 = time.perf_counter(), os.times()
   per_draw = pretrain_hard_set(workdir, cfg,
                                log=lambda s: print(s, flush=True))
-  wall, c1 = time.perf_counter() - t0, os.times()
-  table = hard_set_table(per_draw, tokens_per_step(pcfg))
-  times = (f"wall {wall:.0f} s, user {c1.user - c0.user:.0f} s, sys "
-           f"{c1.system - c0.system:.0f} s (this process, this "
-           f"invocation: a resumed run counts only what it ran)")
+  c1 = os.times()
+  spent = {"wall_s": time.perf_counter() - t0, "user_s": c1.user - c0.user,
+           "sys_s": c1.system - c0.system}
+  text = hard_set_table(per_draw, tok_step) + (
+      "\n\nwall {wall_s:.0f} s, user {user_s:.0f} s, sys {sys_s:.0f} s (this "
+      "process, this invocation: a resumed run counts only what it ran)"
+  ).format(**spent)
   if ratio is not None:
-    times += f"; time per token {ratio:.2f}x cpu_adamw's (interleaved)"
-  text = f"{table}\n\n{times}\n"
-  files_lib.atomic_write_text(os.path.join(workdir, "hard_set.md"), text)
-  files_lib.atomic_write_text(
-      os.path.join(workdir, "hard_set.json"),
-      json.dumps({"overrides": _CONFIG.value(), "wall_s": wall,
-                  "user_s": c1.user - c0.user,
-                  "sys_s": c1.system - c0.system, "token_ratio": ratio,
-                  "tokens_per_step": tokens_per_step(pcfg),
-                  "draws": per_draw}, indent=1))
-  print(text, flush=True)
+    text += f"; time per token {ratio:.2f}x cpu_adamw's (interleaved)"
+  put("hard_set.md", text + "\n")
+  put("hard_set.json", json.dumps(
+      {"overrides": _CONFIG.value(), **spent, "token_ratio": ratio,
+       "tokens_per_step": tok_step, "draws": per_draw}, indent=1))
+  print(text + "\n", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,9 @@ r"""Figure 3 in chunks of size stacks, each resuming from committed results
   python -m experiments.in_chunks --preset=gpu --chunk=left:30 \
       --step_bytes [--config.pretrain.trials_per_vmap=4]
 
-A run starts from ``--results``' lines, computes the chunk's missing cells
-and writes ``OUT/figure3-chunk.tar.gz`` (no report: ``--merge`` renders
-it), also after the deadline, an error, SIGTERM or SIGINT. Every field of
-the preset is a ``--config.<path>`` flag (``--helpfull`` lists them all).
+Writes the chunk's missing cells to ``OUT/figure3-chunk.tar.gz``, also
+after the deadline, an error or a signal. ``--helpfull`` lists every flag.
 """
-
-from __future__ import annotations
 
 import os
 import sys
@@ -34,48 +30,33 @@ _PRESET = flags.DEFINE_enum("preset", "gpu", list(configs.PRESETS),
                             "config preset; --config.<path> overrides it")
 _CONFIG = cli.define_config(configs.PRESETS["gpu"]())
 _BACKBONE = flags.DEFINE_enum("backbone", "transformer", sweep.BACKBONES,
-                              "the pretrained transformer, or exact "
-                              "(perfect pretraining; tests)")
-_CHUNK = flags.DEFINE_string(
-    "chunk", "all", "which size stacks: left:SIZES (|H|), right:SIZES "
-    "(|M|), left, right or all; SIZES comma-separated")
-_BUDGET = flags.DEFINE_float(
-    "budget_s", None, "start no stack after this many seconds (a stack "
-    "started is finished); default: no limit")
+                              "transformer, or exact (tests)")
+_CHUNK = flags.DEFINE_string("chunk", "all", "size stacks: left, right, all, "
+                             "left:SIZES (|H|) or right:SIZES (|M|), e.g. 4,8")
+_BUDGET = flags.DEFINE_float("budget_s", None, "start no stack after this "
+                             "many seconds (default: no limit)", lower_bound=0)
 _DEADLINE_S = flags.DEFINE_float(
-    "deadline_s", None, "a hard deadline, seconds from the start: no stack "
-    "starts that the run's estimate does not finish by then (the trials of "
-    "a transformer stack that fit run alone, in whole groups of "
-    "trials_per_vmap; the next run does the rest), the cheapest stacks run "
-    "first, and at the deadline the run stops between training steps or "
-    "tuning groups and writes its archive; default: none")
+    "deadline_s", None, "hard deadline, seconds from the start: start only "
+    "the stacks (or whole trials_per_vmap groups) the estimate finishes by "
+    "then, cheapest first; at it stop between steps and write the archive",
+    lower_bound=0)
 _OUT = flags.DEFINE_string("out", None, f"where {chunks.ARCHIVE} is written")
 _RESULTS = flags.DEFINE_string(
-    "results", None, "the committed results directory (default: "
-    "docs/results/figure3-<preset>, _ as -): a run "
-    "starts from its lines, --merge adds to them")
-_WORKDIR = flags.DEFINE_string(
-    "workdir", None, "a directory to compute in, kept (its checkpoints "
-    "too: delete it when done); a rerun with it resumes a stack cut short "
-    "by a time limit; default: a temporary one, deleted after the archive "
-    "is written")
+    "results", None, "the committed results (default: docs/results/"
+    "figure3-<preset>, _ as -), started from; --merge adds to them")
+_WORKDIR = flags.DEFINE_string("workdir", None, "compute here, kept (a rerun "
+                               "resumes); default: a temporary directory")
 _CHECKPOINTS = flags.DEFINE_enum(
-    "checkpoints", None, ["always", "deadline", "never"],
-    "what pretraining writes to resume from: always (every ckpt_every "
-    "steps; default with --workdir), deadline (only where --deadline_s "
-    "stops a stack: a BERT-width stack's checkpoint is ~7 GB; for "
-    "accelerator commands, the next one on the same machine resumes it) "
-    "or never (default without --workdir)")
-_STEP_MEMORY = flags.DEFINE_bool(
-    "step_bytes", False, "print each stack's pretraining-step memory (XLA's "
-    "buffer assignment, compiled on shapes only) and stop")
-_MERGE = flags.DEFINE_list(
-    "merge", None, "archives to merge into --results (computes nothing)")
+    "checkpoints", None, ["always", "deadline", "never"], "always (default "
+    "with --workdir), deadline (only where --deadline_s stops a stack; ~7 GB "
+    "at BERT width) or never (default without --workdir)")
+_STEP_MEMORY = flags.DEFINE_bool("step_bytes", False, "print each stack's "
+                                 "pretraining-step memory, and stop")
+_MERGE = flags.DEFINE_list("merge", None, "archives to merge into --results")
 _PRINT_CONFIG = cli.define_print_config()
 _WORKERS, _WORKER, _CLAIMS = cli.define_worker_flags("the chunk")
 flags.adopt_module_key_flags(cli)
-_DEADLINE = flags.DEFINE_float("deadline", None, "internal: the parent's "
-                               "deadline, a time.monotonic() value")
+_DEADLINE = flags.DEFINE_float("deadline", None, "internal: time.monotonic()")
 
 
 def _work(setup) -> None:
@@ -100,8 +81,7 @@ def main(argv):
       if _OUT.value:
         raise ValueError("--merge computes nothing: drop --out")
       cli.make_dir(results, "--results")
-      # Checked against the archive's: --merge of another preset's
-      # archive into its own --results would pass the results' check.
+      # Checks the archive's preset (its own --results would pass).
       return print(*chunks.merge_all(_MERGE.value, results, setup,
                                      _PRESET.value), sep="\n")
     if _PRINT_CONFIG.value:
@@ -110,9 +90,6 @@ def main(argv):
       return _work(setup)
     if not _OUT.value and not _STEP_MEMORY.value:
       raise ValueError("--out is required (or --merge, --step_bytes)")
-    for name, flag in (("budget_s", _BUDGET), ("deadline_s", _DEADLINE_S)):
-      if flag.value is not None and flag.value < 0:
-        raise ValueError(f"--{name} must be >= 0, got {flag.value}")
     if _DEADLINE_S.value is not None and _WORKERS.value != 1:
       raise ValueError("--deadline_s runs in this process: drop --workers")
     chunks.check_chunk(setup, _CHUNK.value, _BACKBONE.value, results,

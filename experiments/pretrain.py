@@ -7,13 +7,9 @@ r"""Pretrain the masked LM on text from an HMM (docs/pretraining.md).
   python -m experiments.pretrain --preset=tiny --workdir=DIR --distributed \
       --coordinator_address=127.0.0.1:12345 --num_processes=2 --process_id=I
 
-Every leaf of :class:`hmmprompt.pretrain.Job` is a ``--config.<path>``
-flag (``--helpfull`` lists them all with the default preset's values,
-``--print_config`` prints the chosen preset's); rerunning resumes;
-``--distributed``: docs/multihost.md.
+Every field of the Job is a ``--config.<path>`` flag (``--helpfull`` lists
+them); a rerun resumes; ``--distributed``: docs/multihost.md.
 """
-
-from __future__ import annotations
 
 import os
 import signal
@@ -34,12 +30,10 @@ _PRESET = flags.DEFINE_enum("preset", "cpu", list(pretrain.PRESETS),
                             "pretraining preset")
 _CONFIG = cli.define_config(pretrain.Job(
     pretrain=pretrain.preset_config("cpu")))
-_WORKDIR = flags.DEFINE_string(
-    "workdir", None, "output directory (required; a rerun with it resumes)")
+_WORKDIR = flags.DEFINE_string("workdir", None, "output; a rerun resumes")
 _PRINT_CONFIG = cli.define_print_config()
-_CRASH_AT = flags.DEFINE_integer(
-    "crash_at_step", None, "testing: --crash_signal this process after this "
-    "step (checks that a rerun resumes exactly)")
+_CRASH_AT = flags.DEFINE_integer("crash_at_step", None, "testing: "
+                                 "--crash_signal this process after this step")
 _CRASH_SIGNAL = flags.DEFINE_enum("crash_signal", "SIGKILL",
                                   ["SIGKILL", "SIGTERM"], "testing: see above")
 _INIT_DISTRIBUTED = cli.define_distributed_flags()
@@ -48,14 +42,13 @@ flags.adopt_module_key_flags(cli)
 
 @cli.one_line_errors
 def main(argv):
-  t0 = cli.start(argv, **({} if _PRINT_CONFIG.value else
-                          {"workdir": _WORKDIR.value}))
+  t0 = cli.start(argv, workdir=_WORKDIR.value)
   with cli.usage_errors():
     if _PRINT_CONFIG.value:
       return cli.print_config(pretrain.Job.of(_PRESET.value,
                                               **_CONFIG.value()))
-    cli.make_dir(_WORKDIR.value)  # a file, or not writable: before work
-    _INIT_DISTRIBUTED()
+    cli.make_dir(_WORKDIR.value)
+    _INIT_DISTRIBUTED()  # before anything starts a backend (Job.of may)
     job = pretrain.Job.of(_PRESET.value, **_CONFIG.value())
     sharding.check_batch(job.pretrain.batch_size, sharding.data_mesh())
     models_K = job.make_model()
@@ -66,11 +59,9 @@ def main(argv):
   logging.info("process %d of %d; devices: %s; %d params; %d steps",
                jax.process_index(), jax.process_count(), jax.devices(),
                transformer.num_params(params), cfg.total_steps)
-
   def after_step(step):
     if _CRASH_AT.value is not None and step >= _CRASH_AT.value:
       os.kill(os.getpid(), signal.Signals[_CRASH_SIGNAL.value])
-
   final = pretrain.run_trials(_WORKDIR.value, cfg, models_K,
                               log=logging.info, after_step=after_step)
   print(final[0] if len(final) == 1 else final)

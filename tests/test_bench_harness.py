@@ -75,16 +75,14 @@ def test_the_timers_call_warmup_then_the_timed_calls():
   assert len(calls) == 2 + 2 * 3
 
 
-def test_main_refuses_arguments_and_prints_the_header_first(capsys):
+def test_start_refuses_arguments_and_prints_the_header(capsys):
   """The header: date, CPU and cores, python and jax versions, the devices
   (without them: no backend started, for a benchmark whose work is in
   subprocesses)."""
-  main = harness.main(retain_freed_memory=False)(lambda: print("body"))
   with pytest.raises(app.UsageError, match="unexpected arguments"):
-    main(["bench", "extra"])
-  main(["bench"])
-  head, body = capsys.readouterr().out.splitlines()
-  assert body == "body"
+    harness.start(["bench", "extra"], retain_freed_memory=False)
+  harness.start(["bench"], retain_freed_memory=False)
+  (head,) = capsys.readouterr().out.splitlines()
   assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC; .+, \d+ cores; python "
                       r"3\.\S+, jax \S+ on \w+: \d+ x .+", head), head
   assert " on " not in harness.header(devices=False).split("jax ")[1]

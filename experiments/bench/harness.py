@@ -1,6 +1,5 @@
-"""What the benchmarks share: their start (glibc, a header line), timers,
-a ratio against the first arm, train steps, model FLOP utilisation (achieved
-FLOP/s over the device's dense peak), where a profiled step's time goes."""
+"""What the benchmarks share: their start, timers, train steps, MFU
+(achieved FLOP/s over the device's dense peak), a profile's top ops."""
 
 import collections
 from collections.abc import Callable
@@ -29,8 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 
 
 def header(devices: bool = True) -> str:
-  """The date, CPU (lscpu's model; the cores this process may use), python
-  and jax versions and (``devices``: starts jax's backend) the devices."""
+  """The date, CPU (model, cores this process may use), python and jax
+  versions and (``devices``: starts jax's backend) the devices."""
   lscpu = shutil.which("lscpu") and subprocess.run(
       ["lscpu"], capture_output=True, text=True, check=False).stdout
   cpu = re.search(r"^Model name:\s*(.+)$", lscpu or "", re.M)
@@ -42,27 +41,18 @@ def header(devices: bool = True) -> str:
               f"{jax.devices()[0].device_kind}" if devices else ""))
 
 
-def main(retain_freed_memory: bool | Callable[[], bool] = True,
-         devices: bool = True) -> Callable:
-  """A benchmark's ``body()`` as an absl ``main(argv)``: no positional
-  arguments, glibc's settings as the binaries make them (a callable: if it
-  returns true), then the :func:`header`."""
-  def wrap(body: Callable[[], None]) -> Callable:
-    def main_(argv):
-      if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-      if (retain_freed_memory() if callable(retain_freed_memory)
-          else retain_freed_memory):
-        glibc.retain_freed_memory()  # XLA:CPU step temporaries
-      print(header(devices), flush=True)
-      return body()
-    return main_
-  return wrap
+def start(argv, retain_freed_memory: bool = True, devices: bool = True):
+  """A benchmark's start: no positional arguments, glibc's settings as the
+  binaries' (XLA:CPU step temporaries), the :func:`header`."""
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if retain_freed_memory:
+    glibc.retain_freed_memory()
+  print(header(devices), flush=True)
 
 
 def child(args: list[str], what: str) -> subprocess.CompletedProcess:
-  """``args`` run in the checkout's root, output captured; exits with the
-  tail of its stderr if it fails."""
+  """``args`` run in the checkout; exits with its stderr's tail if it fails."""
   proc = subprocess.run(args, capture_output=True, text=True, check=False,
                         cwd=ROOT)
   if proc.returncode:
@@ -72,11 +62,9 @@ def child(args: list[str], what: str) -> subprocess.CompletedProcess:
 
 def train_steps(step: Callable, batch: Callable, state, hmms, n: int = 1
                 ) -> Callable:
-  """A callable that runs ``n`` steps ``state, loss = step(state, *batch(i),
-  hmms)`` (``i``: 0, 1, ... over all its calls), the state carried; returns
-  the last loss."""
+  """A callable: ``n`` steps ``state, loss = step(state, *batch(i), hmms)``
+  (``i`` counts all its calls), the state carried; the last loss."""
   box = [state, 0]
-
   def run():
     for _ in range(n):
       box[0], loss = step(box[0], *batch(box[1]), hmms)
@@ -90,22 +78,19 @@ def seconds_per_call(fn: Callable, repeats: int = 1, steps: int = 1,
                      ) -> float:
   """Seconds per call of ``fn()`` after ``warmup`` calls: the median of
   ``repeats`` timings of ``steps`` calls, each ``sync``-ed on the last's."""
-  for _ in range(warmup):
-    out = fn()
-  sync(out)
-  times = []
-  for _ in range(repeats):
+  def per_call(n: int) -> float:
     t0 = time.perf_counter()
-    for _ in range(steps):
+    for _ in range(n):
       out = fn()
     sync(out)
-    times.append((time.perf_counter() - t0) / steps)
-  return statistics.median(times)
+    return (time.perf_counter() - t0) / n
+  per_call(warmup)
+  return statistics.median([per_call(steps) for _ in range(repeats)])
 
 
 def interleaved(arms: dict[str, Callable], rounds: int) -> dict[str, float]:
-  """Each arm's total seconds over ``rounds`` calls after one untimed,
-  the arms taking turns (load from other work falls on all alike)."""
+  """Each arm's seconds over ``rounds`` calls after one untimed, the arms
+  taking turns (load from other work falls on all alike)."""
   jax.block_until_ready([fn() for fn in arms.values()])
   spent = dict.fromkeys(arms, 0.0)
   for _ in range(rounds):
@@ -117,9 +102,8 @@ def interleaved(arms: dict[str, Callable], rounds: int) -> dict[str, float]:
 
 
 def against_first(fns: dict, args, repeats: int, line: Callable, first: str):
-  """Prints ``line(name, seconds)`` of each of ``fns`` called on ``args``,
-  then its time as a multiple of the first's (``first`` names it) and its
-  largest difference from the first's result."""
+  """Prints ``line(name, seconds)`` of each of ``fns(*args)``, its time
+  over the first's (``first`` names it), its largest difference from it."""
   base = ref = None
   for name, fn in fns.items():
     try:
@@ -145,11 +129,10 @@ def describe(flops: float, seconds: float, peak: float | None) -> str:
 
 
 def top_ops(trace_dir: str, top: int = 15) -> list[tuple[str, float, float]]:
-  """The ``top`` events by total duration in the newest perfetto trace under
-  ``trace_dir``: ``(name, ms, share of the total)``, of the device's
-  processes (``/device:...``) where it has any, else the host's."""
-  paths = sorted(glob.glob(os.path.join(trace_dir, "**",
-                                        "perfetto_trace.json.gz"),
+  """The ``top`` events by duration in the newest perfetto trace under
+  ``trace_dir``: ``(name, ms, share)``, of the devices' processes (else
+  the host's)."""
+  paths = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz",
                            recursive=True), key=os.path.getmtime)
   if not paths:
     raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
@@ -161,8 +144,7 @@ def top_ops(trace_dir: str, top: int = 15) -> list[tuple[str, float, float]]:
   keep = ({pid for pid, n in names.items() if n.startswith("/device")}
           or set(names))
   total: collections.Counter[str] = collections.Counter()
-  for e in events:
-    # "$file:line fn" events are Python frames, not ops.
+  for e in events:  # ("$file:line fn" events: Python frames, not ops)
     if (e.get("ph") == "X" and e.get("pid") in keep
         and not e["name"].startswith("$")):
       total[e["name"]] += e.get("dur", 0.0)  # microseconds

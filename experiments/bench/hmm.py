@@ -1,12 +1,11 @@
-r"""Throughput of hmmprompt's HMM sampler and posterior vs hmmlearn / dynamax.
+r"""Throughput of hmmprompt's HMM sampler and posterior vs hmmlearn / dynamax,
+each ratio against a baseline of the same run (docs/performance.md).
 
-  python -m experiments.bench.hmm            # needs the `bench` extra
-
-Every ratio is against a baseline measured in the same run; the
-``--sections`` (sampling, posterior, long sequences on the grid
-``--long_lens`` x ``--long_states``, exact targets): docs/performance.md.
+  python -m experiments.bench.hmm [--sections=sampling,posterior,long,targets]
+  # needs the `bench` extra
 """
 
+import functools
 import time
 
 from absl import app
@@ -26,26 +25,18 @@ _SAMPLE_LEN = flags.DEFINE_integer("sample_len", 10240, "tokens per sequence")
 _POST_BATCH = flags.DEFINE_integer("post_batch", 1000, "posterior batch")
 _POST_LEN = flags.DEFINE_integer("post_len", 129, "posterior sequence length")
 _REPEATS = flags.DEFINE_integer("repeats", 7, "timed repeats (median)")
-_LONG_BATCH = flags.DEFINE_integer("long_batch", 8,
-                                   "long-sequence posterior batch")
-_LONG_LENS = flags.DEFINE_list("long_lens", ["512", "10240"],
-                               "long-sequence lengths T")
-_LONG_STATES = flags.DEFINE_list("long_states", ["30", "100"],
-                                 "long-sequence numbers of states |H|")
-_LONG_REPEATS = flags.DEFINE_integer("long_repeats", 3,
-                                     "timed repeats of a long cell (median)")
-_TARGETS_SHAPE = flags.DEFINE_list(
-    "targets_shape", ["64", "512", "30"],
-    "exact targets' batch, length and |H| (the gpu preset's step)")
-_TARGETS_WINDOWS = flags.DEFINE_list(
-    "targets_windows", ["16"], "steps whose targets one call computes "
-    "(PretrainConfig.exact_window): each also timed, per step")
-_SECTIONS = flags.DEFINE_list("sections",
-                              ["sampling", "posterior", "long", "targets"],
-                              "which benchmarks to run")
+_LONG_BATCH = flags.DEFINE_integer("long_batch", 8, "long posterior batch")
+_LONG_LENS = flags.DEFINE_list("long_lens", ["512", "10240"], "long: the Ts")
+_LONG_STATES = flags.DEFINE_list("long_states", ["30", "100"], "long: the |H|s")
+_LONG_REPEATS = flags.DEFINE_integer("long_repeats", 3, "long: timed repeats")
+_TARGETS_SHAPE = flags.DEFINE_list("targets_shape", ["64", "512", "30"],
+                                   "exact targets' B, T, |H| (gpu preset's)")
+_TARGETS_WINDOWS = flags.DEFINE_list("targets_windows", ["16"], "steps' "
+                                     "targets in one call (exact_window)")
+_SECTIONS = flags.DEFINE_list("sections", ["sampling", "posterior", "long",
+                                           "targets"], "which to run")
 _HMMLEARN_SEQS = flags.DEFINE_integer(
     "hmmlearn_seqs", 5, "sequences for hmmlearn (it is slow; rates scale)")
-
 
 _NO_BENCH = "not installed (pip install -e '.[bench]')"
 _METHODS = ("sequential", "parallel", "blocked")
@@ -84,14 +75,14 @@ def _dynamax_smoothers(model) -> dict:
                           ("parallel_hmm_smoother", parallel_hmm_smoother))}
 
 
-def _seconds(fn) -> float:
-  return harness.seconds_per_call(fn, _REPEATS.value)
-
-
-def _report(name, tokens, seconds, baseline=None):
+def _report(name, tokens, seconds, baseline=None) -> float:
+  """Prints the rate of ``tokens`` in ``seconds`` (a function: timed)."""
+  if callable(seconds):
+    seconds = harness.seconds_per_call(seconds, _REPEATS.value)
   print(f"  {name:<44s} {tokens / seconds / 1e6:10.3f} M tokens/s" + (
       "" if baseline is None else
       f"   hmmprompt is {seconds / baseline:7.1f}x faster"))
+  return seconds
 
 
 def bench_sampling(model):
@@ -100,8 +91,7 @@ def bench_sampling(model):
         f"|X|={model.vocab_size}")
   keys = jax.random.split(jax.random.PRNGKey(0), b)
   ours = jax.jit(jax.vmap(lambda k: hmm_lib.sample(k, model, t)))
-  t_ours = _seconds(lambda: ours(keys))
-  _report("hmmprompt jit(vmap(sample))", b * t, t_ours)
+  t_ours = _report("hmmprompt jit(vmap(sample))", b * t, lambda: ours(keys))
   try:
     from dynamax.hidden_markov_model import CategoricalHMM  # pylint: disable=g-import-not-at-top
     dyn = CategoricalHMM(model.num_states, 1, model.vocab_size)
@@ -110,14 +100,13 @@ def bench_sampling(model):
         transition_matrix=model.transition,
         emission_probs=model.emission[:, None, :])
     dyn_fn = jax.jit(jax.vmap(lambda k: dyn.sample(params, k, t)))
-    t_dyn = _seconds(lambda: dyn_fn(keys))
-    _report("dynamax CategoricalHMM.sample (jit+vmap)", b * t, t_dyn, t_ours)
+    _report("dynamax CategoricalHMM.sample (jit+vmap)", b * t,
+            lambda: dyn_fn(keys), t_ours)
   except ImportError:
     print("  dynamax", _NO_BENCH)
   if (hl := _hmmlearn_model(model)) is None:
     return print("  hmmlearn", _NO_BENCH)
-  n = _HMMLEARN_SEQS.value
-  t0 = time.perf_counter()
+  n, t0 = _HMMLEARN_SEQS.value, time.perf_counter()
   for i in range(n):
     hl.sample(t, random_state=i)
   t_hl = (time.perf_counter() - t0) / n * b  # per b sequences
@@ -130,35 +119,30 @@ def bench_posterior(model):
   tokens = _tokens(model, t, b, 1)
   ours = jax.jit(jax.vmap(hmm_lib.posterior, in_axes=(None, 0)))
   post = ours(model, tokens)
-  t_ours = _seconds(lambda: ours(model, tokens))
-  _report("hmmprompt jit(vmap(posterior))", b * t, t_ours)
+  t_ours = _report("hmmprompt jit(vmap(posterior))", b * t,
+                   lambda: ours(model, tokens))
   # As many write it: the HMM closed over, its arrays the jit's constants.
   closed = jax.jit(jax.vmap(lambda x: hmm_lib.posterior(model, x)))
-  t_closed = _seconds(lambda: closed(tokens))
-  _report("  same, HMM closed over", b * t, t_closed)
+  t_closed = _report("  same, HMM closed over", b * t, lambda: closed(tokens))
   print(f"    closed over / argument time: {t_closed / t_ours:.2f}")
-  par = jax.jit(jax.vmap(lambda m, x: hmm_lib.posterior(m, x,
-                                                        method="parallel"),
-                         in_axes=(None, 0)))
+  par = jax.jit(jax.vmap(functools.partial(hmm_lib.posterior,
+                                            method="parallel"), (None, 0)))
   err = float(jnp.max(jnp.abs(par(model, tokens) - post)))
-  t_par = _seconds(lambda: par(model, tokens))
-  _report("hmmprompt posterior, method=parallel", b * t, t_par, t_ours)
+  _report("hmmprompt posterior, method=parallel", b * t,
+          lambda: par(model, tokens), t_ours)
   print(f"    max |difference| from the scan: {err:.2e}")
-  dyn = _dynamax_smoothers(model).get("dynamax hmm_smoother")
-  if dyn is None:
+  if (dyn := _dynamax_smoothers(model).get("dynamax hmm_smoother")) is None:
     print("  dynamax", _NO_BENCH)
   else:
     err = float(jnp.max(jnp.abs(dyn(tokens) - post)))
-    t_dyn = _seconds(lambda: dyn(tokens))
-    _report("dynamax hmm_smoother (jit+vmap)", b * t, t_dyn, t_ours)
+    _report("dynamax hmm_smoother (jit+vmap)", b * t, lambda: dyn(tokens),
+            t_ours)
     print(f"    max |difference| from hmmprompt: {err:.2e}")
   if (hl := _hmmlearn_model(model)) is None:
     return
-  x = np.asarray(tokens).reshape(-1, 1)
   t0 = time.perf_counter()
-  hl_post = hl.predict_proba(x, lengths=[t] * b)
-  t_hl = time.perf_counter() - t0
-  _report("hmmlearn predict_proba", b * t, t_hl, t_ours)
+  hl_post = hl.predict_proba(np.asarray(tokens).reshape(-1, 1), [t] * b)
+  _report("hmmlearn predict_proba", b * t, time.perf_counter() - t0, t_ours)
   err = float(np.max(np.abs(hl_post.reshape(b, t, -1) - np.asarray(post))))
   print(f"    max |difference| from hmmprompt: {err:.2e}")
 
@@ -183,9 +167,8 @@ def bench_long(vocab_size):
 
 
 def bench_targets(vocab_size):
-  """One batch's :func:`corpus.exact_targets`, jitted alone, per kernel;
-  then each of ``--targets_windows`` batches' in one call, per batch (a
-  step's share under ``PretrainConfig.exact_window``)."""
+  """Per kernel, :func:`corpus.exact_targets` of 1 and of each of
+  ``--targets_windows`` batches in one call, per batch."""
   from hmmprompt import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
   b, t, h = map(int, _TARGETS_SHAPE.value)
   model = hmm_lib.random_hmm(jax.random.PRNGKey(h), h, vocab_size)
@@ -201,15 +184,14 @@ def bench_targets(vocab_size):
         f"{secs * 1e3 / n:9.2f} ms per batch of {b}", "the scan's time")
 
 
-@harness.main()
-def main():
+def main(argv):
+  harness.start(argv)
   model = hmm_lib.random_hmm(jax.random.PRNGKey(0), _STATES.value, _VOCAB.value)
   sections = {"sampling": lambda: bench_sampling(model),
               "posterior": lambda: bench_posterior(model),
               "long": lambda: bench_long(_VOCAB.value),
               "targets": lambda: bench_targets(_VOCAB.value)}
-  unknown = set(_SECTIONS.value) - set(sections)
-  if unknown:
+  if unknown := set(_SECTIONS.value) - set(sections):
     raise app.UsageError(f"--sections: unknown {sorted(unknown)}; known "
                          f"{sorted(sections)}")
   for name in _SECTIONS.value:

@@ -1,14 +1,14 @@
-r"""Train-step throughput: our Flax MLM vs HuggingFace's PyTorch
-``BertForMaskedLM`` (what the authors used), same config, same device, one run.
+r"""A full AdamW step at a pretraining preset's shape: our Flax MLM vs
+HuggingFace's PyTorch ``BertForMaskedLM`` (the authors') in one run
+(docs/performance.md).
 
   python -m experiments.bench.mlm [--preset=cpu|paper|...] \
       [--config.model.d_model=64 --config.batch_size=32 \
        --config.corpus.chunk_len=128 --config.model.max_len=128 ...]
   # needs the `bench` extra (torch, transformers)
-
-A full AdamW step at a pretraining preset's shape (docs/performance.md);
-MFU against ``--peak_tflops`` (default: a known GPU's, none on CPU).
 """
+
+import dataclasses
 
 from absl import app
 from absl import flags
@@ -29,94 +29,72 @@ _PRESET = flags.DEFINE_enum("preset", "cpu", list(pretrain.PRESETS),
                             "pretraining preset whose step is timed")
 _CONFIG = cli.define_config(pretrain.preset_config("cpu"))
 flags.adopt_module_key_flags(cli)
-_PEAK = flags.DEFINE_float("peak_tflops", None,
-                           "device peak for MFU (default: known GPUs)")
+_PEAK = flags.DEFINE_float("peak_tflops", None, "MFU's peak (default: GPUs')")
 _SKIP_HF = flags.DEFINE_bool("skip_hf", False, "time our model only")
 _STEPS = flags.DEFINE_integer("steps", 30, "timed steps per repeat")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "repeats (median)")
-_EXACT = flags.DEFINE_bool("exact", True, "also time our step with "
-                           "exact-conditional targets")
-_OTHER_ATTENTION = flags.DEFINE_bool(
-    "other_attention", True, "also time our step with the other attention "
-    "path (--config.model.attention picks the first; auto: manual on CPU, "
-    "dot_product elsewhere)")
-_NUM_STATES = flags.DEFINE_integer("num_states", 30, "HMM states for the "
-                                   "exact targets")
-_RETAIN = flags.DEFINE_bool(
-    "retain_freed_memory", True, "glibc.retain_freed_memory() first "
-    "(as the binaries do); false times glibc's defaults")
-_THREADS = flags.DEFINE_integer("torch_threads", 0,
-                                "torch intra-op threads (0: its default)")
+_EXACT = flags.DEFINE_bool("exact", True, "also time exact targets")
+_OTHER_ATTENTION = flags.DEFINE_bool("other_attention", True, "also time "
+                                     "the attention path not chosen")
+_NUM_STATES = flags.DEFINE_integer("num_states", 30, "exact targets' |H|")
+_RETAIN = flags.DEFINE_bool("retain_freed_memory", True, "glibc's setting "
+                            "as the binaries'; false: glibc's defaults")
+_THREADS = flags.DEFINE_integer("torch_threads", 0, "torch's (0: its default)")
+VOCAB = 10
 
 
-_MODEL_KEYS = ("d_model", "num_layers", "num_heads", "d_ff", "dtype",
-               "attention")
-
-
-def resolve_shape() -> dict:
-  """The preset's model, batch and context with overrides; validated."""
+def resolve() -> tuple[transformer.MLMConfig, int]:
+  """The preset's model (context as ``max_len``) and batch, overridden."""
   with cli.usage_errors():
     cfg = config_flags.apply(pretrain.configure(_PRESET.value),
                              _CONFIG.value())
-  return {**{k: getattr(cfg.model, k) for k in _MODEL_KEYS},
-          "seq_len": cfg.corpus.chunk_len, "batch_size": cfg.batch_size}
+  keys = ("d_model", "num_layers", "num_heads", "d_ff", "dtype", "attention")
+  model = {k: getattr(cfg.model, k) for k in keys}
+  return transformer.MLMConfig(vocab_size=VOCAB, max_len=cfg.corpus.chunk_len,
+                               **model), cfg.batch_size
 
 
-def model_config(shape: dict, vocab: int) -> transformer.MLMConfig:
-  return transformer.MLMConfig(vocab_size=vocab, max_len=shape["seq_len"],
-                               **{k: shape[k] for k in _MODEL_KEYS})
-
-
-def _time(step_fn, sync=jax.block_until_ready) -> float:
-  return harness.seconds_per_call(step_fn, _REPEATS.value, _STEPS.value,
-                                  sync=sync)
-
-
-def bench_ours(shape: dict, vocab=10, targets="sampled"):
-  """Our step (``targets="exact"``: on an ``|H| = --num_states`` HMM)."""
-  b, t = shape["batch_size"], shape["seq_len"]
+def bench_ours(m: transformer.MLMConfig, b: int, targets="sampled"):
+  """Our step's seconds and parameters."""
   cfg = pretrain.PretrainConfig(
-      model=model_config(shape, vocab),
-      corpus=corpus_lib.CorpusConfig(chunk_len=t, fresh=True),
+      model=m, corpus=corpus_lib.CorpusConfig(chunk_len=m.max_len, fresh=True),
       lr=1e-3, batch_size=b, steps=10**6, targets=targets)
-  model = hmm.random_hmm(jax.random.PRNGKey(2), _NUM_STATES.value, vocab)
+  model = hmm.random_hmm(jax.random.PRNGKey(2), _NUM_STATES.value, VOCAB)
   mesh = sharding.data_mesh()
   # One model: a stack of one (the unbatched body inside the step).
   state = jax.device_put(pretrain.init_states(jax.random.PRNGKey(0)[None],
                                               cfg), sharding.replicated(mesh))
+  # Counted now: the step donates the state's buffers.
   n_params = transformer.num_params(jax.tree.map(lambda x: x[0], state.params))
-  rng = np.random.default_rng(0)
-  tokens = jnp.asarray(rng.integers(0, vocab, (1, b, t)), jnp.int32)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(
+      0, VOCAB, (1, b, m.max_len)), jnp.int32)
   inputs, weights = corpus_lib.mask_tokens(jax.random.PRNGKey(1), tokens,
-                                           0.15, vocab)
-  return _time(harness.train_steps(
+                                           0.15, VOCAB)
+  return harness.seconds_per_call(harness.train_steps(
       pretrain.make_train_step(cfg, mesh), lambda _: (inputs, tokens, weights),
-      state, jax.tree.map(lambda x: x[None], model))), n_params
+      state, jax.tree.map(lambda x: x[None], model)), _REPEATS.value,
+      _STEPS.value), n_params
 
 
-def bench_hf(shape: dict, vocab=10):
+def bench_hf(m: transformer.MLMConfig, b: int):
   import torch  # pylint: disable=g-import-not-at-top
   from transformers import BertConfig, BertForMaskedLM  # pylint: disable=g-import-not-at-top
   if _THREADS.value:
     torch.set_num_threads(_THREADS.value)
   device = "cuda" if torch.cuda.is_available() else "cpu"
-  b, t = shape["batch_size"], shape["seq_len"]
-  cfg = BertConfig(vocab_size=vocab + 1, hidden_size=shape["d_model"],
-                   num_hidden_layers=shape["num_layers"],
-                   num_attention_heads=shape["num_heads"],
-                   intermediate_size=shape["d_ff"],
-                   max_position_embeddings=t,
-                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-  model = BertForMaskedLM(cfg).to(device).train()
+  model = BertForMaskedLM(BertConfig(
+      vocab_size=VOCAB + 1, hidden_size=m.d_model, intermediate_size=m.d_ff,
+      num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+      max_position_embeddings=m.max_len, hidden_dropout_prob=0.0,
+      attention_probs_dropout_prob=0.0)).to(device).train()
   opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
   gen = torch.Generator().manual_seed(0)
-  ids = torch.randint(0, vocab, (b, t), generator=gen)
+  ids = torch.randint(0, VOCAB, (b, m.max_len), generator=gen)
   labels = torch.where(torch.rand(ids.shape, generator=gen) < 0.15, ids,
                        torch.full_like(ids, -100))
   ids, labels = ids.to(device), labels.to(device)
   autocast = torch.autocast(device, dtype=torch.bfloat16,
-                            enabled=shape["dtype"] == "bfloat16")
-
+                            enabled=m.dtype == "bfloat16")
   def step_fn():
     opt.zero_grad(set_to_none=True)
     with autocast:
@@ -129,48 +107,45 @@ def bench_hf(shape: dict, vocab=10):
     out.item()
     if device == "cuda":
       torch.cuda.synchronize()
+  secs = harness.seconds_per_call(step_fn, _REPEATS.value, _STEPS.value,
+                                  sync=sync)
+  return secs, sum(p.numel() for p in model.parameters()), (
+      f"torch {torch.__version__}, " + (
+          torch.cuda.get_device_name() if device == "cuda"
+          else f"{torch.get_num_threads()} threads"))
 
-  n_params = sum(p.numel() for p in model.parameters())
-  desc = f"torch {torch.__version__}, " + (
-      torch.cuda.get_device_name() if device == "cuda"
-      else f"{torch.get_num_threads()} threads")
-  return _time(step_fn, sync), n_params, desc
 
-
-@harness.main(retain_freed_memory=lambda: _RETAIN.value)
-def main():
-  shape = resolve_shape()
-  vocab = 10
-  tokens = shape["batch_size"] * shape["seq_len"]
-  flops = (transformer.train_flops_per_token(model_config(shape, vocab),
-                                             shape["seq_len"]) * tokens)
-  peak = harness.peak_tflops(shape["dtype"], _PEAK.value)
-  print(f"MLM train step, d={shape['d_model']} layers={shape['num_layers']} "
-        f"heads={shape['num_heads']} T={shape['seq_len']} "
-        f"B={shape['batch_size']} {shape['dtype']}; jax {jax.__version__} on "
-        f"{jax.devices()[0].device_kind}; {flops / 1e9:.1f} GFLOP/step"
+def main(argv):
+  harness.start(argv, _RETAIN.value)
+  m, b = resolve()
+  tokens = b * m.max_len
+  flops = transformer.train_flops_per_token(m, m.max_len) * tokens
+  peak = harness.peak_tflops(m.dtype, _PEAK.value)
+  print(f"MLM train step, d={m.d_model} layers={m.num_layers} "
+        f"heads={m.num_heads} T={m.max_len} B={b} {m.dtype}; jax "
+        f"{jax.__version__} on {jax.devices()[0].device_kind}; "
+        f"{flops / 1e9:.1f} GFLOP/step"
         + (f"; peak {peak:.0f} TFLOP/s" if peak else ""))
-
   def report(name, sec, n_params, extra=""):
     print(f"  {name:22s} {tokens / sec / 1e3:9.1f}k tokens/s "
           f"({n_params} params, {1e3 * sec:.2f} ms/step, "
           f"{harness.describe(flops, sec, peak)}{extra})")
-  t_ours, n_ours = bench_ours(shape, vocab)
-  attention = model_config(shape, vocab).resolved_attention
+  t_ours, n_ours = bench_ours(m, b)
+  attention = m.resolved_attention
   report("hmmprompt Flax MLM", t_ours, n_ours, f", attention={attention}")
   if _OTHER_ATTENTION.value:
     other = "manual" if attention == "dot_product" else "dot_product"
-    t_other, _ = bench_ours({**shape, "attention": other}, vocab)
+    t_other, _ = bench_ours(dataclasses.replace(m, attention=other), b)
     report(f"  attention={other}", t_other, n_ours,
            f", {t_other / t_ours:.2f}x the time")
   if _EXACT.value:
-    t_exact, _ = bench_ours(shape, vocab, "exact")
+    t_exact, _ = bench_ours(m, b, "exact")
     report("  with exact targets", t_exact, n_ours,
            f", |H| = {_NUM_STATES.value}, {t_exact / t_ours:.2f}x the time")
   if _SKIP_HF.value:
     return
   try:
-    t_hf, n_hf, desc = bench_hf(shape, vocab)
+    t_hf, n_hf, desc = bench_hf(m, b)
   except ImportError:
     return print("  torch/transformers not installed (pip install -e "
                  "'.[bench]')")

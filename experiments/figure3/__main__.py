@@ -5,20 +5,14 @@ backbones (docs/figure3.md): parses the flags into a Setup, runs, reports.
   python -m experiments.figure3 --preset=cpu --backbone=exact,transformer \
       --workdir=runs/figure3 --workers=0 [--panel=left] [--config.trials=5]
 
-The flags set most often:
+The flags set most often, besides those above:
   --preset       tiny (a smoke run), cpu (the main job), cpu_paper, paper, gpu
   --panel        left (vanilla HMMs), right (memory HMMs) or both
-  --backbone     exact and/or transformer, comma-separated
-  --workdir      the output directory (required; a rerun resumes)
-  --workers      processes on this machine (0: one per core)
   --config.trials, --config.right_trials      HMM draws per size
   --config.left_sizes, --config.memory_sizes  the panels' sizes, e.g. 4,8
-Every field of the preset is a --config.<path>=<value> flag (e.g.
---config.task.num_train=500): --helpfull lists them all with the default
-preset's values, --print_config prints the chosen preset's.
+Every field of the preset is a --config.<path>=<value> flag (--helpfull
+lists them), --print_config prints the chosen preset's.
 """
-
-from __future__ import annotations
 
 import os
 import sys
@@ -39,23 +33,15 @@ from hmmprompt.pretrain import report as pretrain_report
 _PRESET = flags.DEFINE_enum("preset", "cpu", list(configs.PRESETS),
                             "config preset; --config.<path> overrides it")
 _CONFIG = cli.define_config(configs.PRESETS["cpu"]())
-_BACKBONE = flags.DEFINE_list(
-    "backbone", ["exact"], "comma-separated, run in this order: exact "
-    "(perfect pretraining: Appendix B's message passing) and/or transformer "
-    "(the masked LM, pretrained once per HMM and cached under "
-    "DIR/pretrain/)")
-_WORKDIR = flags.DEFINE_string(
-    "workdir", None, "output directory (required; a rerun with it resumes)")
-_PANEL = flags.DEFINE_enum("panel", "both", ["left", "right", "both"],
-                           "which panel(s)")
-_PRETRAIN_ONLY = flags.DEFINE_bool(
-    "pretrain_only", False, "transformer: pretrain the sweep's models, "
-    "write DIR/pretraining.md and DIR/pretraining.png and stop")
-_NUM_TASKS = flags.DEFINE_integer(
-    "num_tasks", 1, "split the sweep over this many hosts (a SLURM array, "
-    "TPU VMs); each HMM's cells go to one host")
-_TASK_INDEX = flags.DEFINE_integer("task_index", 0,
-                                   "this host's index in [0, num_tasks)")
+_BACKBONE = flags.DEFINE_list("backbone", ["exact"], "exact (Appendix B) "
+                              "and/or transformer (pretrained: DIR/pretrain/)")
+_WORKDIR = flags.DEFINE_string("workdir", None, "output; a rerun resumes")
+_PANEL = flags.DEFINE_enum("panel", "both", ["left", "right", "both"], "which")
+_PRETRAIN_ONLY = flags.DEFINE_bool("pretrain_only", False, "pretrain the "
+                                   "models, write DIR/pretraining.*, stop")
+_NUM_TASKS = flags.DEFINE_integer("num_tasks", 1, "hosts the sweep is split "
+                                  "over (a SLURM array; an HMM's cells: one)")
+_TASK_INDEX = flags.DEFINE_integer("task_index", 0, "this host's, < num_tasks")
 _PRINT_CONFIG = cli.define_print_config()
 _WORKERS, _WORKER, _CLAIMS = cli.define_worker_flags("the sweep")
 flags.adopt_module_key_flags(cli)
@@ -90,8 +76,7 @@ def _run(setup, workdir: str, names: list[str]) -> None:
 
 @cli.one_line_errors
 def main(argv):
-  t0 = cli.start(argv, **({} if _PRINT_CONFIG.value else
-                          {"workdir": _WORKDIR.value}))
+  t0 = cli.start(argv, workdir=_WORKDIR.value)
   workdir, names = _WORKDIR.value, _BACKBONE.value
   with cli.usage_errors():
     setup = configs.get_setup(_PRESET.value, _CONFIG.value())
