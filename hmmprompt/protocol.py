@@ -126,15 +126,20 @@ class Group:
   """One model size and one tuning arm: one program, one append."""
 
   model_id: ModelId
-  method: str  # "head" | "prompt" | "finetune"
+  method: str  # a key of tuning.METHODS
   head: str  # "linear" | "attention"
   features: str = "raw"
   optimizer: str = "adam"  # TuneConfig.optimizer: "adam" | "lbfgs"
+  # TuneConfig fields this arm sets, ((name, value), ...): an arm's own
+  # prompt length, initialisation or LoRA rank (configs.parse_arm).
+  settings: tuple = ()
 
   @property
   def method_name(self) -> str:
-    """``<method>_<head>``, ``_<optimizer>`` appended unless Adam."""
-    name = f"{self.method}_{self.head}"
+    """``<method>_<head>``, then each setting's label (``_p5``, ``_tokens``,
+    ``_r4``), then ``_<optimizer>`` unless Adam."""
+    name = "_".join([self.method, self.head, *(
+        _LABELS.get(k, k + "{}").format(v) for k, v in self.settings)])
     return name if self.optimizer == "adam" else f"{name}_{self.optimizer}"
 
   def __str__(self) -> str:
@@ -142,7 +147,12 @@ class Group:
 
   def tune_config(self, tune: tuning.TuneConfig) -> tuning.TuneConfig:
     return dataclasses.replace(tune, method=self.method, head=self.head,
-                               features=self.features, optimizer=self.optimizer)
+                               features=self.features, optimizer=self.optimizer,
+                               **dict(self.settings))
+
+
+_LABELS = {"prompt_len": "p{}", "prompt_init_mode": "{}", "lora_r": "r{}",
+           "lora_alpha": "alpha{}", "lora_targets": "{}"}
 
 
 def model_key(setup: TrialsConfig, mid: ModelId):
@@ -329,6 +339,7 @@ def _progress(schedule: scheduling.Schedule, key: str, done: int,
     return f"[{done} done here, of the run's {total} groups]", (
         f"elapsed {elapsed:.0f}s")
   finished, processes = schedule.progress(key)
+  total = max(total, finished)  # one finished while this process planned
   # This process's seconds per group, the groups left shared between all.
   eta = elapsed / done * max(total - finished, 0) / max(processes, 1)
   return (f"[{finished}/{total} groups, all workers]",
@@ -355,6 +366,8 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
   workers``, the ETA shared between them), else this process's (no ETA)."""
   mine = stack_order(todo, schedule, weight)
   total = sum(len(todo[mid]) for mid in mine)
+  if schedule.claim is not None and schedule.progress is not None:
+    total += schedule.progress(None)[0]  # finished before this process began
   done, t0, skipped, cut = 0, time.perf_counter(), [], []
   spent: list[tuple[float, float]] = []  # (seconds, weight) of stacks run
   deadline, stop_at = schedule.deadline, schedule.stop_at

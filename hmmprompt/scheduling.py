@@ -44,7 +44,7 @@ class Schedule(NamedTuple):
   stop_at: float | None = None
   seconds_per_weight: float | None = None
   tune_seconds_per_trial: float | None = None
-  progress: Callable[[str], tuple[int, int]] | None = None
+  progress: Callable[[str | None], tuple[int, int]] | None = None
 
   def check(self) -> Schedule:
     """Returns itself; ``ValueError`` naming a bad host shard."""

@@ -109,7 +109,7 @@ def test_tuning_moves_every_tunable_leaf_and_no_frozen_one(small_exact,
   data = tuning.data_from_task(task, cfg)
   key = jax.random.PRNGKey(1)
   init = tuning.init_tunable(jax.random.split(key)[0], bb, bp, cfg,
-                             data.train_tokens.shape[1])
+                             data.train_tokens)
   frozen = jax.tree.map(lambda a: np.array(a, copy=True), bp)
   _, tunable = tuning.tune(key, bb, bp, data, cfg)
   want = {"head"} | ({"prompt"} if method == "prompt" else set())
@@ -257,7 +257,7 @@ def test_prompt_tuning_with_the_attention_head_on_a_memory_hmm():
   data = tuning.data_from_task(task, cfg)
   key = jax.random.PRNGKey(1)
   init = tuning.init_tunable(jax.random.split(key)[0], bb, bp, cfg,
-                             data.train_tokens.shape[1])
+                             data.train_tokens)
   frozen = jax.tree.map(lambda a: np.array(a, copy=True), bp)
   res, tunable = tuning.tune(key, bb, bp, data, cfg)
   assert set(tunable) == {"prompt", "head"}

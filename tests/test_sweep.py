@@ -806,7 +806,8 @@ def test_a_workers_progress_lines_keep_the_whole_runs_total(tmp_path,
     return mid != b
 
   def progress(key):
-    finished.append(key)
+    if key is not None:
+      finished.append(key)
     return len(finished), 2
 
   def tune(g, mid):
@@ -824,6 +825,27 @@ def test_a_workers_progress_lines_keep_the_whole_runs_total(tmp_path,
                     line.format(6, 4, 1, 30, 0)]
   assert finished == [f"{c.tag}-0", *(f"{b.tag}-{i}" for i in range(3)),
                       f"{a.tag}-0", f"{a.tag}-1"]
+
+
+def test_a_worker_starting_late_counts_what_others_finished_before(
+    tmp_path, fake_clock):
+  """A worker that plans after another finished 2 groups (their lines on
+  disk, so not in its todo) still counts against the run's total: before,
+  it printed ``[3/1 groups]``."""
+  _, logged = fake_clock
+  finished = ["vanilla-h8-0", "vanilla-h8-1"]
+
+  def progress(key):
+    if key is not None:
+      finished.append(key)
+    return len(finished), 2
+
+  protocol.run_stacks({protocol.vanilla(4): [0]}, lambda mid, groups: mid,
+                      lambda g, mid: [_stub_line(mid, g)],
+                      str(tmp_path / "r.jsonl"),
+                      scheduling.Schedule(claim=lambda mid: True,
+                                          progress=progress))
+  assert logged[0].startswith("[3/3 groups, all workers] vanilla-h4 0")
 
 
 def test_run_stacks_counts_claimed_groups_and_names_what_it_skips(

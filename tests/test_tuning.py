@@ -141,10 +141,13 @@ def test_standardized_features_and_authors_preset(setup):
   assert rec.test_accuracy >= 0.9
 
 
-def test_exact_backbone_refuses_finetuning(setup):
+@pytest.mark.parametrize("method", ["finetune", "prefix", "lora"])
+def test_exact_backbone_refuses_the_transformer_methods(setup, method):
+  """Refused by name before any work (no program is traced)."""
   model, bb, bp, task_list = setup
-  cfg = dataclasses.replace(FAST, method="finetune")
-  with pytest.raises(ValueError, match="cannot be fine-tuned"):
+  cfg = dataclasses.replace(FAST, method=method)
+  with pytest.raises(ValueError, match=f"method '{method}' has no meaning "
+                     f"on the 'exact' backbone"):
     tuning.tune(jax.random.PRNGKey(0), bb, bp,
                 tuning.data_from_task(task_list[0], cfg), cfg)
 
@@ -337,8 +340,8 @@ def test_prompt_starts_uniform_in_plus_minus_prompt_init(setup):
   is symmetric about 0 and spans the interval."""
   model, bb, bp, _ = setup
   cfg = tuning.TuneConfig(method="prompt", prompt_len=200)
-  prompt = np.asarray(tuning.init_tunable(jax.random.PRNGKey(0), bb, bp, cfg,
-                                          9)["prompt"])
+  prompt = np.asarray(tuning.init_tunable(
+      jax.random.PRNGKey(0), bb, bp, cfg, np.zeros((4, 9), int))["prompt"])
   assert prompt.shape == (200, bb.embed_dim)
   assert -0.5 <= prompt.min() < -0.45 and 0.45 < prompt.max() <= 0.5
   assert abs(prompt.mean()) < 0.05

@@ -7,8 +7,10 @@ static argument) plus a params pytree that tuning never differentiates:
 ``V`` real symbols per position (a soft prompt: ``P`` rows prepended);
 optionally ``apply_at(params, embeddings, i) -> [V]``, row ``i`` (static)
 of ``apply``, the others skipped where it can; ``prompt_embedding(raw [P,
-D]) -> [P, D]``, raw prompt parameters to valid embeddings; ``finetunable``:
-every params leaf is free (not the exact backbone's stochastic matrices)."""
+D]) -> [P, D]``, raw prompt parameters to valid embeddings, and
+``prompt_raw``, its inverse (a token's embedding as a prompt vector);
+``finetunable``: every params leaf is free (a transformer's, not the exact
+backbone's stochastic matrices)."""
 
 import dataclasses
 from collections.abc import Callable
@@ -17,6 +19,10 @@ from typing import Any
 import jax
 
 Params = Any
+
+
+def _same(x):
+  return x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +35,7 @@ class Backbone:
   vocab_size: int
   finetunable: bool = False
   apply_at: Callable[[Params, jax.Array, int], jax.Array] | None = None
+  prompt_raw: Callable[[jax.Array], jax.Array] = _same
 
   def inputs(self, params: Params, tokens_T: jax.Array,
              prompt_raw_PxD: jax.Array | None = None) -> jax.Array:

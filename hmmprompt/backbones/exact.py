@@ -32,8 +32,14 @@ def make_stacked(models_K: generative.Model
   return _backbone(hmms_K), hmms_K
 
 
+def evidence_raw(evidence_PxH: jax.Array) -> jax.Array:
+  """The sigmoid's inverse: raw prompt entries of evidence vectors, clipped
+  to ``[1e-6, 1 - 1e-6]`` (a 0 or 1 has no finite preimage)."""
+  return jax.scipy.special.logit(jax.numpy.clip(evidence_PxH, 1e-6, 1 - 1e-6))
+
+
 def _backbone(hmm: hmm_lib.HMM) -> Backbone:
   return Backbone(name=BACKBONE_NAME, embed=hmm_lib.token_evidence,
                   apply=hmm_lib.evidence_conditionals,
                   prompt_embedding=jax.nn.sigmoid, embed_dim=hmm.num_states,
-                  vocab_size=hmm.vocab_size)
+                  vocab_size=hmm.vocab_size, prompt_raw=evidence_raw)

@@ -135,7 +135,11 @@ class Block(nn.Module):
     qkv_BxTx3xAxE = TokenDense(3 * d, dtype=dt, name="qkv")(y).reshape(
         b, t, 3, a, e)
     rows = slice(None) if query is None else slice(query, query + 1)
-    if cfg.resolved_attention == "dot_product":  # its layout: [B, T, A, E]
+    # A prefix (prefix_init): keys and values before the tokens', without
+    # a position (relative bias 0); the manual path only.
+    prefix = (self.get_variable("prefix", "kv")
+              if self.has_variable("prefix", "kv") else None)
+    if cfg.resolved_attention == "dot_product" and prefix is None:
       bias_1xAxTxT = (None if cfg.rel_pos == "none"
                       else rel_bias(cfg, t, self._rel_table())[None])
       out_BxTxAxE = dot_product_attention(
@@ -148,11 +152,20 @@ class Block(nn.Module):
       # einsums several times slower (experiments/bench/mlm.py).
       q, k, v = qkv_BxTx3xAxE.transpose(2, 0, 3, 1, 4)
       q = q[:, :, rows]  # [B, A, Q, E], Q = T or 1
+      p = 0
+      if prefix is not None:  # keys and values [B, A, P + T, E]
+        p = prefix.shape[1]
+        kv_2xBxAxPxE = jnp.broadcast_to(prefix.astype(dt).reshape(
+            2, 1, p, a, e).transpose(0, 1, 3, 2, 4), (2, b, a, p, e))
+        k = jnp.concatenate([kv_2xBxAxPxE[0], k], axis=2)
+        v = jnp.concatenate([kv_2xBxAxPxE[1], v], axis=2)
       logits_BxAxQxT = jnp.matmul(q, jnp.swapaxes(k, -1, -2)) / jnp.sqrt(
           jnp.asarray(e, dt))
       if cfg.rel_pos != "none":
-        logits_BxAxQxT = logits_BxAxQxT + rel_bias(
-            cfg, t, self._rel_table())[:, rows].astype(dt)
+        bias_AxQxT = rel_bias(cfg, t, self._rel_table())[:, rows]
+        if p:
+          bias_AxQxT = jnp.pad(bias_AxQxT, ((0, 0), (0, 0), (p, 0)))
+        logits_BxAxQxT = logits_BxAxQxT + bias_AxQxT.astype(dt)
       attn = jax.nn.softmax(logits_BxAxQxT.astype(jnp.float32), -1).astype(dt)
       out_BxAxQxE = jnp.matmul(attn, v)
       x_BxTxD = x_BxTxD[:, rows] + TokenDense(d, dtype=dt, name="attn_out")(
@@ -242,6 +255,52 @@ class MLM(nn.Module):
 def init_params(key, cfg: MLMConfig):
   """An ``MLM``'s params from ``key`` (one program, not one per op)."""
   return MLM(cfg).init(key, jnp.zeros((1, min(cfg.max_len, 8)), jnp.int32))
+
+
+def prefix_init(key, params, length: int) -> dict:
+  """A prefix of ``length`` positions for ``params``' layers (Li & Liang,
+  no reparametrisation): ``{"prefix": {"block_i": {"kv": [2, length, D]}}}``,
+  keys then values, heads concatenated, N(0, 0.02^2) (BERT's init); merged
+  into the params (``{**params, **prefix}``) every layer attends to them."""
+  names = _blocks(params)
+  d = params["params"][names[0]]["qkv"]["kernel"].shape[0]
+  keys = jax.random.split(key, len(names))
+  return {"prefix": {n: {"kv": 0.02 * jax.random.normal(k, (2, length, d))}
+                     for n, k in zip(names, keys)}}
+
+
+def lora_init(key, params, rank: int, targets=("q", "v")) -> dict:
+  """LoRA adapters (Hu et al.) of ``rank`` on each layer's ``targets``
+  projections: ``{"block_i": {t: {"A": [D, r], "B": [r, D]}}}``, ``A``
+  Uniform(+-1/sqrt(D)) (PEFT's kaiming init), ``B`` zero: at init
+  :func:`with_lora` gives ``params`` exactly."""
+  names = _blocks(params)
+  d = params["params"][names[0]]["qkv"]["kernel"].shape[0]
+  keys = jax.random.split(key, (len(names), len(targets)))
+  return {n: {t: {"A": jax.random.uniform(keys[i, j], (d, rank),
+                                          minval=-d**-0.5, maxval=d**-0.5),
+                  "B": jnp.zeros((rank, d))} for j, t in enumerate(targets)}
+          for i, n in enumerate(names)}
+
+
+def with_lora(params, lora: dict, scale: float):
+  """``params`` with ``scale * A @ B`` added to each adapted projection's
+  columns of its layer's ``qkv`` kernel (``[D, 3D]``: q, k, v)."""
+  inner = dict(params["params"])
+  for name, adapters in lora.items():
+    kernel = inner[name]["qkv"]["kernel"]
+    d = kernel.shape[0]
+    for t, ab in adapters.items():
+      i = "qkv".index(t) * d
+      kernel = kernel.at[:, i:i + d].add(scale * ab["A"] @ ab["B"])
+    inner[name] = {**inner[name], "qkv": {**inner[name]["qkv"],
+                                          "kernel": kernel}}
+  return {**params, "params": inner}
+
+
+def _blocks(params) -> list[str]:
+  return sorted((n for n in params["params"] if n.startswith("block_")),
+                key=lambda n: int(n.split("_")[1]))
 
 
 def num_params(params) -> int:

@@ -38,6 +38,11 @@ class Setup(protocol.TrialsConfig):
     head_optimum: add a twin of every linear-head arm with its head solved
       to its optimum (``TuneConfig.optimizer = "lbfgs"``; lines
       ``<method>_<head>_lbfgs``).
+    arms: the adaptation comparison's arms (:func:`parse_arm`), in place
+      of head and prompt (and ``finetune``): on the left panel with the
+      linear head, on the right with the attention head on memory HMMs
+      alone; arms with no meaning on the exact backbone run on the
+      transformer only (docs/adaptation.md).
   """
 
   tasks_per_hmm: int
@@ -47,8 +52,11 @@ class Setup(protocol.TrialsConfig):
   right_trials: int | None = None
   prompt_attention: bool = False
   head_optimum: bool = False
+  arms: tuple[str, ...] = ()
 
   def __post_init__(self):
+    for spec in self.arms:
+      parse_arm(spec, self.tune)
     self._check(("trials", "tasks_per_hmm", "right_trials"),
                 ("left_sizes", "memory_sizes"))
     if self.tune.optimizer != "adam":
@@ -99,6 +107,35 @@ def fingerprint_of(identity: dict, backbone: str = "exact") -> str:
   return identity_lib.fingerprint(blob)
 
 
+ARM_SETTINGS = {"head": (), "finetune": (), "lora": ("lora_r",),
+                "prompt": ("prompt_len", "prompt_init_mode"),
+                "prefix": ("prompt_len",)}
+"""What an arm's spec sets after its method, ``-``-separated, in order."""
+
+
+def parse_arm(spec: str, tune: tuning.TuneConfig) -> tuple[str, tuple]:
+  """``(method, settings)`` of an arm: ``head``, ``prompt-LEN[-INIT]``
+  (``INIT``: ``uniform`` | ``tokens``), ``prefix-LEN``, ``lora-RANK`` or
+  ``finetune``; a prompt's setting equal to ``tune``'s is left out, so the
+  arm of ``tune``'s own prompt is Figure 3's ``prompt`` line. ``ValueError``
+  naming the spec where it is not one."""
+  method, *values = spec.split("-")
+  names = ARM_SETTINGS.get(method, ())
+  if method not in ARM_SETTINGS or len(values) > len(names):
+    raise ValueError(
+        f"Setup.arms: {spec!r} is not an arm: head, prompt-LEN[-uniform|"
+        f"tokens], prefix-LEN, lora-RANK or finetune")
+  try:
+    settings = tuple((n, type(getattr(tune, n))(v))
+                     for n, v in zip(names, values)
+                     if method != "prompt"
+                     or type(getattr(tune, n))(v) != getattr(tune, n))
+    dataclasses.replace(tune, method=method, **dict(settings))
+  except ValueError as e:
+    raise ValueError(f"Setup.arms: {spec!r}: {e}") from None
+  return method, settings
+
+
 def check_run(setup: Setup, backbones, pretrain_only: bool = False) -> None:
   """Before any work: ``ValueError`` naming what is wrong with the run."""
   bad = [b for b in backbones if b not in protocol.BACKBONES]
@@ -110,6 +147,12 @@ def check_run(setup: Setup, backbones, pretrain_only: bool = False) -> None:
   if setup.finetune and "transformer" not in backbones:
     raise ValueError("--config.finetune needs --backbone=transformer (the "
                      "exact backbone has no free parameters to fine-tune)")
+  layered = [a for a in setup.arms if tuning.METHODS[
+      parse_arm(a, setup.tune)[0]].needs_finetunable]
+  if layered and "transformer" not in backbones:
+    raise ValueError(f"--config.arms {','.join(layered)}: no meaning on the "
+                     f"exact backbone (no transformer layers): add "
+                     f"--backbone=transformer")
   if "transformer" in backbones:
     setup.check_context()
     sharding.check_batch(setup.pretrain.batch_size, sharding.data_mesh())
@@ -194,8 +237,20 @@ def _gpu() -> Setup:
                              tune=tune)
 
 
+def _adaptation() -> Setup:
+  """The adaptation comparison (docs/adaptation.md): :func:`_cpu_paper`'s
+  draws, tasks and transformers, 5 draws of ``|H|`` = 8, 12, 20, 30 and of
+  ``|M|`` = 3, each arm on both backbones where it has a meaning."""
+  return dataclasses.replace(
+      _cpu_paper(), trials=5, right_trials=5, left_sizes=(8, 12, 20, 30),
+      memory_sizes=(3,), arms=(
+          "head", "prompt-1", "prompt-5", "prompt-20", "prompt-1-tokens",
+          "prompt-5-tokens", "prompt-20-tokens", "prefix-5", "lora-1",
+          "lora-4", "finetune"))
+
+
 PRESETS = {"tiny": _tiny, "cpu": _cpu, "cpu_paper": _cpu_paper,
-           "paper": _paper, "gpu": _gpu}
+           "paper": _paper, "gpu": _gpu, "adaptation": _adaptation}
 
 
 def get_setup(preset: str = "cpu", overrides: Mapping[str, Any] | None = None,

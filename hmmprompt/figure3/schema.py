@@ -46,14 +46,16 @@ class ResultLine(files_lib.Line):
   # [a, b): pretrained with trials a..b-1 alone, a part of the stack (a run
   # cut short for time); absent from the file where the whole stack was.
   pretrain_part: list[int] | None = None
+  trainable_params: int | None = None  # head included; absent before #67
 
   KEY_FIELDS = ("backbone", "panel", "hmm", "num_states", "memory_size",
                 "trial", "task", "method", "features", "setup")
 
   def to_json(self) -> dict:
     d = super().to_json()
-    if d["pretrain_part"] is None:  # every line before parts existed
-      del d["pretrain_part"]
+    for name in ("pretrain_part", "trainable_params"):  # absent where None,
+      if d[name] is None:  # as in every line before the field existed
+        del d[name]
     return d
 
   @property

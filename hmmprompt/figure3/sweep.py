@@ -20,6 +20,7 @@ from hmmprompt import generative
 from hmmprompt import files as files_lib
 from hmmprompt import identity as identity_lib
 from hmmprompt import pretrain as pretrain_lib
+from hmmprompt import tuning
 from hmmprompt import validation
 from hmmprompt.backbones import Backbone
 from hmmprompt.backbones import depth as depth_lib
@@ -45,13 +46,22 @@ def plan(setup: configs.Setup, panel: str = "both",
   """The groups (the arms of :class:`configs.Setup`) of ``panel`` by model,
   models vanilla then memory by size (the order they run and shard in)."""
   out = []
+  arms = [configs.parse_arm(a, setup.tune) for a in setup.arms]
+  arms = [(m, s) for m, s in arms if backbone == "transformer"
+          or not tuning.METHODS[m].needs_finetunable]
   if panel in ("left", "both"):
-    methods = ["head", "prompt"] + (
-        ["finetune"] if setup.finetune and backbone == "transformer" else [])
-    out += [Group(protocol.vanilla(h), method, "linear", f, panel="left")
-            for h in setup.left_sizes for method in methods
+    methods = arms or [(m, ()) for m in ["head", "prompt"] + (
+        ["finetune"] if setup.finetune and backbone == "transformer" else [])]
+    out += [Group(protocol.vanilla(h), method, "linear", f, panel="left",
+                  settings=settings)
+            for h in setup.left_sizes for method, settings in methods
             for f in setup.features]
-  if panel in ("right", "both"):
+  if panel in ("right", "both") and arms:
+    out += [Group(protocol.memory(m), method, "attention", f, panel="right",
+                  settings=settings)
+            for m in setup.memory_sizes for method, settings in arms
+            for f in setup.features]
+  elif panel in ("right", "both"):
     arms = [("memory", "head", "attention")] + (
         [("memory", "prompt", "attention")] if setup.prompt_attention else [])
     out += [Group(protocol.memory(m) if hmm == "memory" else
@@ -144,9 +154,14 @@ def tune_group(setup: configs.Setup, backbone_name: str, g: Group,
   cfg = g.tune_config(setup.tune)
   fields: dict[int, list[dict]] = {}
   for backbone, params, ids in trials.by_depth(rows):
-    fields.update(zip(ids, protocol.tune_lanes(
+    count = tuning.num_trainable(
+        backbone, jax.tree.map(lambda x: x[0], params), cfg,
+        tuning.data_from_task(trials.stack.tasks[ids[0]][task_ids[0]],
+                              cfg).train_tokens)
+    fields.update(zip(ids, ([{**f, "trainable_params": count} for f in lane]
+                            for lane in protocol.tune_lanes(
         setup, cfg, backbone, params, [(first + i, task_ids) for i in ids],
-        trials.stack)))
+        trials.stack))))
   fp, mid = setup.fingerprint(backbone_name), g.model_id
   verdicts = trials.stack.verdicts
   if verdicts is None:  # prepare draws its stacks with them

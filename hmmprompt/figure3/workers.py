@@ -161,17 +161,18 @@ def _count_path(claims_dir: str) -> str:
 
 
 def progress(claims_dir: str, backbone: str
-             ) -> Callable[[str], tuple[int, int]]:
-  """``Schedule.progress``: marks the tuning group ``key`` finished (a file
-  in ``claims_dir/finished-<backbone>/``) and returns ``(groups the workers
-  sharing claims_dir have finished, how many share it)`` (:func:`spawn`
-  writes the count; 1 where it did not)."""
+             ) -> Callable[[str | None], tuple[int, int]]:
+  """``Schedule.progress``: marks the tuning group ``key`` (``None``: none)
+  finished (a file in ``claims_dir/finished-<backbone>/``) and returns
+  ``(groups the workers sharing claims_dir have finished, how many share
+  it)`` (:func:`spawn` writes the count; 1 where it did not)."""
   folder = os.path.join(claims_dir, f"finished-{backbone}")
 
-  def progress(key: str) -> tuple[int, int]:
+  def progress(key: str | None) -> tuple[int, int]:
     try:  # a progress line is not worth a fault
       os.makedirs(folder, exist_ok=True)
-      pathlib.Path(folder, key).touch()
+      if key is not None:
+        pathlib.Path(folder, key).touch()
       finished = len(os.listdir(folder))
     except OSError:
       finished = 0

@@ -9,7 +9,8 @@ backbone's params are never differentiated.
 from hmmprompt.tuning.config import (METHODS, OPTIMIZERS, SPLITS, Data, Method,
                                      TuneConfig, backbone_head_inputs,
                                      data_from_task, num_steps)
-from hmmprompt.tuning.loop import (Result, init_tunable, run_seed, stack_data,
-                                   tune, lane_group_for, tune_many, tune_trials)
+from hmmprompt.tuning.loop import (Result, init_tunable, lane_group_for,
+                                   num_trainable, run_seed, stack_data, tune,
+                                   tune_many, tune_trials)
 from hmmprompt.tuning.optim import tuning_lr, tuning_optimizer
 

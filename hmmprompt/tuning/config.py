@@ -15,12 +15,15 @@ from hmmprompt import heads
 from hmmprompt import tasks as tasks_lib
 from hmmprompt import validation
 from hmmprompt.backbones import Backbone
+from hmmprompt.backbones import transformer
 
 SPLITS = ("train", "val", "test")
 OPTIMIZERS = ("adam", "lbfgs")
 """Values of :attr:`TuneConfig.optimizer`."""
 BACKBONE_DTYPES = ("float32", "bfloat16")
 """Values of :attr:`TuneConfig.backbone_dtype`."""
+PROMPT_INITS = ("uniform", "tokens")
+"""Values of :attr:`TuneConfig.prompt_init_mode`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,14 +32,15 @@ class Method:
 
   Attributes:
     name: its key in :data:`METHODS`.
-    init_extra: ``(key, backbone, bparams, cfg) -> dict``: the tunable
-      entries besides ``"head"``.
+    init_extra: ``(key, backbone, bparams, cfg, train_tokens [N, T]) ->
+      dict``: the tunable entries besides ``"head"``.
     head_inputs: ``(backbone, bparams, tunable, cfg, tokens [T]) -> (G,
       emb)``, what the head reads (:func:`backbone_head_inputs`).
     caches_features: ``head_inputs`` ignores ``tunable``: computed up front.
     uses_prompt: inputs carry ``cfg.prompt_len`` soft prompt vectors.
     slow_keys: tunable entries trained at ``cfg.backbone_lr``.
-    needs_finetunable: only for backbones whose params are free parameters.
+    needs_finetunable: only for backbones whose params are free parameters
+      (a transformer's layers): refused on the exact backbone.
   """
 
   name: str
@@ -54,11 +58,15 @@ class TuneConfig:
 
   Attributes:
     method: a key of :data:`METHODS`: ``"head"``, ``"prompt"`` (a soft
-      prompt and the head) or ``"finetune"`` (a backbone copy and the head).
+      prompt and the head), ``"prefix"`` (trainable keys and values at
+      every layer, Li & Liang), ``"lora"`` (low-rank adapters, Hu et al.)
+      or ``"finetune"`` (a backbone copy and the head).
     head: a key of :data:`hmmprompt.heads.HEADS`.
     features: see :mod:`hmmprompt.heads`.
-    prompt_len: soft prompt vectors (paper: 20).
-    prompt_init: raw prompt entries start Uniform[-prompt_init, prompt_init].
+    prompt_len: soft prompt vectors (paper: 20), or a prefix's positions
+      (PEFT's ``num_virtual_tokens`` for both).
+    prompt_init: raw prompt entries start Uniform[-prompt_init, prompt_init]
+      (``prompt_init_mode="uniform"``).
     lr: Adam's peak learning rate (paper: 0.01).
     backbone_lr: the backbone's, when fine-tuning (0.01 would wreck it).
     warmup_steps: linear warmup, then decay to 0 (``None``: ``warmup_frac``).
@@ -78,6 +86,14 @@ class TuneConfig:
     backbone_dtype: a pretrained transformer's compute dtype while tuning
       (``"bfloat16"``: the ``gpu`` preset); params, prompt, head, optimizer
       and softmax stay float32. The exact backbone ignores it.
+    prompt_init_mode: ``"uniform"``, or ``"tokens"``: each prompt vector
+      the embedding of a token drawn from the training text (on the exact
+      backbone its evidence vector; PEFT's sampled-vocabulary init).
+    lora_r: LoRA's rank (PEFT's ``r``); ``A`` starts as PEFT's, ``B`` at 0.
+    lora_alpha: LoRA's ``lora_alpha``: updates scaled by ``alpha / r``
+      (``None``: ``r``, a scale of 1).
+    lora_targets: the projections LoRA adapts (PEFT's ``target_modules``),
+      comma-separated from ``q``, ``k``, ``v``.
   """
 
   method: str = "head"
@@ -100,11 +116,24 @@ class TuneConfig:
   lbfgs_max_steps: int = identity_lib.added(500)
   lbfgs_l2: float = identity_lib.added(1e-4)
   backbone_dtype: str = identity_lib.added("float32")
+  prompt_init_mode: str = identity_lib.added("uniform")
+  lora_r: int = identity_lib.added(4)
+  lora_alpha: float | None = identity_lib.added(None)
+  lora_targets: str = identity_lib.added("q,v")
 
   def __post_init__(self):
     validation.require_choices(
         self, backbone_dtype=BACKBONE_DTYPES, method=METHODS,
-        head=heads.HEADS, features=heads.TRANSFORMS, optimizer=OPTIMIZERS)
+        head=heads.HEADS, features=heads.TRANSFORMS, optimizer=OPTIMIZERS,
+        prompt_init_mode=PROMPT_INITS)
+    targets = self.lora_targets.split(",")
+    if not targets or set(targets) - {"q", "k", "v"} or len(set(targets)) < len(
+        targets):
+      raise ValueError(f"TuneConfig.lora_targets must name distinct "
+                       f"projections from q,k,v, got {self.lora_targets!r}")
+    if self.lora_alpha is not None and not self.lora_alpha > 0:
+      raise ValueError(f"TuneConfig.lora_alpha must be > 0 or None, got "
+                       f"{self.lora_alpha}")
     if self.optimizer == "lbfgs" and not METHODS[self.method].caches_features:
       cached = tuple(m for m, v in METHODS.items() if v.caches_features)
       raise ValueError(
@@ -112,7 +141,7 @@ class TuneConfig:
           f"method={self.method!r} does not cache them (it trains through the "
           f"backbone); use optimizer='adam' for it, or a method from {cached}")
     validation.require_positive(self, "prompt_len", "epochs", "batch_size",
-                                "eval_chunk", "lbfgs_max_steps")
+                                "eval_chunk", "lbfgs_max_steps", "lora_r")
     if not self.lbfgs_l2 >= 0:
       raise ValueError(f"TuneConfig.lbfgs_l2 must be >= 0, got {self.lbfgs_l2}")
     for name in ("lbfgs_tol", "lr", "backbone_lr"):
@@ -186,8 +215,17 @@ def _frozen_inputs(backbone, bparams, tunable, cfg, tokens_T):
   return backbone_head_inputs(backbone, bparams, cfg, tokens_T)
 
 
-def _init_prompt(key, backbone, bparams, cfg):
-  del bparams
+def prompt_tokens(key, train_tokens_NxT: jax.Array, num: int) -> jax.Array:
+  """``[num]`` tokens drawn uniformly from the training text's positions
+  (the ``MASK`` before each example left out): ``"tokens"`` init's."""
+  flat = train_tokens_NxT[..., 1:].reshape(-1)
+  return flat[jax.random.randint(key, (num,), 0, flat.shape[0])]
+
+
+def _init_prompt(key, backbone, bparams, cfg, train_tokens_NxT):
+  if cfg.prompt_init_mode == "tokens":  # the raw entries of real tokens
+    return {"prompt": backbone.prompt_raw(backbone.embed(
+        bparams, prompt_tokens(key, train_tokens_NxT, cfg.prompt_len)))}
   return {"prompt": jax.random.uniform(
       key, (cfg.prompt_len, backbone.embed_dim), minval=-cfg.prompt_init,
       maxval=cfg.prompt_init)}
@@ -198,8 +236,31 @@ def _prompted_inputs(backbone, bparams, tunable, cfg, tokens_T):
                               tunable["prompt"])
 
 
-def _copy_backbone(key, backbone, bparams, cfg):
-  del key, backbone, cfg
+def _init_prefix(key, backbone, bparams, cfg, train_tokens_NxT):
+  del backbone, train_tokens_NxT
+  return {"prefix": transformer.prefix_init(key, bparams, cfg.prompt_len)}
+
+
+def _prefixed_inputs(backbone, bparams, tunable, cfg, tokens_T):
+  return backbone_head_inputs(backbone, {**bparams, **tunable["prefix"]}, cfg,
+                              tokens_T)
+
+
+def _init_lora(key, backbone, bparams, cfg, train_tokens_NxT):
+  del backbone, train_tokens_NxT
+  return {"lora": transformer.lora_init(key, bparams, cfg.lora_r,
+                                        cfg.lora_targets.split(","))}
+
+
+def _lora_inputs(backbone, bparams, tunable, cfg, tokens_T):
+  scale = (cfg.lora_r if cfg.lora_alpha is None else cfg.lora_alpha) / (
+      cfg.lora_r)
+  return backbone_head_inputs(backbone, transformer.with_lora(
+      bparams, tunable["lora"], scale), cfg, tokens_T)
+
+
+def _copy_backbone(key, backbone, bparams, cfg, train_tokens_NxT):
+  del key, backbone, cfg, train_tokens_NxT
   return {"backbone": bparams}
 
 
@@ -213,6 +274,10 @@ METHODS: dict[str, Method] = {
                    head_inputs=_frozen_inputs, caches_features=True),
     "prompt": Method("prompt", init_extra=_init_prompt,
                      head_inputs=_prompted_inputs, uses_prompt=True),
+    "prefix": Method("prefix", init_extra=_init_prefix,
+                     head_inputs=_prefixed_inputs, needs_finetunable=True),
+    "lora": Method("lora", init_extra=_init_lora, head_inputs=_lora_inputs,
+                   needs_finetunable=True),
     # A pretrained backbone is wrecked by the head's learning rate.
     "finetune": Method("finetune", init_extra=_copy_backbone,
                        head_inputs=_finetuned_inputs,

@@ -2,6 +2,7 @@
 the host driver (:func:`tune`, one jitted program over any lane axes)."""
 
 import functools
+import math
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -20,16 +21,26 @@ from hmmprompt.tuning.config import (METHODS, SPLITS, Data, TuneConfig,
 
 
 def init_tunable(key, backbone: Backbone, bparams, cfg: TuneConfig,
-                 num_tokens: int) -> dict:
+                 train_tokens_NxT: jax.Array) -> dict:
   """The tunable params before training, ``{"head": ..., **extra}``
-  (``num_tokens`` counts the ``MASK``); :func:`run_seed` passes it
+  (``train_tokens_NxT``: the training split's, each row from the ``MASK``;
+  ``"tokens"`` prompts draw from them); :func:`run_seed` passes it
   ``jax.random.split(key)[0]``."""
+  num_tokens = train_tokens_NxT.shape[-1]
   k_head, k_extra = jax.random.split(key)
   length = tasks_lib.input_len(cfg.num_prompt, num_tokens - 1)
   head = heads.HEADS[cfg.head].init(k_head, backbone.vocab_size,
                                     backbone.embed_dim, length)
-  return {"head": head, **METHODS[cfg.method].init_extra(k_extra, backbone,
-                                                         bparams, cfg)}
+  return {"head": head, **METHODS[cfg.method].init_extra(
+      k_extra, backbone, bparams, cfg, train_tokens_NxT)}
+
+
+def num_trainable(backbone: Backbone, bparams, cfg: TuneConfig,
+                  train_tokens_NxT: jax.Array) -> int:
+  """The parameters a run trains, the head's included (shapes alone)."""
+  shapes = jax.eval_shape(lambda p, t: init_tunable(
+      jax.random.PRNGKey(0), backbone, p, cfg, t), bparams, train_tokens_NxT)
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
 
 
 def _prepare_examples(backbone: Backbone, bparams, tunable, data: Data,
@@ -103,8 +114,8 @@ def run_seed(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
 def _run(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
   """:func:`run_seed`, and the steps taken ``[]`` (Adam: all of ``U``)."""
   k_init, k_perm = jax.random.split(key)
-  n, num_tokens = data.train_tokens.shape
-  tunable = init_tunable(k_init, backbone, bparams, cfg, num_tokens)
+  n = data.train_tokens.shape[0]
+  tunable = init_tunable(k_init, backbone, bparams, cfg, data.train_tokens)
   inputs_fn, examples = _prepare_examples(backbone, bparams, tunable, data, cfg)
   stats = _feature_stats(inputs_fn, tunable, examples["train"], cfg)
   logits_fn = _logits_fn(inputs_fn, stats, cfg)
@@ -202,9 +213,10 @@ def tune(key_L, backbone: Backbone, bparams, data_L: Data, cfg: TuneConfig,
   ``ValueError`` for shapes that disagree, or fine-tuning a backbone
   without free parameters."""
   if METHODS[cfg.method].needs_finetunable and not backbone.finetunable:
-    raise ValueError(f"the {backbone.name!r} backbone cannot be fine-tuned "
-                     f"(its params are not free parameters); use head or "
-                     f"prompt tuning")
+    raise ValueError(f"method {cfg.method!r} has no meaning on the "
+                     f"{backbone.name!r} backbone (its params are not a "
+                     f"transformer's free parameters); use head or prompt "
+                     f"tuning")
   _check_lanes(key_L, bparams, data_L, param_axes)
   t0 = time.perf_counter()
   tunable, losses, accs, lane_steps = jax.block_until_ready(

@@ -1,0 +1,162 @@
+"""The adaptation methods beyond head and prompt (issue 67): prompt
+initialised from tokens, prefix, LoRA; each on a frozen backbone."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hmmprompt import hmm as hmm_lib
+from hmmprompt import pretrain
+from hmmprompt import tasks
+from hmmprompt import tuning
+from hmmprompt.backbones import exact
+from hmmprompt.backbones import transformer
+
+TINY = pretrain.preset_config("tiny").model
+CFG = tuning.TuneConfig(epochs=1, batch_size=16, prompt_len=3, eval_chunk=32)
+
+
+@pytest.fixture(scope="module")
+def setup():
+  """A tiny transformer and a task of an HMM."""
+  model = hmm_lib.random_hmm(jax.random.PRNGKey(0), 6, 10)
+  params = transformer.init_params(jax.random.PRNGKey(1), TINY)
+  task = tasks.make_task(jax.random.PRNGKey(2), model, tasks.TaskConfig(
+      num_train=32, num_val=8, num_test=16, seq_len=10))
+  return model, transformer.make_backbone(TINY), params, task
+
+
+def _tune(setup, **kw):
+  _, bb, params, task = setup
+  cfg = dataclasses.replace(CFG, **kw)
+  return tuning.tune(jax.random.PRNGKey(3), bb, params,
+                     tuning.data_from_task(task, cfg), cfg)
+
+
+@pytest.mark.parametrize("kw,own", [
+    (dict(method="prefix"), "prefix"),
+    (dict(method="lora", lora_r=2), "lora"),
+    (dict(method="prompt", prompt_init_mode="tokens"), "prompt")])
+def test_only_the_methods_pytree_and_the_head_move(setup, kw, own):
+  """The frozen backbone's params are bit for bit unchanged; the tunable
+  pytree is the head and the method's own entry, and both were trained."""
+  _, bb, params, task = setup
+  frozen = jax.tree.map(lambda a: np.array(a, copy=True), params)
+  cfg = dataclasses.replace(CFG, **kw)
+  data = tuning.data_from_task(task, cfg)
+  init = tuning.init_tunable(jax.random.split(jax.random.PRNGKey(3))[0], bb,
+                             params, cfg, data.train_tokens)
+  res, tunable = tuning.tune(jax.random.PRNGKey(3), bb, params, data, cfg)
+  assert set(tunable) == {"head", own}
+  for a, b in zip(jax.tree.leaves(frozen), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(a, np.asarray(b))
+  for part in ("head", own):
+    moved = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+        jax.tree.leaves(tunable[part]), jax.tree.leaves(init[part]))]
+    assert max(moved) > 0, part
+  assert np.isfinite(res.final_loss)
+
+
+def test_lora_at_init_is_the_backbone_and_counts_its_parameters(setup):
+  """B starts at zero: the merged params equal the backbone's exactly, so
+  its outputs do; rank r on q and v of L layers of width D is 2 L (2 D r)
+  parameters."""
+  _, bb, params, task = setup
+  r, d, layers = 3, TINY.d_model, TINY.num_layers
+  lora = transformer.lora_init(jax.random.PRNGKey(0), params, r)
+  assert transformer.num_params(lora) == layers * 2 * (2 * d * r)
+  merged = transformer.with_lora(params, lora, scale=2.0)
+  for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(a, b)
+  tokens = jnp.asarray(task.test.tokens[0])
+  np.testing.assert_array_equal(bb.outputs(merged, tokens)[0],
+                                bb.outputs(params, tokens)[0])
+  # A nonzero B changes exactly its projection's columns, by scale A B.
+  lora["block_0"]["v"]["B"] = jnp.ones((r, d))
+  moved = transformer.with_lora(params, lora, 0.5)
+  delta = (moved["params"]["block_0"]["qkv"]["kernel"]
+           - params["params"]["block_0"]["qkv"]["kernel"])
+  np.testing.assert_allclose(delta[:, 2 * d:],
+                             0.5 * lora["block_0"]["v"]["A"] @ jnp.ones((r, d)),
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(delta[:, :2 * d], 0)
+
+
+@pytest.mark.parametrize("rel_pos", ["none", "bias"])
+def test_a_prefix_given_no_attention_weight_is_the_backbone(rel_pos):
+  """Queries made to share a large component (a big bias on one query
+  coordinate of every head) and prefix keys far negative along it: the
+  prefix's attention weights underflow to 0, and the outputs are the
+  backbone's to float rounding (the same sums, other shapes)."""
+  cfg = dataclasses.replace(TINY, rel_pos=rel_pos, attention="manual",
+                            num_layers=2)
+  bb = transformer.make_backbone(cfg)
+  params = transformer.init_params(jax.random.PRNGKey(0), cfg)
+  e = cfg.d_model // cfg.num_heads
+  inner = dict(params["params"])
+  for name in ("block_0", "block_1"):
+    qkv = inner[name]["qkv"]
+    bias = qkv["bias"].at[jnp.arange(cfg.num_heads) * e].set(30.0)
+    inner[name] = {**inner[name], "qkv": {**qkv, "bias": bias}}
+  params = {**params, "params": inner}
+  prefix = transformer.prefix_init(jax.random.PRNGKey(1), params, 4)
+  for blk in prefix["prefix"].values():  # keys: -1e4 on each head's coord 0
+    blk["kv"] = blk["kv"].at[0, :, jnp.arange(cfg.num_heads) * e].set(-1e4)
+  tokens = jnp.array([hmm_lib.MASK, 1, 2, 3, 4, 5])
+  plain = bb.outputs(params, tokens)[0]
+  prefixed = bb.outputs({**params, **prefix}, tokens)[0]
+  np.testing.assert_allclose(prefixed, plain, rtol=1e-5, atol=1e-6)
+  # ... and a prefix that is attended to changes them.
+  loud = jax.tree.map(lambda x: x.at[0].set(0.0).at[1].set(5.0), prefix)
+  assert float(jnp.max(jnp.abs(bb.outputs({**params, **loud}, tokens)[0]
+                               - plain))) > 1e-3
+
+
+def test_tokens_init_draws_real_tokens_embeddings(setup):
+  """Each ``"tokens"`` prompt row is the embedding of a token of the
+  training text: a row of the transformer's token table; on the exact
+  backbone, through its sigmoid, the evidence vector of one."""
+  model, bb, params, task = setup
+  cfg = dataclasses.replace(CFG, method="prompt", prompt_init_mode="tokens",
+                            prompt_len=12)
+  train = jnp.asarray(task.train.tokens)
+  prompt = tuning.init_tunable(jax.random.PRNGKey(5), bb, params, cfg,
+                               train)["prompt"]
+  table = params["params"]["tok_embed"]["embedding"][:10]
+  drawn = np.unique(np.asarray(train[:, 1:]))
+  for row in np.asarray(prompt):
+    hits = np.flatnonzero(np.all(np.asarray(table) == row, axis=1))
+    assert len(hits) == 1 and hits[0] in drawn
+  assert len({tuple(r) for r in np.asarray(prompt)}) > 1
+  ebb, hmm = exact.make(model)
+  evid = np.asarray(hmm_lib.token_evidence(hmm, jnp.arange(10)))  # [V, H]
+  raw = tuning.init_tunable(jax.random.PRNGKey(5), ebb, hmm, cfg,
+                            train)["prompt"]
+  for row in np.asarray(ebb.prompt_embedding(raw)):
+    dist = np.max(np.abs(evid - row), axis=1)
+    assert dist.min() <= 1e-6 and np.argmin(dist) in drawn
+
+
+@pytest.mark.parametrize("kw", [dict(method="prefix"),
+                                dict(method="lora", lora_r=1,
+                                     lora_targets="q,k,v")])
+def test_stacked_lanes_equal_separate_runs(setup, kw):
+  """Trials x tasks stacked as lanes give each lane its own run's lines."""
+  model, bb, params, task = setup
+  cfg = dataclasses.replace(CFG, **kw)
+  other = tasks.make_task(jax.random.PRNGKey(7), model, tasks.TaskConfig(
+      num_train=32, num_val=8, num_test=16, seq_len=10))
+  params2 = jax.tree.map(lambda x: -x, params)
+  datas = [[tuning.data_from_task(t, cfg)] for t in (task, other)]
+  keys = [[jax.random.PRNGKey(11)], [jax.random.PRNGKey(12)]]
+  stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), params, params2)
+  res, _ = tuning.tune_trials(keys, bb, stacked, datas, cfg)
+  for i, p in enumerate((params, params2)):
+    one, _ = tuning.tune(keys[i][0], bb, p, datas[i][0], cfg)
+    np.testing.assert_allclose(res.test_accuracy[i, 0], one.test_accuracy,
+                               atol=1 / 16 + 1e-6)
+    np.testing.assert_allclose(res.final_loss[i, 0], one.final_loss,
+                               rtol=1e-4, atol=1e-5)
