@@ -17,9 +17,8 @@ from hmmprompt import sharding as sharding_lib
 
 
 def _quiet_orbax(record: logging.LogRecord) -> bool:
-  """Drops orbax's INFO chatter (several lines per save) from absl logs, and
-  the tracebacks its threads log for a failed write: the error comes back
-  from :meth:`Checkpoints.save`, where it is raised as an ``OSError``."""
+  """Drops orbax's INFO chatter from absl logs, and its threads' tracebacks
+  of a failed write (:meth:`Checkpoints.save` raises it as an ``OSError``)."""
   return "orbax" not in record.pathname or (
       record.levelno >= logging.WARNING and not record.exc_info)
 
@@ -28,10 +27,9 @@ logging.getLogger("absl").addFilter(_quiet_orbax)
 
 
 def _quiet_closed_loops(unraisable, default=sys.unraisablehook) -> None:
-  """Drops the ``Event loop is closed`` errors of tensorstore's callbacks
-  into the event loop of an orbax call that has failed (a damaged or
-  unwritable checkpoint: ~100 tracebacks for one): the call raised its own
-  error, which :meth:`Checkpoints.restore_latest` logs in one line."""
+  """Drops tensorstore's ``Event loop is closed`` errors after a failed orbax
+  call (~100 tracebacks for a damaged or unwritable checkpoint); the call
+  raised its own error, which :meth:`Checkpoints.restore_latest` logs."""
   if not (isinstance(unraisable.exc_value, RuntimeError)
           and str(unraisable.exc_value) == "Event loop is closed"):
     default(unraisable)
@@ -41,11 +39,9 @@ sys.unraisablehook = _quiet_closed_loops
 
 
 def _quiet_tensorstore_tasks(record: logging.LogRecord) -> bool:
-  """Drops asyncio's ``Task exception was never retrieved`` for a
-  tensorstore error: the sibling tasks of an orbax restore that failed on a
-  damaged checkpoint, logged with their tracebacks whenever they are
-  garbage-collected; the restore raised its own error, which
-  :meth:`Checkpoints.restore_latest` logs in one line."""
+  """Drops asyncio's ``Task exception was never retrieved`` for a tensorstore
+  error (sibling tasks of a restore that failed on a damaged checkpoint,
+  logged when collected); :meth:`Checkpoints.restore_latest` logs the error."""
   exc = record.exc_info[1] if record.exc_info else None
   return not (record.getMessage().startswith(
       "Task exception was never retrieved") and "tensorstore_spec=" in str(exc))

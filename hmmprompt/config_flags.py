@@ -97,6 +97,5 @@ def _apply_nested(cfg, overrides: Mapping[str, Any]):
     direct[head] = _apply_nested(getattr(cfg, head), sub)
   if not direct:
     return cfg
-  if hasattr(cfg, "with_overrides"):
-    return cfg.with_overrides(**direct)
-  return dataclasses.replace(cfg, **direct)
+  return (cfg.with_overrides(**direct) if hasattr(cfg, "with_overrides")
+          else dataclasses.replace(cfg, **direct))

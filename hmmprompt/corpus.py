@@ -7,8 +7,7 @@ positions (rate ``mask_rate``) become ``MASK`` (80%), a random symbol (10%)
 or stay (10%), as BERT (``corruption="bert"``), or always ``MASK``
 (``"mask"``, as evaluation). :func:`exact_targets` are the conditionals of
 the true tokens: the sampled token's one-hot has them as its mean, so
-cross-entropy to them has the same expected gradient with less variance.
-"""
+cross-entropy to them has the same expected gradient with less variance."""
 
 import dataclasses
 import functools
@@ -40,8 +39,7 @@ class CorpusConfig:
   val_seqs: int = 64
   corruption: str = "bert"
   # Added after results were keyed (identity_lib.ADDED): the training
-  # batches' masking rate (0: mask_rate); held-out sets keep mask_rate, so
-  # the gap is measured on one task whatever the training rate.
+  # batches' masking rate (0: mask_rate); held-out sets keep mask_rate.
   train_mask_rate: float = identity_lib.added(0.0)
 
   def __post_init__(self):
@@ -97,8 +95,7 @@ def mask_tokens(key, tokens_BxT, mask_rate: float, vocab_size: int,
 def batch_at(key, step, model, chunks, cfg: CorpusConfig, batch_size: int,
              vocab_size: int):
   """The training batch of ``step``: ``(inputs, targets, weights)``, a pure
-  function of ``(key, step)`` (a resumed run sees the same data).
-  ``chunks`` is ``None`` in fresh mode."""
+  function of ``(key, step)``; ``chunks`` is ``None`` in fresh mode."""
   k_steps, k_epochs = jax.random.split(key)
   k_data, k_mask = jax.random.split(jax.random.fold_in(k_steps, step))
   if cfg.fresh:
@@ -120,8 +117,7 @@ def corruption_likelihood(inputs_T, selected_T, vocab_size: int,
                           dtype=jnp.float32) -> jax.Array:
   """``[T, V]`` of ``dtype``: ``P(x~_t | X_t = x, S)`` up to a factor per
   position: one-hot if unselected, ones for ``MASK``, and for a selected
-  symbol ``v`` (BERT's random or kept token) ``∝ 1/V + [x = v]``.
-  Traceable."""
+  symbol ``v`` (BERT's random or kept token) ``∝ 1/V + [x = v]``."""
   sym_T = jnp.where(inputs_T == hmm_lib.MASK, 0, inputs_T)
   onehot_TxV = jax.nn.one_hot(sym_T, vocab_size, dtype=dtype)
   noisy_TxV = (_BERT_RANDOM / vocab_size + (1 - _BERT_MASK - _BERT_RANDOM)
@@ -136,20 +132,17 @@ def exact_state_posterior(hmm: hmm_lib.HMM, inputs_T, selected_T,
   ``method`` as :func:`exact_targets`'."""
   lik_TxV = corruption_likelihood(inputs_T, selected_T, hmm.vocab_size,
                                   hmm.emission.dtype)
-  evidence_TxH = lik_TxV @ hmm.emission.T
-  return hmm_lib.smooth_by(hmm, evidence_TxH, method).posterior
+  return hmm_lib.smooth_by(hmm, lik_TxV @ hmm.emission.T, method).posterior
 
 
 def exact_targets(hmm: hmm_lib.HMM, inputs_T, selected_T,
                   method: str = "sequential") -> jax.Array:
   """``[T, V]``: ``P[X_t | x~, S]`` under :func:`mask_tokens`' corruption
   (either), all zero where ``x~`` is impossible. Traceable; vmap it.
-
   ``inputs_T``: the corrupted sequence; ``selected_T``: the selected
   positions (the loss weights); ``hmm``: the generating model's vanilla
   form (:func:`generative.as_hmm`); ``method``: a resolved kernel of
-  :func:`hmm.smooth_by` (:func:`hmm.resolve_method`).
-  """
+  :func:`hmm.smooth_by` (:func:`hmm.resolve_method`)."""
   lik_TxV = corruption_likelihood(inputs_T, selected_T, hmm.vocab_size,
                                   hmm.emission.dtype)
   evidence_TxH = lik_TxV @ hmm.emission.T

@@ -18,15 +18,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from hmmprompt import identity as identity_lib
 
 
-def _file_mode() -> int:
-  """The mode ``open()`` gives a new file (mkstemp's 0o600 would hide
-  results). Reading the umask sets it: once, at import, before threads."""
-  mask = os.umask(0o022)
-  os.umask(mask)
-  return 0o666 & ~mask
-
-
-_FILE_MODE = _file_mode()
+# The mode open() gives a new file (mkstemp's 0o600 would hide results).
+# Reading the umask sets it: once, at import, before threads.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+_FILE_MODE = 0o666 & ~_UMASK
 
 
 @contextlib.contextmanager
@@ -124,8 +120,7 @@ def stamp(path: str, identity: dict, what: str = "setup",
           write: bool = True, defaults: dict | None = None) -> None:
   """Records ``identity`` (JSON) at ``path`` on a workdir's first use
   (``write``); later, ``ValueError`` naming every field that differs
-  (``defaults``: :func:`identity.added_defaults`, naming a field left out
-  at its default by that default)."""
+  (``defaults``: :func:`identity.added_defaults`)."""
   want = json.loads(json.dumps(identity))
   if os.path.exists(path):
     with open(path, encoding="utf-8") as f:

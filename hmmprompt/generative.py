@@ -1,10 +1,8 @@
 """Any generative model of the experiments: one home for the two kinds.
 
 A *model* is a vanilla :class:`hmm.HMM` or a single-cell
-:class:`memory.MemoryHMM`. Everything above the HMM math (corpus, tasks,
-backbones, pretraining, the sweep) goes through these functions instead of
-telling the kinds apart itself, so a new kind is added here once.
-"""
+:class:`memory.MemoryHMM`; everything above the HMM math goes through these
+functions, so a new kind is added here once."""
 
 import functools
 import hashlib
@@ -61,9 +59,8 @@ def sample_tokens(key, model: Model, length: int) -> jax.Array:
 
 
 def latent_posterior(model: Model, tokens_T: jax.Array) -> jax.Array:
-  """``[Z]``: ``P[H_0 | x_{-0}]`` (vanilla) or ``P[M | x]`` (memory; equal
-  to ``P[M | x_{-0}]`` as ``tokens_T[0]`` is ``MASK`` in every task).
-  Traceable; vmap it."""
+  """``[Z]``: ``P[H_0 | x_{-0}]`` (vanilla) or ``P[M | x]`` (memory: every
+  task masks ``tokens_T[0]``, so ``P[M | x_{-0}]``). Traceable; vmap it."""
   return (memory_lib.token_memory_posterior(model, tokens_T) if is_memory(model)
           else hmm_lib.token_smooth(model, tokens_T).masked_posterior[0])
 
@@ -77,8 +74,7 @@ def random_model(key, model_kind: str, num_states: int, vocab_size: int,
   return hmm_lib.random_hmm(key, num_states, vocab_size)
 
 
-# Trials: models of one kind and size stacked on a leading axis ``[K]`` of
-# every field, so everything can vmap over trials.
+# Trials: models of one kind and size stacked on a leading ``[K]`` axis.
 
 
 def num_trials(model: Model) -> int | None:
@@ -99,8 +95,7 @@ def stack(models) -> Model:
   ``ValueError`` if empty, of mixed kinds or of different sizes (named)."""
   if not (models := list(models)):
     raise ValueError("stack needs at least one model (a trial count >= 1)")
-  kinds = {kind(m) for m in models}
-  if len(kinds) > 1:
+  if len(kinds := {kind(m) for m in models}) > 1:
     raise ValueError(f"cannot stack models of different kinds: {sorted(kinds)}")
   shapes = [tuple(leaf.shape for leaf in m) for m in models]
   for i, sh in enumerate(shapes):
@@ -143,8 +138,7 @@ def _draw_stacked(key, num, model_kind, num_states, vocab_size, memory_size):
 
 
 def fingerprints(models: Model) -> list[str]:
-  """:func:`model_fingerprint` of every trial of stacked models (each leaf
-  moved to the host once)."""
+  """:func:`model_fingerprint` of every trial of stacked models."""
   num = num_trials(models)
   if num is None:
     raise ValueError("fingerprints needs [K] stacked models; use "

@@ -9,9 +9,7 @@ only the optimisation's conditioning changes). Heads: linear (Theorem 3.3 /
 ``s_i = q^T (Θ_K f(G_i) + β_i)``, weights ``a = softmax(exp(log_temp) *
 s)`` (the paper's argmax in the limit), value ``v_i = b^T ((Θ_V f(G_i)) ⊙
 e(x_i))``, ``logits = Σ_i a_i v_i``. Both registered by name
-(:data:`HEADS`, :data:`TRANSFORMS`); :mod:`hmmprompt.tuning` only uses the
-interfaces.
-"""
+(:data:`HEADS`, :data:`TRANSFORMS`) for :mod:`hmmprompt.tuning`."""
 
 import dataclasses
 from collections.abc import Callable
@@ -87,8 +85,7 @@ class Head:
 
 
 def init_linear(key, num_features: int, num_classes: int = NUM_CLASSES) -> dict:
-  # Zero init: a linear model has no symmetry to break.
-  del key
+  del key  # zero init: a linear model has no symmetry to break
   return {"w": jnp.zeros((num_features, num_classes)),
           "bias": jnp.zeros((num_classes,))}
 

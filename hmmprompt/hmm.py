@@ -5,7 +5,6 @@
 unobserved position. Inference runs on non-negative *evidence vectors*
 ``e_t [T, H]``: a token's ``e(x)[h] = P(X = x | H = h)`` (:func:`embed`;
 ones for ``MASK``) or a soft prompt's vector in ``[0, 1]^H`` (Appendix B).
-
 Traceable **kernels** (:func:`forward_backward`, :func:`token_smooth`, ...)
 and jitted **entry points** over them (:func:`sample`, :func:`posterior`,
 ...), one sequence each (docs/hmm.md). Messages are rescaled at every step
@@ -21,22 +20,17 @@ points on tokens, here and in :mod:`~hmmprompt.memory`, share three rules:
   agree to float rounding.
 * Batches of several lengths: right-pad each sequence with ``MASK`` to one
   length ``T`` and ``jax.vmap`` over the rows. A ``MASK``'s evidence is
-  all ones, so trailing padding marginalises out: each row's results at its
-  real positions, and its log-likelihood, are its unpadded sequence's
-  (tested; padded positions hold the chain's prediction past the end).
-  Never left-pad: the chain would start before the first real token (its
-  prior becomes ``pi A^k``, not ``pi``).
+  all ones, so each row's results at its real positions, and its
+  log-likelihood, are its unpadded sequence's (tested). Never left-pad:
+  the chain's prior would become ``pi A^k``, not ``pi``.
 * ``ValueError`` at the call, before anything runs: a bad ``method``, a
   model of bad shapes (or, if concrete, rows that are not distributions),
   ``tokens`` not a non-empty integer ``[T]``, or (concrete ``tokens``
   only) a token outside ``[0, V)`` other than ``MASK``, each named. Under
-  your ``jit``, ``vmap`` or ``grad`` the inputs are tracers: dtypes,
-  shapes and ``method`` still raise, but no value is checked, so an
-  out-of-range token makes its sequence impossible (as above) and a
-  non-stochastic model gives meaningless numbers. Check concrete batches
-  once, up front, with :func:`check_tokens` (and :func:`check_model`), or
-  inside ``jit`` with :func:`checkify_tokens` under ``checkify``.
-"""
+  your ``jit``, ``vmap`` or ``grad`` only dtypes, shapes and ``method``
+  raise (an out-of-range token makes its sequence impossible): check
+  concrete batches up front with :func:`check_tokens` (and
+  :func:`check_model`), or in ``jit`` with :func:`checkify_tokens`."""
 
 from typing import NamedTuple
 
@@ -109,17 +103,14 @@ class HMM(validation.ValidatedParams, Emitting, _HMMFields,
 
 
 def check_model(hmm: HMM) -> HMM:
-  """Runs :class:`HMM`'s constructor checks on an existing model (one from
-  ``tree.map`` or a jitted function) and returns it; values only when every
-  field is concrete (under ``jit``: :func:`checkify_model`). ``ValueError``
-  names the field and the first bad entry or shape."""
+  """Runs :class:`HMM`'s constructor checks on an existing model (from
+  ``tree.map`` or ``jit``) and returns it; values only when concrete (under
+  ``jit``: :func:`checkify_model`). ``ValueError`` names the bad field."""
   return validation.check_fields(hmm, _validate_hmm)
 
 
 def checkify_model(hmm: HMM) -> None:
-  """:func:`check_model` under ``jax.experimental.checkify.checkify`` only:
-  bad shapes and dtypes raise ``ValueError`` while tracing, bad values
-  become its error value."""
+  """:func:`check_model` under ``checkify.checkify`` only (values checked)."""
   _validate_hmm(hmm.initial, hmm.transition, hmm.emission,
                 chk=validation.checkify_distribution)
 
@@ -163,8 +154,7 @@ def check_sequence(tokens, hmm: Emitting) -> jax.Array:
 
 
 def check_evidence(evidence, hmm: HMM) -> jax.Array:
-  """Checks evidence vectors ``[T, H]`` (finite, non-negative when concrete)
-  and returns them as an array."""
+  """Checks evidence ``[T, H]`` (finite, non-negative when concrete)."""
   concrete = not isinstance(evidence, jax.core.Tracer)
   if concrete:
     evidence = jnp.asarray(evidence)
@@ -234,8 +224,7 @@ def random_hmm(key, num_states: int, vocab_size: int, *,
 
 
 def _cdf(p: jax.Array) -> jax.Array:
-  """Cumulative sum over the last axis divided by its total: entries past the
-  last non-zero probability are exactly 1, so no draw selects them."""
+  """Normalised cumulative sum: 1 exactly past the last non-zero entry."""
   return (c := jnp.cumsum(p, axis=-1)) / c[..., -1:]
 
 
@@ -295,16 +284,14 @@ def _unit_sum_jvp(primals, tangents):
 
 
 def _normalize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Rescales non-negative ``x`` to sum 1 (all-zero stays zero, no NaN),
-  with a gradient that stays finite for tiny sums."""
+  """``x >= 0`` rescaled to sum 1 (zeros stay zero), and the sum."""
   return _unit_sum(x), jnp.sum(x, axis=-1)
 
 
 def safe_log(x: jax.Array) -> jax.Array:
-  """Elementwise ``log x`` with ``-inf`` where ``x <= 0``, and no NaN in
-  the value or its gradient there (``jnp.log(0)`` is ``-inf`` too, but
-  its gradient at 0 turns ``0 * inf`` into NaN through a ``where``); the
-  kernels' log-likelihoods take their scales' logs with it."""
+  """Elementwise ``log x``, ``-inf`` where ``x <= 0``, with no NaN in the
+  value or gradient there (``jnp.log``'s gradient at 0 gives NaN through
+  a ``where``); the kernels take their scales' logs with it."""
   pos = x > 0
   return jnp.where(pos, jnp.log(jnp.where(pos, x, 1.0)), -jnp.inf)
 
@@ -312,11 +299,9 @@ def safe_log(x: jax.Array) -> jax.Array:
 def forward_backward(hmm: HMM, evidence_TxH: jax.Array) -> Smoothed:
   """Forward scan, then a backward scan that also emits the posteriors
   (on XLA:CPU faster than forming them afterwards, as is not unrolling).
-
   ``pred_t ∝ P[H_t, e_{<t}]``, ``back_t ∝ P[e_{>t} | H_t]``: ``pred_t ⊙
   back_t ∝ P[H_t, e_{-t}]``, ``⊙ e_t`` the posterior. Messages are rescaled
-  to sum 1; the forward scales ``c_t = P(e_t | e_{<t})`` give log P(e).
-  """
+  to sum 1; the forward scales ``c_t = P(e_t | e_{<t})`` give log P(e)."""
   init_H, trans_HxH, ev_TxH = _promoted(hmm, evidence_TxH)
   _, (pred_TxH, c_T) = jax.lax.scan(_forward_step(trans_HxH), init_H, ev_TxH)
   _, (post_TxH, masked_TxH) = jax.lax.scan(
@@ -354,14 +339,11 @@ def _backward_step(trans_HxH):
 def forward_backward_blocked(hmm: HMM, evidence_TxH: jax.Array,
                              block: int | None = None) -> Smoothed:
   """:func:`forward_backward` in ``C`` blocks of ``L`` positions (default
-  ``L = ceil(sqrt(T))``): about ``5 sqrt(T)`` dependent steps instead of
-  ``2 T``, for accelerators, where a scan costs the latency of its steps.
-
-  Every block's transfer matrices at once (``L`` steps), the messages
-  entering each block (``C`` steps each way), then the sequential steps in
-  every block at once (``2 L``); the padding's evidence is all ones. Equal
-  to the sequential kernel to float rounding (tested). Work ``O(T H^3)``.
-  """
+  ``ceil(sqrt(T))``): every block's transfer matrices at once (``L``
+  steps), the messages entering each block (``C`` each way), then every
+  block's sequential steps at once (``2 L``): ~``5 sqrt(T)`` dependent
+  steps, not ``2 T``, for accelerators, where a scan costs the latency of
+  its steps. Equal to the sequential kernel to float rounding."""
   init_H, trans_HxH, ev_TxH = _promoted(hmm, evidence_TxH)
   dtype, (num, h) = ev_TxH.dtype, ev_TxH.shape
   size = block or max(1, int(np.ceil(np.sqrt(num))))
@@ -456,15 +438,12 @@ def token_evidence(hmm: HMM, tokens_T: jax.Array) -> jax.Array:
 
 METHODS = ("sequential", "parallel", "blocked", "auto")
 """The entry points' ``method`` (the module docstring)."""
-# auto's threshold, provisional (docs/hmm.md): from an H100 probe of
-# dynamax's parallel smoother, until experiments/bench/hmm.py times ours.
+# auto's threshold, provisional (docs/hmm.md: from an H100 probe).
 _AUTO_PARALLEL_FROM = 2048
 
 
 def resolve_method(method: str, length: int) -> str:
-  """The kernel for ``method`` on ``length`` positions (``auto``: parallel
-  on accelerators from ``_AUTO_PARALLEL_FROM`` on); ``ValueError`` naming a
-  bad one."""
+  """The kernel for ``method`` on ``length`` positions; ``ValueError``."""
   if validation.one_of("method", method, METHODS) == "auto":
     return ("parallel" if jax.default_backend() != "cpu"
             and length >= _AUTO_PARALLEL_FROM else "sequential")
@@ -539,8 +518,7 @@ def log_likelihood(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``log P(x)`` of the observed tokens (``MASK`` positions marginalised);
   ``-inf`` for an impossible sequence, never NaN. ``method``:
   ``"sequential"``, ``"parallel"``, ``"blocked"`` or ``"auto"``; batches:
-  right-pad with ``MASK`` and ``jax.vmap`` (never left-pad). The module
-  docstring has the details.
+  right-pad with ``MASK`` and ``jax.vmap`` (never left-pad; module doc).
 
   Raises:
     ValueError: at the call, on a bad ``method``, model or ``tokens``;
@@ -554,8 +532,7 @@ def posterior(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``[T, H]``: ``P[H_t | observed tokens]`` (``MASK`` positions
   marginalised); all zeros if impossible, never NaN. ``method``:
   ``"sequential"``, ``"parallel"``, ``"blocked"`` or ``"auto"``; batches:
-  right-pad with ``MASK`` and ``jax.vmap`` (never left-pad). The module
-  docstring has the details.
+  right-pad with ``MASK`` and ``jax.vmap`` (never left-pad; module doc).
 
   Raises:
     ValueError: at the call, on a bad ``method``, model or ``tokens``;
@@ -576,7 +553,7 @@ def conditionals(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   does not read ``tokens[t]``, all-zero where ``x_{-t}`` is impossible.
   ``method``: ``"sequential"``, ``"parallel"``, ``"blocked"`` or
   ``"auto"``; batches: right-pad with ``MASK`` and ``jax.vmap`` (never
-  left-pad). The module docstring has the details.
+  left-pad; module doc).
 
   Raises:
     ValueError: at the call, on a bad ``method``, model or ``tokens``;

@@ -74,11 +74,9 @@ def _json(x) -> Any:
 
 def differences(old: dict, new: dict, prefix: str = "",
                 defaults: dict | None = None) -> list[str]:
-  """``"a.b: old -> new"`` for every leaf where two nested dicts (config
-  identities) differ: what a refusal to reuse a directory names. A key one
-  side lacks is an :data:`ADDED` field at its default: named as that
-  default (``defaults``: :func:`added_defaults`), as ``--print_config``
-  shows it, not as ``None``; ``absent`` where ``defaults`` lacks it."""
+  """``"a.b: old -> new"`` for every leaf where two config identities
+  differ; a key one side lacks is an :data:`ADDED` field at its default,
+  named as that default (``defaults``: :func:`added_defaults`) or absent."""
   out, defaults = [], defaults or {}
   for key in sorted(set(old) | set(new)):
     fill = defaults.get(key, _ABSENT)
@@ -95,8 +93,7 @@ def check_same(had: dict, want: dict, where: str, what: str = "setup",
                defaults: dict | None = None) -> None:
   """``ValueError`` naming every field where ``had`` differs from ``want``
   (``defaults``: as :func:`differences`')."""
-  if diff := differences(had, json.loads(json.dumps(want)),
-                         defaults=defaults):
+  if diff := differences(had, json.loads(json.dumps(want)), defaults=defaults):
     raise ValueError(
         f"{where} holds results of another {what} ({'; '.join(diff)}); use "
         f"a new --workdir (or the same config) to resume")

@@ -4,13 +4,11 @@ Single cell (:class:`MemoryHMM`, what the experiments use): a memory value
 ``M`` is drawn once per sequence, a syntax chain ``H`` evolves as a vanilla
 HMM, and token ``t`` is emitted from ``emission[M, H_t]``: an HMM on product
 states ``(m, h)`` with a block-diagonal transition (:func:`to_hmm`).
-
 Multiple cells (:class:`MultiMemoryHMM`, Figure 2 right): ``N`` cells
 ``M_1..M_N``, hidden state ``H_t = (J_t, S_t)`` (cell index, syntax); token
 ``t`` is emitted from ``emission[J_t, M_{J_t}, S_t]``. Exact inference runs
 on the product HMM on ``(m_1..m_N, j, s)``, of at most
-:data:`MAX_PRODUCT_STATES` states. Entry points and kernels as in :mod:`hmm`.
-"""
+:data:`MAX_PRODUCT_STATES` states. Entry points and kernels as in :mod:`hmm`."""
 
 import itertools
 from typing import NamedTuple
@@ -53,8 +51,7 @@ def _validate_memory(memory_prior, initial, transition, emission,
                      chk=validation.check_distribution) -> None:
   fields = (memory_prior, initial, transition, emission)
   # Shapes before values, as the HMM's: a wrong shape is named as such.
-  _check_fields("MemoryHMM", fields, (1, 1, 2, 3),
-                validation.check_event_shape)
+  _check_fields("MemoryHMM", fields, (1, 1, 2, 3), validation.check_event_shape)
   batch = memory_prior.shape[:-1]
   m, h = memory_prior.shape[-1], initial.shape[-1]
   if initial.shape[:-1] != batch or transition.shape != batch + (h, h):
@@ -144,14 +141,12 @@ def _validator(model):
 
 
 def check_model(model):
-  """:func:`hmm.check_model` for a :class:`MemoryHMM` or
-  :class:`MultiMemoryHMM`; ``ValueError`` naming the bad field."""
+  """:func:`hmm.check_model` for either memory HMM (its own fields named)."""
   return validation.check_fields(model, _validator(model))
 
 
 def checkify_model(model) -> None:
-  """:func:`hmm.checkify_model` for a :class:`MemoryHMM` or
-  :class:`MultiMemoryHMM`: under ``jax.experimental.checkify`` only."""
+  """:func:`hmm.checkify_model` for either memory HMM (under checkify)."""
   _validator(model)(model.memory_prior, model.initial, model.transition,
                     model.emission, chk=validation.checkify_distribution)
 
@@ -185,8 +180,7 @@ def token_memory_posterior(mhmm: MemoryHMM, tokens_T,
   """Kernel of :func:`memory_posterior`: ``[M]``, one ``|H|``-state
   likelihood per memory value (``method``: :func:`hmm.smooth_by`'s)."""
   # An [M]-batched HMM: the syntax chain with emission m.
-  m = mhmm.memory_size
-  initial, transition = (jnp.broadcast_to(x, (m,) + x.shape)
+  initial, transition = (jnp.broadcast_to(x, (mhmm.memory_size,) + x.shape)
                          for x in (mhmm.initial, mhmm.transition))
   loglik_M = jax.vmap(
       lambda h: hmm_lib.token_smooth(h, tokens_T, method).log_likelihood)(
@@ -212,9 +206,8 @@ def memory_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
   ``jax.vmap`` (never left-pad). Details: :mod:`~hmmprompt.hmm`.
 
   Raises:
-    ValueError: at the call, on a bad ``method``, model (its own fields
-      named) or ``tokens``; under your ``jit`` only on dtypes and shapes
-      (:func:`hmm.check_tokens`).
+    ValueError: at the call, on a bad ``method``, model or ``tokens``;
+      under your ``jit`` only on dtypes and shapes (:func:`hmm.check_tokens`).
   """
   return hmm_lib.method_args(mhmm, tokens, method, hmm_lib.check_sequence,
                              check_model)
@@ -230,9 +223,8 @@ def memory_masked_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
   left-pad). Details: :mod:`~hmmprompt.hmm`.
 
   Raises:
-    ValueError: at the call, on a bad ``method``, model (its own fields
-      named) or ``tokens``; under your ``jit`` only on dtypes and shapes
-      (:func:`hmm.check_tokens`).
+    ValueError: at the call, on a bad ``method``, model or ``tokens``;
+      under your ``jit`` only on dtypes and shapes (:func:`hmm.check_tokens`).
   """
   return hmm_lib.method_args(mhmm, tokens, method, hmm_lib.check_sequence,
                              check_model)
@@ -376,8 +368,7 @@ def multi_sample(key, mm: MultiMemoryHMM, length: int):
 
 
 def token_cell_posteriors(mm: MultiMemoryHMM, tokens_T) -> jax.Array:
-  """Kernel of :func:`cell_posteriors`: ``[N, M]`` (product HMM, position
-  0's marginal: memory is constant)."""
+  """Kernel of :func:`cell_posteriors`: ``[N, M]`` (position 0's marginal)."""
   post_MH = hmm_lib.token_smooth(multi_to_hmm(mm), tokens_T).posterior[0]
   n, m = mm.num_cells, mm.memory_size
   post_C = post_MH.reshape(-1, n * mm.num_syntax).sum(-1)
@@ -390,9 +381,8 @@ def token_cell_posteriors(mm: MultiMemoryHMM, tokens_T) -> jax.Array:
 def cell_posteriors(mm: MultiMemoryHMM, tokens) -> jax.Array:
   """``[N, M]``: ``P[M_j | observed tokens]`` for every cell ``j`` (mask
   position ``t`` for ``P[M_j | x_{-t}]``; all zeros if impossible), by the
-  sequential scan on the product HMM (:func:`multi_to_hmm`; no ``method``).
-  Batches: right-pad with ``MASK`` and ``jax.vmap`` (never left-pad).
-  Details: :mod:`~hmmprompt.hmm`.
+  sequential scan on :func:`multi_to_hmm`. Batches: right-pad with ``MASK``
+  and ``jax.vmap`` (never left-pad). Details: :mod:`~hmmprompt.hmm`.
 
   Raises:
     ValueError: at the call, on a bad model (its own fields named),

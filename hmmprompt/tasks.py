@@ -7,11 +7,9 @@ the ``MASK`` (vanilla, ``Z = |H|``), or ``P[M | x_{1:T}]`` (memory, ``Z =
 |M|``). ``labeling="authors"`` reproduces the original code instead: the
 real tokens start from ``HMM.initial`` (the ``MASK`` is prepended, not
 sampled) and the vanilla latent is ``transition @ P[H_1 | x_{1:T}]``
-(memory tasks are labelled alike in both modes).
-
-A dataset whose majority label (over all splits) exceeds
-``max_label_share`` is re-drawn (:func:`make_tasks`), as the original did.
-"""
+(memory tasks are labelled alike in both modes). A dataset whose majority
+label (over all splits) exceeds ``max_label_share`` is re-drawn
+(:func:`make_tasks`), as the original did."""
 
 import dataclasses
 import functools
@@ -69,8 +67,7 @@ class TaskConfig:
 
 
 def mask_index(num_prompt: int) -> int:
-  """Index of the ``MASK`` in a backbone input ``(prompt, MASK, x_1..x_T)``
-  (with :func:`input_len`, the one statement of that layout)."""
+  """Index of the ``MASK`` in a backbone input ``(prompt, MASK, x_1..x_T)``."""
   return num_prompt
 
 
@@ -98,8 +95,7 @@ class Task(NamedTuple):
 
 def task_weights(key, num_latent: int, num_classes: int = 2,
                  num_nonzero: int = 6) -> jax.Array:
-  """``mu [C, Z]``: ``num_nonzero`` N(0, 1) entries at random positions (all
-  if fewer), the rest zero."""
+  """``mu [C, Z]``: ``num_nonzero`` N(0, 1) entries at random, the rest 0."""
   size = num_classes * num_latent
   k = min(num_nonzero, size)
   k_pos, k_val = jax.random.split(key)
@@ -126,9 +122,8 @@ def labels_from_latent(mu: jax.Array, latent_NxZ: jax.Array) -> jax.Array:
 
 def sample_examples(key, model: Model, n: int, seq_len: int,
                     labeling: str = "paper") -> jax.Array:
-  """``int32 [N, T+1]`` examples: ``seq_len + 1`` sampled tokens with the
-  first masked (``"paper"``), or ``MASK`` prepended to ``seq_len``
-  (``"authors"``). Traceable (sizes static)."""
+  """``int32 [N, T+1]``: ``seq_len + 1`` sampled tokens, the first masked
+  (``"paper"``), or ``MASK`` before ``seq_len`` ones (``"authors"``)."""
   validation.one_of("labeling", labeling, LABELINGS)
   length = seq_len if labeling == "authors" else seq_len + 1
   tokens_NxL = corpus.sample_sequences(key, model, n, length)
@@ -158,26 +153,23 @@ def draw_task(key, model: Model, config: TaskConfig, chunk: int | None = None):
 
 def majority_share(labels, num_classes: int = 2) -> float:
   """The share of the most frequent label among ``labels`` (integers in
-  ``[0, num_classes)``, any shape): 1.0 when every label is the same, 0.0
-  for none. A task whose share exceeds ``TaskConfig.max_label_share`` is
-  degenerate and redrawn (:func:`make_tasks`)."""
+  ``[0, num_classes)``, any shape; 0.0 for none): a task's above
+  ``TaskConfig.max_label_share`` is redrawn (:func:`make_tasks`)."""
   counts = np.bincount(np.asarray(labels).ravel(), minlength=num_classes)
   return float(counts.max() / max(counts.sum(), 1))
 
 
 def make_task(key, model: Model, config: TaskConfig = TaskConfig()) -> Task:
   """:func:`make_tasks` on ``key`` and ``model`` alone; ``ValueError`` if
-  every one of ``1 + config.max_redraws`` draws is degenerate (e.g. ``mu``
-  has no non-zero weight on a reachable state)."""
+  every one of ``1 + config.max_redraws`` draws is degenerate."""
   # generative.stack names a non-model (TypeError) or a stack (ValueError).
   return make_tasks(jnp.asarray(key)[None], generative.stack([model]), config)[0]
 
 
 @functools.cache
 def _draw_tasks(config: TaskConfig, stacked: bool, chunk: int | None):
-  """``(keys [K], attempt, models [K]) -> draws [K]``, jitted once; ``K = 1``
-  (not ``stacked``) does not vmap, keeping its unstacked draw's numbers
-  (vmap's batched matmuls round differently)."""
+  """``(keys [K], attempt, models [K]) -> draws [K]``, jitted once; not
+  ``stacked`` (K = 1), no vmap: vmap's batched matmuls round differently."""
   def draw(key, attempt, model):
     return draw_task(jax.random.fold_in(key, attempt), model, config, chunk)
 
@@ -202,13 +194,11 @@ def latent_chunk(models_K: Model, config: TaskConfig,
 
 def make_tasks(keys_K, models_K: Model, config: TaskConfig = TaskConfig(),
                budget_bytes: int | None = TASK_BUDGET_BYTES) -> list[Task]:
-  """One task per trial of stacked models (:func:`generative.random_models`),
-  trial ``k``'s from ``fold_in(keys_K[k], attempt)`` at its first attempt
-  with balanced labels; each attempt is one vmapped call for all trials.
-  Posteriors are computed in chunks (:func:`latent_chunk`), which changes
-  no label (only the posteriors' last bit). ``ValueError``: not stacked
-  models, a key count other than the trial count, or a trial whose every
-  draw was degenerate (named)."""
+  """One task per trial of stacked models, trial ``k``'s from
+  ``fold_in(keys_K[k], attempt)`` at its first attempt with balanced
+  labels; each attempt is one vmapped call for all trials, in chunks
+  (:func:`latent_chunk`). ``ValueError``: not stacked models, a key count
+  other than the trial count, or a trial whose every draw was degenerate."""
   chunk = latent_chunk(models_K, config, budget_bytes)
   num = generative.num_trials(models_K)
   if num is None:

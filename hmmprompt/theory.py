@@ -4,11 +4,9 @@ of its proofs (Theorems 3.3 and 3.6).
 ``W = emission.T`` (``[V, H]``, the paper's orientation); the paper's ``A_{:,
 h}`` (successors of ``h``) is our ``transition[h, :]``. A probability is
 non-zero above :data:`SUPPORT_TOL`; columns are independent when their
-smallest singular value is above :data:`RANK_TOL` times their largest (a
-matter of degree with near-one-hot emissions: rank tests report the
-condition number too). ``mu`` is the task's ``[C, Z]`` weight matrix,
-``supp(mu)`` the latent values with a non-zero weight in any row.
-"""
+smallest singular value is above :data:`RANK_TOL` times their largest (rank
+tests report the condition number too). ``mu`` is the task's ``[C, Z]``
+weight matrix, ``supp(mu)`` the latent values with a non-zero weight."""
 
 import itertools
 from typing import Any, NamedTuple
@@ -95,8 +93,7 @@ def _primitive(support_HxH: np.ndarray) -> bool:
 
 
 def assumption_3_2(hmm: hmm_lib.HMM) -> Verdict:
-  """The chain is ergodic (irreducible, aperiodic) and P[H_0] has full
-  support."""
+  """The chain is ergodic (irreducible, aperiodic), P[H_0] of full support."""
   trans = _np(hmm.transition) > SUPPORT_TOL
   init = _np(hmm.initial)
   details = {"min_initial": float(init.min())}
@@ -115,13 +112,10 @@ def assumption_3_2(hmm: hmm_lib.HMM) -> Verdict:
 
 def assumption_3_5(hmm: hmm_lib.HMM, mu) -> Verdict:
   """Some ``B`` has ``H* = ∪_{h∈B} supp(A_{:,h}) ⊇ supp(mu)`` with
-  independent columns ``W[:, H*]``; reports the best-conditioned ``B``.
-
-  Searches sets ``B`` of one predecessor per state of ``supp(mu)`` (enough:
-  shrinking ``B`` shrinks ``H*``, which keeps independence).
-  """
-  w = _np(hmm.emission).T
-  trans = _np(hmm.transition)
+  independent columns ``W[:, H*]``; reports the best-conditioned ``B``,
+  searching sets of one predecessor per state of ``supp(mu)`` (enough:
+  shrinking ``B`` shrinks ``H*``, which keeps independence)."""
+  w, trans = _np(hmm.emission).T, _np(hmm.transition)
   supp_mu = support(mu)
   preds = {s: np.nonzero(trans[:, s] > SUPPORT_TOL)[0].tolist()
            for s in supp_mu}
@@ -159,8 +153,7 @@ def assumption_3_5(hmm: hmm_lib.HMM, mu) -> Verdict:
 def theorem_3_3_head(hmm: hmm_lib.HMM, mu) -> dict:
   """Linear head ``{w [V, C], bias [C]}`` on raw ``G_MASK`` computing
   ``mu @ P[H_0 | x_{1:T}] = mu @ W^† G`` (exact under Assumption 3.1)."""
-  verdict = assumption_3_1(hmm)
-  if not verdict.holds:
+  if not (verdict := assumption_3_1(hmm)).holds:
     raise ValueError(f"Theorem 3.3 needs Assumption 3.1: {verdict.reason}")
   w_pinv = np.linalg.pinv(_np(hmm.emission).T)
   return {"w": (_np(mu) @ w_pinv).T.astype(np.float32),
@@ -169,15 +162,11 @@ def theorem_3_3_head(hmm: hmm_lib.HMM, mu) -> dict:
 
 def theorem_3_6_prompt_head(hmm: hmm_lib.HMM, mu) -> tuple[np.ndarray, dict]:
   """Prompt ``u = 1_B`` (``[1, H]``, fed to ``apply`` as an embedding) and
-  linear head on ``G`` at the ``MASK`` (index 1) from Theorem 3.6's proof.
-
-  With ``u`` prepended, the state at ``MASK`` has prior
-  ``π_u ∝ (P[H_0] ⊙ u) A`` supported on ``H*``, so
-  ``G ∝ W[:, H*] (r ⊙ P[H_0 | x])[H*]`` with ``r = π_u / P[H_0]``; the head
-  undoes ``W[:, H*]`` and ``r``.
-  """
-  verdict = assumption_3_5(hmm, mu)
-  if not verdict.holds:
+  linear head on ``G`` at the ``MASK`` (index 1) from Theorem 3.6's proof:
+  with ``u`` prepended, the state at ``MASK`` has prior ``π_u ∝ (P[H_0] ⊙
+  u) A`` supported on ``H*``, so ``G ∝ W[:, H*] (r ⊙ P[H_0 | x])[H*]`` with
+  ``r = π_u / P[H_0]``; the head undoes ``W[:, H*]`` and ``r``."""
+  if not (verdict := assumption_3_5(hmm, mu)).holds:
     raise ValueError(f"Theorem 3.6 needs Assumption 3.5: {verdict.reason}")
   u = np.zeros((1, hmm.num_states), np.float32)
   u[0, verdict.details["B"]] = 1.0
@@ -187,8 +176,7 @@ def theorem_3_6_prompt_head(hmm: hmm_lib.HMM, mu) -> tuple[np.ndarray, dict]:
   h_star = verdict.details["H_star"]
   r = prior[h_star] / init[h_star]
   w_pinv = np.linalg.pinv(_np(hmm.emission).T[:, h_star])
-  w = ((_np(mu)[:, h_star] / r) @ w_pinv).T
-  return u, {"w": w.astype(np.float32),
+  return u, {"w": ((_np(mu)[:, h_star] / r) @ w_pinv).T.astype(np.float32),
              "bias": np.zeros(np.shape(mu)[0], np.float32)}
 
 
@@ -210,8 +198,7 @@ def _search_recoverable(mhmm, memory_values, name) -> Verdict:
   for size in range(h, 0, -1):
     for subset in itertools.combinations(range(h), size):
       rest = [x for x in range(h) if x not in subset]
-      a = _memory_columns(mhmm, memory_values, subset)
-      b = _memory_columns(mhmm, memory_values, rest)
+      a, b = (_memory_columns(mhmm, memory_values, s) for s in (subset, rest))
       rank_a, cond = rank_and_condition(a)
       if rank_a < a.shape[1]:
         continue

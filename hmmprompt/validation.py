@@ -32,8 +32,7 @@ def require_positive(config, *names: str,
 
 
 def require_positive_ints(config, *names: str) -> None:
-  """Raises ``ValueError`` naming the first field that is not a tuple of
-  ints >= 1 (a size list)."""
+  """Raises ``ValueError`` naming the first field not a tuple of ints >= 1."""
   for name in names:
     sizes = getattr(config, name)
     if not all(isinstance(s, int) and s >= 1 for s in sizes):
@@ -80,8 +79,7 @@ def is_concrete(x) -> bool:
 
 def register_unchecked_pytree(cls):
   """Registers a validating NamedTuple so JAX rebuilds it without checks:
-  gradients and ``tree.map`` results share its type but are not
-  distributions."""
+  gradients and ``tree.map`` results are not distributions."""
   jax.tree_util.register_pytree_node(
       cls, lambda x: (tuple(x), None),
       lambda _, children: tuple.__new__(cls, children))
@@ -121,27 +119,24 @@ class ValidatedParams(tuple):
     return tuple.__new__(cls, fields)
 
   # NamedTuple's own _replace and _make build with tuple.__new__, past the
-  # check, making a model every entry point trusts; here both go through
-  # __new__.
+  # check (a model every entry point trusts); here both go through __new__.
   def _replace(self, **changes):
     return type(self)(**{**dict(zip(self._fields_cls._fields, self)),
                          **changes})
 
 
 def check_fields(params, validate):
-  """Runs ``validate`` (a :class:`ValidatedParams` class's) on ``params`` as
-  it is, on the host, and returns it; only when every field is concrete
-  (under ``jit``/``vmap``/``grad`` nothing is checked, nor compiled in)."""
+  """Runs ``validate`` on ``params`` on the host and returns ``params``;
+  checks only when every field is concrete (nothing is compiled in)."""
   if all(is_concrete(f) for f in params):
     validate(*(jnp.asarray(f) for f in params))
   return params
 
 
 def check_event_shape(name: str, p: jax.Array, ndim: int) -> None:
-  """What a distribution's checks know without its values (rank, dtype,
-  size): a model's checks run it on every field, compare the fields'
-  shapes, and only then their values, so a transposed ``[V, H]`` emission
-  is named by its shape, not by rows that do not sum to 1."""
+  """A distribution's checks without its values (rank, dtype, size): run on
+  every field before the values, so a transposed ``[V, H]`` emission is
+  named by its shape, not by rows that do not sum to 1."""
   if p.ndim < ndim:
     raise ValueError(f"{name} must have {ndim} dimension(s) (plus optional "
                      f"leading batch dimensions), got shape {p.shape}")
@@ -199,8 +194,7 @@ class _KernelArgs(tuple):
 
 def kernel_args(*args) -> Any:
   """What an :func:`entry_point` check returns: the kernel's positional
-  arguments. Typed ``Any`` so that the check keeps the entry point's own
-  return annotation."""
+  arguments (typed ``Any``: the check keeps its own return annotation)."""
   return _KernelArgs(args)
 
 
@@ -211,12 +205,10 @@ def entry_point(kernel: Callable[..., Any], *, static_argnums=(),
 
   The decorated function is the check, with the entry point's signature and
   docstring: it raises ``ValueError`` on bad input and returns
-  :func:`kernel_args`, which ``kernel``, jitted once here
-  (``static_argnums`` as for ``jax.jit``), then runs on. ``field`` selects
-  one field of a NamedTuple result inside the jit, so XLA drops the work
-  only the other fields need. Traced code calls the kernel instead; the
-  entry point names it as its ``kernel`` attribute.
-  """
+  :func:`kernel_args`, which ``kernel``, jitted once here (``static_argnums``
+  as ``jax.jit``'s), runs on; ``field`` picks one field of a NamedTuple
+  result inside the jit, so XLA drops the others' work. Traced code calls
+  the ``kernel`` attribute."""
   jitted = jax.jit(kernel if field is None else
                    lambda *args: getattr(kernel(*args), field),
                    static_argnums=static_argnums)

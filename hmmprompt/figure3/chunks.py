@@ -1,9 +1,8 @@
 """Figure 3 in chunks of size stacks, for a machine lent for minutes that
 keeps nothing: each chunk starts from a committed results directory,
 computes only what is missing and ends in one archive that :func:`merge`
-adds back (the binary: ``experiments/in_chunks.py``). Under a deadline a
-stack that does not fit runs in parts of whole trials
-(:class:`~hmmprompt.figure3.sweep.Parts`)."""
+adds back (``experiments/in_chunks.py``); under a deadline, a stack that
+does not fit runs in parts (:class:`~hmmprompt.figure3.sweep.Parts`)."""
 
 import dataclasses
 import glob
@@ -108,8 +107,7 @@ def start_workdir(results_dir: str, workdir: str, setup: configs.Setup) -> int:
 
 def write_chunk_archive(workdir: str, path: str, run_info: dict) -> list[str]:
   """Writes ``path``: the results, ``sweep.json``, the pretraining metrics
-  and configs and ``run_info`` as ``run.json``; returns the member names.
-  No report (:func:`merge` renders it): nothing slow comes after the cells."""
+  and configs, ``run_info`` as ``run.json`` (no report); returns the names."""
   runs = sorted(os.path.relpath(p, workdir) for pat in ("*", "*/fallback-*")
                 for p in glob.glob(os.path.join(workdir, "pretrain", pat)))
   members = [n for n in ["results.jsonl", sweep.STAMP]
@@ -122,9 +120,8 @@ def write_chunk_archive(workdir: str, path: str, run_info: dict) -> list[str]:
 
 def resolve_checkpoints(checkpoints: str | None, workdir: str | None,
                         deadline_s: float | None) -> str:
-  """:func:`run_chunk`'s ``checkpoints``, its default resolved (``always``
-  in a kept ``workdir``, ``never`` in a temporary one); ``ValueError``
-  naming a value it cannot take there."""
+  """:func:`run_chunk`'s ``checkpoints`` (default: ``always`` in a kept
+  ``workdir``, else ``never``); ``ValueError`` for one it cannot take."""
   checkpoints = pretrain_lib.check_checkpoints(
       checkpoints or ("never" if workdir is None else "always"))
   if workdir is None and checkpoints != "never":
@@ -152,10 +149,7 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
   cells and returns the tags of the stacks skipped for the deadline
   (default: :func:`sweep.run_sweep`; :func:`workers.chunk_compute`).
   ``info``: more ``run.json`` fields. ``deadline_s``: ``Schedule.stop_at``
-  in seconds from the start (``run.json``'s ``stopped`` says where).
-  ``checkpoints``: :func:`resolve_checkpoints` (``deadline``: a stack's
-  checkpoint only where the deadline stops it, for a next run on the same
-  machine, an accelerator session's)."""
+  in seconds from the start. ``checkpoints``: :func:`resolve_checkpoints`."""
   t0 = time.monotonic()
   deadline = None if budget_s is None else t0 + budget_s
   stop_at = None if deadline_s is None else t0 + deadline_s
@@ -219,10 +213,9 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
 
 def seconds_per_trial(results_dir: str, margin: float = 1.2,
                       tuning_only: bool = False) -> float | None:
-  """Seconds per trial of ``results_dir``'s transformer stacks (a part of
-  one, ``pretrain_part``, counted as a stack): pretraining wall time plus
-  each tuning group's program time (``tuning_only``: the latter alone)
-  times ``margin`` (for draws, compiles and evaluations); ``None`` if none."""
+  """Seconds per trial of ``results_dir``'s transformer stacks (or parts):
+  pretraining wall time plus each tuning group's program time
+  (``tuning_only``: the latter alone) times ``margin``; ``None`` if none."""
   stacks: dict[tuple, dict] = {}
   for r in schema.read_results(results_dir):
     if r.backbone != "transformer" or r.pretrain_wall_s is None:
@@ -293,9 +286,8 @@ def merge_all(archives: list[str], results_dir: str,
 def check_archive(archive: str, unpacked: str, run: dict,
                   setup: configs.Setup, preset: str = "") -> None:
   """``ValueError`` where ``archive`` (unpacked in ``unpacked``; ``run``:
-  its ``run.json``) holds results of another setup than ``setup`` (the
-  merging command's ``--preset`` and ``--config`` flags): the preset it
-  ran with named where it is another, else the fields that differ."""
+  its ``run.json``) holds results of another setup than ``setup``, naming
+  the preset it ran with where it is another, else the fields that differ."""
   stamp = os.path.join(unpacked, sweep.STAMP)
   diff = identity_lib.differences(
       json.loads(pathlib.Path(stamp).read_text()), setup.identity(),
@@ -319,11 +311,9 @@ def check_archive(archive: str, unpacked: str, run: dict,
 def merge(archive: str, results_dir: str,
           setup: configs.Setup | None = None, preset: str = "") -> dict:
   """Adds ``archive``'s result lines and pretraining metrics to
-  ``results_dir``, renders its report again and returns the counts of
-  :func:`files.merge_lines`; ``ValueError`` for unexpected members or
-  another setup's results (than ``setup``'s too, where given:
-  :func:`check_archive`). Its ``run.json`` joins ``runs.jsonl`` once:
-  merging an archive again adds no entry."""
+  ``results_dir`` (its ``run.json`` to ``runs.jsonl``, once), renders the
+  report and returns :func:`files.merge_lines`' counts; ``ValueError`` for
+  unexpected members or another setup's results (:func:`check_archive`)."""
   with tempfile.TemporaryDirectory() as tmp:
     names = files_lib.read_archive(archive, tmp, _MEMBER)
     try:
@@ -351,8 +341,7 @@ def merge(archive: str, results_dir: str,
       if name.startswith("pretrain/"):
         _copy_new(os.path.join(tmp, name), os.path.join(results_dir, name))
     runs_path = os.path.join(results_dir, "runs.jsonl")
-    # A run is its run.json (its start time and machine among it), not
-    # the archive's name: every chunk's archive has the same one.
+    # A run is its run.json, not the archive's name (every chunk's).
     if run is not None and not any(
         {k: v for k, v in r.items() if k != "archive"} == run
         for r in files_lib.read_jsonl(runs_path)):
@@ -364,10 +353,8 @@ def merge(archive: str, results_dir: str,
 
 def _copy_new(src: str, dest: str) -> None:
   """Copies ``src`` to ``dest`` unless it exists (a difference is logged),
-  or, for a ``metrics.jsonl``, holds fewer evaluations: a run cut short by
-  a deadline archives the evaluations it reached, and the run that later
-  finishes it (the same directory: same trials, recipe and seeds) has
-  those and more."""
+  or, for a ``metrics.jsonl``, holds fewer evaluations (a run cut short by
+  a deadline, which the later run of that directory extends)."""
   blob = pathlib.Path(src).read_bytes()
   if not os.path.exists(dest):
     files_lib.atomic_write_bytes(dest, blob)

@@ -1,10 +1,9 @@
 """The tuning noise floor: how much of a result line is the optimiser.
 
 :func:`run` tunes a sweep's left-panel draws again with ``replicates``
-tuning seeds (replicate 0 is the sweep's own key, so its line) and once on
-the backbone perturbed at rounding level, into ``DIR/replicates.jsonl``:
-never re-keying or altering the sweep's lines. :func:`summarize` and
-:func:`arm_floor` turn them into the floor a report quotes per arm."""
+tuning seeds (replicate 0 is the sweep's own line) and once on a backbone
+perturbed at rounding level, into ``DIR/replicates.jsonl``, never altering
+the sweep's lines; :func:`summarize` and :func:`arm_floor` give the floor."""
 
 import dataclasses
 import json
@@ -30,8 +29,7 @@ _STREAM = 7_000  # replicate r > 0: fold_in(tune key, _STREAM + r), unused
 @dataclasses.dataclass(frozen=True)
 class ReplicateLine(files_lib.Line):
   """One tuning of one cell: ``replicate`` r >= 0 its r-th tuning seed (0:
-  the sweep's line), :data:`PERTURBED` the seed-0 tuning of the backbone
-  times ``1 + rel * N(0, 1)`` elementwise."""
+  the sweep's line), :data:`PERTURBED` the seed-0 tuning on :func:`perturb`."""
 
   backbone: str
   size: int
@@ -50,8 +48,7 @@ class ReplicateLine(files_lib.Line):
 
 
 def replicate_key(setup: configs.Setup, trial: int, task: int, r: int):
-  """Replicate ``r``'s tuning key: the sweep's own (:func:`protocol.tune_key`)
-  for ``r`` <= 0, else a fold of it."""
+  """Replicate ``r``'s key: :func:`protocol.tune_key`, folded if r > 0."""
   key = protocol.tune_key(setup, trial, task)
   return key if r <= 0 else jax.random.fold_in(key, _STREAM + r)
 
@@ -62,10 +59,9 @@ def perturb(key, params, rel: float):
   if rel == 0:
     return params
   leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(key, len(leaves))
-  out = [x * (1 + rel * jax.random.normal(k, x.shape, x.dtype))
-         for k, x in zip(keys, leaves)]
-  params = jax.tree.unflatten(treedef, out)
+  params = jax.tree.unflatten(treedef, [
+      x * (1 + rel * jax.random.normal(k, x.shape, x.dtype))
+      for k, x in zip(jax.random.split(key, len(leaves)), leaves)])
   if hasattr(params, "transition"):  # hmm.HMM: rows sum to one again
     params = jax.tree.map(lambda x: x / x.sum(-1, keepdims=True), params)
   return params
@@ -80,9 +76,7 @@ def run(setup: configs.Setup, workdir: str, backbone_name: str,
         log: Callable[[str], object] = print) -> None:
   """Appends to ``DIR/replicates.jsonl`` the first ``trials`` draws of each
   left-panel size in ``sizes``: both arms, ``replicates`` seeds each, and
-  the perturbed backbone (one program per arm, size and depth). A group
-  already in the file is skipped, so a rerun resumes. The transformers are
-  the sweep's in ``workdir`` (pretrained there if missing)."""
+  the perturbed backbone, on the sweep's transformers; a rerun resumes."""
   if min(trials, replicates) < 2 or trials > setup.trials:
     raise ValueError(f"a noise floor needs at least 2 trials and 2 "
                      f"replicates, and at most the setup's {setup.trials} "
@@ -182,14 +176,12 @@ def arm_floor(summary: dict) -> dict:
 
 def difference_floor(floor: dict, backbone: str, a: str = "prompt",
                      b: str = "head") -> float | None:
-  """The smallest one-draw difference between arms ``a`` and ``b`` that
-  is called a difference: twice the standard deviation of a difference of
-  two independent tunings, ``2 sqrt(sd_a^2 + sd_b^2)`` (points); ``None``
-  without both arms measured on ``backbone``."""
+  """The smallest one-draw difference between arms ``a`` and ``b`` called
+  a difference: ``2 sqrt(sd_a^2 + sd_b^2)`` points, twice the sd of two
+  independent tunings' difference; ``None`` unless both are measured."""
   fa, fb = floor.get((backbone, a)), floor.get((backbone, b))
-  if fa is None or fb is None:
-    return None
-  return 2.0 * float(np.hypot(fa["seed_sd"], fb["seed_sd"]))
+  return (None if fa is None or fb is None
+          else 2.0 * float(np.hypot(fa["seed_sd"], fb["seed_sd"])))
 
 
 def write_floor(path_: str, floor: dict) -> None:
@@ -200,8 +192,7 @@ def write_floor(path_: str, floor: dict) -> None:
 
 
 def read_floor(path_: str) -> dict:
-  """:func:`write_floor`'s file as ``{(backbone, method): stats}``; ``{}``
-  where there is none."""
+  """:func:`write_floor`'s file as ``{(backbone, method): stats}`` or {}."""
   if not os.path.exists(path_):
     return {}
   with open(path_) as f:
@@ -209,11 +200,10 @@ def read_floor(path_: str) -> dict:
 
 
 def adam_vs_optimum(lines) -> list[tuple]:
-  """Rows per (backbone, panel, size): lines, Adam below its L-BFGS
+  """Rows per (backbone, panel, size) of result ``lines`` with both
+  ``head_linear`` and ``head_linear_lbfgs``: lines, Adam below its L-BFGS
   optimum by > 1 point (count), the mean and largest shortfall (points),
-  and the mean prompt - head difference with Adam's head and with the
-  optimum's (left panel; blank elsewhere). ``lines``: result lines holding
-  both ``head_linear`` and ``head_linear_lbfgs`` for the same cells."""
+  and the mean prompt - head difference with each head (else blank)."""
   by: dict = {}
   for r in lines:
     by.setdefault((r.backbone, r.panel, r.size), {}).setdefault(
@@ -224,11 +214,10 @@ def adam_vs_optimum(lines) -> list[tuple]:
              if "head_linear" in c and "head_linear_lbfgs" in c]
     if not pairs:
       continue
-    short = np.array([c["head_linear_lbfgs"] - c["head_linear"]
-                      for c in pairs])
+    short = np.array([c["head_linear_lbfgs"] - c["head_linear"] for c in pairs])
     with_p = [c for c in pairs if "prompt_linear" in c]
-    gap = lambda head, cs=with_p: (f"{np.mean([c['prompt_linear'] - c[head] for c in cs]):+.1f}"
-                                   if cs else "")
+    gap = lambda head, cs=with_p: "" if not cs else (
+        f"{np.mean([c['prompt_linear'] - c[head] for c in cs]):+.1f}")
     rows.append((backbone, panel, size, len(pairs), int((short > 1).sum()),
                  f"{short.mean():.1f}", f"{short.max():.1f}",
                  gap("head_linear"), gap("head_linear_lbfgs")))

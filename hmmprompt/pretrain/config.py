@@ -30,12 +30,9 @@ class PretrainConfig:
   linear decay to 0, the later ones peaking at ``cycle_lr * lr``. ``targets``:
   ``"sampled"`` (the true token) or ``"exact"`` (:func:`corpus.exact_targets`:
   same expected gradient, lower variance). ``trials_per_vmap``: trials
-  :func:`~hmmprompt.pretrain.run_trials` steps at a time (0: all; speed, not
-  results; docs/performance.md, "Stacked trials"). ``retain``: steps (0: the
-  init) kept for good under ``retained/``
-  (:func:`~hmmprompt.pretrain.workdir.load_retained`); a runtime field, so a
-  step trained past is not retained by a later one.
-  """
+  :func:`~hmmprompt.pretrain.run_trials` steps at a time (0: all; speed
+  only). ``retain``: steps (0: the init) kept under ``retained/``
+  (:func:`~hmmprompt.pretrain.workdir.load_retained`); a runtime field."""
 
   model: transformer.MLMConfig = transformer.MLMConfig()
   corpus: corpus_lib.CorpusConfig = corpus_lib.CorpusConfig()
@@ -52,12 +49,10 @@ class PretrainConfig:
   cycle_lr: float = 0.5
   seed: int = 0
   targets: str = "sampled"
-  # Added after results were keyed (identity_lib.ADDED: out of the identity
-  # at their defaults). "muon": optax.contrib.muon on the matrices.
+  # Added after results were keyed (identity_lib.ADDED; muon: optax.contrib).
   optimizer: str = identity_lib.added("adamw")
   # An auxiliary CE from model.state_readout to the exact P[H_t | input],
-  # decaying to 0 at state_loss_steps (0: constant); it reads the latent
-  # state MLM never sees: for experiments only.
+  # decaying to 0 at state_loss_steps (0: constant); experiments only.
   state_loss: float = identity_lib.added(0.0)
   state_loss_steps: int = identity_lib.added(0)
   # A trial above target_gap at the cap trains again with fallback_layers
@@ -68,10 +63,9 @@ class PretrainConfig:
   fallback_gap: float = identity_lib.added(0.0)
   fallback_gaps: tuple[float, ...] = identity_lib.added(())
   fallback_init: str = identity_lib.added("scratch")
-  # Runtime settings (identity_lib.RUNTIME): how a run goes, not what it
-  # computes. exact_method: hmm.METHODS ("auto": hmm.resolve_method).
-  # exact_window: steps whose exact targets one call computes ahead of them
-  # (0: train.exact_window's choice by backend).
+  # Runtime settings (identity_lib.RUNTIME). exact_method: hmm.METHODS;
+  # exact_window: steps whose exact targets one call computes ahead (0:
+  # train.exact_window's choice by backend).
   log_every: int = identity_lib.runtime(100)
   ckpt_every: int = identity_lib.runtime(1000)
   keep: int = identity_lib.runtime(3)
@@ -107,8 +101,7 @@ class PretrainConfig:
     if self.fallback_gaps and not (
         self.fallback_gap and self.cycles is not None
         and len(self.fallback_gaps) <= len(self.cycles) - 2
-        and all(g == 0 or g > self.fallback_gap
-                for g in self.fallback_gaps)):
+        and all(g == 0 or g > self.fallback_gap for g in self.fallback_gaps)):
       raise ValueError(
           f"PretrainConfig.fallback_gaps = {self.fallback_gaps} needs "
           f"fallback_gap and at most {len(self.cycles or ()) - 2} values, "
@@ -146,16 +139,14 @@ class PretrainConfig:
 
   @property
   def total_steps(self) -> int:
-    if self.steps is not None:
-      return self.steps
-    return self.epochs * max(self.corpus.num_chunks // self.batch_size, 1)
+    return (self.steps if self.steps is not None else
+            self.epochs * max(self.corpus.num_chunks // self.batch_size, 1))
 
   @property
   def cycle_ends(self) -> tuple[int, ...]:
     """Steps after which a cycle ends (``(total_steps,)`` without cycles)."""
-    if self.cycles is None:
-      return (self.total_steps,)
-    return tuple(int(x) for x in np.cumsum(self.cycles))
+    return ((self.total_steps,) if self.cycles is None
+            else tuple(int(x) for x in np.cumsum(self.cycles)))
 
   def with_overrides(self, **overrides) -> PretrainConfig:
     """``dataclasses.replace`` keeping ``steps`` = ``sum(cycles)`` (a
@@ -219,8 +210,7 @@ def _tiny(vocab_size: int) -> PretrainConfig:
 
 
 def _cpu(vocab_size: int) -> PretrainConfig:
-  # Context 80 as the authors' tuning scripts (20 prompt vectors, MASK, 59
-  # tokens); all 13 Figure 3 HMMs within 0.04 (docs/pretraining.md).
+  # Context 80 as the authors' tuning scripts; all 13 Figure 3 HMMs in 0.04.
   return PretrainConfig(
       model=transformer.MLMConfig(vocab_size=vocab_size, d_model=64,
                                   num_heads=4, d_ff=256, num_layers=2,
@@ -234,8 +224,7 @@ def _cpu(vocab_size: int) -> PretrainConfig:
 
 
 def _cpu_adamw(vocab_size: int) -> PretrainConfig:
-  # The main job's budget with AdamW and absolute positions (the committed
-  # curve's; docs/pretraining.md, "The hard draws of the main job").
+  # The main job's budget, AdamW, absolute positions (the committed curve's).
   cpu = _cpu(vocab_size)
   return cpu.with_overrides(
       batch_size=32, lr=5e-3, cycles=(500, 500, 1000), cycle_lr=1.0,
@@ -244,8 +233,7 @@ def _cpu_adamw(vocab_size: int) -> PretrainConfig:
 
 
 def _cpu_capped(vocab_size: int) -> PretrainConfig:
-  # cpu_adamw's budget with what brought the hard draws down
-  # (docs/pretraining.md, "The hard set").
+  # cpu_adamw's budget with the hard set's fixes (docs/pretraining.md).
   base = _cpu_adamw(vocab_size)
   return base.with_overrides(
       optimizer="muon", lr=1e-2, warmup_steps=100, cycles=(250, 250, 500, 1000),

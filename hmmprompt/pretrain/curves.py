@@ -1,9 +1,8 @@
 """TensorBoard curves of a pretraining run, one run per trial
 (:func:`trial_logdir`): ``train_loss``, ``tokens_per_s`` and the evaluations
 against steps (``by_step/``) and tokens (``by_tokens/``). Written with
-tensorboardX (the ``tensorboard`` extra), appending and closing the file
-per write, so a killed run keeps every point; a resumed run's points
-replace those at later steps (:func:`read_scalars`)."""
+tensorboardX (the ``tensorboard`` extra), one append per write (a killed run
+keeps every point; a resumed one's replace later ones: :func:`read_scalars`)."""
 
 import glob
 import os
@@ -142,8 +141,7 @@ def _records(path: str):
 def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
   """Each tag's points ``(step, value)`` (float32) in a TensorBoard run as
   TensorBoard shows them (a resumed run's rewrite replaces later points).
-  ``ImportError`` without tensorboardX; ``ValueError`` names a file with a
-  bad checksum."""
+  ``ImportError`` without tensorboardX; ``ValueError`` on a bad checksum."""
   if not available():
     raise ImportError("reading event files needs tensorboardX: pip install "
                       "'hmmprompt[tensorboard]'")

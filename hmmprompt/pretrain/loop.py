@@ -50,16 +50,15 @@ def _clock() -> float:
 
 CHECKPOINTS = ("always", "deadline", "never")
 """What a run writes to resume from: ``always`` a checkpoint every
-``ckpt_every`` steps and at ``stop_at`` (a workdir a crash or a kill may
-cut), ``deadline`` one only when ``stop_at`` stops the run (a kept workdir
-that only a deadline cuts: an accelerator command's, where a checkpoint of
-a 20-trial BERT-width stack is ~7 GB), ``never`` none (a temporary one)."""
+``ckpt_every`` steps and at ``stop_at`` (a workdir a crash may cut);
+``deadline`` one only when ``stop_at`` stops the run (an accelerator
+command's kept workdir, where a 20-trial BERT-width stack's checkpoint is
+~7 GB); ``never`` none (a temporary workdir)."""
 
-# The rate a stop's checkpoint is assumed written at: the stack stops that
-# much earlier so the save ends by ``stop_at``, before the SIGTERM that
-# accelerator_session.sh sends 20 s later. On the H200 (2026-11-26) a
-# 20-trial checkpoint (0.34 GB a trial with Muon's state), an evaluation of
-# 20 trials and a recompile took 73 s together (the stop logs its rate).
+# The rate a stop's checkpoint is assumed written at: the stack stops early
+# enough for the save to end by ``stop_at``, before accelerator_session.sh's
+# SIGTERM 20 s later (on the H200, 2026-11-26, a 20-trial checkpoint at 0.34
+# GB a trial, an evaluation and a recompile took 73 s; the stop logs it).
 SAVE_BYTES_PER_S = 150e6
 
 
@@ -130,16 +129,14 @@ def _may_stop(cfg: PretrainConfig, step: int) -> bool:
 
 
 def _stops(cfg: PretrainConfig, last: dict | None) -> bool:
-  """Whether a trial whose last evaluation is ``last`` trains no more here
-  (at its target, or to its fallback run)."""
+  """Whether a trial last evaluated at ``last`` trains no more here."""
   return (last is not None and _may_stop(cfg, last["step"])
           and (_reached(cfg, last) or cfg.falls_back(last)))
 
 
 def running_at_checkpoint(workdir: str) -> list[int] | None:
-  """The trials a rerun of the pretraining run in ``workdir`` still
-  trains from its newest checkpoint (the others are only loaded); ``None``
-  where it holds none (a rerun starts over). For a deadline's estimate."""
+  """The trials a rerun of the run in ``workdir`` still trains from its
+  newest checkpoint; ``None`` where it holds none. For a deadline's estimate."""
   paths = workdir_lib.Paths.of(workdir)
   if not os.path.isdir(paths.ckpt) or not os.path.exists(paths.config):
     return None
@@ -156,8 +153,7 @@ def running_at_checkpoint(workdir: str) -> list[int] | None:
   return [k for k in range(num) if not _stops(cfg, last.get(k))]
 
 
-_take = workdir_lib.take
-_put = workdir_lib.put
+_take, _put = workdir_lib.take, workdir_lib.put
 
 
 def run(workdir: str, cfg: PretrainConfig, model: generative.Model,
@@ -176,14 +172,12 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   per trial of ``models_K``, in one jitted step; returns each trial's final
   ``metrics.jsonl`` line. Trial ``k`` is trial ``k`` alone with ``seed =
   cfg.seed + k`` (:class:`Keys`); at the target gap it leaves the stack and
-  is saved once, as it stopped (the layout:
-  :mod:`~hmmprompt.pretrain.workdir`). ``after_step(step)`` runs after each
-  step; past ``stop_at`` (``time.monotonic()``) less the checkpoint's time
-  at :data:`SAVE_BYTES_PER_S`, the step in hand is checkpointed and
-  :class:`DeadlineReached` raised. ``cfg.retain``'s steps are saved as they
-  pass (a resume logs those trained past unretained). A trial that
-  :meth:`PretrainConfig.falls_back` trains again in
-  :func:`~hmmprompt.pretrain.workdir.fallback_dir`.
+  is saved once (:mod:`~hmmprompt.pretrain.workdir`). ``after_step(step)``
+  runs after each step; past ``stop_at`` (``time.monotonic()``) less the
+  checkpoint's time at :data:`SAVE_BYTES_PER_S`, the step in hand is
+  checkpointed and :class:`DeadlineReached` raised. ``cfg.retain``'s steps
+  are saved as they pass. A trial that :meth:`PretrainConfig.falls_back`
+  trains again in :func:`~hmmprompt.pretrain.workdir.fallback_dir`.
 
   Raises:
     ValueError: ``models_K`` is not a stack, ``workdir`` holds another run,
@@ -201,13 +195,12 @@ def train_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
                  keep_by: float | None = None
                  ) -> tuple[Backbone, Any, list[workdir_lib.TrialInfo]]:
   """:func:`run_trials` then :func:`~hmmprompt.pretrain.workdir.load_trials`
-  (same values), the params handed over in memory: ``checkpoints`` (of
-  :data:`CHECKPOINTS`) ``never`` writes none, for a workdir nothing will
-  resume; ``deadline`` resumes the checkpoint a stop at ``stop_at`` left
-  (it saves every trial, stopped ones too) and writes no other, unless the
-  pretraining ends past ``keep_by`` (``time.monotonic()``; the deadline
-  less the tuning's estimate): then it saves every trial first, so that a
-  tuning the deadline cuts keeps its pretraining."""
+  (same values), the params handed over in memory. ``checkpoints``
+  (:data:`CHECKPOINTS`): ``never`` writes none; ``deadline`` resumes the
+  checkpoint a stop at ``stop_at`` left (of every trial) and writes no
+  other, unless the pretraining ends past ``keep_by`` (``time.monotonic()``:
+  the deadline less the tuning's estimate): then it saves every trial, so
+  that a tuning the deadline cuts keeps its pretraining."""
   if check_checkpoints(checkpoints) == "always":
     raise ValueError("train_trials writes no periodic checkpoints: use "
                      "run_trials, then load_trials")
@@ -257,8 +250,7 @@ def _run_trials(workdir, cfg, models_K, log, after_step,
 
 
 def _draw_K(corpus_cfg, batch_size: int, vocab_size: int, fresh: bool):
-  """:func:`corpus.batch_at` of K trials ``(keys_K, step, models_K,
-  chunks_K)``, unjitted."""
+  """:func:`corpus.batch_at` vmapped over K trials (unjitted)."""
   return jax.vmap(functools.partial(corpus_lib.batch_at, cfg=corpus_cfg,
                                     batch_size=batch_size,
                                     vocab_size=vocab_size),
@@ -274,10 +266,9 @@ def _batch_fn(corpus_cfg, batch_size: int, vocab_size: int, fresh: bool, mesh):
 
 @functools.lru_cache(maxsize=16)
 def _window_fn(cfg: PretrainConfig, window: int, fresh: bool, mesh):
-  """The jitted draw of ``window`` steps' ``[K]`` batches from step
-  ``first`` on, ``[N, K, ...]``, their exact targets in place of the tokens:
-  one call of the targets' scan for all of them (:func:`train.exact_window`).
-  Step ``s``'s batch is :func:`_batch_fn`'s, bit for bit."""
+  """The jitted draw of ``window`` steps' ``[K]`` batches ``[N, K, ...]``
+  from step ``first`` on, bit for bit :func:`_batch_fn`'s, exact targets in
+  place of the tokens: one call of their scan (:func:`train.exact_window`)."""
   draw = _draw_K(cfg.corpus, cfg.batch_size, cfg.model.vocab_size, fresh)
   targets = jax.vmap(jax.vmap(functools.partial(train.loss_targets, cfg)),
                      in_axes=(None, 0, 0, 0))
@@ -294,8 +285,7 @@ def _window_fn(cfg: PretrainConfig, window: int, fresh: bool, mesh):
 
 @jax.jit
 def _step_of(window_N, i):
-  """Step ``i``'s ``(inputs, targets, weights)`` of a :func:`_window_fn`
-  draw."""
+  """Step ``i``'s ``(inputs, targets, weights)`` of a window's draw."""
   return jax.tree.map(lambda x: x[i], window_N)
 
 
@@ -318,8 +308,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
                  after_step: Callable[[int], Any] | None,
                  init: Callable[[jax.Array], Any] | None = None,
                  checkpoints: str = "always", stop_at: float | None = None,
-                 keep_by: float | None = None
-                 ) -> tuple[list[dict], Any]:
+                 keep_by: float | None = None) -> tuple[list[dict], Any]:
   """:func:`run_trials` without the fallback, also returning the states."""
   mesh = sharding_lib.data_mesh()
   sharding_lib.check_batch(cfg.batch_size, mesh)  # before writing anything
@@ -403,8 +392,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
       lambda *xs: jnp.stack(xs), *[vals[int(k)] for k in rows])
 
   def evaluate(step, sub, rows, n, vals_N):
-    """Appends (and writes) the metrics of trials ``rows[:n]`` (``vals_N``:
-    the validation sets of ``rows``, stacked)."""
+    """Appends (and writes) the metrics of trials ``rows[:n]``."""
     wall = wall_before + time.perf_counter() - t_run
     lines = evaluate_lib.evaluate_group(sub.params, cfg, vals_N)
     for k, line in zip(rows[:n], lines):
@@ -466,9 +454,8 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
     # Stacked once per grouping, not at every evaluation.
     group_vals = [stacked_vals(rows) for rows, _ in groups]
     progress.trials = len(running)
-    # Each group's draw of the window of steps in hand: (first step, draw).
-    # Windows start at multiples of ``window``, so a resumed run draws the
-    # ones an uninterrupted run does.
+    # Each group's window draw in hand, (first step, draw); windows start at
+    # multiples of ``window``, so a resumed run draws an uninterrupted one's.
     ahead: dict[int, tuple[int, Any]] = {}
     for step in range(start, total):
       parts = []
@@ -536,10 +523,9 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
 
 def evaluate_checkpoints(cfg: PretrainConfig, models_K: generative.Model,
                          params_QxK) -> list[list[dict]]:
-  """``metrics[q][k]``: the metrics of ``params_QxK[q, k]`` on its validation
-  set, evaluated as the loop evaluates (:func:`evaluation.evaluate_group`): at
-  an evaluation step, that step's ``metrics.jsonl`` line (to float rounding
-  where ``trials_per_vmap`` groups the trials otherwise than the loop did)."""
+  """``metrics[q][k]`` of ``params_QxK[q, k]`` on its validation set: the
+  loop's line at an evaluation step (:func:`evaluation.evaluate_group`; to
+  float rounding where ``trials_per_vmap`` groups the trials otherwise)."""
   num = cast(int, generative.num_trials(models_K))  # stacked: an int
   keys = Keys.of(cfg.seed, num)
   vals_K = jax.tree.map(lambda *xs: jnp.stack(xs), *[

@@ -18,8 +18,7 @@ from hmmprompt.pretrain.config import PretrainConfig
 
 @flax.struct.dataclass
 class TrainState:
-  """What a checkpoint holds (no functions, unlike flax's: plain arrays to
-  orbax); ``step`` is int32 ``[]``."""
+  """What a checkpoint holds (plain arrays, no functions); ``step`` int32."""
 
   step: jax.Array
   params: Any
@@ -62,8 +61,7 @@ def _masked_ce(logits_BxTxV, targets, weights_BxT):
 
 
 def mlm_loss(params, model_cfg, inputs_BxT, targets, weights_BxT):
-  """Mean cross-entropy over the weighted (masked) positions, to the true
-  tokens ``int [B, T]`` or to distributions ``[B, T, V]``."""
+  """Mean CE over weighted positions, to tokens ``[B, T]`` or ``[B, T, V]``."""
   return _masked_ce(transformer.MLM(model_cfg).apply(params, inputs_BxT),
                     targets, weights_BxT)
 
@@ -108,16 +106,14 @@ def grown_states(states_K: TrainState, keys_K, cfg: PretrainConfig
 
 
 def targets_ahead(inputs, tokens) -> bool:
-  """Whether ``tokens`` are exact targets computed ahead (``[..., V]`` over
-  the inputs' ``[...]``), not the tokens themselves."""
+  """Whether ``tokens`` are exact targets ``[..., V]`` computed ahead."""
   return tokens.ndim == inputs.ndim + 1
 
 
 def loss_targets(cfg: PretrainConfig, hmm, inputs_BxT, tokens_BxT, weights_BxT):
   """The true tokens ``[B, T]``, or (``cfg.targets == "exact"``) their
-  exact conditionals ``[B, T, V]`` given the inputs under ``hmm``; targets
-  passed in place of the tokens (computed ahead: :func:`exact_window`) as
-  they are."""
+  exact conditionals ``[B, T, V]`` given the inputs under ``hmm``, unless
+  passed in place of the tokens (computed ahead: :func:`exact_window`)."""
   if cfg.targets == "sampled" or targets_ahead(inputs_BxT, tokens_BxT):
     return tokens_BxT
   exact = functools.partial(corpus_lib.exact_targets, method=(
@@ -130,17 +126,14 @@ _ACCELERATOR_WINDOW = 16
 
 
 def exact_window(cfg: PretrainConfig) -> int:
-  """Steps whose exact targets the loop computes in one call ahead of them:
-  ``cfg.exact_window``, or for 0 :data:`_ACCELERATOR_WINDOW` off the CPU,
-  where the targets' scan costs the latency of its 2T dependent steps,
-  nearly flat in the batch (docs/performance.md, "Exact targets of 16 steps
-  in one call"), and 1 on it, where it is bound by its arithmetic (the
-  targets computed inside each step). 1 with sampled targets."""
+  """Steps whose exact targets the loop computes in one call ahead (1 with
+  sampled targets): ``cfg.exact_window``, else 1 on the CPU (arithmetic
+  bounds the scan) and :data:`_ACCELERATOR_WINDOW` off it, where the
+  targets' scan costs the latency of its 2T steps, nearly flat in batch."""
   if cfg.targets != "exact":
     return 1
-  if cfg.exact_window:
-    return cfg.exact_window
-  return 1 if jax.default_backend() == "cpu" else _ACCELERATOR_WINDOW
+  return cfg.exact_window or (
+      1 if jax.default_backend() == "cpu" else _ACCELERATOR_WINDOW)
 
 
 def _step_fn(cfg: PretrainConfig):
@@ -178,8 +171,7 @@ def _step_fn(cfg: PretrainConfig):
 def map_trials(f, xs, trials_per_vmap: int):
   """``f`` over the leading trial axis of ``xs``: one ``vmap`` (0), or
   ``trials_per_vmap`` at a time (a stack of one: the unbatched body)."""
-  num = jax.tree.leaves(xs)[0].shape[0]
-  if trials_per_vmap == 0 and num > 1:
+  if trials_per_vmap == 0 and jax.tree.leaves(xs)[0].shape[0] > 1:
     return jax.vmap(f)(xs)
   return jax.lax.map(f, xs, batch_size=(None if trials_per_vmap <= 1
                                         else trials_per_vmap))
@@ -201,14 +193,12 @@ def _jitted_step(cfg: PretrainConfig, mesh):
 
 def make_train_step(cfg: PretrainConfig, mesh):
   """K models in one jitted ``step(states, inputs, tokens, weights,
-  hmms=None) -> (states, losses_K)``: ``states`` (:func:`init_states`, then
-  donated) and ``hmms`` (``jax.vmap(generative.as_hmm)``, for exact targets
-  or the state loss) lead with ``[K]``; the batch is ``[K, B, T]``, split
-  over the devices along ``B``, and ``tokens`` may be their exact targets
-  ``[K, B, T, V]`` computed ahead (:func:`loss_targets`). Then the step
-  reads no HMM (unless the state loss does) and is not given ``hmms``:
-  its program has no ``|H|`` in it, so stacks of every size share one
-  compile."""
+  hmms=None) -> (states, losses_K)``: ``states`` (:func:`init_states`,
+  donated) and ``hmms`` (``jax.vmap(generative.as_hmm)``) lead with ``[K]``,
+  the batch ``[K, B, T]`` splits over the devices along ``B``; ``tokens``
+  may be exact targets ``[K, B, T, V]`` (:func:`loss_targets`): then,
+  without the state loss, no ``hmms`` reach the step, so every ``|H|``
+  shares one compile."""
   jitted = _jitted_step(cfg, mesh)
 
   def train_step(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT, hmms=None):

@@ -65,8 +65,7 @@ def read_config(paths: Paths) -> tuple[int, PretrainConfig]:
 def prepare(workdir: str, cfg: PretrainConfig,
             models_K: generative.Model) -> Paths:
   """Creates ``workdir`` for a run of ``[K]`` stacked models, or checks
-  that it holds this run (:meth:`PretrainConfig.identity`, trial count,
-  HMMs); ``ValueError`` names what differs, or a layout-1 one-model run."""
+  that it holds this run (identity, trials, HMMs); ``ValueError`` if not."""
   paths = Paths.of(workdir)
   os.makedirs(workdir, exist_ok=True)
   if os.path.exists(paths.config):
@@ -137,9 +136,8 @@ class Restored(NamedTuple):
 def restore(ckpts: ckpt_lib.Checkpoints, stopped: ckpt_lib.Checkpoints | None,
             cfg: PretrainConfig, num: int,
             log: Callable[[str], Any] = logging.warning) -> Restored | None:
-  """All ``num`` trials at the newest readable checkpoint
-  (:meth:`Checkpoints.restore_latest`; ``None`` if none), the others from
-  ``stopped`` at steps up to it. ``FileNotFoundError``: no checkpoint is
+  """All ``num`` trials at the newest readable checkpoint (``None`` if
+  none), those it lacks from ``stopped``. ``FileNotFoundError``: none is
   readable, or a trial is in none."""
   def abstract(mngr, step):
     """What :func:`save_rows` saved at ``step`` (layout 2: all K states)."""
@@ -201,8 +199,7 @@ class TrialInfo(NamedTuple):
 
   Attributes:
     config: its ``PretrainConfig`` (the fallback's where it fell back).
-    model: its generating HMM or memory HMM, unstacked (feed it to
-      ``exact.make`` or ``tasks.make_task``).
+    model: its generating model, unstacked (for ``exact.make``, ``make_task``).
     metrics: its last ``metrics.jsonl`` line (``ce_gap``, ``bayes_ce``,
       ``mlm_ce``, ``tv``, ``step``, ``wall_s``; ``{}`` before any).
     step: the step it stopped at.
@@ -278,9 +275,8 @@ def load_retained(workdir: str) -> tuple[Backbone, Any, list[int], list[dict]]:
   """``(backbone, params_QxK, steps [Q], infos)``: a run's retained
   checkpoints, ascending; ``params_QxK`` reshaped ``(Q * K, ...)`` is one
   :func:`tuning.tune_trials` stack (lane ``q * K + k``); ``infos[k]``:
-  ``config``, ``model``, ``steps`` (its own, earlier where it stopped).
-  ``FileNotFoundError``: not a workdir, or nothing retained;
-  ``ValueError``: layout 1, or trials that fell back."""
+  ``config``, ``model``, ``steps`` (its own). ``FileNotFoundError``: not a
+  workdir, or nothing retained; ``ValueError``: layout 1, or fallbacks."""
   paths, cfg, models_K, num = _open_run(workdir)
   fell = sorted({m.get("trial", 0) for m in read_metrics(paths)
                  if cfg.falls_back(m)})

@@ -1,9 +1,9 @@
-"""Accuracy against pretraining quality (docs/pretraining_curve.md; the
-binary: ``python -m experiments.pretraining_curve``): head and prompt tuning
-on the checkpoints retained at ``pretrain.retain`` by one stacked
-pretraining run per model without early stop, the exact backbone on the
-same tasks the limit. Writes DIR/curve.json, DIR/pretrain/<model>/,
-DIR/curve.jsonl (:class:`CurveLine`; a rerun resumes) and the report."""
+"""Accuracy against pretraining quality (docs/pretraining_curve.md;
+``python -m experiments.pretraining_curve``): head and prompt tuning on the
+checkpoints retained at ``pretrain.retain`` by one stacked pretraining run
+per model without early stop, the exact backbone the limit. Writes
+DIR/curve.json, DIR/pretrain/<model>/, DIR/curve.jsonl (:class:`CurveLine`;
+a rerun resumes) and the report."""
 
 import dataclasses
 import json
@@ -97,10 +97,8 @@ def _tiny() -> CurveSetup:
 
 
 def _cpu() -> CurveSetup:
-  """2 cores in <= 15 minutes (docs/pretraining_curve.md): Figure 3's
-  cpu-preset models and inputs, smaller task sets; the ``cpu_adamw``
-  transformer trained for one learning-rate cycle, checkpoints log-spaced
-  from the init."""
+  """2 cores in <= 15 minutes: Figure 3's cpu models, smaller task sets;
+  one learning-rate cycle of ``cpu_adamw``, checkpoints log-spaced."""
   steps = 1000
   return CurveSetup(
       trials=3, vanilla_sizes=(8, 12, 28), memory_sizes=(7,),
@@ -125,9 +123,8 @@ def get_setup(preset: str = "cpu", overrides: Mapping[str, Any] | None = None,
 @dataclasses.dataclass(frozen=True)
 class CurveLine(files_lib.Line):
   """One tuned (model, trial, checkpoint, method), keyed by ``KEY_FIELDS``
-  (``setup``: :meth:`CurveSetup.fingerprint`). ``ce_gap``, ``tv``,
-  ``mlm_ce``, ``bayes_ce``: :func:`pretrain.evaluate_checkpoints`' (0, 0,
-  ``None``, ``None`` for exact). ``seconds``: the group's program."""
+  (``setup``: :meth:`CurveSetup.fingerprint`); the pretraining metrics are
+  :func:`pretrain.evaluate_checkpoints`' (0, 0, ``None``, ``None`` exact)."""
 
   model: str  # ModelId.tag
   trial: int
@@ -147,7 +144,7 @@ class CurveLine(files_lib.Line):
   val_accuracy: float
   train_accuracy: float
   final_loss: float
-  seconds: float
+  seconds: float  # the group's program
 
   KEY_FIELDS = ("model", "trial", "backbone", "step", "method", "setup")
   WHAT = "curve line"
@@ -189,8 +186,7 @@ def plan(setup: CurveSetup) -> dict[protocol.ModelId, list[Group]]:
 
 
 def check_workdir(workdir: str, setup: CurveSetup) -> None:
-  """Stamps DIR/curve.json with the setup's identity on first use;
-  ``ValueError`` naming what differs if it holds another setup's."""
+  """Stamps DIR/curve.json (``ValueError`` if it holds another setup's)."""
   files_lib.stamp(os.path.join(workdir, "curve.json"), setup.identity(),
                   "curve setup", defaults=identity_lib.added_defaults(setup))
 
@@ -205,8 +201,7 @@ class Checkpoints(NamedTuple):
 
 def checkpoints(workdir: str, setup: CurveSetup, mid: protocol.ModelId,
                 models_K: generative.Model) -> Checkpoints:
-  """``mid``'s retained checkpoints, evaluated, after
-  :func:`protocol.pretrain`."""
+  """``mid``'s retained checkpoints, evaluated (:func:`protocol.pretrain`)."""
   pdir = protocol.pretrain(workdir, setup, mid, models_K)
   backbone, params_QxK, steps, _ = pretrain_lib.load_retained(pdir)
   if missing := sorted(set(setup.pretrain.retain) - set(steps)):
@@ -223,8 +218,7 @@ def checkpoints(workdir: str, setup: CurveSetup, mid: protocol.ModelId,
 def tune_group(setup: CurveSetup, g: Group, stack: protocol.Stack,
                ckpts: Checkpoints | None) -> list[CurveLine]:
   """Tunes ``g`` in one program, lane ``q * K + k`` checkpoint ``q`` of
-  trial ``k`` (exact: lane ``k``), each on its trial's task 0 and tuning
-  key: a trial's checkpoints differ in params alone."""
+  trial ``k`` (exact: lane ``k``), each on its trial's task 0 and key."""
   steps: tuple[int | None, ...]
   quality: list[list[dict[str, Any]]]  # [Q][K]
   if g.backbone == "transformer":
@@ -255,9 +249,8 @@ def tune_group(setup: CurveSetup, g: Group, stack: protocol.Stack,
 def run_curve(setup: CurveSetup, workdir: str,
               schedule: scheduling.Schedule = scheduling.EVERYTHING
               ) -> list[CurveLine]:
-  """Runs the groups without lines in DIR/curve.jsonl (shards and workers
-  share it: give each its own workdir); returns all lines. ``ValueError``:
-  the workdir holds another setup's curve."""
+  """Runs the groups without lines in DIR/curve.jsonl (one workdir per
+  shard or worker); returns all lines. ``ValueError``: another setup's."""
   check_workdir(workdir, setup)
   done = {line.key() for line in read_curve_lines(workdir)}
   todo = protocol.missing(plan(setup), done, lambda g: g.keys(setup))

@@ -148,8 +148,7 @@ def write_plot(summary: dict, path: str) -> None:
 
 
 def write_curve_report(workdir: str) -> str:
-  """Writes DIR/curve.md and DIR/curve.png from DIR/curve.jsonl; returns
-  the markdown."""
+  """Writes DIR/curve.md and .png from DIR/curve.jsonl; returns the former."""
   summary = summarize(curve.read_curve_lines(workdir))
   text = markdown(summary)
   files_lib.atomic_write_text(os.path.join(workdir, "curve.md"), text)
