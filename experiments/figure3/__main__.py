@@ -6,7 +6,8 @@ backbones (docs/figure3.md): parses the flags into a Setup, runs, reports.
       --workdir=runs/figure3 --workers=0 [--panel=left] [--config.trials=5]
 
 The flags set most often, besides those above:
-  --preset       tiny (a smoke run), cpu (the main job), cpu_paper, paper, gpu
+  --preset       tiny (a smoke run), cpu (the main job), cpu_paper, paper, gpu,
+                 adaptation (docs/adaptation.md; --config.arms)
   --panel        left (vanilla HMMs), right (memory HMMs) or both
   --config.trials, --config.right_trials      HMM draws per size
   --config.left_sizes, --config.memory_sizes  the panels' sizes, e.g. 4,8

@@ -34,8 +34,9 @@ def make_stacked(models_K: generative.Model
 
 def evidence_raw(evidence_PxH: jax.Array) -> jax.Array:
   """The sigmoid's inverse: raw prompt entries of evidence vectors, clipped
-  to ``[1e-6, 1 - 1e-6]`` (a 0 or 1 has no finite preimage)."""
-  return jax.scipy.special.logit(jax.numpy.clip(evidence_PxH, 1e-6, 1 - 1e-6))
+  to ``[1e-3, 1 - 1e-3]``: a 0 or 1 has no finite preimage, and at 1e-6 the
+  gradient of a memory HMM's messages overflowed (NaN)."""
+  return jax.scipy.special.logit(jax.numpy.clip(evidence_PxH, 1e-3, 1 - 1e-3))
 
 
 def _backbone(hmm: hmm_lib.HMM) -> Backbone:

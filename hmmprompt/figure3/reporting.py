@@ -407,6 +407,103 @@ def write_plot(summary: dict, path: str, note: str = "") -> None:
   files_lib.atomic_write_png(path, fig, dpi=120)
 
 
+# Figure 3's arms; a line of any other is an adaptation arm (Setup.arms).
+_FIGURE3_ARMS = {"head_linear", "prompt_linear", "finetune_linear",
+                 "head_attention", "prompt_attention", *_ARMS}
+_FAMILY_MARKERS = {"head": "s", "prompt": "o", "prefix": "^", "lora": "D",
+                   "finetune": "P"}
+
+
+def _arm_label(r) -> str:
+  """``prompt 20 tokens``, ``prefix 5``, ``lora r4``: an arm's settings."""
+  family, c = r.method.split("_")[0], r.tune_config
+  return " ".join([family] + (
+      [str(c["prompt_len"])] if family in ("prompt", "prefix") else [])
+      + (["tokens"] if family == "prompt" and c.get("prompt_init_mode")
+         == "tokens" else []) + ([f"r{c['lora_r']}"] if family == "lora"
+                                 else []))
+
+
+def _adaptation_cells(lines) -> dict:
+  """(backbone, panel, size) -> {arm: (trainable params: the fewest and
+  the most (a deeper fallback's), label, {trial: %})}."""
+  out: dict = {}
+  for r in lines:
+    arm = out.setdefault((r.backbone, r.panel, r.size), {}).setdefault(
+        r.method, (set(), _arm_label(r), {}))
+    arm[0].add(r.trainable_params or 0)
+    arm[2].setdefault(r.trial, []).append(100.0 * r.test_accuracy)
+  return {k: {m: ((min(n), max(n)), label, {
+      t: float(np.mean(v)) for t, v in tr.items()})
+              for m, (n, label, tr) in arms.items()} for k, arms in out.items()}
+
+
+def adaptation_section(lines, floor: dict | None = None) -> str:
+  """Markdown, where ``lines`` hold adaptation arms: per backbone, panel,
+  size and arm, its trainable parameters, accuracy, the paired difference
+  from the head on the same draws, draws above / within / below the head
+  (within: the backbone's prompt - head floor, :func:`noise.read_floor`)
+  and the exact backbone's prompt tuning less the arm."""
+  if not {r.method for r in lines} - _FIGURE3_ARMS:
+    return ""
+  cells, rows = _adaptation_cells(lines), []
+  for (b, panel, size), arms in sorted(cells.items()):
+    head = arms.get("head_linear" if panel == "left" else "head_attention")
+    ref = cells.get(("exact", panel, size), {}).get(
+        "prompt_linear" if panel == "left" else "prompt_attention")
+    tie = noise.difference_floor(floor or {}, b) or 0.0
+    for n, label, acc in sorted(arms.values(), key=lambda a: a[0]):
+      d = np.array([v - head[2][t] for t, v in acc.items()
+                    if head and t in head[2]])
+      mean = mean_ci(list(acc.values()))
+      rows.append((b, panel, size, label,
+                   "-".join(map(str, sorted(set(n)))), _cell(*mean, len(acc)),
+                   _cell(*mean_ci(d), len(d)) if len(d) else "",
+                   f"{(d > tie).sum()} / {(abs(d) <= tie).sum()} / "
+                   f"{(d < -tie).sum()}" if len(d) else "",
+                   f"{np.mean(list(ref[2].values())) - mean[0]:.1f}"
+                   if ref else ""))
+  return _section(
+      "Adaptation arms: test accuracy (%), mean ± 95% interval (draws)",
+      ("backbone", "panel", "size", "arm", "trainable params", "accuracy",
+       "arm - head (paired)", "draws above / within floor / below head",
+       "exact prompt - arm"), rows)
+
+
+def write_adaptation_plot(lines, path: str) -> None:
+  """Accuracy against trainable parameters (log), a panel per size: each
+  arm's mean and 95% interval, a marker per method, a colour per backbone."""
+  plt = files_lib.pyplot()
+  cells = _adaptation_cells(lines)
+  panels = sorted({(p, s) for _, p, s in cells})
+  cols = min(3, len(panels))
+  rows = -(-len(panels) // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.4 * rows),
+                           squeeze=False, sharey=True)
+  for ax in axes.flat[len(panels):]:
+    ax.set_visible(False)
+  for ax, (panel, size) in zip(axes.flat, panels):
+    for i, b in enumerate(protocol.BACKBONES):
+      for (n, _), label, acc in cells.get((b, panel, size), {}).values():
+        mean, ci = mean_ci(list(acc.values()))
+        ci = np.nan_to_num(ci)  # the band clipped to [0, 100]
+        ax.errorbar(n, mean, yerr=[[min(ci, mean)], [min(ci, 100 - mean)]],
+                    color=f"C{i}", capsize=2,
+                    marker=_FAMILY_MARKERS.get(label.split()[0], "x"),
+                    fillstyle="none" if "tokens" in label else "full")
+        ax.annotate(label, (n, mean), fontsize=6, xytext=(3, 3),
+                    textcoords="offset points")
+      ax.plot([], [], color=f"C{i}", label=b)
+    ax.set(xscale="log", xlabel="trainable parameters (head included)",
+           ylim=(None, 102),
+           title=f"{panel}: {'|H|' if panel == 'left' else '|M||H|'} = {size}")
+    ax.grid(alpha=0.3)
+    ax.set_ylabel("test accuracy (%)")
+  axes[0][0].legend(fontsize=7, title="hollow: tokens init", title_fontsize=7)
+  fig.tight_layout()
+  files_lib.atomic_write_png(path, fig, dpi=120)
+
+
 def write_figure3_report(workdir: str) -> dict:
   """Writes ``figure3.md``, ``figure3.png`` and ``pretraining.png`` in
   ``workdir``; returns :func:`summarize`'s summary."""
@@ -416,11 +513,14 @@ def write_figure3_report(workdir: str) -> dict:
   smoke = smoke_note(lines)
   floor = noise.read_floor(os.path.join(workdir, noise.FLOOR))
   extra = [diverged_table(lines), floor_note(floor),
-           wins_table(lines, floor), components_table(lines),
-           trial_table(lines), pretrain_report.section(workdir)]
+           adaptation_section(lines, floor), wins_table(lines, floor),
+           components_table(lines), trial_table(lines),
+           pretrain_report.section(workdir)]
   write_table(summary, os.path.join(workdir, "figure3.md"),
               extra="\n".join(e for e in extra if e), inputs=inputs_note(lines),
               smoke=smoke)
   write_plot(summary, os.path.join(workdir, "figure3.png"),
              note=SMOKE_TITLE if smoke else "")
+  if {r.method for r in lines} - _FIGURE3_ARMS:
+    write_adaptation_plot(lines, os.path.join(workdir, "adaptation.png"))
   return summary

@@ -50,25 +50,25 @@ def plan(setup: configs.Setup, panel: str = "both",
   arms = [(m, s) for m, s in arms if backbone == "transformer"
           or not tuning.METHODS[m].needs_finetunable]
   if panel in ("left", "both"):
-    methods = arms or [(m, ()) for m in ["head", "prompt"] + (
+    methods = arms if setup.arms else [(m, ()) for m in ["head", "prompt"] + (
         ["finetune"] if setup.finetune and backbone == "transformer" else [])]
     out += [Group(protocol.vanilla(h), method, "linear", f, panel="left",
                   settings=settings)
             for h in setup.left_sizes for method, settings in methods
             for f in setup.features]
-  if panel in ("right", "both") and arms:
+  if panel in ("right", "both") and setup.arms:
     out += [Group(protocol.memory(m), method, "attention", f, panel="right",
                   settings=settings)
             for m in setup.memory_sizes for method, settings in arms
             for f in setup.features]
   elif panel in ("right", "both"):
-    arms = [("memory", "head", "attention")] + (
+    paper = [("memory", "head", "attention")] + (
         [("memory", "prompt", "attention")] if setup.prompt_attention else [])
     out += [Group(protocol.memory(m) if hmm == "memory" else
                   protocol.vanilla(protocol.MEMORY_SYNTAX_STATES * m),
                   method, head, f, panel="right")
             for m in setup.memory_sizes
-            for hmm, method, head in arms + [("vanilla", "head", "linear")]
+            for hmm, method, head in paper + [("vanilla", "head", "linear")]
             for f in setup.features]
   if setup.head_optimum:
     out = [twin for g in out for twin in (
