@@ -27,9 +27,8 @@ logging.getLogger("absl").addFilter(_quiet_orbax)
 
 
 def _quiet_closed_loops(unraisable, default=sys.unraisablehook) -> None:
-  """Drops tensorstore's ``Event loop is closed`` errors after a failed orbax
-  call (~100 tracebacks for a damaged or unwritable checkpoint); the call
-  raised its own error, which :meth:`Checkpoints.restore_latest` logs."""
+  """Drops tensorstore's ``Event loop is closed`` errors (~100 tracebacks) after
+  a failed orbax call, whose own error is raised (and logged)."""
   if not (isinstance(unraisable.exc_value, RuntimeError)
           and str(unraisable.exc_value) == "Event loop is closed"):
     default(unraisable)

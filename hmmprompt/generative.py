@@ -75,8 +75,6 @@ def random_model(key, model_kind: str, num_states: int, vocab_size: int,
 
 
 # Trials: models of one kind and size stacked on a leading ``[K]`` axis.
-
-
 def num_trials(model: Model) -> int | None:
   """``K`` for stacked models, ``None`` for a single one."""
   kind(model)

@@ -7,30 +7,12 @@ unobserved position. Inference runs on non-negative *evidence vectors*
 ones for ``MASK``) or a soft prompt's vector in ``[0, 1]^H`` (Appendix B).
 Traceable **kernels** (:func:`forward_backward`, :func:`token_smooth`, ...)
 and jitted **entry points** over them (:func:`sample`, :func:`posterior`,
-...), one sequence each (docs/hmm.md). Messages are rescaled at every step
-(float32 holds on 10^4 tokens); an impossible sequence gives log-likelihood
-``-inf`` and all-zero posteriors and conditionals, never NaN. The entry
-points on tokens, here and in :mod:`~hmmprompt.memory`, share three rules:
-
-* ``method`` (:data:`METHODS`): ``"sequential"`` (:func:`forward_backward`,
-  ``2 T`` dependent steps), ``"parallel"`` (:func:`forward_backward_parallel`,
-  ``O(log T)``), ``"blocked"`` (:func:`forward_backward_blocked`, ``~5
-  sqrt(T)``) or ``"auto"`` (:func:`resolve_method`: sequential on CPUs,
-  parallel on accelerators from 2048 positions on, never blocked); all
-  agree to float rounding.
-* Batches of several lengths: right-pad each sequence with ``MASK`` to one
-  length ``T`` and ``jax.vmap`` over the rows. A ``MASK``'s evidence is
-  all ones, so each row's results at its real positions, and its
-  log-likelihood, are its unpadded sequence's (tested). Never left-pad:
-  the chain's prior would become ``pi A^k``, not ``pi``.
-* ``ValueError`` at the call, before anything runs: a bad ``method``, a
-  model of bad shapes (or, if concrete, rows that are not distributions),
-  ``tokens`` not a non-empty integer ``[T]``, or (concrete ``tokens``
-  only) a token outside ``[0, V)`` other than ``MASK``, each named. Under
-  your ``jit``, ``vmap`` or ``grad`` only dtypes, shapes and ``method``
-  raise (an out-of-range token makes its sequence impossible): check
-  concrete batches up front with :func:`check_tokens` (and
-  :func:`check_model`), or in ``jit`` with :func:`checkify_tokens`."""
+...), one sequence each. Messages are rescaled at every step (float32 holds
+on 10^4 tokens); an impossible sequence gives log-likelihood ``-inf`` and
+all-zero posteriors and conditionals, never NaN. The entry points' rules,
+here and in :mod:`~hmmprompt.memory` (``method``: :data:`METHODS`; batches
+right-padded with ``MASK``; ``ValueError`` at the call, under your ``jit``
+only on dtypes, shapes and ``method``: :func:`check_tokens`): docs/hmm.md."""
 
 from typing import NamedTuple
 
@@ -126,9 +108,8 @@ def checkify_tokens(tokens, vocab_size: int) -> None:
 
 
 def check_tokens(tokens, vocab_size: int) -> jax.Array:
-  """Checks a token array (any shape; ``MASK`` allowed) and returns it:
-  ``ValueError`` on a non-integer dtype or (when ``tokens`` is concrete) a
-  value outside ``[0, vocab_size)`` other than ``MASK``."""
+  """Checks a token array (any shape; ``MASK`` allowed) and returns it;
+  ``ValueError`` on a non-integer dtype or (if concrete) a bad token."""
   traced = isinstance(tokens, jax.core.Tracer)
   arr = tokens if traced else np.asarray(tokens)
   if not jnp.issubdtype(arr.dtype, jnp.integer):
@@ -173,8 +154,6 @@ def check_evidence(evidence, hmm: HMM) -> jax.Array:
 
 
 # Random parameters (Appendix D, with the authors' parametrisation).
-
-
 def random_simplex(key, shape, temp: float) -> jax.Array:
   """``softmax((U - 0.5) / temp)`` over the last axis, ``U ~ Uniform[0, 1)``."""
   return jax.nn.softmax((jax.random.uniform(key, shape) - 0.5) / temp, axis=-1)
@@ -239,11 +218,9 @@ def draw_sequence(key, hmm: HMM, length: int):
   u_2xT = jax.random.uniform(key, (2, length))
   cdf_trans_HxH = _cdf(hmm.transition)
   s0 = _draw(_cdf(hmm.initial), u_2xT[0, 0])
-
   def step(s, u):
     s_next = _draw(cdf_trans_HxH[s], u)
     return s_next, s_next
-
   _, rest = jax.lax.scan(step, s0, u_2xT[0, 1:])
   states_T = jnp.concatenate([s0[None], rest])
   # Given the states, the emissions are independent: draw them all at once.
@@ -289,9 +266,8 @@ def _normalize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def safe_log(x: jax.Array) -> jax.Array:
-  """Elementwise ``log x``, ``-inf`` where ``x <= 0``, with no NaN in the
-  value or gradient there (``jnp.log``'s gradient at 0 gives NaN through
-  a ``where``); the kernels take their scales' logs with it."""
+  """Elementwise ``log x``, ``-inf`` where ``x <= 0``, with no NaN in the value
+  or gradient there (``jnp.log``'s gradient at 0 is NaN through a ``where``)."""
   pos = x > 0
   return jnp.where(pos, jnp.log(jnp.where(pos, x, 1.0)), -jnp.inf)
 
@@ -339,23 +315,20 @@ def _backward_step(trans_HxH):
 def forward_backward_blocked(hmm: HMM, evidence_TxH: jax.Array,
                              block: int | None = None) -> Smoothed:
   """:func:`forward_backward` in ``C`` blocks of ``L`` positions (default
-  ``ceil(sqrt(T))``): every block's transfer matrices at once (``L``
-  steps), the messages entering each block (``C`` each way), then every
-  block's sequential steps at once (``2 L``): ~``5 sqrt(T)`` dependent
-  steps, not ``2 T``, for accelerators, where a scan costs the latency of
-  its steps. Equal to the sequential kernel to float rounding."""
+  ``ceil(sqrt(T))``): all blocks' transfer matrices at once (``L`` steps), the
+  messages entering each (``C``), then all blocks' own steps at once (``2 L``):
+  ~``5 sqrt(T)`` dependent steps, not ``2 T``, for accelerators. Equal to the
+  sequential kernel to float rounding."""
   init_H, trans_HxH, ev_TxH = _promoted(hmm, evidence_TxH)
   dtype, (num, h) = ev_TxH.dtype, ev_TxH.shape
   size = block or max(1, int(np.ceil(np.sqrt(num))))
   blocks = -(-num // size)
   pad_PxH = jnp.ones((blocks * size - num, h), dtype)
   ev_CxLxH = jnp.concatenate([ev_TxH, pad_PxH]).reshape(blocks, size, h)
-
   def transfer(carry, ev_CxH):
     fwd_CxHxH, bwd_CxHxH = carry
     return (_rescaled(fwd_CxHxH @ (ev_CxH[:, :, None] * trans_HxH))[0],
             _rescaled(bwd_CxHxH @ (trans_HxH * ev_CxH[:, None, :]))[0]), None
-
   eye_CxHxH = jnp.broadcast_to(jnp.eye(h, dtype=dtype), (blocks, h, h))
   (fwd_CxHxH, bwd_CxHxH), _ = jax.lax.scan(
       transfer, (eye_CxHxH, eye_CxHxH), jnp.swapaxes(ev_CxLxH, 0, 1))
@@ -399,10 +372,9 @@ def _rescaled(m):
 
 def forward_backward_parallel(hmm: HMM, evidence_TxH: jax.Array) -> Smoothed:
   """:func:`forward_backward` by associative scans (Särkkä & García-Fernández):
-  ``O(log T)`` steps of ``H x H`` matrix products, each rescaled with its log
-  scale carried (float32 holds at any length); no ``log`` of a transition,
-  so exact zeros give no NaN, unlike dynamax's. Equal to the sequential
-  kernel to float rounding (tested). Work ``O(T H^3)``."""
+  ``O(log T)`` rescaled ``H x H`` matrix products, log scales carried; no
+  ``log`` of a transition (exact zeros give no NaN, unlike dynamax's); work
+  ``O(T H^3)``. Equal to the sequential kernel to float rounding (tested)."""
   init_H, trans_HxH, ev_TxH = _promoted(hmm, evidence_TxH)
   dtype, last = ev_TxH.dtype, ev_TxH.shape[0] - 1
   # Forward: pred_t ∝ pi^T diag(e_0) A ... diag(e_{t-1}) A.
@@ -437,9 +409,8 @@ def token_evidence(hmm: HMM, tokens_T: jax.Array) -> jax.Array:
 
 
 METHODS = ("sequential", "parallel", "blocked", "auto")
-"""The entry points' ``method`` (the module docstring)."""
-# auto's threshold, provisional (docs/hmm.md: from an H100 probe).
-_AUTO_PARALLEL_FROM = 2048
+"""The entry points' ``method`` (docs/hmm.md)."""
+_AUTO_PARALLEL_FROM = 2048  # auto's threshold, provisional (docs/hmm.md)
 
 
 def resolve_method(method: str, length: int) -> str:
@@ -482,8 +453,6 @@ def token_conditionals(hmm: HMM, tokens_T: jax.Array,
 
 
 # Entry points: each checks its input and runs its kernel, jitted.
-
-
 def method_args(model, inputs, method: str, check, check_model=check_model):
   """An entry point's kernel arguments: the checked model (``check_model``)
   and inputs ``[T, ...]`` (``check``), and ``method`` resolved for ``T``."""
@@ -515,10 +484,9 @@ def smooth(hmm: HMM, evidence, method: str = "auto") -> Smoothed:
 
 @validation.entry_point(token_smooth, static_argnums=2, field="log_likelihood")
 def log_likelihood(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
-  """``log P(x)`` of the observed tokens (``MASK`` positions marginalised);
-  ``-inf`` for an impossible sequence, never NaN. ``method``:
-  ``"sequential"``, ``"parallel"``, ``"blocked"`` or ``"auto"``; batches:
-  right-pad with ``MASK`` and ``jax.vmap`` (never left-pad; module doc).
+  """``log P(x)`` of the observed tokens, ``-inf`` if impossible.
+  ``method``: ``"sequential"``, ``"parallel"``, ``"blocked"`` or ``"auto"``;
+  batches: ``jax.vmap`` on rows right-padded with ``MASK`` (never left-pad).
 
   Raises:
     ValueError: at the call, on a bad ``method``, model or ``tokens``;
@@ -529,10 +497,9 @@ def log_likelihood(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
 
 @validation.entry_point(token_smooth, static_argnums=2, field="posterior")
 def posterior(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
-  """``[T, H]``: ``P[H_t | observed tokens]`` (``MASK`` positions
-  marginalised); all zeros if impossible, never NaN. ``method``:
-  ``"sequential"``, ``"parallel"``, ``"blocked"`` or ``"auto"``; batches:
-  right-pad with ``MASK`` and ``jax.vmap`` (never left-pad; module doc).
+  """``[T, H]``: ``P[H_t | observed tokens]``, all zeros if impossible.
+  ``method``: ``"sequential"``, ``"parallel"``, ``"blocked"`` or ``"auto"``;
+  batches: ``jax.vmap`` on rows right-padded with ``MASK`` (never left-pad).
 
   Raises:
     ValueError: at the call, on a bad ``method``, model or ``tokens``;
@@ -551,9 +518,8 @@ def masked_posterior(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
 def conditionals(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``[T, V]``: ``P[X_t | x_{-t}]``, the exact masked LM ``G``; row ``t``
   does not read ``tokens[t]``, all-zero where ``x_{-t}`` is impossible.
-  ``method``: ``"sequential"``, ``"parallel"``, ``"blocked"`` or
-  ``"auto"``; batches: right-pad with ``MASK`` and ``jax.vmap`` (never
-  left-pad; module doc).
+  ``method``: ``"sequential"``, ``"parallel"``, ``"blocked"`` or ``"auto"``;
+  batches: ``jax.vmap`` on rows right-padded with ``MASK`` (never left-pad).
 
   Raises:
     ValueError: at the call, on a bad ``method``, model or ``tokens``;

@@ -4,9 +4,7 @@ Single cell (:class:`MemoryHMM`, what the experiments use): a memory value
 ``M`` is drawn once per sequence, a syntax chain ``H`` evolves as a vanilla
 HMM, and token ``t`` is emitted from ``emission[M, H_t]``: an HMM on product
 states ``(m, h)`` with a block-diagonal transition (:func:`to_hmm`).
-Multiple cells (:class:`MultiMemoryHMM`, Figure 2 right): ``N`` cells
-``M_1..M_N``, hidden state ``H_t = (J_t, S_t)`` (cell index, syntax); token
-``t`` is emitted from ``emission[J_t, M_{J_t}, S_t]``. Exact inference runs
+Multiple cells (:class:`MultiMemoryHMM`, Figure 2 right): exact inference
 on the product HMM on ``(m_1..m_N, j, s)``, of at most
 :data:`MAX_PRODUCT_STATES` states. Entry points and kernels as in :mod:`hmm`."""
 
@@ -45,8 +43,6 @@ def _check_fields(cls_name: str, values, ndims, chk) -> None:
 
 
 # Single memory cell.
-
-
 def _validate_memory(memory_prior, initial, transition, emission,
                      chk=validation.check_distribution) -> None:
   fields = (memory_prior, initial, transition, emission)
@@ -200,10 +196,9 @@ def token_memory_masked_posterior(mhmm: MemoryHMM, tokens_T,
 @validation.entry_point(token_memory_posterior, static_argnums=2)
 def memory_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
                      ) -> jax.Array:
-  """``[M]``: ``P[M | observed tokens]`` (``MASK`` positions marginalised;
-  all zeros if impossible). ``method``: ``"sequential"``, ``"parallel"``,
-  ``"blocked"`` or ``"auto"``; batches: right-pad with ``MASK`` and
-  ``jax.vmap`` (never left-pad). Details: :mod:`~hmmprompt.hmm`.
+  """``[M]``: ``P[M | observed tokens]``, all zeros if impossible.
+  ``method``: ``"sequential"``, ``"parallel"``, ``"blocked"`` or ``"auto"``;
+  batches: ``jax.vmap`` on rows right-padded with ``MASK`` (never left-pad).
 
   Raises:
     ValueError: at the call, on a bad ``method``, model or ``tokens``;
@@ -216,11 +211,10 @@ def memory_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
 @validation.entry_point(token_memory_masked_posterior, static_argnums=2)
 def memory_masked_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
                             ) -> jax.Array:
-  """``[T, M]``: ``P[M | x_{-t}]`` for every position ``t`` (row ``t``
-  does not read ``tokens[t]``; all zeros where ``x_{-t}`` is impossible).
-  ``method``: ``"sequential"``, ``"parallel"``, ``"blocked"`` or
-  ``"auto"``; batches: right-pad with ``MASK`` and ``jax.vmap`` (never
-  left-pad). Details: :mod:`~hmmprompt.hmm`.
+  """``[T, M]``: ``P[M | x_{-t}]`` for every position ``t`` (row ``t`` does
+  not read ``tokens[t]``; all zeros where ``x_{-t}`` is impossible).
+  ``method``: ``"sequential"``, ``"parallel"``, ``"blocked"`` or ``"auto"``;
+  batches: ``jax.vmap`` on rows right-padded with ``MASK`` (never left-pad).
 
   Raises:
     ValueError: at the call, on a bad ``method``, model or ``tokens``;
@@ -234,22 +228,18 @@ def conditionals(mhmm: MemoryHMM, tokens, method: str = "auto") -> jax.Array:
   """``[T, V]``: the exact masked LM ``P[X_t | x_{-t}]`` of a memory HMM:
   :func:`hmm.conditionals` on its product HMM (:func:`to_hmm`); row ``t``
   does not read ``tokens[t]``, all-zero where ``x_{-t}`` is impossible.
-  ``method``: ``"sequential"``, ``"parallel"``, ``"blocked"`` or
-  ``"auto"``; batches: right-pad with ``MASK`` and ``jax.vmap`` (never
-  left-pad). Details: :mod:`~hmmprompt.hmm`.
+  ``method``: ``"sequential"``, ``"parallel"``, ``"blocked"`` or ``"auto"``;
+  batches: ``jax.vmap`` on rows right-padded with ``MASK`` (never left-pad).
 
   Raises:
-    ValueError: at the call, on a bad ``method``, model (its own fields
-      named) or ``tokens``; under your ``jit`` only on dtypes and shapes
-      (:func:`hmm.check_tokens`).
+    ValueError: at the call, on a bad ``method``, model or ``tokens``;
+      under your ``jit`` only on dtypes and shapes (:func:`hmm.check_tokens`).
   """
   # Checked first: a bad model is named by its own fields, not the product's.
   return hmm_lib.conditionals(to_hmm(check_model(mhmm)), tokens, method=method)
 
 
 # Multiple memory cells.
-
-
 def _validate_multi(memory_prior, initial, transition, emission,
                     chk=validation.check_distribution) -> None:
   fields = (memory_prior, initial, transition, emission)
@@ -381,8 +371,8 @@ def token_cell_posteriors(mm: MultiMemoryHMM, tokens_T) -> jax.Array:
 def cell_posteriors(mm: MultiMemoryHMM, tokens) -> jax.Array:
   """``[N, M]``: ``P[M_j | observed tokens]`` for every cell ``j`` (mask
   position ``t`` for ``P[M_j | x_{-t}]``; all zeros if impossible), by the
-  sequential scan on :func:`multi_to_hmm`. Batches: right-pad with ``MASK``
-  and ``jax.vmap`` (never left-pad). Details: :mod:`~hmmprompt.hmm`.
+  sequential scan on :func:`multi_to_hmm`. Batches: ``jax.vmap`` on rows
+  right-padded with ``MASK`` (never left-pad).
 
   Raises:
     ValueError: at the call, on a bad model (its own fields named),

@@ -27,15 +27,11 @@ from hmmprompt import validation
 BACKBONES = ("exact", "transformer")
 VOCAB = 10
 MEMORY_SYNTAX_STATES = 4
-# Bumped when the HMM drawn for a given (size, trial, seed) changes, so that
-# old result lines are not mistaken for current ones.
+# Bumped when the HMM of a (size, trial, seed) changes, so old lines are stale.
 MODEL_KEYS_VERSION = 3
-# Memory HMMs draw from their own stream: fold_in(root, size + this).
-MEMORY_MODEL_STREAM = 1500
-# Task s of a model: fold_in(model key, TASK_STREAM + s).
-TASK_STREAM = 10_000
-# A bump moves every pretraining dir: no checkpoint of another train-state
-# layout is restored.
+MEMORY_MODEL_STREAM = 1500  # memory HMMs' stream: fold_in(root, size + this)
+TASK_STREAM = 10_000  # task s of a model: fold_in(model key, TASK_STREAM + s)
+# A bump moves every pretraining dir: no other train-state layout is restored.
 PRETRAIN_DIR_VERSION = 3
 
 
@@ -45,17 +41,13 @@ class TrialsConfig:
 
   Attributes:
     trials: HMM draws per size (each with its own backbone and tasks).
-    memory_sizes: ``|M|`` of the memory HMMs (``MEMORY_SYNTAX_STATES``
-      syntax states each).
-    tune: the tuning recipe; ``method``, ``head`` (and the sweep's
-      ``features`` and ``optimizer``) are set per arm.
+    memory_sizes: ``|M|`` of the memory HMMs (``MEMORY_SYNTAX_STATES`` each).
+    tune: the tuning recipe; ``method``, ``head`` (the sweep's ``features``
+      and ``optimizer`` too) are set per arm.
     pretrain: the transformer's recipe (unused by ``exact``).
     seed: root of every random stream (:func:`model_key` and friends).
-    lanes_per_vmap: runtime: lanes tuned at a time (``lax.map`` over
-      vmapped groups, one program); 0 all at once; ``None`` (auto) 1 on CPU
-      (the fastest there), all on accelerators.
-    task_budget_mb: runtime: the MiB drawing a size's tasks may hold at
-      once (:data:`tasks.TASK_BUDGET_BYTES`); 0 unbounded.
+    lanes_per_vmap: runtime: lanes tuned at a time (0 all; ``None`` auto).
+    task_budget_mb: runtime: MiB a size's task draw may hold (0 unbounded).
   """
 
   trials: int
@@ -156,8 +148,7 @@ _LABELS = {"prompt_len": "p{}", "prompt_init_mode": "{}", "lora_r": "r{}",
 
 
 def model_key(setup: TrialsConfig, mid: ModelId):
-  """The root of ``mid``'s stack; trial ``k`` is
-  ``generative.random_model(fold_in(root, k))``."""
+  """Root of ``mid``'s stack: trial ``k`` draws from ``fold_in(root, k)``."""
   offset = MEMORY_MODEL_STREAM if mid.hmm == "memory" else 0
   return jax.random.fold_in(jax.random.PRNGKey(setup.seed), mid.size + offset)
 
@@ -181,8 +172,7 @@ def make_models(setup: TrialsConfig, mid: ModelId, num: int
 
 
 class Stack(NamedTuple):
-  """A size's trials, drawn (:func:`draw_stack`): row ``i`` is trial
-  ``first + i``."""
+  """:func:`draw_stack`'s trials of a size: row ``i`` is trial ``first + i``."""
 
   models_K: generative.Model  # stacked [K]
   fingerprints: list[str]  # [K] generative.model_fingerprint of each HMM
@@ -193,9 +183,8 @@ class Stack(NamedTuple):
 
 def draw_stack(setup: TrialsConfig, mid: ModelId, num: int, num_tasks: int = 1,
                verdicts: bool = False, part: range | None = None) -> Stack:
-  """``mid``'s ``num`` trials, ``num_tasks`` tasks each, verdicts if asked;
-  with ``part`` (trials ``[a, b)`` of the ``num``) only those rows, each
-  drawn bit for bit as in the whole stack (which is drawn, and cut)."""
+  """``mid``'s ``num`` trials, ``num_tasks`` tasks each, verdicts if asked; with
+  ``part`` (``range(a, b)``) only those rows, bit for bit the whole stack's."""
   part = check_part(part, num)  # before any draw
   keys_SxK = [np.asarray([task_key(setup, mid, k, s) for k in range(num)])
               for s in range(num_tasks)]
@@ -217,17 +206,15 @@ def check_part(part: range | None, num: int) -> range | None:
   non-empty ``range(a, b)`` of step 1 inside ``[0, num)``."""
   if part is not None and not (isinstance(part, range) and part.step == 1
                                and 0 <= part.start < part.stop <= num):
-    raise ValueError(f"a part of a stack of {num} trials must be a "
-                     f"non-empty range(a, b) with 0 <= a < b <= {num}, got "
-                     f"{part!r}")
+    raise ValueError(f"a part of a stack of {num} trials must be a non-empty "
+                     f"range(a, b) with 0 <= a < b <= {num}, got {part!r}")
   return part
 
 
 def part_config(setup: TrialsConfig, part: range | None
                 ) -> pretrain_lib.PretrainConfig:
-  """The pretraining config of stack ``part``'s trials: row ``i`` seeded as
-  trial ``part.start + i`` of the whole stack (:func:`pretrain.run_trials`
-  seeds row ``k`` ``seed + k``), which it trains as the whole stack does."""
+  """``setup.pretrain`` for stack ``part``: row ``i`` seeded as trial
+  ``part.start + i`` (row ``k``: ``seed + k``), as in the whole stack."""
   cfg = setup.pretrain
   return cfg if not part else cfg.with_overrides(seed=cfg.seed + part.start)
 
@@ -236,8 +223,7 @@ def pretrain_dir(workdir: str, setup: TrialsConfig, mid: ModelId,
                  part: range | None = None) -> str:
   """``DIR/pretrain/<model tag>-<8 hex digits>`` of ``mid``'s stacked
   pretraining run (the digits key recipe, seed and layout versions);
-  ``<model tag>-trials<a>-<b - 1>-<digits>`` of its trials ``part``
-  (``range(a, b)``)."""
+  ``<model tag>-trials<a>-<b - 1>-<digits>`` of its ``part = range(a, b)``."""
   fp = identity_lib.fingerprint(
       {"pretrain": setup.pretrain.identity(), "seed": setup.seed,
        "model_keys": MODEL_KEYS_VERSION, "state_layout": PRETRAIN_DIR_VERSION},
@@ -262,11 +248,10 @@ def pretrained(workdir: str, setup: TrialsConfig, mid: ModelId,
                models_K: generative.Model, checkpoints: str = "always",
                stop_at: float | None = None, part: range | None = None,
                keep_by: float | None = None):
-  """``(backbone, params_K, infos)`` (:func:`pretrain.load_trials`) after
-  :func:`pretrain` (``checkpoints="always"``), or those of
-  :func:`pretrain.train_trials` (``deadline``, ``never``; ``keep_by`` its);
-  ``part``: ``models_K`` are the stack's trials ``part``, pretrained as in
-  the whole stack (:func:`part_config`) in a directory of their own."""
+  """``(backbone, params_K, infos)``: :func:`pretrain.load_trials` after
+  :func:`pretrain` (``checkpoints="always"``), else
+  :func:`pretrain.train_trials`' (``keep_by`` its); ``part``: ``models_K`` are
+  trials ``part``, in their own directory (:func:`part_config`)."""
   if part is not None and len(part) != len(models_K.initial):
     raise ValueError(f"{mid.tag}: part {part!r} of {len(part)} trials, "
                      f"{len(models_K.initial)} models given")
@@ -312,9 +297,8 @@ DeadlineReached = pretrain_lib.DeadlineReached
 
 
 def missing(plan: dict, done: set, line_keys: Callable[[Any], dict]) -> dict:
-  """``{model: {group: its cells without a line}}`` over ``plan``
-  (``{ModelId: [group]}``), ``line_keys(group)`` mapping a group's cells
-  to their lines' keys, ``done`` the keys on disk."""
+  """``{model: {group: its cells without a line}}`` over ``plan`` (``{ModelId:
+  [group]}``); ``line_keys(group)``: its cells' line keys; ``done``: on disk."""
   return {mid: {g: cells for g in groups if (cells := {
       cell for cell, key in line_keys(g).items() if key not in done})}
           for mid, groups in plan.items()}
@@ -330,8 +314,7 @@ def stack_order(mids, schedule: scheduling.Schedule,
 def _progress(schedule: scheduling.Schedule, key: str, done: int,
               total: int, elapsed: float) -> tuple[str, str]:
   """A progress line's count and timing after this process's ``done``-th
-  group (``key``) of the run's ``total``, ``elapsed`` seconds in
-  (:func:`run_stacks`)."""
+  group ``key`` of ``total``, ``elapsed`` seconds in (:func:`run_stacks`)."""
   if schedule.claim is None:
     return (f"[{done}/{total} groups]", f"elapsed {elapsed:.0f}s, ETA "
             f"{elapsed / done * (total - done):.0f}s")
@@ -352,18 +335,13 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
                split: Callable[[ModelId, float], tuple[Any, float] | None]
                | None = None) -> list[str]:
   """The resume loop: for each of this process's stacks of ``todo``
-  (``{ModelId: [group]}``, in :func:`stack_order`), ``prepare(mid,
-  groups)`` makes it, then each group's ``tune(group, stack)`` lines are
-  appended to ``path``; ``schedule`` bounds the run (a stack's estimate:
-  ``weight(mid)`` times the seconds per weight so far). A stack whose
-  estimate does not fit the time left is skipped, or, where ``split(mid,
-  weight that fits)`` returns ``(groups, their weight)``, run in part with
-  those groups (a short stretch of time still lands whole trials). Returns
-  the tags of the stacks skipped (or cut) for the deadline; raises
-  :class:`DeadlineReached` inside one. Each group logs a progress line,
-  ``[done/total groups]``; under ``schedule.claim`` the total is the whole
-  run's, the count every process's with ``schedule.progress`` (``, all
-  workers``, the ETA shared between them), else this process's (no ETA)."""
+  (``{ModelId: [group]}``, :func:`stack_order`), ``prepare(mid, groups)``
+  makes it, then each group's ``tune(group, stack)`` lines are appended to
+  ``path``. A stack whose estimate (``weight(mid)`` times the seconds per
+  weight so far) does not fit ``schedule``'s time left is skipped, or run
+  in part where ``split(mid, weight that fits)`` returns ``(groups, their
+  weight)``. Returns the tags skipped (or cut) for the deadline; raises
+  :class:`DeadlineReached` inside a stack. Progress lines: docs/figure3.md."""
   mine = stack_order(todo, schedule, weight)
   total = sum(len(todo[mid]) for mid in mine)
   if schedule.claim is not None and schedule.progress is not None:

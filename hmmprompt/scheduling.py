@@ -1,40 +1,28 @@
 """Which of a run's stacks this process runs, in which order, until when
 (:class:`Schedule`, for :func:`hmmprompt.protocol.run_stacks`)."""
 
-from __future__ import annotations
-
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 
 class Schedule(NamedTuple):
-  """How a run shares and bounds its stacks (any hashable keys).
+  """How a run shares and bounds its stacks (any hashable keys; every field
+  in detail: docs/figure3.md, "Many machines").
 
   Attributes:
     num_hosts: hosts sharing the stacks (a SLURM array), each running every
       ``num_hosts``-th.
     host_index: this host's index in ``[0, num_hosts)``.
-    claim: ``claim(stack)``, asked as a stack starts; a refused stack is
-      another process's (``hmmprompt.figure3.workers``). With it every
-      stack is this process's to claim, the costliest first.
-    deadline: a ``time.monotonic()`` value after which no stack starts (one
-      started is finished).
+    claim: ``claim(stack)`` as a stack starts, False for another process's
+      (``hmmprompt.figure3.workers``); every stack asked, costliest first.
+    deadline: a ``time.monotonic()`` after which no stack starts.
     stop_at: a hard deadline (monotonic): no stack starts that its estimate
-      does not finish by then (a part may: ``run_stacks``' ``split``), the
-      cheapest first without ``claim`` (a short stretch still lands whole
-      stacks); it stops a run between two tuning groups or training steps.
+      does not finish by then; it stops a run between groups or steps.
     seconds_per_weight: the estimate's seconds per unit of a stack's
       weight until the run has timed a stack of its own.
-    tune_seconds_per_trial: the estimate's tuning seconds per trial: a stack
-      whose pretraining ends too late for its tuning to end by ``stop_at``
-      saves it first where it writes no checkpoint otherwise
-      (``hmmprompt.pretrain.CHECKPOINTS``' ``deadline``).
+    tune_seconds_per_trial: the estimate's tuning seconds per trial.
     progress: with ``claim``, ``progress(key)`` records a tuning group this
-      process finished (``key`` unique in the run) and returns ``(groups
-      all processes sharing the claims finished, how many share them)``,
-      for progress lines over the whole run and a shared estimate
-      (``hmmprompt.figure3.workers.progress``); without it a claiming
-      process counts its own groups, with no estimate.
+      process finished; returns ``(groups all processes finished, count)``.
   """
 
   num_hosts: int = 1
@@ -46,7 +34,7 @@ class Schedule(NamedTuple):
   tune_seconds_per_trial: float | None = None
   progress: Callable[[str | None], tuple[int, int]] | None = None
 
-  def check(self) -> Schedule:
+  def check(self) -> "Schedule":
     """Returns itself; ``ValueError`` naming a bad host shard."""
     if self.num_hosts < 1 or not 0 <= self.host_index < self.num_hosts:
       raise ValueError(f"host_index {self.host_index} not in [0, "

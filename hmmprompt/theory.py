@@ -64,8 +64,6 @@ def support(mu) -> list[int]:
 
 
 # Vanilla HMM (Section 3).
-
-
 def assumption_3_1(hmm: hmm_lib.HMM) -> Verdict:
   """W has linearly independent columns."""
   w = _np(hmm.emission).T
@@ -181,8 +179,6 @@ def theorem_3_6_prompt_head(hmm: hmm_lib.HMM, mu) -> tuple[np.ndarray, dict]:
 
 
 # Memory HMM, single cell (Section 4).
-
-
 def _memory_columns(mhmm, memory_values, states) -> np.ndarray:
   e = _np(mhmm.emission)  # [M, H, V]
   cols = [e[m, h] for m in memory_values for h in states]

@@ -9,21 +9,19 @@ from jax import custom_batching
 import jax.numpy as jnp
 
 
-# Pretraining vmaps the whole model over trials, and JAX's batching rules
-# under dot_product_attention (cuDNN's in particular) have had bugs. Instead
+# JAX's batching rules under dot_product_attention (cuDNN's in particular)
+# have had bugs, and pretraining vmaps the model over trials. So
 # ``_folding_vmap``'s custom_vmap rule folds each vmapped axis into the batch
-# axis (``[K, B, ...] -> [K*B, ...]``) and calls the wrapped function again,
-# or into the HEAD axis where the bias (relative positions, ``[1, N, T, T]``
-# per model) is batched, as for pretraining's trials (``[K, B, T, N, H] ->
-# [B, T, K*N, H]``, the bias ``[K, 1, N, T, T] -> [1, K*N, T, T]``): cuDNN
-# computes the bias gradient only for a bias of batch 1 whose heads are the
-# query's. custom_vmap has no transpose, so the op is a ``jax.custom_vjp``
-# (outermost, as custom_vmap's docstring prescribes) whose fwd and bwd (a
-# recomputing ``jax.vjp(dpa)``: cuDNN's residuals could not be folded) are
-# folding custom_vmaps, so both fold at every vmap level, in either order
-# (vmap of grad or grad of vmap). With a bias the backward folds into the
-# heads, as the bias cotangent must be one per vmapped member. Forward mode
-# is unsupported. Merging a replicated K into a sharded B may make XLA
+# (``[K, B, ...] -> [K*B, ...]``) and calls the function again, or into the
+# heads where the bias (relative positions, ``[1, N, T, T]`` per model) is
+# batched, as for pretraining's trials (:func:`_fold_heads`): cuDNN computes
+# the bias gradient only for a bias of batch 1 whose heads are the query's.
+# custom_vmap has no transpose, so the op is a ``jax.custom_vjp`` (outermost,
+# as custom_vmap's docstring prescribes) whose fwd and bwd (a recomputing
+# ``jax.vjp(dpa)``: cuDNN's residuals could not be folded) are folding
+# custom_vmaps: both fold at every vmap level, in either order; with a bias
+# the backward folds into the heads (a bias cotangent per vmapped member).
+# No forward mode. Merging a replicated K into a sharded B may make XLA
 # reshard. The bias reaches the op in the queries' dtype (cuDNN requires it).
 
 
@@ -88,7 +86,6 @@ def _folding_vmap(fn, in_roles, out_roles, heads_always: bool):
       out = tuple(y.reshape(axis_size, y.shape[0] // axis_size, *y.shape[1:])
                   for y in out)
     return out, tuple(True for _ in out)
-
   return op
 
 
@@ -119,11 +116,9 @@ def _attention_op(implementation: str | None, biased: bool):
       except (NotImplementedError, RuntimeError, ValueError):
         pass  # refused at trace time (cuDNN version, shape): XLA instead
     return jax.nn.dot_product_attention(*qkv_bias)
-
   def dpa_vjp(*qkv_bias_g):
     return jax.vjp(functools.partial(dpa, training=True),
                    *qkv_bias_g[:-1])[1](qkv_bias_g[-1])
-
   roles = ("qkv", "qkv", "qkv") + (("bias",) if biased else ())
   forward = _folding_vmap(lambda *a: (dpa(*a),), roles, ("qkv",),
                           heads_always=False)
@@ -132,7 +127,6 @@ def _attention_op(implementation: str | None, biased: bool):
   @jax.custom_vjp
   def attention(*qkv_bias):
     return forward(*qkv_bias)[0]
-
   attention.defvjp(lambda *a: (forward(*a)[0], a),
                    lambda res, g: backward(*res, g))
   return attention

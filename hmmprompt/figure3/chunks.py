@@ -52,8 +52,7 @@ def results_dir(preset: str) -> str:
 def chunk_sizes(setup: configs.Setup,
                 chunk: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """``(left_sizes, memory_sizes)`` that ``chunk`` (``all``, ``left[:SIZES]``
-  or ``right[:SIZES]``, else ``ValueError``) selects, closed over the
-  vanilla stacks both panels share."""
+  or ``right[:SIZES]``, else ``ValueError``) selects, shared stacks in both."""
   if chunk == "all":
     return setup.left_sizes, setup.memory_sizes
   panel, sep, text = chunk.partition(":")
@@ -139,17 +138,14 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
               compute: Callable | None = None, info: dict | None = None,
               deadline_s: float | None = None,
               checkpoints: str | None = None) -> dict:
-  """Computes ``chunk``'s missing cells from ``results_dir`` into the
-  archive ``out_dir/figure3-chunk.tar.gz`` (written also after the budget,
-  an error or a signal); returns its ``run.json``; ``ValueError`` for a
-  bad chunk, or a directory of another setup (named).
-
-  ``workdir``: kept and resumed (:func:`start_workdir`); ``None``: a
-  temporary one. ``compute(chunk_setup, workdir, deadline)`` computes the
-  cells and returns the tags of the stacks skipped for the deadline
-  (default: :func:`sweep.run_sweep`; :func:`workers.chunk_compute`).
-  ``info``: more ``run.json`` fields. ``deadline_s``: ``Schedule.stop_at``
-  in seconds from the start. ``checkpoints``: :func:`resolve_checkpoints`."""
+  """Computes ``chunk``'s missing cells from ``results_dir`` into the archive
+  ``out_dir/figure3-chunk.tar.gz`` (written also after the budget, an error or a
+  signal); returns its ``run.json``; ``ValueError`` for a bad chunk, or a
+  directory of another setup (named). ``workdir``: kept and resumed (``None``: a
+  temporary one). ``compute(chunk_setup, workdir, deadline)`` returns the tags
+  of the stacks skipped for the deadline (default :func:`sweep.run_sweep`;
+  :func:`workers.chunk_compute`); ``info``: more ``run.json`` fields;
+  ``deadline_s``: ``Schedule.stop_at``, in seconds from the start."""
   t0 = time.monotonic()
   deadline = None if budget_s is None else t0 + budget_s
   stop_at = None if deadline_s is None else t0 + deadline_s
@@ -159,13 +155,11 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
   checkpoints = resolve_checkpoints(checkpoints, workdir, deadline_s)
   workdir = workdir or tempfile.mkdtemp(prefix="figure3-chunk-")
   path = os.path.join(out_dir, ARCHIVE)
-
   def archive(**more) -> None:  # once run_info and at_start are set
     run_info.update(more)
     run_info["cells_computed"] = len(schema.read_results(workdir)) - at_start
     run_info["wall_s"] = round(time.monotonic() - t0, 1)
     write_chunk_archive(workdir, path, run_info)
-
   try:
     at_start = start_workdir(results_dir, workdir, setup)
     run_info: dict = {
@@ -352,9 +346,8 @@ def merge(archive: str, results_dir: str,
 
 
 def _copy_new(src: str, dest: str) -> None:
-  """Copies ``src`` to ``dest`` unless it exists (a difference is logged),
-  or, for a ``metrics.jsonl``, holds fewer evaluations (a run cut short by
-  a deadline, which the later run of that directory extends)."""
+  """Copies ``src`` to ``dest`` unless it exists (a difference is logged)
+  or is a ``metrics.jsonl`` of fewer evaluations (a run a deadline cut)."""
   blob = pathlib.Path(src).read_bytes()
   if not os.path.exists(dest):
     files_lib.atomic_write_bytes(dest, blob)

@@ -10,9 +10,8 @@ from hmmprompt import files as files_lib
 
 @dataclasses.dataclass(frozen=True)
 class ResultLine(files_lib.Line):
-  """One finished cell of the sweep, keyed by ``KEY_FIELDS`` (what a rerun
-  looks up; ``setup``: :meth:`configs.Setup.fingerprint`); ``pretrain_*``
-  are ``None`` for the exact backbone."""
+  """One finished cell of the sweep, keyed by ``KEY_FIELDS`` (``setup``:
+  :meth:`configs.Setup.fingerprint`); ``pretrain_*``: ``None`` for exact."""
 
   backbone: str  # exact | transformer
   panel: str  # left | right

@@ -27,10 +27,9 @@ def locked(fn: Callable[[], None]) -> None:
 @contextlib.contextmanager
 def archive_on_signal(save: Callable[[str], None], workdir: str | None = None,
                       resume: str = "") -> Iterator[None]:
-  """While inside, SIGTERM or SIGINT calls ``save(signal name)`` from a
-  watcher thread, removes ``workdir`` (``None``: keep), prints one line
-  naming the signal and ``resume`` and exits with 128 + the signal's
-  number. Outside the main thread it does nothing."""
+  """While inside, SIGTERM or SIGINT calls ``save(signal name)`` from a watcher
+  thread, removes ``workdir`` (``None``: keep), prints a line naming the signal
+  and ``resume``, exits with 128 + its number. A no-op off the main thread."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
@@ -40,7 +39,6 @@ def archive_on_signal(save: Callable[[str], None], workdir: str | None = None,
   before = {sig: signal.signal(sig, lambda *_: None) for sig in SIGNALS}
   old_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
   done = threading.Event()
-
   def watch() -> None:
     while True:
       data = os.read(read_fd, 64)
@@ -60,7 +58,6 @@ def archive_on_signal(save: Callable[[str], None], workdir: str | None = None,
       print(f"stopped by {name}: {outcome}; {resume}", file=sys.stderr,
             flush=True)
       os._exit(128 + sigs[0])
-
   thread = threading.Thread(target=watch, name="archive-on-signal", daemon=True)
   thread.start()
   try:

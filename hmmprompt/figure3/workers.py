@@ -1,8 +1,7 @@
 """The sweep in one process per core, on one machine (XLA:CPU spreads these
 models' small matmuls poorly over cores: docs/performance.md): the binary's
 ``--workers=N`` starts N copies of itself, each pinned to one core, claiming
-stacks into its own results file; the parent merges those. The lines are
-one process's, to float rounding, and keyed alike."""
+stacks into its own results file; the parent merges those (docs/figure3.md)."""
 
 import glob
 import os
@@ -48,9 +47,8 @@ def auto_count() -> int:
 
 
 def resolve_count(requested: int, num_hosts: int = 1) -> int:
-  """The ``--workers`` to run (0: :func:`auto_count`; 1 with host
-  sharding or off the CPU); ``ValueError`` for a negative count, or
-  several asked for with host sharding or on an accelerator."""
+  """The ``--workers`` to run (0: :func:`auto_count`, 1 with host sharding or
+  off the CPU); ``ValueError`` for a count it cannot run (docs/figure3.md)."""
   if requested < 0:
     raise ValueError(f"--workers must be >= 0, got {requested}")
   if requested == 0 and num_hosts > 1:
@@ -68,11 +66,8 @@ def resolve_count(requested: int, num_hosts: int = 1) -> int:
 
 
 def run_workers(argv: list[str], count: int, workdir: str) -> None:
-  """:func:`spawn` with a fresh claims directory, then :func:`merge_results`
-  into ``workdir``; ``SystemExit`` naming the codes if a worker failed. The
-  claims (and the workers' compilation cache) live in the system's temporary
-  directory: a run stopped by a signal ends at once, and leaves none in
-  ``workdir``."""
+  """:func:`spawn` with a fresh temporary claims directory, then
+  :func:`merge_results` into ``workdir``; ``SystemExit`` if a worker failed."""
   claims_dir = tempfile.mkdtemp(prefix="hmmprompt-claims-")
   try:
     codes = spawn(argv, count, claims_dir)
@@ -104,12 +99,9 @@ def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
     f.write(str(count))
   env = dict(os.environ, XLA_FLAGS=" ".join(
       [os.environ.get("XLA_FLAGS", ""), *SINGLE_THREAD_FLAGS]).strip())
-  # One malloc arena: glibc serves a block over 64 MiB in a thread's arena
-  # with mmap (glibc.py), so XLA:CPU's temporaries of a step were faulted
-  # in afresh every time; the main arena keeps them (docs/performance.md).
+  # One malloc arena, which keeps a step's temporaries (docs/figure3.md).
   env.setdefault("MALLOC_ARENA_MAX", "1")
-  # Shared by the workers (the same tuning programs for every stack), kept
-  # no longer than the claims.
+  # Shared by the workers (the same tuning programs), gone with the claims.
   env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(claims_dir, "xla"))
   spec = sys.modules["__main__"].__spec__
   if spec is None:
@@ -124,9 +116,8 @@ def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
           [*pin, sys.executable, "-m", spec.name,
            *_without(argv[1:], ("workers",)),
            f"--worker={i}", f"--claims={claims_dir}"], env=env))
-    # A worker's fault (error_path) stops the others: a full disk or a
-    # lost directory is every worker's, and its line should come at once.
-    # Every worker is polled each round: a code is known only once polled.
+    # A worker's fault (error_path) stops the others at once. Every worker
+    # is polled each round: a code is known only once polled.
     while True:
       codes = [p.poll() for p in procs]
       if None not in codes or any(
@@ -163,11 +154,9 @@ def _count_path(claims_dir: str) -> str:
 def progress(claims_dir: str, backbone: str
              ) -> Callable[[str | None], tuple[int, int]]:
   """``Schedule.progress``: marks the tuning group ``key`` (``None``: none)
-  finished (a file in ``claims_dir/finished-<backbone>/``) and returns
-  ``(groups the workers sharing claims_dir have finished, how many share
-  it)`` (:func:`spawn` writes the count; 1 where it did not)."""
+  finished (``claims_dir/finished-<backbone>/key``); returns ``(groups the
+  workers of claims_dir finished, :func:`spawn`'s count of them or 1)``."""
   folder = os.path.join(claims_dir, f"finished-{backbone}")
-
   def progress(key: str | None) -> tuple[int, int]:
     try:  # a progress line is not worth a fault
       os.makedirs(folder, exist_ok=True)

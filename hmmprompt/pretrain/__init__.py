@@ -1,6 +1,5 @@
-"""Masked-LM pretraining on HMM text, measured against the Bayes optimum:
-:class:`PretrainConfig` and its presets, :func:`run_trials` (K models in
-one jitted step), :func:`load_trials` of a finished run."""
+"""Masked-LM pretraining on HMM text against the Bayes optimum: presets
+(:class:`PretrainConfig`), :func:`run_trials`, :func:`load_trials`."""
 
 from hmmprompt.pretrain.config import (PRESETS, PretrainConfig, configure,
                                        preset_config, resolve_dtype)

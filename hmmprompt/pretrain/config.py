@@ -1,7 +1,5 @@
 """Pretraining configuration and its named presets (numbers stated once)."""
 
-from __future__ import annotations
-
 import dataclasses
 import json
 
@@ -13,7 +11,6 @@ from hmmprompt import corpus as corpus_lib
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import validation
 from hmmprompt.backbones import transformer
-
 
 TARGETS = ("sampled", "exact")
 OPTIMIZERS = ("adamw", "muon")
@@ -28,11 +25,9 @@ class PretrainConfig:
   end) whose ``mlm_ce - bayes_ce`` is at most this; ``steps`` is then a cap.
   ``cycles``: learning-rate cycles summing to ``steps``, each a warmup then a
   linear decay to 0, the later ones peaking at ``cycle_lr * lr``. ``targets``:
-  ``"sampled"`` (the true token) or ``"exact"`` (:func:`corpus.exact_targets`:
-  same expected gradient, lower variance). ``trials_per_vmap``: trials
-  :func:`~hmmprompt.pretrain.run_trials` steps at a time (0: all; speed
-  only). ``retain``: steps (0: the init) kept under ``retained/``
-  (:func:`~hmmprompt.pretrain.workdir.load_retained`); a runtime field."""
+  ``"sampled"`` or ``"exact"`` (docs/pretraining.md). ``trials_per_vmap``:
+  trials stepped at a time (0: all; speed only). ``retain``: steps (0: the
+  init) kept under ``retained/`` (``load_retained``); a runtime field."""
 
   model: transformer.MLMConfig = transformer.MLMConfig()
   corpus: corpus_lib.CorpusConfig = corpus_lib.CorpusConfig()
@@ -55,17 +50,13 @@ class PretrainConfig:
   # decaying to 0 at state_loss_steps (0: constant); experiments only.
   state_loss: float = identity_lib.added(0.0)
   state_loss_steps: int = identity_lib.added(0)
-  # A trial above target_gap at the cap trains again with fallback_layers
-  # (docs/pretraining.md, "The hard set"); fallback_gap: also above it at the
-  # end of the last cycle before the cap, fallback_gaps[i] at that of cycle i
-  # (0: no check); "warm": from the trial as it stopped (depth.grow_layers).
+  # A trial above target_gap at the cap (fallback_gap(s): at earlier cycle
+  # ends) trains again deeper (docs/pretraining.md, "The fallback").
   fallback_layers: int = identity_lib.added(0)
   fallback_gap: float = identity_lib.added(0.0)
   fallback_gaps: tuple[float, ...] = identity_lib.added(())
   fallback_init: str = identity_lib.added("scratch")
-  # Runtime settings (identity_lib.RUNTIME). exact_method: hmm.METHODS;
-  # exact_window: steps whose exact targets one call computes ahead (0:
-  # train.exact_window's choice by backend).
+  # Runtime settings (identity_lib.RUNTIME; exact_*: docs/hmm.md).
   log_every: int = identity_lib.runtime(100)
   ckpt_every: int = identity_lib.runtime(1000)
   keep: int = identity_lib.runtime(3)
@@ -148,7 +139,7 @@ class PretrainConfig:
     return ((self.total_steps,) if self.cycles is None
             else tuple(int(x) for x in np.cumsum(self.cycles)))
 
-  def with_overrides(self, **overrides) -> PretrainConfig:
+  def with_overrides(self, **overrides) -> "PretrainConfig":
     """``dataclasses.replace`` keeping ``steps`` = ``sum(cycles)`` (a
     ``steps`` override cuts or lengthens the last cycle that fits)."""
     overrides = dict(overrides)
@@ -176,7 +167,7 @@ class PretrainConfig:
             self.fallback_gaps) if g}} if self.fallback_gap else {})}
     return line["step"] in checks and line["ce_gap"] > checks[line["step"]]
 
-  def fallback(self, k: int) -> PretrainConfig:
+  def fallback(self, k: int) -> "PretrainConfig":
     """Trial ``k``'s fallback run: the deeper model, seeded as trial ``k``."""
     return self.with_overrides(
         model=dataclasses.replace(self.model, num_layers=self.fallback_layers),
@@ -188,7 +179,7 @@ class PretrainConfig:
     return json.loads(json.dumps(identity_lib.identity(self)))
 
   @classmethod
-  def from_json(cls, d: dict) -> PretrainConfig:
+  def from_json(cls, d: dict) -> "PretrainConfig":
     d = dict(d, model=transformer.MLMConfig(**d["model"]),
              corpus=corpus_lib.CorpusConfig(**d["corpus"]))
     # JSON lists; retain and fallback_gaps are absent from older files.
@@ -271,9 +262,8 @@ def resolve_dtype(dtype: str) -> str:
 def configure(preset: str, vocab_size: int = 10, *, context: int | None = None,
               dtype: str = "auto", model: dict | None = None,
               corpus: dict | None = None, **overrides) -> PretrainConfig:
-  """A preset with overrides: ``context`` sets the chunk length and the
-  model's ``max_len``, ``dtype`` :func:`resolve_dtype`, ``model`` and
-  ``corpus`` :class:`MLMConfig` / :class:`CorpusConfig` fields, the rest
+  """A preset with overrides: ``context`` sets the chunk length and ``max_len``,
+  ``dtype`` :func:`resolve_dtype`, ``model`` and ``corpus`` fields, the rest
   :meth:`PretrainConfig.with_overrides`; ``ValueError`` names a bad value."""
   cfg = preset_config(preset, vocab_size)
   model = {**(model or {}), "dtype": resolve_dtype(dtype)}

@@ -1,7 +1,5 @@
 """A pretraining job: K draws of one HMM family and their recipe."""
 
-from __future__ import annotations
-
 import dataclasses
 
 import jax
@@ -31,7 +29,7 @@ class Job:
       raise ValueError(f"trials must be an int >= 1, got {self.trials!r}")
 
   @classmethod
-  def of(cls, preset: str = "cpu", **overrides) -> Job:
+  def of(cls, preset: str = "cpu", **overrides) -> "Job":
     """The preset's recipe with ``{"a.b": value}`` overrides."""
     return config_flags.apply(cls(pretrain=config_lib.configure(preset)),
                               overrides)

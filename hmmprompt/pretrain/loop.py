@@ -2,8 +2,6 @@
 ``s``'s batch is a pure function of ``(seed, s)`` (:func:`corpus.batch_at`),
 so a resumed run is bit for bit an uninterrupted one."""
 
-from __future__ import annotations
-
 import functools
 import os
 import time
@@ -38,7 +36,7 @@ class Keys(NamedTuple):
   val: jax.Array  # held-out evaluation sequences
 
   @classmethod
-  def of(cls, seed: int, num: int = 1) -> Keys:
+  def of(cls, seed: int, num: int = 1) -> "Keys":
     return cls(*jnp.stack([jax.random.split(jax.random.PRNGKey(seed + k), 4)
                            for k in range(num)], axis=1))
 
@@ -50,15 +48,12 @@ def _clock() -> float:
 
 CHECKPOINTS = ("always", "deadline", "never")
 """What a run writes to resume from: ``always`` a checkpoint every
-``ckpt_every`` steps and at ``stop_at`` (a workdir a crash may cut);
-``deadline`` one only when ``stop_at`` stops the run (an accelerator
-command's kept workdir, where a 20-trial BERT-width stack's checkpoint is
-~7 GB); ``never`` none (a temporary workdir)."""
+``ckpt_every`` steps and at ``stop_at``; ``deadline`` one only where
+``stop_at`` stops the run; ``never`` none (docs/pretraining.md)."""
 
 # The rate a stop's checkpoint is assumed written at: the stack stops early
 # enough for the save to end by ``stop_at``, before accelerator_session.sh's
-# SIGTERM 20 s later (on the H200, 2026-11-26, a 20-trial checkpoint at 0.34
-# GB a trial, an evaluation and a recompile took 73 s; the stop logs it).
+# SIGTERM 20 s later (docs/figure3_gpu.md; the stop logs the real rate).
 SAVE_BYTES_PER_S = 150e6
 
 
@@ -80,10 +75,9 @@ class _Progress:
     self.pending: list[jax.Array] = []
     self.t_last, self.step_last = time.perf_counter(), start
     self.first: tuple[float, int] | None = None  # (time, step)
-    # MFU where the device's peak is known (GPUs).
     self.flops_per_token = transformer.train_flops_per_token(
         cfg.model, cfg.corpus.chunk_len)
-    peak = sharding_lib.peak_tflops(cfg.model.dtype)
+    peak = sharding_lib.peak_tflops(cfg.model.dtype)  # MFU where known (GPUs)
     self.peak_flops = peak and peak * 1e12 * jax.device_count()
 
   def add(self, loss) -> None:
@@ -171,13 +165,8 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   """Pretrains (or resumes, bit for bit) K transformers in ``workdir``, one
   per trial of ``models_K``, in one jitted step; returns each trial's final
   ``metrics.jsonl`` line. Trial ``k`` is trial ``k`` alone with ``seed =
-  cfg.seed + k`` (:class:`Keys`); at the target gap it leaves the stack and
-  is saved once (:mod:`~hmmprompt.pretrain.workdir`). ``after_step(step)``
-  runs after each step; past ``stop_at`` (``time.monotonic()``) less the
-  checkpoint's time at :data:`SAVE_BYTES_PER_S`, the step in hand is
-  checkpointed and :class:`DeadlineReached` raised. ``cfg.retain``'s steps
-  are saved as they pass. A trial that :meth:`PretrainConfig.falls_back`
-  trains again in :func:`~hmmprompt.pretrain.workdir.fallback_dir`.
+  cfg.seed + k``; ``after_step(step)`` runs after each step; at ``stop_at``
+  (a ``time.monotonic()``) it checkpoints and raises :class:`DeadlineReached`.
 
   Raises:
     ValueError: ``models_K`` is not a stack, ``workdir`` holds another run,
@@ -195,12 +184,8 @@ def train_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
                  keep_by: float | None = None
                  ) -> tuple[Backbone, Any, list[workdir_lib.TrialInfo]]:
   """:func:`run_trials` then :func:`~hmmprompt.pretrain.workdir.load_trials`
-  (same values), the params handed over in memory. ``checkpoints``
-  (:data:`CHECKPOINTS`): ``never`` writes none; ``deadline`` resumes the
-  checkpoint a stop at ``stop_at`` left (of every trial) and writes no
-  other, unless the pretraining ends past ``keep_by`` (``time.monotonic()``:
-  the deadline less the tuning's estimate): then it saves every trial, so
-  that a tuning the deadline cuts keeps its pretraining."""
+  (same values), the params handed over in memory; ``checkpoints`` (``never`` or
+  ``deadline``) and ``keep_by``: docs/pretraining.md."""
   if check_checkpoints(checkpoints) == "always":
     raise ValueError("train_trials writes no periodic checkpoints: use "
                      "run_trials, then load_trials")
@@ -266,19 +251,16 @@ def _batch_fn(corpus_cfg, batch_size: int, vocab_size: int, fresh: bool, mesh):
 
 @functools.lru_cache(maxsize=16)
 def _window_fn(cfg: PretrainConfig, window: int, fresh: bool, mesh):
-  """The jitted draw of ``window`` steps' ``[K]`` batches ``[N, K, ...]``
-  from step ``first`` on, bit for bit :func:`_batch_fn`'s, exact targets in
-  place of the tokens: one call of their scan (:func:`train.exact_window`)."""
+  """The jitted draw of ``window`` steps' ``[K]`` batches ``[N, K, ...]``,
+  bit for bit :func:`_batch_fn`'s, exact targets (one scan) for tokens."""
   draw = _draw_K(cfg.corpus, cfg.batch_size, cfg.model.vocab_size, fresh)
   targets = jax.vmap(jax.vmap(functools.partial(train.loss_targets, cfg)),
                      in_axes=(None, 0, 0, 0))
-
   def window_at(keys_K, first, models_K, chunks_K, hmms_K):
     steps_N = first + jnp.arange(window)
     inputs, tokens, weights = jax.vmap(draw, in_axes=(None, 0, None, None))(
         keys_K, steps_N, models_K, chunks_K)
     return inputs, targets(hmms_K, inputs, tokens, weights), weights
-
   return jax.jit(window_at,
                  out_shardings=sharding_lib.step_trial_batch_sharded(mesh))
 
@@ -342,12 +324,10 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   retained = (ckpt_lib.Checkpoints(paths.retained, keep=None)
               if cfg.retain else None)
   have = set(retained.all_steps()) if retained else set()
-
   def retain(step, states):
     if step in cfg.retain and step not in have:
       retained.save(step, states)
       have.add(step)
-
   if lost := [s for s in cfg.retain if s < start and s not in have]:
     log(f"retain: steps {lost} were trained past without being retained "
         f"(resumed from step {start}); a new workdir retains them")
@@ -387,10 +367,8 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   # Training wall time summed over resumed runs (what "time per size" is).
   wall_before = max((m.get("wall_s", 0.0) for m in metrics), default=0.0)
   t_run = time.perf_counter()
-
   stacked_vals = lambda rows: jax.tree.map(
       lambda *xs: jnp.stack(xs), *[vals[int(k)] for k in rows])
-
   def evaluate(step, sub, rows, n, vals_N):
     """Appends (and writes) the metrics of trials ``rows[:n]``."""
     wall = wall_before + time.perf_counter() - t_run
@@ -403,7 +381,6 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
       log(f"{tag(k)}step {step}: mlm_ce {m['mlm_ce']:.4f} bayes_ce "
           f"{m['bayes_ce']:.4f} gap {m['ce_gap']:.4f} tv {m['tv']:.4f}")
     workdir_lib.write_metrics(paths, metrics)
-
   def stop_reached(step) -> list[int]:
     """Drops the trials at their target from ``running``; returns them."""
     if not (_is_eval(cfg, step) and _may_stop(cfg, step)):
@@ -430,7 +407,6 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   trial_bytes = 0 if stop_at is None or ckpts is None else sum(
       x.size * x.dtype.itemsize
       for x in jax.tree.leaves(train.abstract_states(cfg, 1)))
-
   def save_now(ckpts: ckpt_lib.Checkpoints, step: int, rows: list[int],
                why: str) -> None:
     """Saves ``rows`` of ``states`` at ``step`` and logs how fast."""
@@ -440,7 +416,6 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
     log(f"checkpoint of step {step} {why}: {size / 1e9:.2f} GB in "
         f"{seconds:.1f} s ({size / 1e6 / max(seconds, 1e-3):.0f} MB/s; "
         f"{size / SAVE_BYTES_PER_S:.1f} s kept for it)")
-
   first = start
   while running and start < total:
     idx = np.asarray(running)
@@ -451,8 +426,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
     data = [(n, keys.data[rows], _take(models_K, rows),
              None if chunks is None else chunks[rows], _take(hmms, rows))
             for rows, n in groups]
-    # Stacked once per grouping, not at every evaluation.
-    group_vals = [stacked_vals(rows) for rows, _ in groups]
+    group_vals = [stacked_vals(rows) for rows, _ in groups]  # not per eval
     progress.trials = len(running)
     # Each group's window draw in hand, (first step, draw); windows start at
     # multiples of ``window``, so a resumed run draws an uninterrupted one's.
@@ -524,8 +498,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
 def evaluate_checkpoints(cfg: PretrainConfig, models_K: generative.Model,
                          params_QxK) -> list[list[dict]]:
   """``metrics[q][k]`` of ``params_QxK[q, k]`` on its validation set: the
-  loop's line at an evaluation step (:func:`evaluation.evaluate_group`; to
-  float rounding where ``trials_per_vmap`` groups the trials otherwise)."""
+  loop's line at an evaluation step (to float rounding across groupings)."""
   num = cast(int, generative.num_trials(models_K))  # stacked: an int
   keys = Keys.of(cfg.seed, num)
   vals_K = jax.tree.map(lambda *xs: jnp.stack(xs), *[

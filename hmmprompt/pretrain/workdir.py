@@ -1,12 +1,8 @@
 """A pretraining run's directory, and loading a finished one for tuning.
 
-Layout :data:`LAYOUT`: ``config.json``, ``hmm.npz`` (the models ``[K]``),
-``checkpoints/`` (orbax, rotated: ``{"trials": [R], "states": TrainState [R]}``,
-the trials still running), ``stopped/`` (each trial once, as it stopped),
-``metrics.jsonl``, ``retained/`` (:attr:`PretrainConfig.retain`). Layout 2 and
-layout-1 stacked runs resume and load as they are."""
-
-from __future__ import annotations
+Layout :data:`LAYOUT` (docs/pretraining.md): ``config.json``, ``hmm.npz``,
+``checkpoints/`` (the trials still running), ``stopped/`` (each trial once,
+as it stopped), ``metrics.jsonl``, ``retained/``."""
 
 import dataclasses
 import json
@@ -47,7 +43,7 @@ class Paths:
   stopped: str
 
   @classmethod
-  def of(cls, workdir: str) -> Paths:
+  def of(cls, workdir: str) -> "Paths":
     return cls(*(os.path.join(workdir, name) for name in (
         "config.json", "hmm.npz", "checkpoints", "metrics.jsonl", "retained",
         "stopped")))
@@ -147,7 +143,6 @@ def restore(ckpts: ckpt_lib.Checkpoints, stopped: ckpt_lib.Checkpoints | None,
     rows = tree["trials"].shape[0]
     return {"trials": jax.ShapeDtypeStruct((rows,), jnp.int32),
             "states": train.abstract_states(cfg, rows)}
-
   step, saved = ckpts.restore_latest(lambda s: abstract(ckpts, s), log=log)
   if step is None:
     return None

@@ -1,9 +1,7 @@
 """Accuracy against pretraining quality (docs/pretraining_curve.md;
 ``python -m experiments.pretraining_curve``): head and prompt tuning on the
-checkpoints retained at ``pretrain.retain`` by one stacked pretraining run
-per model without early stop, the exact backbone the limit. Writes
-DIR/curve.json, DIR/pretrain/<model>/, DIR/curve.jsonl (:class:`CurveLine`;
-a rerun resumes) and the report."""
+checkpoints one stacked pretraining run per model retains (no early stop),
+the exact backbone the limit; lines in DIR/curve.jsonl (:class:`CurveLine`)."""
 
 import dataclasses
 import json
@@ -25,8 +23,7 @@ from hmmprompt import tasks as tasks_lib
 from hmmprompt import tuning
 from hmmprompt.backbones import exact
 
-# Bumped when a line's meaning changes for the same setup.
-LAYOUT = 1
+LAYOUT = 1  # bumped when a line's meaning changes for the same setup
 BACKBONES = ("transformer", "exact")
 # TuneConfig fields the curve's identity holds at any value (it was keyed
 # before they became identity.ADDED).
@@ -41,9 +38,8 @@ class CurveSetup(protocol.TrialsConfig):
   Attributes:
     vanilla_sizes: ``|H|`` of the vanilla models (linear head).
     memory_sizes: ``|M|`` of the memory models (attention head).
-    pretrain: ``retain`` (runtime for pretraining) is the checkpoint
-      schedule, part of this setup's identity; no ``target_gap`` (an early
-      stop would repeat a state at every later checkpoint).
+    pretrain: ``retain`` is the checkpoint schedule (in this identity); no
+      ``target_gap`` (an early stop would repeat a state at later ones).
   """
 
   vanilla_sizes: tuple[int, ...]
@@ -254,13 +250,11 @@ def run_curve(setup: CurveSetup, workdir: str,
   check_workdir(workdir, setup)
   done = {line.key() for line in read_curve_lines(workdir)}
   todo = protocol.missing(plan(setup), done, lambda g: g.keys(setup))
-
   def prepare(mid, groups):
     stack = protocol.draw_stack(setup, mid, setup.trials)
     pretrained = any(g.backbone == "transformer" for g in groups)
     return stack, (checkpoints(workdir, setup, mid, stack.models_K)
                    if pretrained else None)
-
   protocol.run_stacks(todo, prepare, lambda g, sc: [
       r for r in tune_group(setup, g, *sc) if r.key() not in done],
                       lines_path(workdir), schedule,

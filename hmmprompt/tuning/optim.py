@@ -38,19 +38,16 @@ def tuning_optimizer(total: int, cfg: TuneConfig):
 
 def train_adam(logits_fn, opt, tunable, examples, labels_N, idx_UxB):
   """Scans the steps. Returns ``(tunable, losses [U])``."""
-
   def loss_fn(tunable, batch, labels_B):
     logits_BxC = jax.vmap(lambda ex: logits_fn(tunable, ex))(batch)
     return optax.softmax_cross_entropy_with_integer_labels(
         logits_BxC, labels_B).mean()
-
   def step(carry, idx_B):
     tunable, opt_state = carry
     batch = jax.tree.map(lambda a: a[idx_B], examples)
     loss, grads = jax.value_and_grad(loss_fn)(tunable, batch, labels_N[idx_B])
     updates, opt_state = opt.update(grads, opt_state, tunable)
     return (optax.apply_updates(tunable, updates), opt_state), loss
-
   (tunable, _), losses = jax.lax.scan(step, (tunable, opt.init(tunable)),
                                       idx_UxB)
   return tunable, losses
@@ -66,14 +63,12 @@ def l2_leaves(head_params) -> list:
 def lbfgs_objective(logits_fn, examples, labels_N, cfg: TuneConfig):
   """``tunable -> []``: the mean cross-entropy over the whole training
   split plus ``lbfgs_l2 / 2`` times the squared :func:`l2_leaves`."""
-
   def objective(tunable):
     logits_NxC = jax.vmap(lambda ex: logits_fn(tunable, ex))(examples)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits_NxC,
                                                          labels_N).mean()
     sq = sum(jnp.sum(jnp.square(w)) for w in l2_leaves(tunable["head"]))
     return ce + 0.5 * cfg.lbfgs_l2 * sq
-
   return objective
 
 
@@ -92,12 +87,10 @@ def solve_lbfgs(objective, tunable, cfg: TuneConfig):
   opt = optax.lbfgs()
   total = cfg.lbfgs_max_steps
   value, grad = jax.value_and_grad(objective)(tunable)
-
   def going(carry):
     _, _, grad, step, _, since_best, _ = carry
     return ((step < total) & (since_best < LBFGS_PATIENCE)
             & (optax.tree.norm(grad) >= cfg.lbfgs_tol))
-
   def step_fn(carry):
     # The line search's value and grad are carried, not refetched by
     # value_and_grad_from_state, whose lax.cond runs both branches in vmap.
@@ -112,7 +105,6 @@ def solve_lbfgs(objective, tunable, cfg: TuneConfig):
     since_best = jnp.where(better, 0, since_best + 1)
     return ((params, value), state, optax.tree.get(state, "grad"), step + 1,
             best, since_best, losses_U.at[step].set(best[1]))
-
   zero = jnp.zeros((), jnp.int32)
   carry = ((tunable, value), opt.init(tunable), grad, zero, (tunable, value),
            zero, jnp.zeros((total,), value.dtype))
