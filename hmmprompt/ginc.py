@@ -1,0 +1,263 @@
+"""GINC (Xie, Raghunathan, Liang & Ma, ICLR 2022): in-context learning on a
+mixture of HMM "concepts" (docs/icl.md).
+
+A concept's hidden state is ``(value v, slot s)``, index ``v * S + s``:
+the value (an entity) changes slowly, the slot (a property) moves, and the
+state emits ``memory[v, s]`` (slot 0: the delimiter, symbol 0). Its
+transition is ``kron(value_factor [V, V], slot_factor [S, S])``, each factor
+a softmax-weighted mixture of random permutation matrices, the value factor
+biased to the identity. Pretraining documents come each from one concept
+drawn uniformly; :func:`mixture` is the mixture as one exact HMM
+(block-diagonal), so the existing kernels give its next-symbol conditionals
+and its posterior over concepts. :func:`prompts` builds GINC's
+``ID_sample`` / ``OOD_sample`` prompts and :func:`predict` the exact
+mixture's in-context prediction.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hmmprompt import hmm as hmm_lib
+from hmmprompt import validation
+
+PROTOCOLS = ("ID_sample", "OOD_sample")
+"""GINC's prompt protocols (``generate_prompts``, ``random_sample=True``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GincConfig:
+  """GINC's construction (defaults: the released dataset's,
+  ``GINC_trans0.1_start10.0_nsymbols50_nvalues10_nslots10_vic0.9_nhmms10``).
+
+  Attributes:
+    num_values: entities ``V``.
+    num_slots: properties ``S`` (slot 0 the delimiter).
+    num_symbols: the vocabulary (symbol 0 the delimiter).
+    transition_temp: the permutation mixtures' softmax temperature.
+    start_temp: the start distribution's softmax temperature.
+    value_identity: the value factor is ``c I + (1 - c) mixture``.
+    num_concepts: concepts drawn, the first half in distribution (ID).
+  """
+
+  num_values: int = 10
+  num_slots: int = 10
+  num_symbols: int = 50
+  transition_temp: float = 0.1
+  start_temp: float = 10.0
+  value_identity: float = 0.9
+  num_concepts: int = 10
+
+  def __post_init__(self):
+    validation.require_positive(self, "num_values", "num_concepts")
+    if self.num_slots < 2 or self.num_symbols < 2:
+      raise ValueError(f"GincConfig needs num_slots and num_symbols >= 2 (one "
+                       f"of each is the delimiter), got {self.num_slots}, "
+                       f"{self.num_symbols}")
+    if not (self.transition_temp > 0 and self.start_temp > 0
+            and 0 <= self.value_identity <= 1):
+      raise ValueError("GincConfig needs temperatures > 0 and value_identity "
+                       "in [0, 1]")
+
+
+def permutation_mixture(key, n: int, temp: float) -> jax.Array:
+  """``[n, n]``: ``n`` random permutation matrices mixed with weights
+  ``softmax((u - 1/2) / temp)``, ``u`` uniform (GINC's transition block)."""
+  k_mix, k_perm = jax.random.split(key)
+  weights = jax.nn.softmax((jax.random.uniform(k_mix, (n,)) - 0.5) / temp)
+  perms = jax.vmap(lambda k: jax.random.permutation(k, n))(
+      jax.random.split(k_perm, n))
+  return jnp.einsum("p,pij->ij", weights, jax.nn.one_hot(perms, n))
+
+
+def memory_matrix(key, cfg: GincConfig) -> jax.Array:
+  """``int32 [V, S]``: each state's symbol, 1.. at random, 0 at slot 0."""
+  symbols = jax.random.randint(key, (cfg.num_values, cfg.num_slots), 1,
+                               cfg.num_symbols)
+  return symbols.at[:, 0].set(0)
+
+
+def concept(key, cfg: GincConfig, memory_VxS: jax.Array,
+            value_factor_VxV: jax.Array) -> hmm_lib.HMM:
+  """One concept: a new start distribution and slot factor, the shared
+  value factor (GINC draws it once, under a fixed seed) and memory."""
+  k_start, k_slot = jax.random.split(key)
+  n = cfg.num_values * cfg.num_slots
+  start = jax.nn.softmax((jax.random.uniform(k_start, (n,)) - 0.5)
+                         / cfg.start_temp)
+  slot = permutation_mixture(k_slot, cfg.num_slots, cfg.transition_temp)
+  return hmm_lib.HMM(start, jnp.kron(value_factor_VxV, slot), jax.nn.one_hot(
+      memory_VxS.reshape(-1), cfg.num_symbols))
+
+
+def value_factor(key, cfg: GincConfig) -> jax.Array:
+  """``[V, V]``: ``c I + (1 - c)`` a :func:`permutation_mixture`."""
+  mix = permutation_mixture(key, cfg.num_values, cfg.transition_temp)
+  c = cfg.value_identity
+  return c * jnp.eye(cfg.num_values) + (1 - c) * mix
+
+
+def concepts(key, cfg: GincConfig = GincConfig()
+             ) -> tuple[hmm_lib.HMM, jax.Array]:
+  """``(concepts [num_concepts], memory [V, S])``: the first half ID."""
+  k_mem, k_value, k_concepts = jax.random.split(key, 3)
+  memory = memory_matrix(k_mem, cfg)
+  value = value_factor(k_value, cfg)
+  return jax.vmap(lambda k: concept(k, cfg, memory, value))(
+      jax.random.split(k_concepts, cfg.num_concepts)), memory
+
+
+def load_released(path: str) -> dict:
+  """GINC's released HMMs (``../shared/ginc/ginc_hmms.npz``) as
+  ``{"id": HMM [5], "ood": HMM [5], "memory": int [V, S]}``, float32; each
+  HMM is checked as our :class:`hmm.HMM` (rows summing to 1)."""
+  with np.load(path) as d:
+    out: dict = {kind: hmm_lib.HMM(*(
+        jnp.asarray(d[f"{kind}_{name}"], jnp.float32)
+        for name in ("startprob", "transmat", "emissionprob")))
+                 for kind in ("id", "ood")}
+    out["memory"] = jnp.asarray(d["all_values"], jnp.int32)
+  for kind in ("id", "ood"):
+    for k in range(out[kind].initial.shape[0]):
+      hmm_lib.check_model(jax.tree.map(lambda x, k=k: x[k], out[kind]))
+  return out
+
+
+def mixture(concepts_K: hmm_lib.HMM, prior_K: jax.Array | None = None
+            ) -> hmm_lib.HMM:
+  """The mixture of ``K`` concepts as one HMM over ``K H`` states: the
+  first state's distribution ``prior_k initial_k`` (uniform prior by
+  default), a block-diagonal transition (a document never changes its
+  concept), the emissions stacked."""
+  k, h = concepts_K.initial.shape
+  prior = jnp.full((k,), 1.0 / k) if prior_K is None else prior_K
+  eye = jnp.eye(k, dtype=concepts_K.transition.dtype)
+  transition = jnp.einsum("kl,kij->kilj", eye, concepts_K.transition)
+  return hmm_lib.HMM((prior[:, None] * concepts_K.initial).reshape(-1),
+                     transition.reshape(k * h, k * h),
+                     concepts_K.emission.reshape(k * h, -1))
+
+
+def concept_posterior(concepts_K: hmm_lib.HMM, tokens_T: jax.Array
+                      ) -> jax.Array:
+  """``[K]``: the posterior over concepts of one document (uniform prior),
+  from the mixture's smoothed posterior at the first position."""
+  k, h = concepts_K.initial.shape
+  post = hmm_lib.token_smooth(mixture(concepts_K), tokens_T).posterior
+  return post[0].reshape(k, h).sum(-1)
+
+
+def smoothed(hmm: hmm_lib.HMM, eps: float) -> hmm_lib.HMM:
+  """``hmm`` with ``eps`` added to every transition entry, rows renormalised
+  (0: unchanged): GINC's exact zeros make most prompts impossible."""
+  if eps == 0:
+    return hmm
+  t = hmm.transition + eps
+  return hmm._replace(transition=t / t.sum(-1, keepdims=True))
+
+
+def predict(model: hmm_lib.HMM, prompt_T: jax.Array) -> tuple[jax.Array,
+                                                              jax.Array]:
+  """``(next-symbol distribution [X], log-likelihood [])`` of ``prompt_T``
+  under ``model`` (a :func:`mixture`): the Bayes-optimal in-context
+  prediction. An impossible prompt (log-likelihood ``-inf``) gives zeros,
+  never NaN."""
+  tokens = jnp.concatenate([prompt_T, jnp.array([hmm_lib.MASK], jnp.int32)])
+  smooth = hmm_lib.token_smooth(model, tokens)
+  next_X = smooth.masked_posterior[-1] @ model.emission
+  return next_X, smooth.log_likelihood
+
+
+def _path(key, transition_HxH: jax.Array, start: jax.Array, length: int):
+  """``int [length]``: a hidden path from state ``start``."""
+  def step(h, k):
+    nxt = jax.random.categorical(k, jnp.log(transition_HxH[h]))
+    return nxt, nxt
+  _, rest = jax.lax.scan(step, start, jax.random.split(key, length - 1))
+  return jnp.concatenate([start[None], rest])
+
+
+def prompt(key, concepts_K: hmm_lib.HMM, memory_VxS: jax.Array,
+           protocol: str, num_examples: int, length: int) -> dict:
+  """One GINC prompt (``generate_prompts``, ``random_sample=True``):
+  ``num_examples`` examples of ``length`` symbols and the test example's
+  first ``length - 1``, each example followed by a delimiter, as
+  ``{"tokens": int [(k + 1)(length + 1) - 2], "label": [], "concept": []}``.
+
+  ``ID_sample``: one concept and one start slot in ``1..S-1``; each example
+  starts at (a random value, that slot) and runs ``length - 1`` hidden
+  steps of the concept. The label is the concept's most likely next symbol
+  after the test example's ``x``, from a uniform start over the start
+  slot's states. ``OOD_sample``: each example a random slot pattern under
+  one random value; the label as ``ID_sample``'s, from a uniform start."""
+  validation.one_of("protocol", protocol, PROTOCOLS)
+  num_values, num_slots = memory_VxS.shape
+  k_concept, k_slot, k_examples = jax.random.split(key, 3)
+  c = jax.random.randint(k_concept, (), 0, concepts_K.initial.shape[0])
+  hmm = jax.tree.map(lambda x: x[c], concepts_K)
+  slot0 = jax.random.randint(k_slot, (), 1, num_slots)
+
+  def example(k):
+    k_value, k_path = jax.random.split(k)
+    value = jax.random.randint(k_value, (), 0, num_values)
+    if protocol == "ID_sample":
+      states = _path(k_path, hmm.transition, value * num_slots + slot0,
+                     length)
+      return states // num_slots, states % num_slots
+    slots = jax.random.randint(k_path, (length,), 1, num_slots)
+    return jnp.full((length,), value), slots
+
+  values, slots = jax.vmap(example)(jax.random.split(k_examples,
+                                                     num_examples + 1))
+  # Each example then a delimiter (slot 0, its last value).
+  values = jnp.concatenate([values, values[:, -1:]], 1).reshape(-1)
+  slots = jnp.concatenate([slots, jnp.zeros_like(slots[:, :1])], 1).reshape(-1)
+  symbols = memory_VxS[values, slots][:-1]  # the last delimiter dropped
+  x = symbols[-length:-1]
+  n = num_values * num_slots
+  start = (jnp.full((n,), 1.0 / n) if protocol == "OOD_sample" else
+           jnp.zeros(n).at[jnp.arange(num_values) * num_slots + slot0].set(
+               1.0 / num_values))
+  label = jnp.argmax(predict(hmm._replace(initial=start), x)[0])
+  return {"tokens": symbols[:-1], "label": label, "concept": c}
+
+
+def prompts(key, concepts_K: hmm_lib.HMM, memory_VxS: jax.Array,
+            protocol: str, num_examples: int, length: int, num: int) -> dict:
+  """``num`` :func:`prompt` s stacked (``{"tokens": [num, T], ...}``)."""
+  return jax.vmap(lambda k: prompt(k, concepts_K, memory_VxS, protocol,
+                                   num_examples, length))(
+                                       jax.random.split(key, num))
+
+
+def icl_accuracy(model: hmm_lib.HMM, batch: dict) -> dict:
+  """The exact ``model``'s in-context accuracy on :func:`prompts`, and the
+  share of prompts it finds impossible (counted wrong)."""
+  next_NxX, ll_N = jax.vmap(lambda t: predict(model, t))(batch["tokens"])
+  possible = jnp.isfinite(ll_N)
+  right = possible & (jnp.argmax(next_NxX, -1) == batch["label"])
+  return {"accuracy": float(right.mean()),
+          "impossible": float(1 - possible.mean())}
+
+
+def icl_curve(key, concepts_K: hmm_lib.HMM, memory_VxS: jax.Array,
+              protocol: str, lengths, num_examples, num: int,
+              smoothings=(0.0,)) -> list[dict]:
+  """The exact mixture's in-context accuracy and impossible share per
+  smoothing, example length and number of examples (GINC's grid; a prompt
+  must fit 1024 symbols), on the same ``num`` prompts for every
+  smoothing: one dict a cell."""
+  mix, out = mixture(concepts_K), []
+  for length in lengths:
+    for k in num_examples:
+      if (length + 1) * (k + 1) > 1024:
+        continue
+      batch = prompts(jax.random.fold_in(key, 1000 * length + k), concepts_K,
+                      memory_VxS, protocol, k, length, num)
+      out += [{"protocol": protocol, "length": length, "examples": k,
+               "smoothing": eps, "prompts": num,
+               **icl_accuracy(smoothed(mix, eps), batch)}
+              for eps in smoothings]
+  return out

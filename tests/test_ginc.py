@@ -1,0 +1,175 @@
+"""hmmprompt.ginc: GINC's concepts, their mixture, prompts and the exact
+in-context predictor, beside GINC's released arrays (../shared/ginc)."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hmmprompt import ginc
+from hmmprompt import hmm as hmm_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = os.path.join(ROOT, "..", "shared", "ginc")
+
+
+@pytest.fixture(scope="module")
+def released():
+  if not os.path.exists(os.path.join(SHARED, "ginc_hmms.npz")):
+    pytest.skip("GINC's released arrays (../shared/ginc) are not here")
+  with open(os.path.join(SHARED, "val.jsonl")) as f:
+    docs = [json.loads(line) for line in f][:8]
+  return ginc.load_released(os.path.join(SHARED, "ginc_hmms.npz")), docs
+
+
+def _numpy_log_likelihood(initial, transition, emission, tokens) -> float:
+  """The scaled forward algorithm in float64: an independent computation."""
+  alpha = np.asarray(initial, np.float64) * emission[:, tokens[0]]
+  ll = np.log(alpha.sum())
+  alpha /= alpha.sum()
+  for x in tokens[1:]:
+    alpha = (alpha @ transition) * emission[:, x]
+    ll += np.log(alpha.sum())
+    alpha /= alpha.sum()
+  return ll
+
+
+def test_released_hmms_load_and_score_documents_as_a_float64_forward(
+    released):
+  """Our HMM type takes GINC's arrays; our forward's log-likelihood of a
+  validation document's first 256 symbols is the float64 forward's, within
+  float32 rounding (256 steps, each a few ulps: 1e-4 relative)."""
+  r, docs = released
+  hmms = r["id"]
+  assert hmms.transition.shape == (5, 100, 100)
+  for doc in docs[:3]:
+    k, tokens = doc["hmm_idx"], np.asarray(doc["symbols"][:256])
+    one = jax.tree.map(lambda x: x[k], hmms)
+    want = _numpy_log_likelihood(*(np.asarray(a, np.float64) for a in one),
+                                 tokens)
+    got = float(hmm_lib.log_likelihood(one, tokens))
+    assert got == pytest.approx(want, rel=1e-4)
+  try:
+    from hmmlearn import hmm as hl  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return  # the bench extra; the float64 forward above stands in
+  model = hl.CategoricalHMM(n_components=100)
+  one = jax.tree.map(lambda x: np.asarray(x[docs[0]["hmm_idx"]], np.float64),
+                     hmms)
+  model.startprob_, model.transmat_, model.emissionprob_ = one
+  tokens = np.asarray(docs[0]["symbols"][:256])
+  assert model.score(tokens[:, None]) == pytest.approx(
+      float(hmm_lib.log_likelihood(jax.tree.map(
+          lambda x: x[docs[0]["hmm_idx"]], hmms), tokens)), rel=1e-4)
+
+
+def test_the_mixture_is_the_average_of_its_concepts_and_names_the_source(
+    released):
+  """The block-diagonal mixture's likelihood is the concepts' average
+  (two computations), and its posterior over concepts picks each
+  validation document's generating HMM."""
+  r, docs = released
+  mix = ginc.mixture(r["id"])
+  for doc in docs:
+    tokens = jnp.asarray(doc["symbols"][:128])
+    lls = jnp.stack([hmm_lib.log_likelihood(
+        jax.tree.map(lambda x, k=k: x[k], r["id"]), tokens) for k in range(5)])
+    assert float(hmm_lib.log_likelihood(mix, tokens)) == pytest.approx(
+        float(jax.scipy.special.logsumexp(lls) - np.log(5)), rel=1e-4)
+    post = ginc.concept_posterior(r["id"], tokens)
+    assert int(jnp.argmax(post)) == doc["hmm_idx"]
+    assert float(post.sum()) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_drawn_concepts_have_the_released_ones_statistics(released):
+  """A mixture of n random n x n permutations leaves an entry uncovered
+  with probability q = (1 - 1/n)^n; the value factor's diagonal is always
+  covered (the identity) and its other entries with 1 - q, so about
+  1 - (1 - q)(1 - 0.9 q) of the transitions are exact zeros. Released and
+  drawn concepts both are within 0.05 of it; the value diagonal is at
+  least the identity coefficient; a start probability is within e^(+-0.1)
+  of 1/100 (softmax of (u - 1/2) / 10); each state emits its memory symbol,
+  the delimiter 0 exactly at slot 0."""
+  r, _ = released
+  drawn, memory = ginc.concepts(jax.random.PRNGKey(0))
+  q = (1 - 1 / 10) ** 10
+  expect = 1 - (1 - q) * (1 - 0.9 * q)
+  for hmms in (r["id"], r["ood"], drawn):
+    assert np.mean(np.asarray(hmms.transition) == 0) == pytest.approx(
+        expect, abs=0.05)
+    start = np.asarray(hmms.initial)
+    assert np.all(start >= np.exp(-0.1) / 100 - 1e-7)
+    assert np.all(start <= np.exp(0.1) / 100 + 1e-7)
+  for mem in (r["memory"], memory):
+    mem = np.asarray(mem)
+    assert np.all(mem[:, 0] == 0) and np.all(mem[:, 1:] >= 1)
+  emitted = np.argmax(np.asarray(drawn.emission[0]), -1)
+  np.testing.assert_array_equal(emitted, np.asarray(memory).reshape(-1))
+  value = np.asarray(ginc.value_factor(jax.random.PRNGKey(1),
+                                       ginc.GincConfig()))
+  assert np.all(np.diag(value) >= 0.9 - 1e-6)
+  np.testing.assert_allclose(value.sum(-1), 1, rtol=1e-6)
+
+
+def test_prompts_follow_gincs_layout_and_labels(released):
+  """Examples of ``length`` symbols each end with the delimiter; the test
+  example's ``x`` is the last ``length - 1``; the ID label is the concept's
+  argmax next symbol from a uniform start over the start slot's states
+  (recomputed here with the float64 forward)."""
+  r, _ = released
+  length, k = 5, 3
+  batch = ginc.prompts(jax.random.PRNGKey(3), r["id"], r["memory"],
+                       "ID_sample", k, length, 20)
+  tokens = np.asarray(batch["tokens"])
+  assert tokens.shape == (20, (k + 1) * (length + 1) - 2)
+  assert np.all(tokens[:, length::length + 1] == 0)
+  # The label, recomputed: the predictive after x from a uniform start
+  # over one slot's states, for each slot whose states can emit x's first
+  # symbol (the prompt's start slot is among them).
+  for i in range(5):
+    c = int(batch["concept"][i])
+    init, trans, emit = (np.asarray(a[c], np.float64) for a in r["id"])
+    x = tokens[i, -(length - 1):]
+    slots = {s for v in range(10) for s in range(1, 10)
+             if np.asarray(r["memory"])[v, s] == x[0]}
+    best = []
+    for s in slots:
+      start = np.zeros(100)
+      start[np.arange(10) * 10 + s] = 0.1
+      alpha = start * emit[:, x[0]]
+      for t in x[1:]:
+        alpha = (alpha @ trans) * emit[:, t]
+      if alpha.sum() > 0:
+        best.append(int(np.argmax((alpha / alpha.sum()) @ trans @ emit)))
+    assert int(batch["label"][i]) in best
+
+
+def test_exact_zeros_make_prompts_impossible_and_smoothing_restores_them(
+    released):
+  """As measured on the arrays (../shared/ginc/README.md): with exact-zero
+  transitions most 4-example prompts have probability 0 under every ID
+  concept, counted wrong, never NaN; adding 1e-6 to the transitions makes
+  every prompt possible and the predictor right on most."""
+  r, _ = released
+  batch = ginc.prompts(jax.random.PRNGKey(4), r["id"], r["memory"],
+                       "ID_sample", 4, 5, 60)
+  mix = ginc.mixture(r["id"])
+  exact = ginc.icl_accuracy(mix, batch)
+  assert exact["impossible"] > 0.3
+  assert exact["accuracy"] <= 1 - exact["impossible"]
+  nxt, ll = jax.vmap(lambda t: ginc.predict(mix, t))(batch["tokens"])
+  assert np.all(np.isfinite(np.asarray(nxt)))
+  assert np.any(np.isneginf(np.asarray(ll)))
+  smooth = ginc.icl_accuracy(ginc.smoothed(mix, 1e-6), batch)
+  assert smooth["impossible"] == 0 and smooth["accuracy"] > 0.8
+
+
+def test_bad_protocol_and_config_are_refused_by_name():
+  with pytest.raises(ValueError, match="protocol"):
+    ginc.prompt(jax.random.PRNGKey(0), *ginc.concepts(
+        jax.random.PRNGKey(0), ginc.GincConfig(num_concepts=2)), "ID", 1, 3)
+  with pytest.raises(ValueError, match="num_slots"):
+    ginc.GincConfig(num_slots=1)
