@@ -146,6 +146,7 @@ def test_tokens_init_draws_real_tokens_embeddings(setup):
     assert dist.min() <= 1e-3 + 1e-6 and np.argmin(dist) in drawn
 
 
+@pytest.mark.slow  # 2.7 s: the full suite's
 @pytest.mark.parametrize("kw", [dict(method="prefix"),
                                 dict(method="lora", lora_r=1,
                                      lora_targets="q,k,v")])
@@ -213,6 +214,7 @@ def test_transformer_arms_need_the_transformer_before_any_work():
   configs.check_run(setup, ["exact", "transformer"])
 
 
+@pytest.mark.slow  # 2.2 s: the full suite's
 def test_a_sweep_of_arms_records_settings_and_trainable_parameters(tmp_path):
   """End to end on the exact backbone: each line records its arm's
   settings and its trainable parameters (a linear head on V = 10 is 2 x 10
