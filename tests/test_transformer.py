@@ -519,3 +519,29 @@ def test_bfloat16_computes_in_bfloat16_and_returns_float32():
     got = build(cfg).apply(params, emb[0])
     np.testing.assert_array_equal(got, transformer.build_backbone(fp32).apply(
         params, emb[0]))
+
+
+@pytest.mark.parametrize("query", [None, 3])
+def test_a_causal_model_reads_no_later_position(query):
+  """With ``causal``, changing the tokens after position t leaves every
+  output at positions <= t unchanged bit for bit (the masked logits'
+  softmax weights are exact zeros), the single-row path included; the
+  bidirectional model's outputs move."""
+  cfg = dataclasses.replace(TINY.model, causal=True, num_layers=2,
+                            rel_pos="bias", attention="auto")
+  params = transformer.init_params(jax.random.PRNGKey(0), cfg)
+  params = jax.tree.map(lambda x: x + 0.1, params)  # a nonzero rel bias
+  a = jnp.array([[1, 2, 3, 4, 5, 6]])
+  b = a.at[0, 4:].set(jnp.array([9, 0]))
+  for c, moved in ((cfg, False), (dataclasses.replace(cfg, causal=False),
+                                  True)):
+    mlm = transformer.MLM(c)
+    if query is None:
+      out_a, out_b = (mlm.apply(params, x)[:, :4] for x in (a, b))
+    else:
+      out_a, out_b = (mlm.apply(params, mlm.apply(
+          params, x, method=transformer.MLM.embed), query,
+                                method=transformer.MLM.encode_at)
+                      for x in (a, b))
+    same = np.array_equal(np.asarray(out_a), np.asarray(out_b))
+    assert same != moved, c.causal

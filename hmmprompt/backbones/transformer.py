@@ -72,6 +72,9 @@ class MLMConfig:
   # readout (MLM.logits_and_states; 0: none) for PretrainConfig.state_loss.
   rel_pos: str = identity_lib.added("none")
   state_readout: int = identity_lib.added(0)
+  # causal: left to right, position t attends to positions <= t alone (a
+  # causal LM's mask; the manual attention path).
+  causal: bool = identity_lib.added(False)
   # ATTENTIONS: left out of identities (the paths agree to float rounding).
   attention: str = identity_lib.runtime("auto")
 
@@ -139,7 +142,8 @@ class Block(nn.Module):
     # a position (relative bias 0); the manual path only.
     prefix = (self.get_variable("prefix", "kv")
               if self.has_variable("prefix", "kv") else None)
-    if cfg.resolved_attention == "dot_product" and prefix is None:
+    if (cfg.resolved_attention == "dot_product" and prefix is None
+        and not cfg.causal):
       bias_1xAxTxT = (None if cfg.rel_pos == "none"
                       else rel_bias(cfg, t, self._rel_table())[None])
       out_BxTxAxE = dot_product_attention(
@@ -166,6 +170,10 @@ class Block(nn.Module):
         if p:
           bias_AxQxT = jnp.pad(bias_AxQxT, ((0, 0), (0, 0), (p, 0)))
         logits_BxAxQxT = logits_BxAxQxT + bias_AxQxT.astype(dt)
+      if cfg.causal:  # a key after its query (prefix keys: before all)
+        later_QxT = (jnp.arange(t)[None, :] > jnp.arange(t)[rows, None])
+        logits_BxAxQxT = jnp.where(jnp.pad(later_QxT, ((0, 0), (p, 0))),
+                                   jnp.finfo(dt).min, logits_BxAxQxT)
       attn = jax.nn.softmax(logits_BxAxQxT.astype(jnp.float32), -1).astype(dt)
       out_BxAxQxE = jnp.matmul(attn, v)
       x_BxTxD = x_BxTxD[:, rows] + TokenDense(d, dtype=dt, name="attn_out")(
