@@ -174,3 +174,19 @@ def test_bad_protocol_and_config_are_refused_by_name():
         jax.random.PRNGKey(0), ginc.GincConfig(num_concepts=2)), "ID", 1, 3)
   with pytest.raises(ValueError, match="num_slots"):
     ginc.GincConfig(num_slots=1)
+
+
+def test_pretraining_documents_each_come_from_one_uniformly_drawn_concept():
+  """Sampling the mixture is GINC's corpus: a document's states stay in
+  one concept's block (the transition is block-diagonal), and the
+  concepts are drawn uniformly: 400 documents over 4 concepts, each count
+  within 4 binomial sds (sqrt(400 / 4 * 3 / 4) = 8.7) of 100."""
+  cfg = ginc.GincConfig(num_concepts=4)
+  concepts, _ = ginc.concepts(jax.random.PRNGKey(2), cfg)
+  mix = ginc.mixture(concepts)
+  _, states = jax.vmap(lambda k: hmm_lib.sample(k, mix, 40))(
+      jax.random.split(jax.random.PRNGKey(3), 400))
+  block = np.asarray(states) // 100
+  assert np.all(block == block[:, :1])
+  counts = np.bincount(block[:, 0], minlength=4)
+  assert np.all(np.abs(counts - 100) <= 4 * 8.7), counts
