@@ -452,6 +452,14 @@ def token_conditionals(hmm: HMM, tokens_T: jax.Array,
   return evidence_conditionals(hmm, token_evidence(hmm, tokens_T), method)
 
 
+def token_next_conditionals(hmm: HMM, tokens_T: jax.Array) -> jax.Array:
+  """``[T, V]``: ``P[X_t | x_{<t}]``, a causal LM's exact targets: the
+  forward scan's predicted states (zeros after an impossible prefix)."""
+  init_H, trans_HxH, ev_TxH = _promoted(hmm, token_evidence(hmm, tokens_T))
+  _, (pred_TxH, _) = jax.lax.scan(_forward_step(trans_HxH), init_H, ev_TxH)
+  return pred_TxH @ hmm.emission.astype(pred_TxH.dtype)
+
+
 # Entry points: each checks its input and runs its kernel, jitted.
 def method_args(model, inputs, method: str, check, check_model=check_model):
   """An entry point's kernel arguments: the checked model (``check_model``)
