@@ -212,3 +212,32 @@ def define_distributed_flags() -> Callable[[], None]:
     elif given := [f"--{f.name}" for f in settings if f.value is not None]:
       raise ValueError(f"{', '.join(given)} need --distributed")
   return initialize
+
+
+def study_main(study, run: Callable, write_report: Callable, **outputs: str
+               ) -> Callable:
+  """A study's ``main`` with ``--preset``, ``--config.<path>``,
+  ``--workdir`` and ``--print_config``: ``study`` has ``PRESETS``,
+  ``get_setup`` and ``check_workdir``; ``run(setup, workdir)``, then
+  ``write_report(workdir)`` printed; ``outputs``: name -> file under DIR."""
+  preset = flags.DEFINE_enum("preset", "cpu", list(study.PRESETS),
+                             "config preset; --config.<path> overrides it")
+  config = define_config(study.PRESETS["cpu"]())
+  workdir_flag = flags.DEFINE_string("workdir", None, "output; a rerun resumes")
+  print_config_flag = define_print_config()
+
+  @one_line_errors
+  def main(argv):
+    t0, workdir = start(argv, workdir=workdir_flag.value), workdir_flag.value
+    with usage_errors():
+      setup = study.get_setup(preset.value, config.value())
+      if print_config_flag.value:
+        return print_config(setup)
+      make_dir(workdir)
+      study.check_workdir(workdir, setup)
+    run(setup, workdir)
+    print(write_report(workdir))
+    done(t0, **{name: os.path.join(workdir, file)
+                for name, file in outputs.items()})
+
+  return main

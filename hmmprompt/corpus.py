@@ -92,10 +92,18 @@ def mask_tokens(key, tokens_BxT, mask_rate: float, vocab_size: int,
   return inputs.astype(jnp.int32), selected.astype(jnp.float32)
 
 
+def next_token_inputs(tokens_BxT):
+  """A causal LM's inputs ``[MASK, x_0, .., x_{T-2}]``: position ``t``
+  reads ``x_{<t}`` (``MASK`` the start of text) and predicts ``x_t``."""
+  bos = jnp.full_like(tokens_BxT[..., :1], hmm_lib.MASK)
+  return jnp.concatenate([bos, tokens_BxT[..., :-1]], -1)
+
+
 def batch_at(key, step, model, chunks, cfg: CorpusConfig, batch_size: int,
-             vocab_size: int):
+             vocab_size: int, causal: bool = False):
   """The training batch of ``step``: ``(inputs, targets, weights)``, a pure
-  function of ``(key, step)``; ``chunks`` is ``None`` in fresh mode."""
+  function of ``(key, step)``; ``chunks`` is ``None`` in fresh mode.
+  ``causal``: :func:`next_token_inputs`, every position weighted."""
   k_steps, k_epochs = jax.random.split(key)
   k_data, k_mask = jax.random.split(jax.random.fold_in(k_steps, step))
   if cfg.fresh:
@@ -107,6 +115,9 @@ def batch_at(key, step, model, chunks, cfg: CorpusConfig, batch_size: int,
     perm = jax.random.permutation(jax.random.fold_in(k_epochs, epoch), n)
     start = (step % steps_per_epoch) * batch_size
     targets = chunks[jax.lax.dynamic_slice(perm, (start,), (batch_size,))]
+  if causal:
+    return (next_token_inputs(targets).astype(jnp.int32), targets,
+            jnp.ones(targets.shape, jnp.float32))
   inputs, weights = mask_tokens(k_mask, targets,
                                 cfg.train_mask_rate or cfg.mask_rate,
                                 vocab_size, bert=cfg.corruption == "bert")

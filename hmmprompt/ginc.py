@@ -15,6 +15,7 @@ mixture's in-context prediction.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -224,6 +225,7 @@ def prompt(key, concepts_K: hmm_lib.HMM, memory_VxS: jax.Array,
   return {"tokens": symbols[:-1], "label": label, "concept": c}
 
 
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
 def prompts(key, concepts_K: hmm_lib.HMM, memory_VxS: jax.Array,
             protocol: str, num_examples: int, length: int, num: int) -> dict:
   """``num`` :func:`prompt` s stacked (``{"tokens": [num, T], ...}``)."""
@@ -232,14 +234,28 @@ def prompts(key, concepts_K: hmm_lib.HMM, memory_VxS: jax.Array,
                                        jax.random.split(key, num))
 
 
-def icl_accuracy(model: hmm_lib.HMM, batch: dict) -> dict:
-  """The exact ``model``'s in-context accuracy on :func:`prompts`, and the
-  share of prompts it finds impossible (counted wrong)."""
-  next_NxX, ll_N = jax.vmap(lambda t: predict(model, t))(batch["tokens"])
-  possible = jnp.isfinite(ll_N)
-  right = possible & (jnp.argmax(next_NxX, -1) == batch["label"])
+@jax.jit
+def predict_all(model: hmm_lib.HMM, prompts_NxT: jax.Array) -> jax.Array:
+  """``[N, X]``: :func:`predict`'s distribution after each prompt."""
+  return jax.vmap(lambda t: predict(model, t)[0])(prompts_NxT)
+
+
+def scores(next_NxX, labels_N) -> dict:
+  """Accuracy (an all-zero row, an impossible prompt, counts wrong), the
+  share of impossible prompts and the label's mean probability, from
+  next-symbol distributions ``[N, X]`` (any predictor's)."""
+  next_NxX, labels_N = np.asarray(next_NxX), np.asarray(labels_N)
+  possible = next_NxX.sum(-1) > 0
+  right = possible & (next_NxX.argmax(-1) == labels_N)
   return {"accuracy": float(right.mean()),
-          "impossible": float(1 - possible.mean())}
+          "impossible": float(1 - possible.mean()),
+          "label_prob": float(np.take_along_axis(
+              next_NxX, labels_N[:, None], -1).mean())}
+
+
+def icl_accuracy(model: hmm_lib.HMM, batch: dict) -> dict:
+  """The exact ``model``'s in-context :func:`scores` on :func:`prompts`."""
+  return scores(predict_all(model, batch["tokens"]), batch["label"])
 
 
 def icl_curve(key, concepts_K: hmm_lib.HMM, memory_VxS: jax.Array,

@@ -387,7 +387,8 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
       done += 1
       elapsed = time.perf_counter() - t0
       accs = [r.test_accuracy for r in lines]
-      bad = sum(not np.isfinite(r.final_loss) for r in lines)
+      bad = sum(not np.isfinite(getattr(r, "final_loss", 0.0))
+                for r in lines)
       count, timing = _progress(schedule, f"{mid.tag}-{i}", done, total,
                                 elapsed)
       logging.info(

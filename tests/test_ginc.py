@@ -127,6 +127,12 @@ def test_prompts_follow_gincs_layout_and_labels(released):
   tokens = np.asarray(batch["tokens"])
   assert tokens.shape == (20, (k + 1) * (length + 1) - 2)
   assert np.all(tokens[:, length::length + 1] == 0)
+  # The start slot is shared: one slot's column holds every example's
+  # first symbol (a random slot per example would not, but by chance).
+  memory = np.asarray(r["memory"])
+  for row in tokens:
+    firsts = row[::length + 1]
+    assert any(set(firsts) <= set(memory[:, s]) for s in range(1, 10))
   # The label, recomputed: the predictive after x from a uniform start
   # over one slot's states, for each slot whose states can emit x's first
   # symbol (the prompt's start slot is among them).

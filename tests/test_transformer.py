@@ -545,3 +545,18 @@ def test_a_causal_model_reads_no_later_position(query):
                       for x in (a, b))
     same = np.array_equal(np.asarray(out_a), np.asarray(out_b))
     assert same != moved, c.causal
+
+
+def test_a_causal_models_logits_have_zero_gradient_in_later_inputs():
+  """``d logits[t] / d embedding[s]`` is exactly zero for every ``s > t``
+  (and not for ``s <= t``): no path from a later token, prefix keys aside."""
+  cfg = dataclasses.replace(TINY.model, causal=True, num_layers=2)
+  params = transformer.init_params(jax.random.PRNGKey(1), cfg)
+  mlm = transformer.MLM(cfg)
+  emb = mlm.apply(params, jnp.array([[1, 2, 3, 4, 5, 6]]),
+                  method=transformer.MLM.embed)
+  jac = jax.jacrev(lambda e: mlm.apply(params, e, method=transformer.MLM.encode)
+                   )(emb)  # [1, T, V, 1, T, D]
+  reach = np.abs(np.asarray(jac)[0, :, :, 0]).sum((1, 3))  # [t, s]
+  later = np.triu(np.ones_like(reach, bool), 1)
+  assert np.all(reach[later] == 0) and np.all(reach[~later] > 0)

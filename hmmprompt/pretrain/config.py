@@ -73,6 +73,9 @@ class PretrainConfig:
     if self.state_loss < 0 or self.state_loss_steps < 0:
       raise ValueError("PretrainConfig.state_loss and state_loss_steps must "
                        "be >= 0")
+    if self.state_loss and self.model.causal:
+      raise ValueError("PretrainConfig.state_loss is for the masked LM; "
+                       "model.causal is set")
     if self.fallback_layers and not (
         isinstance(self.fallback_layers, int)
         and self.fallback_layers > self.model.num_layers

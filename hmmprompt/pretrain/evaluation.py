@@ -1,5 +1,6 @@
 """Held-out quality at ``MASK``ed positions: the model's CE ``mlm_ce``, the
-exact conditionals' ``bayes_ce`` (:func:`hmm.conditionals`), their TV."""
+exact conditionals' ``bayes_ce`` (:func:`hmm.conditionals`), their TV; a
+causal model's at every position, to ``P[X_t | x_<t]``."""
 
 import functools
 from typing import NamedTuple
@@ -33,9 +34,16 @@ def _exact_conditionals(hmm, inputs_NxT, method: str):
 
 def validation_set(key, model: generative.Model,
                    cfg: PretrainConfig) -> ValidationSet:
-  """Held-out sequences of the context length, ``MASK``-only masking."""
+  """Held-out sequences of the context length, ``MASK``-only masking (a
+  causal model: :func:`corpus.next_token_inputs`, every position)."""
   seqs = corpus_lib.sample_sequences(key, model, cfg.corpus.val_seqs,
                                      cfg.corpus.chunk_len)
+  if cfg.model.causal:
+    hmm = generative.as_hmm(model)
+    return ValidationSet(
+        corpus_lib.next_token_inputs(seqs), seqs, jnp.ones(seqs.shape),
+        jax.jit(jax.vmap(hmm_lib.token_next_conditionals, in_axes=(None, 0)))(
+            hmm, seqs))
   inputs, weights = corpus_lib.mask_tokens(
       jax.random.fold_in(key, 1), seqs, cfg.corpus.mask_rate,
       cfg.model.vocab_size, bert=False)

@@ -234,18 +234,20 @@ def _run_trials(workdir, cfg, models_K, log, after_step,
   return finals, states, deeps
 
 
-def _draw_K(corpus_cfg, batch_size: int, vocab_size: int, fresh: bool):
+def _draw_K(corpus_cfg, batch_size: int, vocab_size: int, fresh: bool,
+            causal: bool):
   """:func:`corpus.batch_at` vmapped over K trials (unjitted)."""
   return jax.vmap(functools.partial(corpus_lib.batch_at, cfg=corpus_cfg,
                                     batch_size=batch_size,
-                                    vocab_size=vocab_size),
+                                    vocab_size=vocab_size, causal=causal),
                   in_axes=(0, None, 0, None if fresh else 0))
 
 
 @functools.lru_cache(maxsize=16)
-def _batch_fn(corpus_cfg, batch_size: int, vocab_size: int, fresh: bool, mesh):
+def _batch_fn(corpus_cfg, batch_size: int, vocab_size: int, fresh: bool,
+              causal: bool, mesh):
   """The jitted ``[K]`` batch draw, kept across runs as the train step."""
-  return jax.jit(_draw_K(corpus_cfg, batch_size, vocab_size, fresh),
+  return jax.jit(_draw_K(corpus_cfg, batch_size, vocab_size, fresh, causal),
                  out_shardings=sharding_lib.trial_batch_sharded(mesh))
 
 
@@ -253,7 +255,8 @@ def _batch_fn(corpus_cfg, batch_size: int, vocab_size: int, fresh: bool, mesh):
 def _window_fn(cfg: PretrainConfig, window: int, fresh: bool, mesh):
   """The jitted draw of ``window`` steps' ``[K]`` batches ``[N, K, ...]``,
   bit for bit :func:`_batch_fn`'s, exact targets (one scan) for tokens."""
-  draw = _draw_K(cfg.corpus, cfg.batch_size, cfg.model.vocab_size, fresh)
+  draw = _draw_K(cfg.corpus, cfg.batch_size, cfg.model.vocab_size, fresh,
+                 cfg.model.causal)
   targets = jax.vmap(jax.vmap(functools.partial(train.loss_targets, cfg)),
                      in_axes=(None, 0, 0, 0))
   def window_at(keys_K, first, models_K, chunks_K, hmms_K):
@@ -351,7 +354,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
       [corpus_lib.build_chunks(keys.corpus[k], generative.trial(models_K, k),
                                cfg.corpus) for k in range(num)]))
   get_batch = _batch_fn(cfg.corpus, cfg.batch_size, cfg.model.vocab_size,
-                        chunks is None, mesh)
+                        chunks is None, cfg.model.causal, mesh)
   train_step = train.make_train_step(cfg, mesh)
   window = train.exact_window(cfg)
   get_window = (_window_fn(cfg, window, chunks is None, mesh) if window > 1

@@ -112,10 +112,14 @@ def targets_ahead(inputs, tokens) -> bool:
 
 def loss_targets(cfg: PretrainConfig, hmm, inputs_BxT, tokens_BxT, weights_BxT):
   """The true tokens ``[B, T]``, or (``cfg.targets == "exact"``) their
-  exact conditionals ``[B, T, V]`` given the inputs under ``hmm``, unless
+  exact conditionals ``[B, T, V]`` given the inputs under ``hmm`` (causal:
+  given the tokens before), unless
   passed in place of the tokens (computed ahead: :func:`exact_window`)."""
   if cfg.targets == "sampled" or targets_ahead(inputs_BxT, tokens_BxT):
     return tokens_BxT
+  if cfg.model.causal:  # P[X_t | x_<t]: the forward scan alone
+    return jax.lax.stop_gradient(jax.vmap(
+        hmm_lib.token_next_conditionals, in_axes=(None, 0))(hmm, tokens_BxT))
   exact = functools.partial(corpus_lib.exact_targets, method=(
       hmm_lib.resolve_method(cfg.exact_method, inputs_BxT.shape[-1])))
   return jax.lax.stop_gradient(jax.vmap(exact, in_axes=(None, 0, 0))(

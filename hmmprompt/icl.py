@@ -1,0 +1,442 @@
+"""In-context learning on GINC (docs/icl.md; ``python -m experiments.icl``):
+GINC's prompts scored by the exact mixture of its concepts (the
+Bayes-optimal predictor, with exact zeros and smoothed) and by causal
+transformers pretrained on the mixture's text, one per seed, on the same
+prompts; lines in DIR/icl.jsonl (:class:`IclLine`), the sweep's resume
+loop (:func:`protocol.run_stacks`)."""
+
+import dataclasses
+import functools
+import json
+import os
+import time
+from typing import Any, cast
+from collections.abc import Mapping
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hmmprompt import config_flags
+from hmmprompt import files as files_lib
+from hmmprompt import generative
+from hmmprompt import ginc as ginc_lib
+from hmmprompt import hmm as hmm_lib
+from hmmprompt import identity as identity_lib
+from hmmprompt import pretrain as pretrain_lib
+from hmmprompt import protocol
+from hmmprompt import scheduling
+from hmmprompt import validation
+from hmmprompt.backbones import transformer
+
+LAYOUT = 1  # bumped when a line's meaning changes for the same setup
+CONCEPTS = ("released", "drawn")
+RELEASED = os.path.join("..", "shared", "ginc", "ginc_hmms.npz")
+_PROMPT_STREAM = 7_000  # prompts: fold_in(root, this), then their cell
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IclSetup:
+  """Everything that decides the lines besides their keys.
+
+  Attributes:
+    seeds: causal transformers, trial ``k`` pretrained with ``pretrain.seed
+      + k``: its own draw of the mixture's text.
+    lengths: example lengths (symbols an example has before its delimiter).
+    examples: ``k``, the examples before the test one.
+    protocols: :data:`ginc_lib.PROTOCOLS`.
+    prompts: prompts a ``(protocol, length, k)`` cell has, the same for
+      every backbone and seed.
+    smoothings: the exact backbone's transition smoothings
+      (:func:`ginc_lib.smoothed`; 0: the exact zeros).
+    context: the longest prompt the exact backbone scores (GINC's 1024);
+      the transformers score those within ``pretrain.model.max_len``.
+    concepts: ``"released"`` (GINC's, from ``released_path``) or
+      ``"drawn"`` (:func:`ginc_lib.concepts` of ``ginc`` under ``seed``).
+    pretrain: the transformers' recipe (``model.causal``, the vocabulary
+      GINC's symbols).
+    seed: root of the prompts (and of drawn concepts).
+    released_path: runtime: where GINC's released HMMs are.
+  """
+
+  seeds: int
+  lengths: tuple[int, ...] = (3, 5, 8, 10)
+  examples: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32, 64)
+  protocols: tuple[str, ...] = ginc_lib.PROTOCOLS
+  prompts: int = 500
+  smoothings: tuple[float, ...] = (0.0, 1e-6)
+  context: int = 1024
+  concepts: str = "released"
+  ginc: ginc_lib.GincConfig = ginc_lib.GincConfig()
+  pretrain: pretrain_lib.PretrainConfig
+  seed: int = 0
+  released_path: str = identity_lib.runtime(RELEASED)
+
+  def __post_init__(self):
+    validation.require_choices(self, concepts=CONCEPTS)
+    validation.require_positive(self, "seeds", "prompts", "context")
+    for p in self.protocols:
+      validation.one_of("IclSetup.protocols", p, ginc_lib.PROTOCOLS)
+    if not self.lengths or min(self.lengths) < 2:
+      raise ValueError(f"IclSetup.lengths must be >= 2 (an example's x and "
+                       f"its label), got {self.lengths}")
+    if not self.examples or min(self.examples) < 0:
+      raise ValueError(f"IclSetup.examples must be >= 0, got {self.examples}")
+    if any(not 0 <= e < 1 for e in self.smoothings):
+      raise ValueError(f"IclSetup.smoothings must be in [0, 1), got "
+                       f"{self.smoothings}")
+    model = self.pretrain.model
+    if not model.causal:
+      raise ValueError("IclSetup.pretrain.model.causal must be set: GINC's "
+                       "models read left to right")
+    if model.vocab_size != self.ginc.num_symbols:
+      raise ValueError(f"IclSetup.pretrain.model.vocab_size = "
+                       f"{model.vocab_size} must be GINC's num_symbols = "
+                       f"{self.ginc.num_symbols}")
+
+  def identity(self) -> dict:
+    """What DIR/icl.json records: every result-deciding field."""
+    return json.loads(json.dumps({**identity_lib.identity(self),
+                                  "layout": LAYOUT}))
+
+  def fingerprint(self) -> str:
+    """12 hex digits keying the lines: :meth:`identity` without what
+    decides which lines there are."""
+    return identity_lib.fingerprint({
+        k: v for k, v in self.identity().items()
+        if k not in ("seeds", "lengths", "examples", "protocols",
+                     "smoothings", "context")})
+
+  def fits(self, length: int, k: int, backbone: str) -> bool:
+    """Whether a prompt of ``k`` examples of ``length`` is scored by
+    ``backbone`` (the transformer reads a start symbol before it)."""
+    size = prompt_len(length, k) + (backbone == "transformer")
+    return size <= (self.pretrain.model.max_len if backbone == "transformer"
+                    else self.context)
+
+
+def prompt_len(length: int, k: int) -> int:
+  """Symbols in a prompt (:func:`ginc_lib.prompt`)."""
+  return (k + 1) * (length + 1) - 2
+
+
+def _tiny() -> IclSetup:
+  """Seconds: tests and smoke runs (2 drawn concepts of 12 states)."""
+  small = ginc_lib.GincConfig(num_values=3, num_slots=4, num_symbols=8,
+                          num_concepts=4)
+  return IclSetup(
+      seeds=2, lengths=(3, 5), examples=(0, 1, 4), prompts=16,
+      concepts="drawn", ginc=small, context=64,
+      pretrain=pretrain_lib.configure(
+          "tiny", small.num_symbols, context=32, model={"causal": True},
+          targets="exact"))
+
+
+def _cpu() -> IclSetup:
+  """2 cores in about an hour: GINC's released concepts, 5 transformers of
+  CPU width at context 256 (GINC's 1024 cut: docs/icl.md)."""
+  return IclSetup(seeds=5, smoothings=(0.0, 1e-6, 1e-3),
+                  pretrain=pretrain_lib.configure(
+      "cpu", 50, context=256, model={"causal": True, "pos_init": "sinusoid"},
+      corpus={"val_seqs": 64}, optimizer="muon", lr=1e-2, warmup_steps=100,
+      batch_size=32, steps=1500, cycles=None, target_gap=None,
+      eval_every=250, ckpt_every=250, trials_per_vmap=0))
+
+
+PRESETS = {"tiny": _tiny, "cpu": _cpu}
+
+
+def get_setup(preset: str = "cpu", overrides: Mapping[str, Any] | None = None,
+              **fields) -> IclSetup:
+  """The named preset with overrides (:func:`config_flags.from_preset`)."""
+  return config_flags.from_preset(PRESETS, preset, overrides, **fields)
+
+
+def load_concepts(setup: IclSetup) -> hmm_lib.HMM:
+  """The in-distribution concepts ``[K]`` the pretraining text mixes
+  (``FileNotFoundError`` naming a missing released file)."""
+  if setup.concepts == "drawn":
+    concepts, _ = ginc_lib.concepts(jax.random.PRNGKey(setup.seed), setup.ginc)
+    half = setup.ginc.num_concepts // 2
+    return jax.tree.map(lambda x: x[:max(half, 1)], concepts)
+  if not os.path.exists(setup.released_path):
+    raise FileNotFoundError(
+        f"GINC's released HMMs are not at {setup.released_path} (set "
+        f"--config.released_path, or --config.concepts=drawn)")
+  return ginc_lib.load_released(setup.released_path)["id"]
+
+
+def memory_of(concepts_K: hmm_lib.HMM, setup: IclSetup) -> jax.Array:
+  """``int [V, S]``: the memory matrix the concepts' emissions read."""
+  symbols = jnp.argmax(concepts_K.emission[0], -1)
+  return symbols.reshape(setup.ginc.num_values, setup.ginc.num_slots)
+
+
+@dataclasses.dataclass(frozen=True)
+class IclLine(files_lib.Line):
+  """One backbone variant (a smoothing of the exact mixture, or a seed's
+  transformer) on one cell's prompts, keyed by ``KEY_FIELDS``."""
+
+  backbone: str  # exact | transformer
+  variant: str  # exact: its smoothing ("0", "1e-06"); transformer: seed "k"
+  protocol: str
+  length: int
+  examples: int
+  setup: str
+  hmm_fingerprint: str  # the mixture's (generative.model_fingerprint)
+  test_accuracy: float  # argmax right; an impossible prompt counts wrong
+  impossible: float  # the share of prompts of probability 0 (exact only)
+  label_prob: float  # the mean probability of the label
+  ce_gap: float  # transformer: its held-out next-symbol CE gap; exact: 0
+  prompts: int
+  seconds: float  # the cell's program
+
+  KEY_FIELDS = ("backbone", "variant", "protocol", "length", "examples",
+                "setup")
+  WHAT = "icl line"
+
+
+def lines_path(workdir: str) -> str:
+  return os.path.join(workdir, "icl.jsonl")
+
+
+def read_icl_lines(workdir: str) -> list[IclLine]:
+  """The lines of DIR/icl.jsonl; ``ValueError`` naming a bad one."""
+  return files_lib.read_lines(lines_path(workdir), IclLine)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backbone:
+  """A stack of :func:`protocol.run_stacks`: one backbone, all its variants."""
+
+  tag: str  # exact | transformer
+  size: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """One backbone on one protocol and example length: one append."""
+
+  backbone: str
+  protocol: str
+  length: int
+
+  def __str__(self) -> str:
+    return f"{self.protocol} length {self.length}"
+
+  def variants(self, setup: IclSetup) -> list[str]:
+    return ([str(e) for e in setup.smoothings] if self.backbone == "exact"
+            else [str(k) for k in range(setup.seeds)])
+
+  def keys(self, setup: IclSetup) -> dict[tuple, tuple]:
+    """``{(variant, k): key}`` of the lines this group writes."""
+    fp = setup.fingerprint()
+    return {(v, k): (self.backbone, v, self.protocol, self.length, k, fp)
+            for v in self.variants(setup) for k in setup.examples
+            if setup.fits(self.length, k, self.backbone)}
+
+
+def plan(setup: IclSetup) -> dict[Backbone, list[Group]]:
+  """The groups by backbone, exact first."""
+  return {Backbone(b): [Group(b, p, n) for p in setup.protocols
+                        for n in setup.lengths]
+          for b in ("exact", "transformer")}
+
+
+def check_workdir(workdir: str, setup: IclSetup) -> None:
+  """Stamps DIR/icl.json (``ValueError`` if it holds another setup's)."""
+  files_lib.stamp(os.path.join(workdir, "icl.json"), setup.identity(),
+                  "icl setup", defaults=identity_lib.added_defaults(setup))
+
+
+def cell_prompts(setup: IclSetup, concepts_K: hmm_lib.HMM, protocol_name: str,
+                 length: int, k: int) -> dict:
+  """The cell's :func:`ginc_lib.prompts`, a pure function of its coordinates."""
+  key = jax.random.fold_in(jax.random.PRNGKey(setup.seed), _PROMPT_STREAM)
+  cell = ginc_lib.PROTOCOLS.index(protocol_name) * 1_000_000 + 1000 * length + k
+  return ginc_lib.prompts(jax.random.fold_in(key, cell), concepts_K,
+                      memory_of(concepts_K, setup), protocol_name, k, length,
+                      setup.prompts)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def next_symbol(model_cfg: transformer.MLMConfig, params_K, tokens_NxT):
+  """``[K, N, V]``: each stacked causal model's next-symbol distribution
+  after each prompt (read after a start-of-text ``MASK``)."""
+  bos = jnp.full_like(tokens_NxT[:, :1], hmm_lib.MASK)
+  inputs = jnp.concatenate([bos, tokens_NxT], 1)
+  logits = lambda p: cast(jax.Array, transformer.MLM(model_cfg).apply(
+      p, inputs))
+  return jax.vmap(lambda p: jax.nn.softmax(logits(p)[:, -1], -1))(params_K)
+
+
+_BATCH = 100  # prompts a transformer reads at a time (attention memory)
+
+
+def _renamed(s: dict) -> dict:
+  return {"test_accuracy": s.pop("accuracy"), **s}
+
+
+def score_group(setup: IclSetup, g: Group, stack: dict) -> list[IclLine]:
+  """``g``'s lines: every variant on every fitting ``k``'s prompts."""
+  out = []
+  for k in setup.examples:
+    if not setup.fits(g.length, k, g.backbone):
+      continue
+    t0 = time.perf_counter()
+    batch = cell_prompts(setup, stack["concepts"], g.protocol, g.length, k)
+    labels = np.asarray(batch["label"])
+    if g.backbone == "exact":
+      rows = [ginc_lib.predict_all(ginc_lib.smoothed(stack["mixture"], eps),
+                                   batch["tokens"]) for eps in setup.smoothings]
+      gaps = [0.0] * len(rows)
+    else:
+      tokens = batch["tokens"]
+      rows = list(np.concatenate([np.asarray(next_symbol(
+          stack["model_cfg"], stack["params"], tokens[i:i + _BATCH]))
+                                  for i in range(0, len(labels), _BATCH)], 1))
+      gaps = stack["ce_gaps"]
+    seconds = time.perf_counter() - t0
+    out += [IclLine(
+        backbone=g.backbone, variant=v, protocol=g.protocol, length=g.length,
+        examples=k, setup=setup.fingerprint(),
+        hmm_fingerprint=stack["fingerprint"], **_renamed(ginc_lib.scores(
+            row, labels)),
+        ce_gap=float(gap), prompts=setup.prompts, seconds=seconds)
+            for v, row, gap in zip(g.variants(setup), rows, gaps)]
+  return out
+
+
+def pretrain_dir(workdir: str, setup: IclSetup, fingerprint: str) -> str:
+  """``DIR/pretrain/ginc-<8 hex digits>``: the recipe, concepts and seed."""
+  fp = identity_lib.fingerprint(
+      {"pretrain": setup.pretrain.identity(), "mixture": fingerprint,
+       "state_layout": protocol.PRETRAIN_DIR_VERSION}, digits=8)
+  return os.path.join(workdir, "pretrain", f"ginc-{fp}")
+
+
+def prepare(workdir: str, setup: IclSetup, backbone: Backbone) -> dict:
+  """A backbone's stack: the concepts and mixture, and for the transformers
+  their pretraining (resumed, bit for bit) and final params."""
+  concepts = load_concepts(setup)
+  mix = ginc_lib.mixture(concepts)
+  stack: dict[str, Any] = {"concepts": concepts, "mixture": mix,
+                           "fingerprint": generative.model_fingerprint(mix)}
+  if backbone.tag == "transformer":
+    pdir = pretrain_dir(workdir, setup, stack["fingerprint"])
+    pretrain_lib.run_trials(pdir, setup.pretrain, generative.stack(
+        [mix] * setup.seeds), log=logging.info)
+    _, params, infos = pretrain_lib.load_trials(pdir)
+    stack.update(model_cfg=setup.pretrain.model, params=params,
+                 ce_gaps=[i.metrics.get("ce_gap", np.nan) for i in infos])
+  return stack
+
+
+def run_icl(setup: IclSetup, workdir: str,
+            schedule: scheduling.Schedule = scheduling.EVERYTHING
+            ) -> list[IclLine]:
+  """Runs the groups without lines in DIR/icl.jsonl; returns all lines.
+  ``ValueError``: the workdir holds another setup's."""
+  check_workdir(workdir, setup)
+  done = {line.key() for line in read_icl_lines(workdir)}
+  todo = protocol.missing(plan(setup), done, lambda g: g.keys(setup))
+  protocol.run_stacks(
+      todo, lambda b, groups: prepare(workdir, setup, b),
+      lambda g, stack: [r for r in score_group(setup, g, stack)
+                        if r.key() not in done],
+      lines_path(workdir), schedule)
+  return read_icl_lines(workdir)
+
+
+def summarize(lines: list[IclLine]) -> dict:
+  """``{(protocol, length, curve): {k: [accuracies], ...}}`` with the
+  curves ``"exact <smoothing>"`` and ``"transformer"`` (one accuracy per
+  seed), and ``("impossible", protocol, length)``: the exact mixture's
+  impossible share with exact zeros, per ``k``."""
+  out: dict[tuple, dict[int, list[float]]] = {}
+  for r in sorted(lines, key=lambda r: (r.protocol, r.length, r.examples)):
+    curve = (f"exact {r.variant}" if r.backbone == "exact"
+             else "transformer")
+    out.setdefault((r.protocol, r.length, curve), {}).setdefault(
+        r.examples, []).append(r.test_accuracy)
+    if r.backbone == "exact" and float(r.variant) == 0:
+      out.setdefault(("impossible", r.protocol, r.length), {})[r.examples] = [
+          r.impossible]
+  return out
+
+
+def markdown(summary: dict, gaps: list[float]) -> str:
+  """DIR/icl.md: per protocol, accuracy (%) against ``k``, a row per
+  (length, curve), the transformers' mean ± sd over seeds."""
+  ks = sorted({k for cells in summary.values() for k in cells})
+  out = ["# In-context learning on GINC", "",
+         "Accuracy (%) on GINC's prompts against k, the examples before the "
+         "test one: `exact <s>` is the mixture of the concepts with "
+         "transitions smoothed by s (0: the exact zeros; an impossible "
+         "prompt counts wrong), `transformer` the causal transformers' "
+         "mean ± sd over seeds (held-out next-symbol CE gaps to the Bayes "
+         f"CE: {', '.join(f'{g:.3f}' for g in gaps)} nats). A blank: the "
+         "prompt does not fit that backbone's context.", ""]
+  for proto in sorted({key[0] for key in summary} - {"impossible"}):
+    rows = []
+    for (p, length, curve), cells in sorted(summary.items(), key=str):
+      if p != proto:
+        continue
+      rows.append([length, curve] + [
+          "" if k not in cells else f"{100 * np.mean(cells[k]):.1f}" + (
+              f" ± {100 * np.std(cells[k]):.1f}" if len(cells[k]) > 1 else "")
+          for k in ks])
+    imp = [[length, "impossible (exact 0), %"] + [
+        f"{100 * cells[k][0]:.0f}" if k in cells else "" for k in ks]
+           for (tag, p, length), cells in sorted(summary.items(), key=str)
+           if tag == "impossible" and p == proto]
+    out += [f"## {proto}", ""] + files_lib.markdown_table(
+        ["length", "curve", *(f"k = {k}" for k in ks)], rows + imp) + [""]
+  return "\n".join(out)
+
+
+def write_plot(summary: dict, path: str) -> None:
+  """Accuracy against k (symlog x), a panel per protocol: a color per
+  example length, the smoothed exact mixture solid, the exact zeros dotted,
+  the transformers dashed with their seeds' spread."""
+  protos = sorted({key[0] for key in summary} - {"impossible"})
+  lengths = sorted({key[1] for key in summary if key[0] != "impossible"})
+  fig, axes = files_lib.pyplot().subplots(
+      1, len(protos), figsize=(5.5 * len(protos), 4), squeeze=False)
+  for ax, proto in zip(axes[0], protos):
+    for (p, length, curve), cells in summary.items():
+      if p != proto:
+        continue
+      ks = sorted(cells)
+      mean = np.asarray([100 * np.mean(cells[k]) for k in ks])
+      style = ("--s" if curve == "transformer" else
+               ":" if float(curve.split()[1]) == 0 else "-o")
+      color = f"C{lengths.index(length)}"
+      ax.plot(ks, mean, style, color=color, markersize=3,
+              label=f"length {length}: {curve}")
+      if curve == "transformer":
+        sd = np.asarray([100 * np.std(cells[k]) for k in ks])
+        ax.fill_between(ks, mean - sd, mean + sd, color=color, alpha=0.15)
+    ks = sorted({k for cells in summary.values() for k in cells})
+    ax.set(xscale="symlog", xlabel="k (examples in the prompt)",
+           ylabel="accuracy (%)", title=proto, ylim=(-2, 102), xticks=ks,
+           xticklabels=[str(k) for k in ks])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+  fig.tight_layout()
+  files_lib.atomic_write_png(path, fig, dpi=110)
+
+
+def write_report(workdir: str) -> str:
+  """Writes DIR/icl.md and .png from DIR/icl.jsonl; returns the former."""
+  lines = read_icl_lines(workdir)
+  summary = summarize(lines)
+  seeds = sorted({r.variant for r in lines if r.backbone == "transformer"})
+  gaps = [next(r.ce_gap for r in lines if r.backbone == "transformer"
+               and r.variant == s) for s in seeds]
+  text = markdown(summary, gaps)
+  files_lib.atomic_write_text(os.path.join(workdir, "icl.md"), text)
+  if summary:
+    write_plot(summary, os.path.join(workdir, "icl.png"))
+  return text

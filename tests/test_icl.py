@@ -1,0 +1,193 @@
+"""hmmprompt.icl and the causal LM's pretraining: the exact in-context
+predictor against brute force, the causal targets against the likelihood,
+stacked causal pretraining against separate runs, and the experiment end
+to end (resume, report, no NaN)."""
+
+import dataclasses
+import itertools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hmmprompt import corpus
+from hmmprompt import generative
+from hmmprompt import ginc
+from hmmprompt import hmm as hmm_lib
+from hmmprompt import icl
+from hmmprompt import pretrain
+from hmmprompt.pretrain import evaluation
+
+SMALL = ginc.GincConfig(num_values=3, num_slots=4, num_symbols=8,
+                        num_concepts=4)
+
+
+def _tiny_concepts(zeros: bool) -> hmm_lib.HMM:
+  """2 concepts of 3 states over 3 symbols: dense, or (``zeros``) each a
+  lazy cycle (one clockwise, one not) emitting its state's own symbol, so
+  that some prompts are impossible under both."""
+  if zeros:
+    eye, cycle = np.eye(3), np.roll(np.eye(3), 1, 1)
+    return hmm_lib.HMM(jnp.full((2, 3), 1 / 3), jnp.asarray(
+        [0.5 * eye + 0.5 * cycle, 0.5 * eye + 0.5 * cycle.T], jnp.float32),
+                       jnp.asarray([eye, eye], jnp.float32))
+  rng = np.random.default_rng(0)
+  x = rng.uniform(size=(3, 2, 3, 3)) + 0.05
+  x /= x.sum(-1, keepdims=True)
+  return hmm_lib.HMM(*(jnp.asarray(a, jnp.float32)
+                       for a in (x[0, :, 0], x[1], x[2])))
+
+
+def _brute_force(concepts, prompt):
+  """``(next [X], P(prompt))`` summing every concept's every hidden path of
+  ``T + 1`` states (the concepts apart: no mixture, no forward pass)."""
+  init, trans, emit = (np.asarray(a, np.float64) for a in concepts)
+  num, h = init.shape
+  joint = np.zeros(emit.shape[-1])
+  for c in range(num):
+    for path in itertools.product(range(h), repeat=len(prompt) + 1):
+      p = init[c, path[0]] / num
+      for t, x in enumerate(prompt):
+        p *= emit[c, path[t], x] * trans[c, path[t], path[t + 1]]
+      joint += p * emit[c, path[-1]]
+  return joint, joint.sum()
+
+
+@pytest.mark.parametrize("zeros", [False, True])
+def test_the_mixture_predictive_equals_brute_force_enumeration(zeros):
+  """:func:`ginc.predict` on the block-diagonal mixture equals summing
+  every path of every concept, prompt by prompt; an impossible prompt gives
+  zeros and ``-inf``, no NaN."""
+  concepts = _tiny_concepts(zeros)
+  mix = ginc.mixture(concepts)
+  prompts = np.asarray(list(itertools.product(range(3), repeat=4)))
+  nxt_all = np.asarray(ginc.predict_all(mix, jnp.asarray(prompts, jnp.int32)))
+  ll_all = np.asarray(jax.jit(jax.vmap(lambda t: ginc.predict(mix, t)[1]))(
+      jnp.asarray(prompts, jnp.int32)))
+  assert np.all(np.isfinite(nxt_all))
+  seen_impossible = False
+  for prompt, nxt, ll in zip(prompts, nxt_all, ll_all):
+    joint, total = _brute_force(concepts, prompt)
+    if total == 0:
+      seen_impossible = True
+      assert ll == -np.inf and np.all(nxt == 0)
+    else:
+      np.testing.assert_allclose(nxt, joint / total, atol=2e-5)
+      np.testing.assert_allclose(ll, np.log(total), rtol=1e-4)
+  assert seen_impossible == zeros
+
+
+def test_causal_targets_chain_to_the_documents_likelihood():
+  """A causal model's held-out set reads ``[MASK, x_0, ..]`` at every
+  position, and its exact targets chain to the likelihood: ``sum_t -log
+  P[x_t | x_<t] = -log P(x)`` (forward-backward's, computed apart); the
+  training batch is shifted the same way."""
+  concepts, _ = ginc.concepts(jax.random.PRNGKey(1), SMALL)
+  mix = ginc.mixture(jax.tree.map(lambda x: x[:2], concepts))
+  cfg = pretrain.configure("tiny", SMALL.num_symbols,
+                           model={"causal": True}, targets="exact")
+  val = evaluation.validation_set(jax.random.PRNGKey(2), mix, cfg)
+  seqs = np.asarray(val.targets)
+  assert np.all(np.asarray(val.inputs)[:, 0] == hmm_lib.MASK)
+  np.testing.assert_array_equal(np.asarray(val.inputs)[:, 1:], seqs[:, :-1])
+  assert np.all(np.asarray(val.weights) == 1)
+  chained = -np.log(np.take_along_axis(np.asarray(val.exact, np.float64),
+                                       seqs[..., None], -1)[..., 0]).sum(-1)
+  ll = np.asarray(jax.vmap(lambda t: hmm_lib.log_likelihood(mix, t))(
+      val.targets))
+  np.testing.assert_allclose(chained, -ll, rtol=1e-4)
+  inputs, tokens, weights = corpus.batch_at(
+      jax.random.PRNGKey(3), 0, mix, None, cfg.corpus, 4, SMALL.num_symbols,
+      causal=True)
+  np.testing.assert_array_equal(np.asarray(inputs)[:, 1:],
+                                np.asarray(tokens)[:, :-1])
+  assert np.all(np.asarray(inputs)[:, 0] == hmm_lib.MASK)
+  assert np.all(np.asarray(weights) == 1)
+
+
+@pytest.mark.slow  # three pretraining runs (~15 s)
+@pytest.mark.default_compiler
+def test_stacked_causal_pretraining_equals_separate_runs(tmp_path):
+  """Two stacked causal LMs on a GINC mixture equal the two runs alone bit
+  for bit (trial 1 with seed + 1), and their CE gap falls."""
+  concepts, _ = ginc.concepts(jax.random.PRNGKey(1), SMALL)
+  mix = ginc.mixture(jax.tree.map(lambda x: x[:2], concepts))
+  cfg = pretrain.configure("tiny", SMALL.num_symbols, model={"causal": True},
+                           targets="exact", steps=20, eval_every=10)
+  stacked = generative.stack([mix, mix])
+  final = pretrain.run_trials(str(tmp_path / "both"), cfg, stacked,
+                              log=lambda s: None)
+  _, params_k, _ = pretrain.load_trials(str(tmp_path / "both"))
+  for k in range(2):
+    alone = str(tmp_path / f"alone{k}")
+    m = pretrain.run(alone, dataclasses.replace(cfg, seed=cfg.seed + k), mix,
+                     log=lambda s: None)
+    assert m["ce_gap"] == final[k]["ce_gap"]
+    for a, b in zip(jax.tree.leaves(params_k),
+                    jax.tree.leaves(pretrain.load_backbone(alone)[1])):
+      np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b))
+  with open(os.path.join(alone, "metrics.jsonl")) as f:
+    gaps = [json.loads(line)["ce_gap"] for line in f if "ce_gap" in line]
+  assert gaps[-1] < gaps[0]
+
+
+def _setup(**kw) -> icl.IclSetup:
+  tiny = icl.get_setup("tiny")
+  return dataclasses.replace(tiny, lengths=(3,), examples=(0, 2, 12),
+                             prompts=8, pretrain=tiny.pretrain.with_overrides(
+                                 steps=10, eval_every=10), **kw)
+
+
+@pytest.mark.slow  # a pretraining and two backbones' cells (~20 s)
+def test_the_experiment_runs_resumes_and_reports(tmp_path):
+  """Every planned line is written once (the prompt of 12 examples only
+  for the exact backbone: it is past the transformer's context); the exact
+  lines are :func:`ginc.icl_accuracy` of the cell's prompts; nothing is NaN;
+  a rerun adds nothing; another setup's workdir is refused."""
+  setup, workdir = _setup(), str(tmp_path)
+  lines = icl.run_icl(setup, workdir)
+  keys = {r.key() for r in lines}
+  assert len(keys) == len(lines) == sum(
+      len(g.keys(setup)) for gs in icl.plan(setup).values() for g in gs)
+  assert not any(r.backbone == "transformer" and r.examples == 12
+                 for r in lines)
+  assert {r.examples for r in lines if r.backbone == "exact"} == {0, 2, 12}
+  mix = ginc.mixture(icl.load_concepts(setup))
+  for r in lines:
+    assert all(np.isfinite([r.test_accuracy, r.impossible, r.label_prob,
+                            r.ce_gap]))
+    assert r.test_accuracy <= 1 - r.impossible
+    if r.backbone == "exact":
+      want = ginc.icl_accuracy(ginc.smoothed(mix, float(r.variant)),
+                               icl.cell_prompts(setup, icl.load_concepts(
+                                   setup), r.protocol, r.length, r.examples))
+      assert (r.test_accuracy, r.impossible) == (want["accuracy"],
+                                                 want["impossible"])
+    else:
+      assert r.impossible == 0 and r.ce_gap > 0
+  assert any(r.impossible > 0 for r in lines)  # exact zeros at k = 12
+  assert icl.run_icl(setup, workdir) == lines
+  text = icl.write_report(workdir)
+  assert "ID_sample" in text and "transformer" in text
+  assert os.path.exists(os.path.join(workdir, "icl.png"))
+  with pytest.raises(ValueError, match="prompts"):
+    icl.run_icl(dataclasses.replace(setup, prompts=9), workdir)
+
+
+def test_bad_setups_are_refused_by_name():
+  tiny = icl.get_setup("tiny")
+  with pytest.raises(ValueError, match="causal"):
+    dataclasses.replace(tiny, pretrain=tiny.pretrain.with_overrides(
+        model=dataclasses.replace(tiny.pretrain.model, causal=False)))
+  with pytest.raises(ValueError, match="vocab_size"):
+    dataclasses.replace(tiny, ginc=ginc.GincConfig())
+  with pytest.raises(ValueError, match="lengths"):
+    dataclasses.replace(tiny, lengths=(1,))
+  with pytest.raises(ValueError, match="protocol"):
+    dataclasses.replace(tiny, protocols=("ID",))
+  with pytest.raises(FileNotFoundError, match="released_path"):
+    icl.load_concepts(dataclasses.replace(
+        icl.get_setup("cpu"), released_path="/nonexistent/ginc.npz"))
