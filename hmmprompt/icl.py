@@ -153,18 +153,20 @@ def get_setup(preset: str = "cpu", overrides: Mapping[str, Any] | None = None,
   return config_flags.from_preset(PRESETS, preset, overrides, **fields)
 
 
-def load_concepts(setup: IclSetup) -> hmm_lib.HMM:
-  """The in-distribution concepts ``[K]`` the pretraining text mixes
+def load_concepts(setup: IclSetup, kind: str = "id") -> hmm_lib.HMM:
+  """The concepts ``[K]``: ``"id"``, those the pretraining text mixes, or
+  ``"ood"``, the held-out ones GINC's ``OOD_sample`` labels come from
   (``FileNotFoundError`` naming a missing released file)."""
   if setup.concepts == "drawn":
     concepts, _ = ginc_lib.concepts(jax.random.PRNGKey(setup.seed), setup.ginc)
-    half = setup.ginc.num_concepts // 2
-    return jax.tree.map(lambda x: x[:max(half, 1)], concepts)
+    half = max(setup.ginc.num_concepts // 2, 1)
+    return jax.tree.map(lambda x: x[:half] if kind == "id" else x[half:],
+                        concepts)
   if not os.path.exists(setup.released_path):
     raise FileNotFoundError(
         f"GINC's released HMMs are not at {setup.released_path} (set "
         f"--config.released_path, or --config.concepts=drawn)")
-  return ginc_lib.load_released(setup.released_path)["id"]
+  return ginc_lib.load_released(setup.released_path)[kind]
 
 
 def memory_of(concepts_K: hmm_lib.HMM, setup: IclSetup) -> jax.Array:
@@ -250,14 +252,17 @@ def check_workdir(workdir: str, setup: IclSetup) -> None:
                   "icl setup", defaults=identity_lib.added_defaults(setup))
 
 
-def cell_prompts(setup: IclSetup, concepts_K: hmm_lib.HMM, protocol_name: str,
+def cell_prompts(setup: IclSetup, concepts: dict, protocol_name: str,
                  length: int, k: int) -> dict:
-  """The cell's :func:`ginc_lib.prompts`, a pure function of its coordinates."""
+  """The cell's :func:`ginc.prompts`, a pure function of its coordinates:
+  ``ID_sample`` from ``concepts["id"]``, ``OOD_sample`` labelled by
+  ``concepts["ood"]`` (GINC's ``hmms=ood_hmms``)."""
   key = jax.random.fold_in(jax.random.PRNGKey(setup.seed), _PROMPT_STREAM)
   cell = ginc_lib.PROTOCOLS.index(protocol_name) * 1_000_000 + 1000 * length + k
-  return ginc_lib.prompts(jax.random.fold_in(key, cell), concepts_K,
-                      memory_of(concepts_K, setup), protocol_name, k, length,
-                      setup.prompts)
+  source = concepts["id" if protocol_name == "ID_sample" else "ood"]
+  return ginc_lib.prompts(jax.random.fold_in(key, cell), source,
+                          memory_of(source, setup), protocol_name, k, length,
+                          setup.prompts)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -319,8 +324,8 @@ def pretrain_dir(workdir: str, setup: IclSetup, fingerprint: str) -> str:
 def prepare(workdir: str, setup: IclSetup, backbone: Backbone) -> dict:
   """A backbone's stack: the concepts and mixture, and for the transformers
   their pretraining (resumed, bit for bit) and final params."""
-  concepts = load_concepts(setup)
-  mix = ginc_lib.mixture(concepts)
+  concepts = {kind: load_concepts(setup, kind) for kind in ("id", "ood")}
+  mix = ginc_lib.mixture(concepts["id"])
   stack: dict[str, Any] = {"concepts": concepts, "mixture": mix,
                            "fingerprint": generative.model_fingerprint(mix)}
   if backbone.tag == "transformer":

@@ -155,15 +155,16 @@ def test_the_experiment_runs_resumes_and_reports(tmp_path):
   assert not any(r.backbone == "transformer" and r.examples == 12
                  for r in lines)
   assert {r.examples for r in lines if r.backbone == "exact"} == {0, 2, 12}
-  mix = ginc.mixture(icl.load_concepts(setup))
+  concepts = {kind: icl.load_concepts(setup, kind) for kind in ("id", "ood")}
+  mix = ginc.mixture(concepts["id"])
   for r in lines:
     assert all(np.isfinite([r.test_accuracy, r.impossible, r.label_prob,
                             r.ce_gap]))
     assert r.test_accuracy <= 1 - r.impossible
     if r.backbone == "exact":
       want = ginc.icl_accuracy(ginc.smoothed(mix, float(r.variant)),
-                               icl.cell_prompts(setup, icl.load_concepts(
-                                   setup), r.protocol, r.length, r.examples))
+                               icl.cell_prompts(setup, concepts, r.protocol,
+                                                r.length, r.examples))
       assert (r.test_accuracy, r.impossible) == (want["accuracy"],
                                                  want["impossible"])
     else:
