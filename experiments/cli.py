@@ -216,28 +216,23 @@ def define_distributed_flags() -> Callable[[], None]:
 
 def study_main(study, run: Callable, write_report: Callable, **outputs: str
                ) -> Callable:
-  """A study's ``main`` with ``--preset``, ``--config.<path>``,
-  ``--workdir`` and ``--print_config``: ``study`` has ``PRESETS``,
-  ``get_setup`` and ``check_workdir``; ``run(setup, workdir)``, then
-  ``write_report(workdir)`` printed; ``outputs``: name -> file under DIR."""
+  """A study's ``main`` (``--preset``, ``--config.<path>``, ``--workdir``,
+  ``--print_config``) over ``study.{PRESETS,get_setup,check_workdir}``."""
   preset = flags.DEFINE_enum("preset", "cpu", list(study.PRESETS),
                              "config preset; --config.<path> overrides it")
   config = define_config(study.PRESETS["cpu"]())
-  workdir_flag = flags.DEFINE_string("workdir", None, "output; a rerun resumes")
-  print_config_flag = define_print_config()
+  print_it = define_print_config()
+  workdir = flags.DEFINE_string("workdir", None, "output; a rerun resumes")
 
   @one_line_errors
   def main(argv):
-    t0, workdir = start(argv, workdir=workdir_flag.value), workdir_flag.value
+    t0, out = start(argv, workdir=workdir.value), workdir.value
     with usage_errors():
       setup = study.get_setup(preset.value, config.value())
-      if print_config_flag.value:
+      if print_it.value:
         return print_config(setup)
-      make_dir(workdir)
-      study.check_workdir(workdir, setup)
-    run(setup, workdir)
-    print(write_report(workdir))
-    done(t0, **{name: os.path.join(workdir, file)
-                for name, file in outputs.items()})
-
+      study.check_workdir(make_dir(out), setup)
+    run(setup, out)
+    print(write_report(out))
+    done(t0, **{k: os.path.join(out, f) for k, f in outputs.items()})
   return main

@@ -1,10 +1,6 @@
-"""In-context learning on GINC (docs/icl.md): the exact mixture of GINC's
-concepts and causal transformers pretrained on its text, on GINC's prompts.
+"""In-context learning on GINC, exact and pretrained (docs/icl.md).
 
   python -m experiments.icl --preset=cpu --workdir=DIR
-
-Often set: --config.seeds, --config.lengths, --config.examples,
---config.prompts, --config.smoothings; --helpfull lists all of them.
 """
 
 from absl import app
@@ -16,6 +12,5 @@ from hmmprompt import icl
 main = cli.study_main(icl, icl.run_icl, icl.write_report,
                       results="icl.jsonl", table="icl.md", plot="icl.png")
 flags.adopt_module_key_flags(cli)
-
 if __name__ == "__main__":
   app.run(main)

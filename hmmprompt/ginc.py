@@ -256,24 +256,3 @@ def scores(next_NxX, labels_N) -> dict:
 def icl_accuracy(model: hmm_lib.HMM, batch: dict) -> dict:
   """The exact ``model``'s in-context :func:`scores` on :func:`prompts`."""
   return scores(predict_all(model, batch["tokens"]), batch["label"])
-
-
-def icl_curve(key, concepts_K: hmm_lib.HMM, memory_VxS: jax.Array,
-              protocol: str, lengths, num_examples, num: int,
-              smoothings=(0.0,)) -> list[dict]:
-  """The exact mixture's in-context accuracy and impossible share per
-  smoothing, example length and number of examples (GINC's grid; a prompt
-  must fit 1024 symbols), on the same ``num`` prompts for every
-  smoothing: one dict a cell."""
-  mix, out = mixture(concepts_K), []
-  for length in lengths:
-    for k in num_examples:
-      if (length + 1) * (k + 1) > 1024:
-        continue
-      batch = prompts(jax.random.fold_in(key, 1000 * length + k), concepts_K,
-                      memory_VxS, protocol, k, length, num)
-      out += [{"protocol": protocol, "length": length, "examples": k,
-               "smoothing": eps, "prompts": num,
-               **icl_accuracy(smoothed(mix, eps), batch)}
-              for eps in smoothings]
-  return out

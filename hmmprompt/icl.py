@@ -371,6 +371,15 @@ def summarize(lines: list[IclLine]) -> dict:
   return out
 
 
+def _order(item) -> tuple:
+  """Rows by length, then the exact curves by smoothing, the transformers."""
+  (a, b, c), _ = item
+  if a == "impossible":
+    return (c,)
+  return (b, c == "transformer", float(c.split()[-1]) if c != "transformer"
+          else 0.0)
+
+
 def markdown(summary: dict, gaps: list[float]) -> str:
   """DIR/icl.md: per protocol, accuracy (%) against ``k``, a row per
   (length, curve), the transformers' mean ± sd over seeds."""
@@ -385,7 +394,7 @@ def markdown(summary: dict, gaps: list[float]) -> str:
          "prompt does not fit that backbone's context.", ""]
   for proto in sorted({key[0] for key in summary} - {"impossible"}):
     rows = []
-    for (p, length, curve), cells in sorted(summary.items(), key=str):
+    for (p, length, curve), cells in sorted(summary.items(), key=_order):
       if p != proto:
         continue
       rows.append([length, curve] + [
@@ -394,7 +403,7 @@ def markdown(summary: dict, gaps: list[float]) -> str:
           for k in ks])
     imp = [[length, "impossible (exact 0), %"] + [
         f"{100 * cells[k][0]:.0f}" if k in cells else "" for k in ks]
-           for (tag, p, length), cells in sorted(summary.items(), key=str)
+           for (tag, p, length), cells in sorted(summary.items(), key=_order)
            if tag == "impossible" and p == proto]
     out += [f"## {proto}", ""] + files_lib.markdown_table(
         ["length", "curve", *(f"k = {k}" for k in ks)], rows + imp) + [""]
@@ -415,10 +424,15 @@ def write_plot(summary: dict, path: str) -> None:
         continue
       ks = sorted(cells)
       mean = np.asarray([100 * np.mean(cells[k]) for k in ks])
-      style = ("--s" if curve == "transformer" else
-               ":" if float(curve.split()[1]) == 0 else "-o")
+      eps = -1.0 if curve == "transformer" else float(curve.split()[1])
+      least = min((float(c.split()[1]) for (q, _, c) in summary
+                   if q == proto and c.startswith("exact ")
+                   and float(c.split()[1]) > 0), default=0.0)
+      # The least positive smoothing solid, larger ones faint.
+      style = {-1.0: "--s", 0.0: ":", least: "-o"}.get(eps, "-.")
       color = f"C{lengths.index(length)}"
       ax.plot(ks, mean, style, color=color, markersize=3,
+              alpha=0.45 if style == "-." else 1.0,
               label=f"length {length}: {curve}")
       if curve == "transformer":
         sd = np.asarray([100 * np.std(cells[k]) for k in ks])

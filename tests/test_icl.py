@@ -75,6 +75,8 @@ def test_the_mixture_predictive_equals_brute_force_enumeration(zeros):
       seen_impossible = True
       assert ll == -np.inf and np.all(nxt == 0)
     else:
+      # float32 messages over 5 steps of 6 states: each normalised product
+      # is off by a few ulps a step (~1e-6); 2e-5 is ten times that.
       np.testing.assert_allclose(nxt, joint / total, atol=2e-5)
       np.testing.assert_allclose(ll, np.log(total), rtol=1e-4)
   assert seen_impossible == zeros
@@ -98,6 +100,8 @@ def test_causal_targets_chain_to_the_documents_likelihood():
                                        seqs[..., None], -1)[..., 0]).sum(-1)
   ll = np.asarray(jax.vmap(lambda t: hmm_lib.log_likelihood(mix, t))(
       val.targets))
+  # Each float32 target is off by ~1e-6 relative, so each -log by ~1e-6
+  # absolute; 32 of them sum to tens of nats: 1e-4 relative is >= 1e-3.
   np.testing.assert_allclose(chained, -ll, rtol=1e-4)
   inputs, tokens, weights = corpus.batch_at(
       jax.random.PRNGKey(3), 0, mix, None, cfg.corpus, 4, SMALL.num_symbols,

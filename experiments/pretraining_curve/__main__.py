@@ -1,11 +1,6 @@
-"""Accuracy against pretraining quality (docs/pretraining_curve.md): head
-and prompt tuning on the checkpoints one stacked pretraining run per model
-retains, the exact backbone on the same tasks as the limit.
+"""Accuracy against pretraining quality (docs/pretraining_curve.md).
 
   python -m experiments.pretraining_curve --preset=cpu --workdir=DIR
-
-Often set: --config.trials, --config.vanilla_sizes, --config.memory_sizes,
---config.pretrain.retain (checkpoint steps); --helpfull lists all of them.
 """
 
 from absl import app
@@ -16,9 +11,7 @@ from hmmprompt import pretraining_curve as curve
 from hmmprompt.pretraining_curve import report
 
 main = cli.study_main(curve, curve.run_curve, report.write_curve_report,
-                      results="curve.jsonl", table="curve.md",
-                      plot="curve.png")
+                      results="curve.jsonl", table="curve.md", plot="curve.png")
 flags.adopt_module_key_flags(cli)
-
 if __name__ == "__main__":
   app.run(main)

@@ -13,7 +13,8 @@ import binaries  # tests/integration/binaries.py
 ROOT = binaries.ROOT
 # Every binary that defines --config.* flags (experiments.cli.define_config).
 _CONFIGURED = ["experiments.figure3", "experiments.pretrain",
-               "experiments.pretraining_curve", "experiments.in_chunks"]
+               "experiments.pretraining_curve", "experiments.in_chunks",
+               "experiments.icl"]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

@@ -12,6 +12,7 @@ ROOT = binaries.ROOT
 _CONFIGURED = {"figure3": "experiments.figure3.__main__",
                "pretraining_curve": "experiments.pretraining_curve.__main__",
                "in_chunks": "experiments.in_chunks",
+               "icl": "experiments.icl",
                "pretrain": "experiments.pretrain"}
 
 
@@ -33,7 +34,8 @@ def test_the_readmes_commands_parse():
     argvs = [args + ["--print_config"] for n, args in commands if n == name]
     for args, end in zip(argvs, binaries.usage_errors(module, argvs)):
       assert end["returncode"] == 0, (name, args, end["stderr"][-2000:])
-      assert re.search(r"^trials = \d+$", end["stdout"], re.M), (name, args)
+      assert re.search(r"^(trials|seeds) = \d+$", end["stdout"], re.M), (
+          name, args)
 
 
 def test_print_config_shows_the_chosen_preset_with_overrides():

@@ -22,6 +22,7 @@ def test_a_workdir_that_cannot_be_one_is_a_usage_error(tmp_path):
       ("experiments.figure3.__main__", workdirs),
       ("experiments.pretrain", workdirs),
       ("experiments.pretraining_curve.__main__", workdirs),
+      ("experiments.icl", workdirs),
       ("experiments.noise_floor", workdirs),
       ("experiments.in_chunks", [
           ([f"--out={out}", *args], refusal) for args, refusal in workdirs]
