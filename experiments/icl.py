@@ -1,6 +1,6 @@
 """In-context learning on GINC, exact and pretrained (docs/icl.md).
-
   python -m experiments.icl --preset=cpu --workdir=DIR
+Every setup field is a --config.<path> flag; --helpfull lists them.
 """
 
 from absl import app

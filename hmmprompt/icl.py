@@ -153,6 +153,16 @@ def get_setup(preset: str = "cpu", overrides: Mapping[str, Any] | None = None,
   return config_flags.from_preset(PRESETS, preset, overrides, **fields)
 
 
+def check_released(setup: IclSetup, error: type[Exception] = ValueError
+                   ) -> None:
+  """Raises ``error`` naming ``released_path`` if the setup needs it and it
+  is missing (the binary: a usage error before any work)."""
+  if setup.concepts == "released" and not os.path.exists(
+      setup.released_path):
+    raise error(f"GINC's released HMMs are not at {setup.released_path} (set "
+                f"--config.released_path, or --config.concepts=drawn)")
+
+
 def load_concepts(setup: IclSetup, kind: str = "id") -> hmm_lib.HMM:
   """The concepts ``[K]``: ``"id"``, those the pretraining text mixes, or
   ``"ood"``, the held-out ones GINC's ``OOD_sample`` labels come from
@@ -162,10 +172,7 @@ def load_concepts(setup: IclSetup, kind: str = "id") -> hmm_lib.HMM:
     half = max(setup.ginc.num_concepts // 2, 1)
     return jax.tree.map(lambda x: x[:half] if kind == "id" else x[half:],
                         concepts)
-  if not os.path.exists(setup.released_path):
-    raise FileNotFoundError(
-        f"GINC's released HMMs are not at {setup.released_path} (set "
-        f"--config.released_path, or --config.concepts=drawn)")
+  check_released(setup, FileNotFoundError)
   return ginc_lib.load_released(setup.released_path)[kind]
 
 
@@ -247,7 +254,9 @@ def plan(setup: IclSetup) -> dict[Backbone, list[Group]]:
 
 
 def check_workdir(workdir: str, setup: IclSetup) -> None:
-  """Stamps DIR/icl.json (``ValueError`` if it holds another setup's)."""
+  """Stamps DIR/icl.json (``ValueError`` if it holds another setup's, or
+  GINC's released HMMs are missing)."""
+  check_released(setup)
   files_lib.stamp(os.path.join(workdir, "icl.json"), setup.identity(),
                   "icl setup", defaults=identity_lib.added_defaults(setup))
 

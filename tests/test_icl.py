@@ -175,11 +175,36 @@ def test_the_experiment_runs_resumes_and_reports(tmp_path):
       assert r.impossible == 0 and r.ce_gap > 0
   assert any(r.impossible > 0 for r in lines)  # exact zeros at k = 12
   assert icl.run_icl(setup, workdir) == lines
+  # Lines lost (a kill before their append) are made again, the same.
+  path = icl.lines_path(workdir)
+  with open(path) as f:
+    kept = [line for line in f if '"transformer"' not in line]
+  with open(path, "w") as f:
+    f.writelines(kept)
+  timeless = lambda rs: sorted(str(dataclasses.replace(r, seconds=0.0))
+                               for r in rs)
+  assert timeless(icl.run_icl(setup, workdir)) == timeless(lines)
   text = icl.write_report(workdir)
   assert "ID_sample" in text and "transformer" in text
   assert os.path.exists(os.path.join(workdir, "icl.png"))
   with pytest.raises(ValueError, match="prompts"):
     icl.run_icl(dataclasses.replace(setup, prompts=9), workdir)
+
+
+def test_the_concept_posterior_concentrates_on_the_generating_concept():
+  """Documents of the mixture: the posterior over concepts puts more mass
+  on the generating concept as the document grows, over 0.99 at 512."""
+  concepts, _ = ginc.concepts(jax.random.PRNGKey(5), SMALL)
+  concepts = jax.tree.map(lambda x: x[:2], concepts)
+  mix, h = ginc.mixture(concepts), concepts.initial.shape[1]
+  docs = jax.vmap(lambda k: hmm_lib.sample(k, mix, 512))(
+      jax.random.split(jax.random.PRNGKey(6), 8))
+  post = jax.vmap(ginc.concept_posterior, in_axes=(None, 0))
+  source = np.asarray(docs[1][:, 0]) // h
+  on_source = {n: np.asarray(post(concepts, docs[0][:, :n]))[
+      np.arange(8), source] for n in (4, 512)}
+  assert on_source[512].min() > 0.99
+  assert on_source[4].mean() < on_source[512].mean()
 
 
 def test_bad_setups_are_refused_by_name():
@@ -193,6 +218,9 @@ def test_bad_setups_are_refused_by_name():
     dataclasses.replace(tiny, lengths=(1,))
   with pytest.raises(ValueError, match="protocol"):
     dataclasses.replace(tiny, protocols=("ID",))
+  missing = dataclasses.replace(icl.get_setup("cpu"),
+                                released_path="/nonexistent/ginc.npz")
   with pytest.raises(FileNotFoundError, match="released_path"):
-    icl.load_concepts(dataclasses.replace(
-        icl.get_setup("cpu"), released_path="/nonexistent/ginc.npz"))
+    icl.load_concepts(missing)
+  with pytest.raises(ValueError, match="/nonexistent/ginc.npz"):
+    icl.check_workdir("/nonexistent-workdir", missing)  # before any write

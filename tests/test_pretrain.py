@@ -1969,7 +1969,8 @@ def test_targets_drawn_ahead_are_each_steps_own(fresh):
   mesh = sharding.data_mesh()
   window = pretrain_loop._window_fn(cfg, 3, fresh, mesh)(
       keys.data, 6, models, chunks, hmms)
-  draw = pretrain_loop._batch_fn(cfg.corpus, cfg.batch_size, 10, fresh, mesh)
+  draw = pretrain_loop._batch_fn(cfg.corpus, cfg.batch_size, 10, fresh, False,
+                                 mesh)
   targets = jax.jit(jax.vmap(functools.partial(pretrain_train.loss_targets,
                                                cfg)))
   tol = (hmms.transition.shape[-1] * np.log2(cfg.corpus.chunk_len)

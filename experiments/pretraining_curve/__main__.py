@@ -1,6 +1,6 @@
 """Accuracy against pretraining quality (docs/pretraining_curve.md).
-
   python -m experiments.pretraining_curve --preset=cpu --workdir=DIR
+Every setup field is a --config.<path> flag; --helpfull lists them.
 """
 
 from absl import app
