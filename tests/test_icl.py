@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from hmmprompt import corpus
+from hmmprompt import files as files_lib
 from hmmprompt import generative
 from hmmprompt import ginc
 from hmmprompt import hmm as hmm_lib
@@ -205,6 +206,22 @@ def test_the_concept_posterior_concentrates_on_the_generating_concept():
       np.arange(8), source] for n in (4, 512)}
   assert on_source[512].min() > 0.99
   assert on_source[4].mean() < on_source[512].mean()
+
+
+def test_a_workdir_of_other_concepts_is_refused(tmp_path):
+  """Lines of another mixture (a released file changed under its path)
+  are refused before any work, naming both fingerprints."""
+  setup, workdir = icl.get_setup("tiny"), str(tmp_path)
+  icl.check_workdir(workdir, setup)
+  line = icl.IclLine(
+      backbone="exact", variant="0.0", protocol="ID_sample", length=3,
+      examples=0, setup=setup.fingerprint(), hmm_fingerprint="0123abcd",
+      test_accuracy=0.5, impossible=0.0, label_prob=0.3, ce_gap=0.0,
+      prompts=16, seconds=0.1)
+  icl.check_workdir(workdir, setup)  # no lines yet: nothing to compare
+  files_lib.append_lines(icl.lines_path(workdir), [line])
+  with pytest.raises(ValueError, match="other concepts.*0123abcd"):
+    icl.check_workdir(workdir, setup)
 
 
 def test_bad_setups_are_refused_by_name():
