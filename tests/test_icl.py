@@ -21,6 +21,8 @@ from hmmprompt import hmm as hmm_lib
 from hmmprompt import icl
 from hmmprompt import pretrain
 from hmmprompt.pretrain import evaluation
+from hmmprompt.pretrain import train
+from hmmprompt.backbones import transformer
 
 SMALL = ginc.GincConfig(num_values=3, num_slots=4, num_symbols=8,
                         num_concepts=4)
@@ -241,3 +243,56 @@ def test_bad_setups_are_refused_by_name():
     icl.load_concepts(missing)
   with pytest.raises(ValueError, match="/nonexistent/ginc.npz"):
     icl.check_workdir("/nonexistent-workdir", missing)  # before any write
+
+
+def test_scores_count_impossible_prompts_wrong():
+  """Accuracy, the impossible share and the label's mean probability of
+  hand-made rows: an all-zero row is impossible and wrong."""
+  rows = np.array([[0.2, 0.8], [0.0, 0.0], [0.6, 0.4]])
+  got = ginc.scores(rows, np.array([1, 0, 1]))
+  assert got == pytest.approx({"accuracy": 1 / 3, "impossible": 1 / 3,
+                               "label_prob": 0.4})
+
+
+def test_causal_training_targets_are_the_tokens_next_conditionals():
+  """The step's exact targets for a causal model are ``P[X_t | x_<t]`` of
+  the true tokens (not of the shifted inputs): each row is the
+  conditional of its prefix with ``MASK`` at ``t`` (computed apart)."""
+  concepts, _ = ginc.concepts(jax.random.PRNGKey(1), SMALL)
+  mix = ginc.mixture(jax.tree.map(lambda x: x[:2], concepts))
+  cfg = pretrain.configure("tiny", SMALL.num_symbols, model={"causal": True},
+                           targets="exact")
+  inputs, tokens, weights = corpus.batch_at(
+      jax.random.PRNGKey(3), 0, mix, None, cfg.corpus, 2, SMALL.num_symbols,
+      causal=True)
+  got = np.asarray(train.loss_targets(cfg, mix, inputs, tokens, weights))
+  for b in range(2):
+    for t in (0, 1, 7, 31):
+      prefix = jnp.concatenate([tokens[b, :t], jnp.array([hmm_lib.MASK])])
+      want = np.asarray(hmm_lib.conditionals(mix, prefix))[-1]
+      np.testing.assert_allclose(got[b, t], want, atol=2e-5)
+
+
+def test_the_transformers_read_out_is_the_pretraining_position():
+  """``next_symbol`` after a prompt is the model's prediction where the
+  pretraining loss reads it: row ``n - 1`` of the document's
+  ``next_token_inputs`` (start symbol and shift as in training); a
+  causal model's read-out at ``fits``' boundary is allowed, one past not."""
+  setup = icl.get_setup("tiny")
+  cfg = setup.pretrain.model
+  params = transformer.init_params(jax.random.PRNGKey(0), cfg)
+  docs = jax.random.randint(jax.random.PRNGKey(1), (3, 20), 0, cfg.vocab_size)
+  want = transformer.MLM(cfg).apply(params, corpus.next_token_inputs(docs))
+  got = icl.next_symbol(cfg, jax.tree.map(lambda x: x[None], params),
+                        docs[:, :-1])[0]
+  np.testing.assert_allclose(np.asarray(got), np.asarray(
+      jax.nn.softmax(want[:, -1], -1)), atol=1e-6)
+  # prompt_len(3, 7) = 30 symbols, 31 with the start symbol.
+  assert icl.prompt_len(3, 7) == 30
+  for context, fits in ((31, True), (30, False)):
+    s = dataclasses.replace(setup, pretrain=pretrain.configure(
+        "tiny", SMALL.num_symbols, context=context, model={"causal": True}))
+    assert s.fits(3, 7, "transformer") is fits
+  batch = ginc.prompts(jax.random.PRNGKey(2), *ginc.concepts(
+      jax.random.PRNGKey(1), SMALL), "ID_sample", 7, 3, 2)
+  assert batch["tokens"].shape == (2, icl.prompt_len(3, 7))
