@@ -32,6 +32,11 @@ def _exact_conditionals(hmm, inputs_NxT, method: str):
                   in_axes=(None, 0))(hmm, inputs_NxT)
 
 
+# Module level: a jit made per call would compile once per trial.
+_next_conditionals = jax.jit(jax.vmap(hmm_lib.token_next_conditionals,
+                                      in_axes=(None, 0)))
+
+
 def validation_set(key, model: generative.Model,
                    cfg: PretrainConfig) -> ValidationSet:
   """Held-out sequences of the context length, ``MASK``-only masking (a
@@ -42,8 +47,7 @@ def validation_set(key, model: generative.Model,
     hmm = generative.as_hmm(model)
     return ValidationSet(
         corpus_lib.next_token_inputs(seqs), seqs, jnp.ones(seqs.shape),
-        jax.jit(jax.vmap(hmm_lib.token_next_conditionals, in_axes=(None, 0)))(
-            hmm, seqs))
+        _next_conditionals(hmm, seqs))
   inputs, weights = corpus_lib.mask_tokens(
       jax.random.fold_in(key, 1), seqs, cfg.corpus.mask_rate,
       cfg.model.vocab_size, bert=False)
