@@ -33,7 +33,10 @@ _BACKBONE = flags.DEFINE_list("backbone", ["exact"], "exact and/or "
 _SIZES = flags.DEFINE_list("sizes", ["4", "12", "30"], "left-panel |H|")
 _TRIALS = flags.DEFINE_integer("trials", 5, "the first draws of each size")
 _REPLICATES = flags.DEFINE_integer("replicates", 5, "tuning seeds per cell")
-_REL = flags.DEFINE_float("rel", 1e-6, "the backbone's relative perturbation")
+_REL = flags.DEFINE_float("rel", 1e-6, "the backbone's relative perturbation "
+                          "(0: none)")
+_ARMS = flags.DEFINE_list("arms", list(noise.ARMS), "the arms (Setup.arms "
+                          "specs, e.g. head,prompt-5,lora-1)")
 _COMMITTED = flags.DEFINE_string(
     "committed", None, "a results directory of the same setup to set DIR's "
     "lines beside (reproduction across machines)")
@@ -51,7 +54,7 @@ def main(argv):
     sizes = [int(s) for s in _SIZES.value]
     for name in _BACKBONE.value:
       noise.run(setup, workdir, name, sizes, _TRIALS.value,
-                _REPLICATES.value, _REL.value)
+                _REPLICATES.value, _REL.value, arms=_ARMS.value)
   title = (f"The tuning noise floor: preset {_PRESET.value}, |H| = "
            f"{', '.join(map(str, sizes))}, {_TRIALS.value} draws, "
            f"{_REPLICATES.value} tuning seeds")

@@ -1,6 +1,6 @@
 """In-context learning on GINC (docs/icl.md; ``python -m experiments.icl``):
 GINC's prompts scored by the exact mixture of its concepts (the
-Bayes-optimal predictor, with exact zeros and smoothed) and by causal
+Bayes-optimal predictor: exact zeros, or smoothed per concept) and by causal
 transformers pretrained on the mixture's text, one per seed, on the same
 prompts; lines in DIR/icl.jsonl (:class:`IclLine`), the sweep's resume
 loop (:func:`protocol.run_stacks`)."""
@@ -33,6 +33,7 @@ from hmmprompt.backbones import transformer
 LAYOUT = 1  # bumped when a line's meaning changes for the same setup
 CONCEPTS = ("released", "drawn")
 RELEASED = os.path.join("..", "shared", "ginc", "ginc_hmms.npz")
+REFERENCE = "concept:1e-06"  # the exact predictive every line's KL is to
 _PROMPT_STREAM = 7_000  # prompts: fold_in(root, this), then their cell
 
 
@@ -48,8 +49,9 @@ class IclSetup:
     protocols: :data:`hmmprompt.ginc.PROTOCOLS`.
     prompts: prompts a ``(protocol, length, k)`` cell has, the same for
       every backbone and seed.
-    smoothings: the exact backbone's transition smoothings
-      (:func:`hmmprompt.ginc.smoothed`; 0: the exact zeros).
+    smoothings: the exact backbone's variants (:func:`exact_model`):
+      ``"0"`` the exact zeros, ``"concept:EPS"`` each concept smoothed,
+      ``"mixture:EPS"`` the mixture smoothed.
     context: the longest prompt the exact backbone scores (GINC's 1024);
       the transformers score those within ``pretrain.model.max_len``.
     concepts: ``"released"`` (GINC's, from ``released_path``) or
@@ -65,7 +67,7 @@ class IclSetup:
   examples: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32, 64)
   protocols: tuple[str, ...] = ginc_lib.PROTOCOLS
   prompts: int = 500
-  smoothings: tuple[float, ...] = (0.0, 1e-6)
+  smoothings: tuple[str, ...] = ("0", REFERENCE)
   context: int = 1024
   concepts: str = "released"
   ginc: ginc_lib.GincConfig = ginc_lib.GincConfig()
@@ -83,9 +85,8 @@ class IclSetup:
                        f"its label), got {self.lengths}")
     if not self.examples or min(self.examples) < 0:
       raise ValueError(f"IclSetup.examples must be >= 0, got {self.examples}")
-    if any(not 0 <= e < 1 for e in self.smoothings):
-      raise ValueError(f"IclSetup.smoothings must be in [0, 1), got "
-                       f"{self.smoothings}")
+    for v in self.smoothings:
+      smoothing(v)
     model = self.pretrain.model
     if not model.causal:
       raise ValueError("IclSetup.pretrain.model.causal must be set: GINC's "
@@ -136,7 +137,8 @@ def _tiny() -> IclSetup:
 def _cpu() -> IclSetup:
   """41 minutes on 2 cores: GINC's released concepts, 5 transformers of
   CPU width at context 256 (GINC's 1024 cut: docs/icl.md)."""
-  return IclSetup(seeds=5, smoothings=(0.0, 1e-6, 1e-3),
+  return IclSetup(seeds=5, smoothings=("0", REFERENCE, "concept:0.001",
+                                       "mixture:1e-06"),
                   pretrain=pretrain_lib.configure(
       "cpu", 50, context=256, model={"causal": True, "pos_init": "sinusoid"},
       corpus={"val_seqs": 64}, optimizer="muon", lr=1e-2, warmup_steps=100,
@@ -176,6 +178,31 @@ def load_concepts(setup: IclSetup, kind: str = "id") -> hmm_lib.HMM:
   return ginc_lib.load_released(setup.released_path)[kind]
 
 
+def smoothing(variant: str) -> tuple[str, float]:
+  """``(where, eps)`` of an exact variant; ``ValueError`` naming a bad one.
+  ``"concept:EPS"`` adds ``eps`` to each concept's transitions, keeping
+  the mixture block-diagonal: the Bayes predictor of GINC's documents (one
+  concept each, every transition possible). ``"mixture:EPS"`` smooths the
+  mixture: documents that may switch concept at any symbol."""
+  where, _, eps = variant.partition(":")
+  try:
+    if variant == "0" or (where in ("concept", "mixture")
+                          and 0 < float(eps) < 1):
+      return ("concept", 0.0) if variant == "0" else (where, float(eps))
+  except ValueError:
+    pass
+  raise ValueError(f"IclSetup.smoothings: {variant!r} is not '0', "
+                   f"'concept:EPS' or 'mixture:EPS' with 0 < EPS < 1")
+
+
+def exact_model(concepts_K: hmm_lib.HMM, variant: str) -> hmm_lib.HMM:
+  """The mixture a variant (:func:`smoothing`) predicts with."""
+  where, eps = smoothing(variant)
+  if where == "mixture":
+    return ginc_lib.smoothed(ginc_lib.mixture(concepts_K), eps)
+  return ginc_lib.mixture(ginc_lib.smoothed(concepts_K, eps))
+
+
 def memory_of(concepts_K: hmm_lib.HMM, setup: IclSetup) -> jax.Array:
   """``int [V, S]``: the memory matrix the concepts' emissions read."""
   symbols = jnp.argmax(concepts_K.emission[0], -1)
@@ -188,7 +215,7 @@ class IclLine(files_lib.Line):
   transformer) on one cell's prompts, keyed by ``KEY_FIELDS``."""
 
   backbone: str  # exact | transformer
-  variant: str  # exact: its smoothing ("0", "1e-06"); transformer: seed "k"
+  variant: str  # exact: its smoothing ("0", "concept:1e-06"); seed "k"
   protocol: str
   length: int
   examples: int
@@ -198,6 +225,9 @@ class IclLine(files_lib.Line):
   impossible: float  # the share of prompts of probability 0 (exact only)
   label_prob: float  # the mean probability of the label
   ce_gap: float  # transformer: its held-out next-symbol CE gap; exact: 0
+  # Mean KL(REFERENCE's || this) at the label position, nats; None where a
+  # prompt gets 0 where the reference does not (exact zeros).
+  kl: float | None
   prompts: int
   seconds: float  # the cell's program
 
@@ -235,7 +265,7 @@ class Group:
     return f"{self.protocol} length {self.length}"
 
   def variants(self, setup: IclSetup) -> list[str]:
-    return ([str(e) for e in setup.smoothings] if self.backbone == "exact"
+    return (list(setup.smoothings) if self.backbone == "exact"
             else [str(k) for k in range(setup.seeds)])
 
   def keys(self, setup: IclSetup) -> dict[tuple, tuple]:
@@ -299,6 +329,15 @@ def _renamed(s: dict) -> dict:
   return {"test_accuracy": s.pop("accuracy"), **s}
 
 
+def kl_to(reference_NxX, next_NxX) -> float | None:
+  """Mean ``KL(reference || next)`` over rows in float64 (None: infinite)."""
+  p, q = (np.asarray(a, np.float64) for a in (reference_NxX, next_NxX))
+  if np.any((p > 0) & (q <= 0)):
+    return None
+  logs = np.log(np.where(p > 0, p, 1.0) / np.where(p > 0, q, 1.0))
+  return float(np.sum(p * logs, -1).mean())
+
+
 def score_group(setup: IclSetup, g: Group, stack: dict) -> list[IclLine]:
   """``g``'s lines: every variant on every fitting ``k``'s prompts."""
   out = []
@@ -308,9 +347,13 @@ def score_group(setup: IclSetup, g: Group, stack: dict) -> list[IclLine]:
     t0 = time.perf_counter()
     batch = cell_prompts(setup, stack["concepts"], g.protocol, g.length, k)
     labels = np.asarray(batch["label"])
+    id_concepts = stack["concepts"]["id"]
+    reference = ginc_lib.predict_all(exact_model(id_concepts, REFERENCE),
+                                     batch["tokens"])
     if g.backbone == "exact":
-      rows = [ginc_lib.predict_all(ginc_lib.smoothed(stack["mixture"], eps),
-                                   batch["tokens"]) for eps in setup.smoothings]
+      rows = [reference if v == REFERENCE else ginc_lib.predict_all(
+          exact_model(id_concepts, v), batch["tokens"])
+              for v in setup.smoothings]
       gaps = [0.0] * len(rows)
     else:
       tokens = batch["tokens"]
@@ -324,7 +367,8 @@ def score_group(setup: IclSetup, g: Group, stack: dict) -> list[IclLine]:
         examples=k, setup=setup.fingerprint(),
         hmm_fingerprint=stack["fingerprint"], **_renamed(ginc_lib.scores(
             row, labels)),
-        ce_gap=float(gap), prompts=setup.prompts, seconds=seconds)
+        ce_gap=float(gap), kl=kl_to(reference, row), prompts=setup.prompts,
+        seconds=seconds)
             for v, row, gap in zip(g.variants(setup), rows, gaps)]
   return out
 
@@ -370,108 +414,138 @@ def run_icl(setup: IclSetup, workdir: str,
   return read_icl_lines(workdir)
 
 
-def summarize(lines: list[IclLine]) -> dict:
-  """``{(protocol, length, curve): {k: [accuracies], ...}}`` with the
-  curves ``"exact <smoothing>"`` and ``"transformer"`` (one accuracy per
-  seed), and ``("impossible", protocol, length)``: the exact mixture's
-  impossible share with exact zeros, per ``k``."""
+def summarize(lines: list[IclLine], field: str = "test_accuracy") -> dict:
+  """``{(protocol, length, curve): {k: [values], ...}}`` of a line
+  ``field`` with the curves ``"exact <variant>"`` and ``"transformer"``
+  (a value per seed; an infinite KL left out), and ``("impossible",
+  protocol, length)``: the exact zeros' impossible share per ``k``."""
   out: dict[tuple, dict[int, list[float]]] = {}
   for r in sorted(lines, key=lambda r: (r.protocol, r.length, r.examples)):
-    curve = (f"exact {r.variant}" if r.backbone == "exact"
-             else "transformer")
-    out.setdefault((r.protocol, r.length, curve), {}).setdefault(
-        r.examples, []).append(r.test_accuracy)
-    if r.backbone == "exact" and float(r.variant) == 0:
+    curve = f"exact {r.variant}" if r.backbone == "exact" else "transformer"
+    cell = out.setdefault((r.protocol, r.length, curve), {})
+    if (value := getattr(r, field)) is not None:
+      cell.setdefault(r.examples, []).append(value)
+    if r.backbone == "exact" and r.variant == "0":
       out.setdefault(("impossible", r.protocol, r.length), {})[r.examples] = [
           r.impossible]
-  return out
+  return {key: cells for key, cells in out.items() if cells}
 
 
 def _order(item) -> tuple:
-  """Rows by length, then the exact curves by smoothing, the transformers."""
+  """Rows by length, then the exact variants (zeros, each concept's
+  smoothings, the mixture's), the transformers."""
   (a, b, c), _ = item
   if a == "impossible":
     return (c,)
-  return (b, c == "transformer", float(c.split()[-1]) if c != "transformer"
-          else 0.0)
+  return (b, c == "transformer", () if c == "transformer"
+          else smoothing(c.split()[1]))
 
 
-def markdown(summary: dict, gaps: list[float]) -> str:
-  """DIR/icl.md: per protocol, accuracy (%) against ``k``, a row per
-  (length, curve), the transformers' mean ± sd over seeds."""
+def _table(summary: dict, proto: str, ks: list, scale: float, fmt: str
+           ) -> list[list]:
+  """Rows ``[length, curve, cells...]``: mean (± sd over seeds)."""
+  cell = lambda v: (f"{scale * np.mean(v):{fmt}}" + (
+      f" ± {scale * np.std(v):{fmt}}" if len(v) > 1 else ""))
+  return [[length, curve] + [cell(cells[k]) if k in cells else ""
+                             for k in ks]
+          for (p, length, curve), cells in sorted(summary.items(), key=_order)
+          if p == proto]
+
+
+def markdown(summary: dict, kls: dict, gaps: list[float]) -> str:
+  """DIR/icl.md: per protocol, accuracy (%) and the KL to the reference
+  against ``k``, a row per (length, curve), the transformers' mean ± sd
+  over seeds."""
   ks = sorted({k for cells in summary.values() for k in cells})
   out = ["# In-context learning on GINC", "",
          "Accuracy (%) on GINC's prompts against k, the examples before the "
-         "test one: `exact <s>` is the mixture of the concepts with "
-         "transitions smoothed by s (0: the exact zeros; an impossible "
-         "prompt counts wrong), `transformer` the causal transformers' "
-         "mean ± sd over seeds (held-out next-symbol CE gaps to the Bayes "
-         f"CE: {', '.join(f'{g:.3f}' for g in gaps)} nats). A blank: the "
-         "prompt does not fit that backbone's context.", ""]
+         "test one. `exact <variant>`: the mixture of the concepts with the "
+         "exact zeros (`0`; an impossible prompt counts wrong), each "
+         "concept's transitions smoothed by EPS (`concept:EPS`), or the "
+         "mixture's (`mixture:EPS`: documents that may switch concept at "
+         "any symbol). `transformer`: the causal transformers' mean ± sd "
+         "over seeds (held-out next-symbol CE gaps to the Bayes CE: "
+         f"{', '.join(f'{g:.3f}' for g in gaps)} nats). Then the mean KL "
+         f"(nats) from `exact {REFERENCE}`'s predictive at the label "
+         "position to each curve's (exact zeros: infinite, no row). A "
+         "blank: the prompt does not fit that backbone's context.", ""]
+  header = lambda first: ["length", first, *(f"k = {k}" for k in ks)]
   for proto in sorted({key[0] for key in summary} - {"impossible"}):
-    rows = []
-    for (p, length, curve), cells in sorted(summary.items(), key=_order):
-      if p != proto:
-        continue
-      rows.append([length, curve] + [
-          "" if k not in cells else f"{100 * np.mean(cells[k]):.1f}" + (
-              f" ± {100 * np.std(cells[k]):.1f}" if len(cells[k]) > 1 else "")
-          for k in ks])
     imp = [[length, "impossible (exact 0), %"] + [
         f"{100 * cells[k][0]:.0f}" if k in cells else "" for k in ks]
            for (tag, p, length), cells in sorted(summary.items(), key=_order)
            if tag == "impossible" and p == proto]
-    out += [f"## {proto}", ""] + files_lib.markdown_table(
-        ["length", "curve", *(f"k = {k}" for k in ks)], rows + imp) + [""]
+    out += [f"## {proto}", "", "Accuracy (%):", ""] + files_lib.markdown_table(
+        header("curve"), _table(summary, proto, ks, 100, ".1f") + imp) + [
+            "", f"KL from `exact {REFERENCE}` (nats):", ""
+        ] + files_lib.markdown_table(header("curve"), [
+            r for r in _table(kls, proto, ks, 1, ".3f")
+            if r[1] != f"exact {REFERENCE}"]) + [""]
   return "\n".join(out)
 
 
-def write_plot(summary: dict, path: str) -> None:
-  """Accuracy against k (symlog x), a panel per protocol: a color per
-  example length, the smoothed exact mixture solid, the exact zeros dotted,
-  the transformers dashed with their seeds' spread."""
+def _style(curve: str) -> dict:
+  """A curve's line: the reference solid, the exact zeros dotted, other
+  smoothings faint, the transformers dashed."""
+  variant = curve.split()[-1]
+  if curve == "transformer":
+    return dict(ls="--", marker="s", alpha=1.0)
+  return {REFERENCE: dict(ls="-", marker="o", alpha=1.0),
+          "0": dict(ls=":", marker="None", alpha=1.0)}.get(variant, dict(
+              ls="-.", marker="None" if variant < "m" else "^", alpha=0.45))
+
+
+def write_plot(summary: dict, kls: dict, path: str) -> None:
+  """Accuracy (top) and KL to the reference (bottom, log) against ``k``
+  (symlog), a column per protocol, a color per example length, the
+  transformers with their seeds' spread; the legend beside the panels."""
+  plt = files_lib.pyplot()
   protos = sorted({key[0] for key in summary} - {"impossible"})
   lengths = sorted({key[1] for key in summary if key[0] != "impossible"})
-  fig, axes = files_lib.pyplot().subplots(
-      1, len(protos), figsize=(5.5 * len(protos), 4), squeeze=False)
-  for ax, proto in zip(axes[0], protos):
-    for (p, length, curve), cells in summary.items():
-      if p != proto:
-        continue
-      ks = sorted(cells)
-      mean = np.asarray([100 * np.mean(cells[k]) for k in ks])
-      eps = -1.0 if curve == "transformer" else float(curve.split()[1])
-      least = min((float(c.split()[1]) for (q, _, c) in summary
-                   if q == proto and c.startswith("exact ")
-                   and float(c.split()[1]) > 0), default=0.0)
-      # The least positive smoothing solid, larger ones faint.
-      style = {-1.0: "--s", 0.0: ":", least: "-o"}.get(eps, "-.")
-      color = f"C{lengths.index(length)}"
-      ax.plot(ks, mean, style, color=color, markersize=3,
-              alpha=0.45 if style == "-." else 1.0,
-              label=f"length {length}: {curve}")
-      if curve == "transformer":
-        sd = np.asarray([100 * np.std(cells[k]) for k in ks])
-        ax.fill_between(ks, mean - sd, mean + sd, color=color, alpha=0.15)
-    ks = sorted({k for cells in summary.values() for k in cells})
-    ax.set(xscale="symlog", xlabel="k (examples in the prompt)",
-           ylabel="accuracy (%)", title=proto, ylim=(-2, 102), xticks=ks,
-           xticklabels=[str(k) for k in ks])
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6, ncol=2)
-  fig.tight_layout()
+  ks = sorted({k for cells in summary.values() for k in cells})
+  fig, axes = plt.subplots(2, len(protos), figsize=(5 * len(protos) + 2, 7),
+                           squeeze=False, sharex=True)
+  curves = set()
+  for row, (data, scale) in enumerate(((summary, 100), (kls, 1))):
+    for ax, proto in zip(axes[row], protos):
+      for (p, length, curve), cells in data.items():
+        if p != proto or (row and curve == f"exact {REFERENCE}"):
+          continue
+        curves.add(curve)
+        at = sorted(cells)
+        mean = np.asarray([scale * np.mean(cells[k]) for k in at])
+        color = f"C{lengths.index(length)}"
+        ax.plot(at, mean, color=color, markersize=3, **_style(curve))
+        if curve == "transformer":
+          sd = np.asarray([scale * np.std(cells[k]) for k in at])
+          ax.fill_between(at, mean - sd, mean + sd, color=color, alpha=0.15)
+      ax.set(xscale="symlog", xticks=ks, xticklabels=[str(k) for k in ks])
+      ax.grid(alpha=0.3)
+      if row:
+        ax.set(yscale="log", xlabel="k (examples in the prompt)",
+               ylabel=f"KL from exact {REFERENCE} (nats)")
+      else:
+        ax.set(ylabel="accuracy (%)", title=proto, ylim=(-2, 102))
+  line = plt.Line2D
+  handles = ([line([], [], color=f"C{i}", lw=3, label=f"length {n}")
+              for i, n in enumerate(lengths)]
+             + [line([], [], color="k", markersize=3, label=c, **_style(c))
+                for c in sorted(curves, key=lambda c: (c == "transformer",
+                                                       _order(((0, 0, c), 0))))])
+  fig.legend(handles=handles, loc="center right", fontsize=7, frameon=False)
+  fig.tight_layout(rect=(0, 0, 1 - 1.9 / fig.get_figwidth(), 1))
   files_lib.atomic_write_png(path, fig, dpi=110)
 
 
 def write_report(workdir: str) -> str:
   """Writes DIR/icl.md and .png from DIR/icl.jsonl; returns the former."""
   lines = read_icl_lines(workdir)
-  summary = summarize(lines)
+  summary, kls = summarize(lines), summarize(lines, "kl")
   seeds = sorted({r.variant for r in lines if r.backbone == "transformer"})
   gaps = [next(r.ce_gap for r in lines if r.backbone == "transformer"
                and r.variant == s) for s in seeds]
-  text = markdown(summary, gaps)
+  text = markdown(summary, kls, gaps)
   files_lib.atomic_write_text(os.path.join(workdir, "icl.md"), text)
   if summary:
-    write_plot(summary, os.path.join(workdir, "icl.png"))
+    write_plot(summary, kls, os.path.join(workdir, "icl.png"))
   return text

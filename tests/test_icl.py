@@ -169,7 +169,7 @@ def test_the_experiment_runs_resumes_and_reports(tmp_path):
                             r.ce_gap]))
     assert r.test_accuracy <= 1 - r.impossible
     if r.backbone == "exact":
-      want = ginc.icl_accuracy(ginc.smoothed(mix, float(r.variant)),
+      want = ginc.icl_accuracy(icl.exact_model(concepts["id"], r.variant),
                                icl.cell_prompts(setup, concepts, r.protocol,
                                                 r.length, r.examples))
       assert (r.test_accuracy, r.impossible) == (want["accuracy"],

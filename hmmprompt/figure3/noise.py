@@ -22,7 +22,7 @@ from hmmprompt.figure3 import sweep
 REPLICATES = "replicates.jsonl"
 FLOOR = "noise_floor.json"  # what a results directory's report reads
 PERTURBED = -1  # the replicate index of the perturbed backbone's line
-ARMS = ("head", "prompt")
+ARMS = ("head", "prompt")  # Figure 3's, keyed by method; others by name
 _STREAM = 7_000  # replicate r > 0: fold_in(tune key, _STREAM + r), unused
 
 
@@ -35,7 +35,7 @@ class ReplicateLine(files_lib.Line):
   size: int
   trial: int
   task: int
-  method: str  # head | prompt (linear head, the setup's first features)
+  method: str  # head | prompt, or an arm's ResultLine.method (linear head)
   replicate: int
   setup: str
   test_accuracy: float
@@ -73,10 +73,13 @@ def path(workdir: str) -> str:  # the replicates' file
 
 def run(setup: configs.Setup, workdir: str, backbone_name: str,
         sizes: Sequence[int], trials: int, replicates: int, rel: float = 1e-6,
-        log: Callable[[str], object] = print) -> None:
+        log: Callable[[str], object] = print, arms: Sequence[str] = ARMS
+        ) -> None:
   """Appends to ``DIR/replicates.jsonl`` the first ``trials`` draws of each
-  left-panel size in ``sizes``: both arms, ``replicates`` seeds each, and
-  the perturbed backbone, on the sweep's transformers; a rerun resumes."""
+  left-panel size in ``sizes``: each arm (:func:`configs.parse_arm`; those
+  without a meaning on the backbone left out), ``replicates`` seeds each,
+  and unless ``rel`` = 0 the perturbed backbone, on the sweep's
+  transformers; a rerun resumes."""
   if min(trials, replicates) < 2 or trials > setup.trials:
     raise ValueError(f"a noise floor needs at least 2 trials and 2 "
                      f"replicates, and at most the setup's {setup.trials} "
@@ -88,7 +91,14 @@ def run(setup: configs.Setup, workdir: str, backbone_name: str,
   features = setup.features[0]
   for size in sizes:
     mid = protocol.vanilla(size)
-    todo = [m for m in ARMS if (backbone_name, size, m) not in done]
+    groups = {}
+    for spec in arms:
+      method, settings = configs.parse_arm(spec, setup.tune)
+      g = protocol.Group(mid, method, "linear", features, settings=settings)
+      if backbone_name == "transformer" or not tuning.METHODS[
+          method].needs_finetunable:
+        groups[spec if spec in ARMS else g.method_name] = g
+    todo = [m for m in groups if (backbone_name, size, m) not in done]
     if not todo:
       continue
     stack = protocol.draw_stack(setup, mid, sweep.stack_sizes(setup)[mid],
@@ -97,21 +107,21 @@ def run(setup: configs.Setup, workdir: str, backbone_name: str,
                                                 stack.models_K,
                                                 backbone_name))
     for method in todo:
-      cfg = protocol.Group(mid, method, "linear", features).tune_config(
-          setup.tune)
+      cfg = groups[method].tune_config(setup.tune)
       lines = []
       for backbone, params, ids in held.by_depth(list(range(trials))):
         lines += _tune(setup, cfg, backbone, params, ids, stack, replicates,
-                       rel, backbone_name, size, fp)
+                       rel, backbone_name, size, fp, method)
       files_lib.append_lines(path(workdir), lines)
       log(f"{backbone_name} |H| = {size} {method}: {len(lines)} replicate "
           f"lines")
 
 
 def _tune(setup, cfg, backbone, params_K, ids, stack, replicates, rel,
-          backbone_name, size, fp) -> list[ReplicateLine]:
+          backbone_name, size, fp, name) -> list[ReplicateLine]:
   """Trials ``ids`` (rows of ``params_K``): every task x replicate as a
-  lane of one program, then the perturbed backbone's seed-0 lanes."""
+  lane of one program, then (``rel`` > 0) the perturbed backbone's seed-0
+  lanes."""
   tasks = range(setup.tasks_per_hmm)
   data = [[tuning.data_from_task(stack.tasks[k][s], cfg) for s in tasks]
           for k in ids]
@@ -121,19 +131,20 @@ def _tune(setup, cfg, backbone, params_K, ids, stack, replicates, rel,
       backbone, params_K, [[data[i][s] for s, _ in cells]
                            for i in range(len(ids))], cfg,
       lane_group=setup.lane_group())
+  line = lambda k, s, r, acc, loss, rel=0.0: ReplicateLine(
+      backbone_name, size, k, s, name, r, fp, float(acc), float(loss), rel)
+  out = [line(k, s, r, res.test_accuracy[i, j], res.final_loss[i, j])
+         for i, k in enumerate(ids) for j, (s, r) in enumerate(cells)]
+  if rel == 0:
+    return out
   shaken = perturb(jax.random.fold_in(jax.random.PRNGKey(setup.seed),
                                       _STREAM + size), params_K, rel)
   res_p, _ = tuning.tune_trials(
       [[replicate_key(setup, k, s, 0) for s in tasks] for k in ids],
       backbone, shaken, data, cfg, lane_group=setup.lane_group())
-  line = lambda k, s, r, acc, loss, rel=0.0: ReplicateLine(
-      backbone_name, size, k, s, cfg.method, r, fp, float(acc), float(loss),
-      rel)
-  return ([line(k, s, r, res.test_accuracy[i, j], res.final_loss[i, j])
-           for i, k in enumerate(ids) for j, (s, r) in enumerate(cells)]
-          + [line(k, s, PERTURBED, res_p.test_accuracy[i, s],
-                  res_p.final_loss[i, s], rel)
-             for i, k in enumerate(ids) for s in tasks])
+  return out + [line(k, s, PERTURBED, res_p.test_accuracy[i, s],
+                     res_p.final_loss[i, s], rel)
+                for i, k in enumerate(ids) for s in tasks]
 
 
 def summarize(lines: Sequence[ReplicateLine]) -> dict:

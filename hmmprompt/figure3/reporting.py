@@ -157,7 +157,7 @@ def floor_note(floor: dict) -> str:
        "prompt - head floor"), rows) + (
            "\nOne draw's prompt - head difference within the floor (twice "
            "the sd of a difference of two tunings) is a tie in the draw-by-"
-           "draw table; a mean's interval adds the floor's sd / sqrt(n).\n")
+           "draw table.\n")
 
 
 def noise_floor_page(workdir: str, title: str,
@@ -425,12 +425,14 @@ def _arm_label(r) -> str:
 
 
 def _adaptation_cells(lines) -> dict:
-  """(backbone, panel, size) -> {arm: (trainable params: the fewest and
-  the most (a deeper fallback's), label, {trial: %})}."""
+  """(backbone, panel, size) -> {(method, features): (trainable params: the
+  fewest and the most (a deeper fallback's), label, {trial: %})}: each
+  features transform its own arm, never averaged with another."""
   out: dict = {}
   for r in lines:
+    label = _arm_label(r) + ("" if r.features == "raw" else f" ({r.features})")
     arm = out.setdefault((r.backbone, r.panel, r.size), {}).setdefault(
-        r.method, (set(), _arm_label(r), {}))
+        (r.method, r.features), (set(), label, {}))
     arm[0].add(r.trainable_params or 0)
     arm[2].setdefault(r.trial, []).append(100.0 * r.test_accuracy)
   return {k: {m: ((min(n), max(n)), label, {
@@ -438,70 +440,116 @@ def _adaptation_cells(lines) -> dict:
               for m, (n, label, tr) in arms.items()} for k, arms in out.items()}
 
 
-def adaptation_section(lines, floor: dict | None = None) -> str:
+def pair_floor(floor: dict, backbone: str, a: str, b: str) -> float | None:
+  """:func:`noise.difference_floor` of two result-line methods, each arm's
+  floor under its own name or Figure 3's (``head``, ``prompt``)."""
+  legacy = {"head_linear": "head", "prompt_linear": "prompt"}
+  name = lambda m: m if (backbone, m) in floor else legacy.get(m, m)
+  return noise.difference_floor(floor, backbone, name(a), name(b))
+
+
+def adaptation_section(lines, floor: dict | None = None,
+                       bayes: dict | None = None) -> str:
   """Markdown, where ``lines`` hold adaptation arms: per backbone, panel,
   size and arm, its trainable parameters, accuracy, the paired difference
   from the head on the same draws, draws above / within / below the head
-  (within: the backbone's prompt - head floor, :func:`noise.read_floor`)
-  and the exact backbone's prompt tuning less the arm."""
+  (within: the pair's own floor, :func:`pair_floor`; blank where either
+  arm's is not measured), the exact backbone's prompt tuning less the arm;
+  ``bayes``: ``{(panel, size): %}``, the task's Bayes classifier."""
   if not {r.method for r in lines} - _FIGURE3_ARMS:
     return ""
   cells, rows = _adaptation_cells(lines), []
   for (b, panel, size), arms in sorted(cells.items()):
-    head = arms.get("head_linear" if panel == "left" else "head_attention")
+    head_name = "head_linear" if panel == "left" else "head_attention"
+    head = arms.get((head_name, "raw"))
     ref = cells.get(("exact", panel, size), {}).get(
-        "prompt_linear" if panel == "left" else "prompt_attention")
-    tie = noise.difference_floor(floor or {}, b) or 0.0
-    for n, label, acc in sorted(arms.values(), key=lambda a: a[0]):
+        ("prompt_linear" if panel == "left" else "prompt_attention", "raw"))
+    if (panel, size) in (bayes or {}) and b == "exact":
+      rows.append((b, panel, size, "Bayes classifier (the ceiling)", "",
+                   f"{bayes[(panel, size)]:.1f}", "", "", "", ""))
+    for (method, _), (n, label, acc) in sorted(arms.items(),
+                                               key=lambda a: a[1][0]):
       d = np.array([v - head[2][t] for t, v in acc.items()
                     if head and t in head[2]])
+      tie = pair_floor(floor or {}, b, method, head_name)
       mean = mean_ci(list(acc.values()))
       rows.append((b, panel, size, label,
                    "-".join(map(str, sorted(set(n)))), _cell(*mean, len(acc)),
                    _cell(*mean_ci(d), len(d)) if len(d) else "",
-                   f"{(d > tie).sum()} / {(abs(d) <= tie).sum()} / "
-                   f"{(d < -tie).sum()}" if len(d) else "",
+                   "" if tie is None or method == head_name else f"{tie:.1f}",
+                   "" if not len(d) or tie is None or method == head_name
+                   else f"{(d > tie).sum()} / {(abs(d) <= tie).sum()} / "
+                   f"{(d < -tie).sum()}",
                    f"{np.mean(list(ref[2].values())) - mean[0]:.1f}"
                    if ref else ""))
   return _section(
       "Adaptation arms: test accuracy (%), mean ± 95% interval (draws)",
       ("backbone", "panel", "size", "arm", "trainable params", "accuracy",
-       "arm - head (paired)", "draws above / within floor / below head",
-       "exact prompt - arm"), rows)
+       "arm - head (paired)", "pair floor", "draws above / within floor / "
+       "below head", "exact prompt - arm"), rows) + (
+           "\nA blank pair floor: one of the two arms' noise floors is not "
+           "measured (docs/noise_floor.md), so no draw is called above or "
+           "below.\n")
 
 
-def write_adaptation_plot(lines, path: str) -> None:
-  """Accuracy against trainable parameters (log), a panel per size: each
-  arm's mean and 95% interval, a marker per method, a colour per backbone."""
+def write_adaptation_plot(lines, path: str, bayes: dict | None = None
+                          ) -> None:
+  """A panel per size: each arm's test accuracy (mean and 95% interval over
+  draws), an arm per column (by method, then length or rank), a colour and
+  offset per backbone, a marker per method (hollow: tokens init); the
+  head's mean dotted and the Bayes classifier's accuracy (``bayes``) dashed."""
   plt = files_lib.pyplot()
   cells = _adaptation_cells(lines)
   panels = sorted({(p, s) for _, p, s in cells})
   cols = min(3, len(panels))
   rows = -(-len(panels) // cols)
-  fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.4 * rows),
+  fig, axes = plt.subplots(rows, cols, figsize=(5.6 * cols, 4.6 * rows),
                            squeeze=False, sharey=True)
   for ax in axes.flat[len(panels):]:
     ax.set_visible(False)
+  rank = lambda a: (list(_FAMILY_MARKERS).index(a.split()[0]), int(
+      "0" + "".join(c for c in a if c.isdigit())), a)
+  low = 100.0
   for ax, (panel, size) in zip(axes.flat, panels):
+    order = sorted({label for b in protocol.BACKBONES for _, label, _ in
+                    cells.get((b, panel, size), {}).values()}, key=rank)
     for i, b in enumerate(protocol.BACKBONES):
-      for (n, _), label, acc in cells.get((b, panel, size), {}).values():
+      for (method, _), (_, label, acc) in cells.get((b, panel, size),
+                                                   {}).items():
         mean, ci = mean_ci(list(acc.values()))
         ci = np.nan_to_num(ci)  # the band clipped to [0, 100]
-        ax.errorbar(n, mean, yerr=[[min(ci, mean)], [min(ci, 100 - mean)]],
-                    color=f"C{i}", capsize=2,
+        low = min(low, mean - ci)
+        ax.errorbar(order.index(label) + 0.18 * (2 * i - 1), mean,
+                    yerr=[[min(ci, mean)], [min(ci, 100 - mean)]],
+                    color=f"C{i}", capsize=2, markersize=5,
                     marker=_FAMILY_MARKERS.get(label.split()[0], "x"),
                     fillstyle="none" if "tokens" in label else "full")
-        ax.annotate(label, (n, mean), fontsize=6, xytext=(3, 3),
-                    textcoords="offset points")
-      ax.plot([], [], color=f"C{i}", label=b)
-    ax.set(xscale="log", xlabel="trainable parameters (head included)",
-           ylim=(None, 102),
+        if method.startswith("head_"):
+          ax.axhline(mean, color=f"C{i}", ls=":", lw=0.8)
+    if (panel, size) in (bayes or {}):
+      ax.axhline(bayes[(panel, size)], color="k", ls="--", lw=0.8)
+    ax.set_xticks(range(len(order)), order, rotation=55, ha="right",
+                  fontsize=7)
+    ax.set(ylabel="test accuracy (%)",
            title=f"{panel}: {'|H|' if panel == 'left' else '|M||H|'} = {size}")
-    ax.grid(alpha=0.3)
-    ax.set_ylabel("test accuracy (%)")
-  axes[0][0].legend(fontsize=7, title="hollow: tokens init", title_fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+  handles = [plt.Line2D([], [], color=f"C{i}", marker="o", ls="", label=b)
+             for i, b in enumerate(protocol.BACKBONES)] + [
+      plt.Line2D([], [], color="k", ls=":", label="head (each backbone's)"),
+      plt.Line2D([], [], color="k", ls="--", label="Bayes classifier")]
+  axes[0][0].legend(handles=handles, fontsize=7, loc="lower right")
+  axes[0][0].set_ylim(max(low, 0.0) - 2, 102)  # shared: every panel
   fig.tight_layout()
   files_lib.atomic_write_png(path, fig, dpi=120)
+
+
+BAYES = "bayes.jsonl"  # {"panel", "size", "accuracy"}: the Bayes classifier
+
+
+def read_bayes(workdir: str) -> dict:
+  """``{(panel, size): %}`` from DIR/bayes.jsonl (experiments.bayes_ceiling)."""
+  return {(d["panel"], d["size"]): d["accuracy"]
+          for d in files_lib.read_jsonl(os.path.join(workdir, BAYES))}
 
 
 def write_figure3_report(workdir: str) -> dict:
@@ -512,8 +560,9 @@ def write_figure3_report(workdir: str) -> dict:
   summary = summarize(lines)
   smoke = smoke_note(lines)
   floor = noise.read_floor(os.path.join(workdir, noise.FLOOR))
+  bayes = read_bayes(workdir)
   extra = [diverged_table(lines), floor_note(floor),
-           adaptation_section(lines, floor), wins_table(lines, floor),
+           adaptation_section(lines, floor, bayes), wins_table(lines, floor),
            components_table(lines), trial_table(lines),
            pretrain_report.section(workdir)]
   write_table(summary, os.path.join(workdir, "figure3.md"),
@@ -522,5 +571,6 @@ def write_figure3_report(workdir: str) -> dict:
   write_plot(summary, os.path.join(workdir, "figure3.png"),
              note=SMOKE_TITLE if smoke else "")
   if {r.method for r in lines} - _FIGURE3_ARMS:
-    write_adaptation_plot(lines, os.path.join(workdir, "adaptation.png"))
+    write_adaptation_plot(lines, os.path.join(workdir, "adaptation.png"),
+                          bayes)
   return summary
