@@ -239,3 +239,223 @@ def test_a_sweep_of_arms_records_settings_and_trainable_parameters(tmp_path):
   assert "## Adaptation arms" in report
   assert "| exact | left | 4 | prompt 1 tokens | 26 |" in report
   assert (tmp_path / "adaptation.png").stat().st_size > 0
+
+
+# --- Through the tuning path: the params the backbone computes with.
+
+
+def _float_bound(cfg) -> float:
+  """The float32 forward's rounding bound on output probabilities against
+  a float64 one (tests/test_transformer.py's derivation): each of a
+  block's six dot-product stages and the output layer rounds within
+  ``n eps`` relative, ``n <= d_ff`` (Higham's gamma_n), so ``(6 L + 1) n
+  eps`` on probabilities, which are at most 1."""
+  return (6 * cfg.num_layers + 1) * cfg.d_ff * float(np.finfo(np.float32).eps)
+
+
+def _merged_by_hand(params, lora, scale):
+  """``params`` with ``W + scale A B`` on each adapted projection's ``D``
+  columns of its layer's ``qkv`` kernel (q, k, v at columns 0, D, 2 D),
+  summed in float64 and rounded once to float32."""
+  out = jax.tree.map(lambda x: np.array(x, np.float64), params)
+  for name, adapters in lora.items():
+    kernel = out["params"][name]["qkv"]["kernel"]
+    d = kernel.shape[0]
+    for j, t in enumerate("qkv"):
+      if t in adapters:
+        a, b = (np.array(adapters[t][m], np.float64) for m in "AB")
+        kernel[:, j * d:(j + 1) * d] += scale * (a @ b)
+  return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), out)
+
+
+def test_lora_through_tuning_adds_alpha_over_r_times_a_b(setup):
+  """What tuning's LoRA method hands the head (``METHODS["lora"]
+  .head_inputs`` on the tunable ``init_tunable`` makes, its ``B`` set
+  nonzero) is the backbone's output on kernels merged by hand,
+  ``W + (alpha / r) A B`` on each target's columns, at every position
+  (the attention head reads all). alpha = 5, r = 2: a scale of 2.5, not
+  1 (alpha ignored) nor r / alpha. The two sides differ only in the
+  merged kernels' rounding (a sum of r = 2 products, a few ulps), within
+  :func:`_float_bound`; a wrong scale moves the outputs by over 100 times
+  that, checked here."""
+  _, bb, params, task = setup
+  cfg = dataclasses.replace(CFG, method="lora", head="attention", lora_r=2,
+                            lora_alpha=5.0, lora_targets="q,k,v")
+  data = tuning.data_from_task(task, cfg)
+  tunable = tuning.init_tunable(jax.random.PRNGKey(4), bb, params, cfg,
+                                data.train_tokens)
+  leaves, tree = jax.tree.flatten(tunable["lora"])
+  keys = jax.random.split(jax.random.PRNGKey(5), len(leaves))
+  # B ~ N(0, 1), each its own draw; A as LoRA draws it.
+  tunable["lora"] = jax.tree.unflatten(tree, [
+      jax.random.normal(k, x.shape) if x.shape[0] == cfg.lora_r else x
+      for x, k in zip(leaves, keys)])
+  assert all(float(jnp.abs(ab["B"]).min()) > 0
+             for adapters in tunable["lora"].values()
+             for ab in adapters.values())
+  tokens = data.test_tokens[0]
+  got, _ = jax.jit(lambda p, tu, t: tuning.METHODS["lora"].head_inputs(
+      bb, p, tu, cfg, t))(params, tunable, tokens)
+  backbone = jax.jit(lambda p, t: tuning.backbone_head_inputs(bb, p, cfg, t)[0])
+  outputs = lambda scale: np.asarray(backbone(
+      _merged_by_hand(params, tunable["lora"], scale), tokens))
+  tol = _float_bound(TINY)
+  np.testing.assert_allclose(np.asarray(got), outputs(5.0 / 2), rtol=0,
+                             atol=tol)
+  for wrong in (1.0, 2 / 5.0):
+    assert np.abs(outputs(wrong) - outputs(5.0 / 2)).max() > 100 * tol
+
+
+def _prefixed_forward(params, cfg, tokens_T, kv_by_block, slices):
+  """``logits [T, V]`` in float64 numpy: the textbook pre-LN encoder
+  (tests/test_transformer.py's) with each block's heads also attending to
+  its prefix, ``slices(kv [2, P, D]) -> (keys [A, P, E], values [A, P,
+  E])``, before the tokens' keys and values, without a position."""
+  p = jax.tree.map(lambda x: np.asarray(x, np.float64), params)["params"]
+  norm = lambda x, q: ((x - x.mean(-1, keepdims=True)) / np.sqrt(
+      x.var(-1, keepdims=True) + 1e-6) * q["scale"] + q["bias"])
+  dense = lambda x, q: x @ q["kernel"] + q["bias"]
+  gelu = lambda x: 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (
+      x + 0.044715 * x ** 3)))
+  t, d, a = len(tokens_T), cfg.d_model, cfg.num_heads
+  e = d // a
+  ids = np.where(np.asarray(tokens_T) == hmm_lib.MASK, cfg.vocab_size,
+                 tokens_T)
+  x = p["tok_embed"]["embedding"][ids] + p["pos_embed"][:t]
+  for i in range(cfg.num_layers):
+    blk = p[f"block_{i}"]
+    qkv = dense(norm(x, blk["ln_attn"]), blk["qkv"])
+    q, k, v = (qkv[:, s * d:(s + 1) * d].reshape(t, a, e).transpose(1, 0, 2)
+               for s in range(3))
+    pk, pv = slices(np.asarray(kv_by_block[f"block_{i}"], np.float64))
+    k, v = np.concatenate([pk, k], 1), np.concatenate([pv, v], 1)
+    logits = q @ k.transpose(0, 2, 1) / np.sqrt(e)  # [A, T, P + T]
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    out = (w / w.sum(-1, keepdims=True)) @ v  # [A, T, E]
+    x = x + dense(out.transpose(1, 0, 2).reshape(t, d), blk["attn_out"])
+    x = x + dense(gelu(dense(norm(x, blk["ln_mlp"]), blk["mlp_in"])),
+                  blk["mlp_out"])
+  return dense(norm(x, p["ln_final"]), p["head"])
+
+
+def test_prefix_position_and_head_read_their_own_slice():
+  """Tuning's prefix method (``METHODS["prefix"].head_inputs``) on 3
+  positions, 2 heads and 2 layers, every key and value its own N(0, 1)
+  draw, is a float64 attention computed by hand in which prefix position
+  ``j`` and head ``a`` read keys ``kv[0, j, a E:(a + 1) E]`` and values
+  ``kv[1, j, a E:(a + 1) E]`` (heads concatenated, as the qkv kernel's
+  columns), block ``i`` its own; at every position, to the float32
+  forward's :func:`_float_bound`. Weights far from init (+ 0.3 N(0, 1)) so
+  that queries are large and the keys decide the weights. Reading the
+  prefix heads-major (``[A, P, E]`` row-major) or keys for values moves
+  the hand computation by over 100 times the bound: checked here."""
+  cfg = dataclasses.replace(TINY, num_layers=2, attention="manual")
+  bb = transformer.make_backbone(cfg)
+  params = transformer.init_params(jax.random.PRNGKey(0), cfg)
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
+  params = jax.tree.unflatten(tree, [x + 0.3 * jax.random.normal(k, x.shape)
+                                     for x, k in zip(leaves, keys)])
+  tune = dataclasses.replace(CFG, method="prefix", head="attention",
+                             prompt_len=3)
+  tokens = jnp.array([hmm_lib.MASK, 1, 2, 3, 4, 5, 0, 9])
+  tunable = tuning.init_tunable(jax.random.PRNGKey(2), bb, params, tune,
+                                tokens[None])
+  blocks = tunable["prefix"]["prefix"]
+  assert sorted(blocks) == ["block_0", "block_1"]
+  for i, name in enumerate(sorted(blocks)):
+    assert blocks[name]["kv"].shape == (2, 3, cfg.d_model)
+    blocks[name]["kv"] = jax.random.normal(jax.random.PRNGKey(10 + i),
+                                           (2, 3, cfg.d_model))
+  a, e = cfg.num_heads, cfg.d_model // cfg.num_heads
+  own = lambda kv: tuple(np.array([[kv[s, j, h * e:(h + 1) * e]
+                                    for j in range(kv.shape[1])]
+                                   for h in range(a)]) for s in (0, 1))
+  softmax = lambda z: np.exp(z - z.max(-1, keepdims=True)) / np.exp(
+      z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)
+  want = lambda slices: softmax(_prefixed_forward(
+      params, cfg, tokens, {n: b["kv"] for n, b in blocks.items()}, slices))
+  got, _ = jax.jit(lambda p, tu, t: tuning.METHODS["prefix"].head_inputs(
+      bb, p, tu, tune, t))(params, tunable, tokens)
+  tol = _float_bound(cfg)
+  np.testing.assert_allclose(np.asarray(got, np.float64), want(own), rtol=0,
+                             atol=tol)
+  heads_major = lambda kv: (kv[0].reshape(a, -1, e), kv[1].reshape(a, -1, e))
+  swapped = lambda kv: own(kv)[::-1]
+  for wrong in (heads_major, swapped):
+    assert np.abs(want(wrong) - want(own)).max() > 100 * tol
+
+
+def _recording_backbone(bb, frozen, lora_targets, rank, log):
+  """``bb`` whose ``embed``, ``apply`` and ``apply_at`` report to ``log``,
+  from inside the jitted program (``jax.debug.callback``), how far the
+  ``"params"`` they were given are from ``frozen``'s: the count of
+  entries not equal bit for bit, the adapted columns of each ``qkv``
+  kernel (``lora_targets``) aside, and the count of those adapted blocks
+  whose change is not of rank <= ``rank`` (its (rank + 1)-th singular
+  value above 1e-4 of the first, plus 1e-6: float32 rounding of ``W +
+  s A B`` leaves entries within 2^-24 of |W + s A B| < 1, a spectral
+  norm under D 2^-24 < 1e-5 / 4 at D = 32)."""
+  want_leaves, want_tree = jax.tree_util.tree_flatten_with_path(
+      frozen["params"])
+
+  def record(changed, *deltas):
+    bad = 0
+    for delta in deltas:
+      for m in np.asarray(delta, np.float64).reshape(-1, *delta.shape[-2:]):
+        sv = np.linalg.svd(m, compute_uv=False)
+        bad += int(sv[rank] > 1e-4 * sv[0] + 1e-6)
+    log.append(int(np.sum(changed)) + bad)
+
+  def check(p):
+    got, tree = jax.tree.flatten(p["params"])
+    assert tree == want_tree  # at trace time: no entry added or lost
+    changed, deltas = 0, []
+    for (path, want), have in zip(want_leaves, got):
+      differs = have != want
+      if jax.tree_util.keystr(path[-2:]) == "['qkv']['kernel']":
+        d = want.shape[0]
+        for j, t in enumerate("qkv"):
+          if t in lora_targets:
+            differs = differs.at[:, j * d:(j + 1) * d].set(False)
+            deltas.append(have[:, j * d:(j + 1) * d] - want[:, j * d:
+                                                            (j + 1) * d])
+      changed = changed + jnp.sum(differs)
+    jax.debug.callback(record, changed, *deltas)
+    return p
+
+  return dataclasses.replace(
+      bb, name="recording", embed=lambda p, t: bb.embed(check(p), t),
+      apply=lambda p, x: bb.apply(check(p), x),
+      apply_at=lambda p, x, i: bb.apply_at(check(p), x, i))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(method="head"), dict(method="prompt"), dict(method="prefix"),
+    dict(method="lora", lora_r=2), dict(method="finetune")],
+                         ids=lambda kw: kw["method"])
+def test_the_backbone_computes_with_the_frozen_params_in_every_method(
+    setup, kw):
+  """docs/adaptation.md's promise, checked where it matters: inside the
+  jitted tuning program, every call of the backbone (embedding, every
+  training step's forward, the accuracies) is given the frozen params bit
+  for bit (a prefix's own entries beside them); for LoRA the kernels'
+  un-adapted columns are the frozen ones bit for bit and the adapted ones
+  the frozen ones plus a change of rank <= r. A tunable that carries a
+  copy of the backbone and trains it would pass a check of the caller's
+  arrays (a jax program cannot change them) but not this one: fine-tuning,
+  which does that by design, is flagged here (the check can fail)."""
+  _, bb, params, task = setup
+  cfg = dataclasses.replace(CFG, **kw)
+  log = []
+  targets = cfg.lora_targets.split(",") if cfg.method == "lora" else ()
+  rec = _recording_backbone(bb, jax.tree.map(np.asarray, params), targets,
+                            cfg.lora_r, log)
+  res, _ = tuning.tune(jax.random.PRNGKey(3), rec, params,
+                       tuning.data_from_task(task, cfg), cfg)
+  assert np.isfinite(res.final_loss)
+  assert len(log) >= 2, log  # the callback ran inside the program
+  if cfg.method == "finetune":
+    assert max(log) > 0
+  else:
+    assert max(log) == 0, [n for n in log if n]

@@ -11,6 +11,7 @@ import pytest
 
 from hmmprompt import ginc
 from hmmprompt import hmm as hmm_lib
+from hmmprompt import icl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(ROOT, "..", "shared", "ginc")
@@ -84,74 +85,166 @@ def test_the_mixture_is_the_average_of_its_concepts_and_names_the_source(
     assert float(post.sum()) == pytest.approx(1.0, abs=1e-5)
 
 
-def test_drawn_concepts_have_the_released_ones_statistics(released):
+@pytest.mark.parametrize("which", ["drawn", "released"])
+def test_drawn_concepts_have_the_released_ones_statistics(request, which):
   """A mixture of n random n x n permutations leaves an entry uncovered
   with probability q = (1 - 1/n)^n; the value factor's diagonal is always
   covered (the identity) and its other entries with 1 - q, so about
   1 - (1 - q)(1 - 0.9 q) of the transitions are exact zeros. Released and
-  drawn concepts both are within 0.05 of it; the value diagonal is at
-  least the identity coefficient; a start probability is within e^(+-0.1)
-  of 1/100 (softmax of (u - 1/2) / 10); each state emits its memory symbol,
-  the delimiter 0 exactly at slot 0."""
-  r, _ = released
-  drawn, memory = ginc.concepts(jax.random.PRNGKey(0))
+  drawn concepts both are within 0.05 of it (the drawn always checked, the
+  released where ../shared/ginc is); the value diagonal is at least the
+  identity coefficient; a start probability is within e^(+-0.1) of 1/100
+  (softmax of (u - 1/2) / 10); each state emits its memory symbol, the
+  delimiter 0 exactly at slot 0."""
+  if which == "released":
+    r, _ = request.getfixturevalue("released")
+    concept_sets, memory = (r["id"], r["ood"]), r["memory"]
+  else:
+    drawn, memory = ginc.concepts(jax.random.PRNGKey(0))
+    concept_sets = (drawn,)
+    emitted = np.argmax(np.asarray(drawn.emission[0]), -1)
+    np.testing.assert_array_equal(emitted, np.asarray(memory).reshape(-1))
+    value = np.asarray(ginc.value_factor(jax.random.PRNGKey(1),
+                                         ginc.GincConfig()))
+    assert np.all(np.diag(value) >= 0.9 - 1e-6)
+    np.testing.assert_allclose(value.sum(-1), 1, rtol=1e-6)
   q = (1 - 1 / 10) ** 10
   expect = 1 - (1 - q) * (1 - 0.9 * q)
-  for hmms in (r["id"], r["ood"], drawn):
+  for hmms in concept_sets:
     assert np.mean(np.asarray(hmms.transition) == 0) == pytest.approx(
         expect, abs=0.05)
     start = np.asarray(hmms.initial)
     assert np.all(start >= np.exp(-0.1) / 100 - 1e-7)
     assert np.all(start <= np.exp(0.1) / 100 + 1e-7)
-  for mem in (r["memory"], memory):
-    mem = np.asarray(mem)
-    assert np.all(mem[:, 0] == 0) and np.all(mem[:, 1:] >= 1)
-  emitted = np.argmax(np.asarray(drawn.emission[0]), -1)
-  np.testing.assert_array_equal(emitted, np.asarray(memory).reshape(-1))
-  value = np.asarray(ginc.value_factor(jax.random.PRNGKey(1),
-                                       ginc.GincConfig()))
-  assert np.all(np.diag(value) >= 0.9 - 1e-6)
-  np.testing.assert_allclose(value.sum(-1), 1, rtol=1e-6)
+  mem = np.asarray(memory)
+  assert np.all(mem[:, 0] == 0) and np.all(mem[:, 1:] >= 1)
 
 
-@pytest.mark.slow  # 1.6 s: the full suite's
-def test_prompts_follow_gincs_layout_and_labels(released):
+DRAWN = ginc.GincConfig(num_values=4, num_slots=5, num_symbols=12,
+                       num_concepts=4)
+"""Concepts the repository draws (no file needed): 20 states, 2 ID, 2 OOD."""
+SOURCES = ["drawn", pytest.param("released", marks=pytest.mark.slow)]
+"""Every label and layout test runs on drawn concepts, and on GINC's
+released ones where ../shared/ginc is (else skipped, saying so)."""
+
+
+def _concepts(request, which: str) -> dict:
+  """``{"id": HMM [K], "ood": HMM [K], "memory": int [V, S]}``: GINC's
+  released arrays (skips, naming them, when absent) or :data:`DRAWN`'s
+  concepts, the first half ID."""
+  if which == "released":
+    return request.getfixturevalue("released")[0]
+  concepts, memory = ginc.concepts(jax.random.PRNGKey(8), DRAWN)
+  half = DRAWN.num_concepts // 2
+  return {"id": jax.tree.map(lambda x: x[:half], concepts),
+          "ood": jax.tree.map(lambda x: x[half:], concepts), "memory": memory}
+
+
+def _predictive(hmm, k: int, start, x) -> np.ndarray:
+  """``[X]``: concept ``k``'s next-symbol distribution after ``x`` from
+  ``start`` (float64 forward; zeros where ``x`` is impossible)."""
+  _, trans, emit = (np.asarray(a[k], np.float64) for a in hmm)
+  alpha = np.asarray(start, np.float64) * emit[:, x[0]]
+  for t in x[1:]:
+    alpha = (alpha @ trans) * emit[:, t]
+  if alpha.sum() == 0:
+    return np.zeros(emit.shape[1])
+  return (alpha / alpha.sum()) @ trans @ emit
+
+
+def _is_label(pred_X, label: int, tol: float) -> bool:
+  """Whether ``label`` is an argmax of ``pred_X`` to ``tol`` (0 for an
+  impossible prompt, as ``argmax`` of :func:`ginc.predict`'s zeros)."""
+  if pred_X.sum() == 0:
+    return label == 0
+  return pred_X[label] >= pred_X.max() - tol
+
+
+def _label_tol(num_states: int, length: int) -> float:
+  """:func:`ginc.predict` in float32 against the float64 forward: each of
+  its ``length + 1`` steps (and the read-out) sums ``H`` products, so
+  within ``(length + 2) H eps`` on probabilities, which are at most 1."""
+  return (length + 2) * num_states * float(np.finfo(np.float32).eps)
+
+
+@pytest.mark.parametrize("which", SOURCES)
+def test_prompts_follow_gincs_layout_and_labels(request, which):
   """Examples of ``length`` symbols each end with the delimiter; the test
   example's ``x`` is the last ``length - 1``; the ID label is the concept's
   argmax next symbol from a uniform start over the start slot's states
-  (recomputed here with the float64 forward)."""
-  r, _ = released
+  (recomputed here with the float64 forward, to :func:`_label_tol`)."""
+  r = _concepts(request, which)
+  memory = np.asarray(r["memory"])
+  num_values, num_slots = memory.shape
+  n = num_values * num_slots
   length, k = 5, 3
   batch = ginc.prompts(jax.random.PRNGKey(3), r["id"], r["memory"],
                        "ID_sample", k, length, 20)
   tokens = np.asarray(batch["tokens"])
   assert tokens.shape == (20, (k + 1) * (length + 1) - 2)
   assert np.all(tokens[:, length::length + 1] == 0)
-  # The start slot is shared: one slot's column holds every example's
-  # first symbol (a random slot per example would not, but by chance).
-  memory = np.asarray(r["memory"])
-  for row in tokens:
-    firsts = row[::length + 1]
-    assert any(set(firsts) <= set(memory[:, s]) for s in range(1, 10))
-  # The label, recomputed: the predictive after x from a uniform start
-  # over one slot's states, for each slot whose states can emit x's first
-  # symbol (the prompt's start slot is among them).
-  for i in range(5):
+  tol = _label_tol(n, length)
+  for i in range(20):
+    # The start slot is shared: its column holds every example's first
+    # symbol (a random slot per example would not, but by chance).
+    firsts = set(tokens[i, ::length + 1])
+    slots = [s for s in range(1, num_slots) if firsts <= set(memory[:, s])]
+    assert slots, firsts
+    # The label, recomputed: the predictive after x from a uniform start
+    # over one slot's states, for each slot that holds every first symbol
+    # (the prompt's start slot is among them).
     c = int(batch["concept"][i])
-    init, trans, emit = (np.asarray(a[c], np.float64) for a in r["id"])
     x = tokens[i, -(length - 1):]
-    slots = {s for v in range(10) for s in range(1, 10)
-             if np.asarray(r["memory"])[v, s] == x[0]}
-    best = []
+    right = []
     for s in slots:
-      start = np.zeros(100)
-      start[np.arange(10) * 10 + s] = 0.1
-      alpha = start * emit[:, x[0]]
-      for t in x[1:]:
-        alpha = (alpha @ trans) * emit[:, t]
-      if alpha.sum() > 0:
-        best.append(int(np.argmax((alpha / alpha.sum()) @ trans @ emit)))
-    assert int(batch["label"][i]) in best
+      start = np.zeros(n)
+      start[np.arange(num_values) * num_slots + s] = 1 / num_values
+      pred = _predictive(r["id"], c, start, x)
+      # x was drawn from the concept at the start slot: possible there.
+      right.append(pred.sum() > 0
+                   and _is_label(pred, int(batch["label"][i]), tol))
+    assert any(right), i
+
+
+@pytest.mark.parametrize("which", SOURCES)
+def test_ood_prompts_are_labelled_by_the_held_out_concepts(request, which):
+  """:func:`icl.cell_prompts`' ``OOD_sample`` prompts (GINC's
+  ``hmms=ood_hmms``): each label is the argmax next symbol, after the test
+  example's ``x``, of the held-out concept ``concept`` indexes, from GINC's
+  uniform start over all its states; recomputed here with the float64
+  forward, to :func:`_label_tol`. The same recomputation from the ID
+  concept of that index, or from ``ID_sample``'s kind of start (the states
+  of a slot emitting x's first symbol), fails on some prompt: labels from
+  either would fail here."""
+  if which == "released":
+    _concepts(request, which)  # skips, naming the files, when absent
+    setup = icl.get_setup("cpu", concepts="released", prompts=32,
+                          released_path=os.path.join(SHARED, "ginc_hmms.npz"))
+  else:
+    setup = icl.get_setup("tiny", prompts=64)
+  concepts = {kind: icl.load_concepts(setup, kind) for kind in ("id", "ood")}
+  num_values, num_slots = setup.ginc.num_values, setup.ginc.num_slots
+  n = num_values * num_slots
+  length, k = 5, 2
+  batch = icl.cell_prompts(setup, concepts, "OOD_sample", length, k)
+  tokens = np.asarray(batch["tokens"])
+  assert tokens.shape == (setup.prompts, (k + 1) * (length + 1) - 2)
+  tol = _label_tol(n, length)
+  uniform = np.full(n, 1 / n)
+  memory = np.asarray(icl.memory_of(concepts["ood"], setup))
+  wrong = {"id": 0, "slot": 0}
+  for row, label, c in zip(tokens, np.asarray(batch["label"]),
+                           np.asarray(batch["concept"])):
+    x = row[-(length - 1):]
+    assert _is_label(_predictive(concepts["ood"], c, uniform, x), label, tol)
+    wrong["id"] += not _is_label(_predictive(concepts["id"], c, uniform, x),
+                                 label, tol)
+    slot = [s for s in range(1, num_slots) if x[0] in memory[:, s]][0]
+    start = np.zeros(n)
+    start[np.arange(num_values) * num_slots + slot] = 1 / num_values
+    wrong["slot"] += not _is_label(_predictive(concepts["ood"], c, start, x),
+                                   label, tol)
+  assert min(wrong.values()) > 0, wrong
 
 
 def test_exact_zeros_make_prompts_impossible_and_smoothing_restores_them(

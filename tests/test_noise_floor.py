@@ -142,8 +142,9 @@ def test_a_difference_within_the_floor_is_a_tie_in_the_report(tmp_path):
   assert "| exact | raw | 4 | 3 | 2 | 1 | 0 |" in reporting.wins_table(lines)
   assert "| exact | raw | 4 | 3 | 1 | 2 | 0 |" in reporting.wins_table(
       lines, floor)
-  assert "| exact | head | 4 | 1.0 | 2.0 | 0.0 | 2.8 |" in (
-      reporting.floor_note(floor))
+  note = reporting.floor_note(floor)
+  assert "| exact | head | 4 | 1.0 | 2.0 | 0.0 |  |" in note
+  assert "| exact | prompt | 4 | 1.0 | 2.0 | 0.0 | 2.8 |" in note
   assert reporting.floor_note({}).startswith("No noise floor is measured")
   # Read back from a results directory's file, as the report does.
   path = str(tmp_path / noise.FLOOR)

@@ -137,6 +137,11 @@ def wins_table(lines: list[schema.ResultLine], floor: dict | None = None
                    "ties", "head wins"), rows)
 
 
+def _points(x: float) -> str:
+  """``x`` to a tenth; blank where not measured (NaN)."""
+  return "" if np.isnan(x) else f"{x:.1f}"
+
+
 def floor_note(floor: dict) -> str:
   """Markdown stating each arm's noise floor (:func:`noise.read_floor`):
   what the tables' differences are measured against, or that none is."""
@@ -145,19 +150,19 @@ def floor_note(floor: dict) -> str:
             "experiments.noise_floor --workdir=DIR`, docs/noise_floor.md): "
             "the draw-by-draw table counts any difference.\n")
   rows = [(b, m, ", ".join(map(str, v["sizes"])), f"{v['seed_sd']:.1f}",
-           f"{v['seed_range']:.1f}", f"{v['perturbed']:.1f}",
-           "" if m != "head" or (d := noise.difference_floor(floor, b)) is None
-           else f"{d:.1f}")
+           f"{v['seed_range']:.1f}", _points(v["perturbed"]),
+           "" if m == "head" or (d := noise.difference_floor(
+               floor, b, m, "head")) is None else f"{d:.1f}")
           for (b, m), v in sorted(floor.items())]
   return _section(
       "The noise floor of each arm (test accuracy, points; how it is "
       "measured: docs/noise_floor.md)",
       ("backbone", "arm", "sizes measured", "tuning seeds (sd)",
        "largest seed range", "largest change at a 1e-6 perturbation",
-       "prompt - head floor"), rows) + (
-           "\nOne draw's prompt - head difference within the floor (twice "
-           "the sd of a difference of two tunings) is a tie in the draw-by-"
-           "draw table.\n")
+       "arm - head floor"), rows) + (
+           "\nOne draw's difference of two arms within their floor "
+           "(2 sqrt(sd_a^2 + sd_b^2), twice the sd of a difference of two "
+           "independent tunings) is a tie in the draw-by-draw tables.\n")
 
 
 def noise_floor_page(workdir: str, title: str,
@@ -176,7 +181,7 @@ def noise_floor_page(workdir: str, title: str,
       ("backbone", "size", "arm", "draws", "seeds", "between draws (sd)",
        "within a draw, tuning seeds (sd)", "largest seed range",
        "largest change at a 1e-6 perturbation"),
-      [(b, size, m, s["draws"], s["seeds"], *(f"{s[k]:.1f}" for k in (
+      [(b, size, m, s["draws"], s["seeds"], *(_points(s[k]) for k in (
           "draw_sd", "seed_sd", "seed_range", "perturbed")))
        for (b, size, m), s in summary.items()]), floor_note(floor),
            _section("Adam against the optimum (head, test accuracy, points)",
