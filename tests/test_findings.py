@@ -7,7 +7,6 @@ import itertools
 import json
 import os
 
-import jax
 import numpy as np
 import pytest
 

@@ -163,7 +163,6 @@ def test_the_experiment_runs_resumes_and_reports(tmp_path):
                  for r in lines)
   assert {r.examples for r in lines if r.backbone == "exact"} == {0, 2, 12}
   concepts = {kind: icl.load_concepts(setup, kind) for kind in ("id", "ood")}
-  mix = ginc.mixture(concepts["id"])
   for r in lines:
     assert all(np.isfinite([r.test_accuracy, r.impossible, r.label_prob,
                             r.ce_gap]))

@@ -449,7 +449,7 @@ def pair_floor(floor: dict, backbone: str, a: str, b: str) -> float | None:
   """:func:`noise.difference_floor` of two result-line methods, each arm's
   floor under its own name or Figure 3's (``head``, ``prompt``)."""
   legacy = {"head_linear": "head", "prompt_linear": "prompt"}
-  name = lambda m: m if (backbone, m) in floor else legacy.get(m, m)
+  name = lambda m: m if (backbone, m) in floor else legacy.get(m) or m
   return noise.difference_floor(floor, backbone, name(a), name(b))
 
 
@@ -463,13 +463,13 @@ def adaptation_section(lines, floor: dict | None = None,
   ``bayes``: ``{(panel, size): %}``, the task's Bayes classifier."""
   if not {r.method for r in lines} - _FIGURE3_ARMS:
     return ""
-  cells, rows = _adaptation_cells(lines), []
+  cells, rows, bayes = _adaptation_cells(lines), [], bayes or {}
   for (b, panel, size), arms in sorted(cells.items()):
     head_name = "head_linear" if panel == "left" else "head_attention"
     head = arms.get((head_name, "raw"))
     ref = cells.get(("exact", panel, size), {}).get(
         ("prompt_linear" if panel == "left" else "prompt_attention", "raw"))
-    if (panel, size) in (bayes or {}) and b == "exact":
+    if (panel, size) in bayes and b == "exact":
       rows.append((b, panel, size, "Bayes classifier (the ceiling)", "",
                    f"{bayes[(panel, size)]:.1f}", "", "", "", ""))
     for (method, _), (n, label, acc) in sorted(arms.items(),
@@ -503,7 +503,7 @@ def write_adaptation_plot(lines, path: str, bayes: dict | None = None
   draws), an arm per column (by method, then length or rank), a colour and
   offset per backbone, a marker per method (hollow: tokens init); the
   head's mean dotted and the Bayes classifier's accuracy (``bayes``) dashed."""
-  plt = files_lib.pyplot()
+  plt, bayes = files_lib.pyplot(), bayes or {}
   cells = _adaptation_cells(lines)
   panels = sorted({(p, s) for _, p, s in cells})
   cols = min(3, len(panels))
@@ -531,7 +531,7 @@ def write_adaptation_plot(lines, path: str, bayes: dict | None = None
                     fillstyle="none" if "tokens" in label else "full")
         if method.startswith("head_"):
           ax.axhline(mean, color=f"C{i}", ls=":", lw=0.8)
-    if (panel, size) in (bayes or {}):
+    if (panel, size) in bayes:
       ax.axhline(bayes[(panel, size)], color="k", ls="--", lw=0.8)
     ax.set_xticks(range(len(order)), order, rotation=55, ha="right",
                   fontsize=7)
