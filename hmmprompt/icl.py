@@ -490,9 +490,10 @@ def _style(curve: str) -> dict:
   variant = curve.split()[-1]
   if curve == "transformer":
     return dict(ls="--", marker="s", alpha=1.0)
+  mixture = variant != "0" and smoothing(variant)[0] == "mixture"
   return {REFERENCE: dict(ls="-", marker="o", alpha=1.0),
           "0": dict(ls=":", marker="None", alpha=1.0)}.get(variant, dict(
-              ls="-.", marker="None" if variant < "m" else "^", alpha=0.45))
+              ls="-.", marker="^" if mixture else "None", alpha=0.45))
 
 
 def write_plot(summary: dict, kls: dict, path: str) -> None:
