@@ -120,3 +120,44 @@ def test_each_arms_floor_is_its_pooled_seed_sd():
   want = np.sqrt(np.mean(np.var(100 * acc, axis=-1, ddof=1)))
   assert floor["exact", "prompt_linear_p1"]["seed_sd"] == pytest.approx(
       want, rel=1e-9)
+
+
+# The committed runs, read back.
+
+def test_the_committed_icl_lines_hold_the_per_concept_finding():
+  """docs/results/icl: smoothed per concept (1e-6), `ID_sample` at length
+  3 rises from 54.2% at k = 0 to 65.6-73.0% for every k >= 1 and at
+  length 5 from 95.0% to 97.4-99.8%; smoothed across concepts it stays
+  at 47.2-54.2% and 87.2-95.0%."""
+  acc = {(d["variant"], d["length"], d["examples"]): 100 * d["test_accuracy"]
+         for d in _jsonl("icl", "icl.jsonl")
+         if d["backbone"] == "exact" and d["protocol"] == "ID_sample"}
+  for length, k0, (lo, hi), (mlo, mhi) in ((3, 54.2, (65.6, 73.0),
+                                            (47.2, 54.2)),
+                                           (5, 95.0, (97.4, 99.8),
+                                            (87.2, 95.0))):
+    assert acc["concept:1e-06", length, 0] == pytest.approx(k0)
+    rest = [v for (var, n, k), v in acc.items()
+            if var == "concept:1e-06" and n == length and k > 0]
+    assert (min(rest), max(rest)) == pytest.approx((lo, hi))
+    mixed = [v for (var, n, _), v in acc.items()
+             if var == "mixture:1e-06" and n == length]
+    assert (min(mixed), max(mixed)) == pytest.approx((mlo, mhi))
+
+
+def test_the_committed_adaptation_floors_and_ceiling():
+  """docs/results/adaptation: each arm's floor in noise_floor.json is the
+  pooled seed sd of its replicate lines (numpy, not noise.arm_floor), and
+  the Bayes classifier scored 100% at every size."""
+  by: dict = {}
+  for d in _jsonl("adaptation", "noise", "replicates.jsonl"):
+    by.setdefault((d["backbone"], d["method"]), {}).setdefault(
+        (d["size"], d["trial"], d["task"]), []).append(100 * d["test_accuracy"])
+  with open(os.path.join(_RESULTS, "adaptation", "noise_floor.json")) as f:
+    floors = {(d["backbone"], d["method"]): d["seed_sd"] for d in json.load(f)}
+  assert set(floors) == set(by) and len(by) == 18
+  for key, cells in by.items():
+    want = np.sqrt(np.mean([np.var(v, ddof=1) for v in cells.values()]))
+    assert floors[key] == pytest.approx(want, rel=1e-9), key
+  assert [d["accuracy"] for d in _jsonl("adaptation", "bayes.jsonl")] == [
+      100.0] * 5
