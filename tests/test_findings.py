@@ -161,3 +161,138 @@ def test_the_committed_adaptation_floors_and_ceiling():
     assert floors[key] == pytest.approx(want, rel=1e-9), key
   assert [d["accuracy"] for d in _jsonl("adaptation", "bayes.jsonl")] == [
       100.0] * 5
+
+
+def _icl_cells(protocol="ID_sample"):
+  """``{(curve, length, k): (accuracy %, KL)}`` from docs/results/icl,
+  the transformers' curve the mean over their seeds."""
+  cells, seeds = {}, {}
+  for d in _jsonl("icl", "icl.jsonl"):
+    if d["protocol"] != protocol:
+      continue
+    key = (d["length"], d["examples"])
+    if d["backbone"] == "exact":
+      cells[(d["variant"],) + key] = (100 * d["test_accuracy"], d["kl"])
+    else:
+      seeds.setdefault(key, []).append((100 * d["test_accuracy"], d["kl"]))
+  for key, v in seeds.items():
+    cells[("transformer",) + key] = tuple(np.mean(v, axis=0))
+  return cells
+
+
+def _span(values):
+  return (round(min(values), 3), round(max(values), 3))
+
+
+def test_the_icl_page_quotes_its_lines():
+  """docs/icl.md's findings: the transformers' accuracy gap to the
+  per-concept curve and their KL from it, each smoothing's spread, the
+  `OOD_sample` ranges."""
+  c = _icl_cells()
+  ref, tr = "concept:1e-06", "transformer"
+  ks = lambda n: [k for (v, m, k) in c if v == tr and m == n]
+  gap = lambda n, k: c[ref, n, k][0] - c[tr, n, k][0]
+  assert gap(3, 0) == pytest.approx(9.5, abs=0.05)
+  for n, want in ((3, (17.8, 22.0)), (5, (28.2, 32.8)), (8, (20.3, 25.8)),
+                  (10, (19.0, 21.6))):
+    got = _span([gap(n, k) for k in ks(n) if n != 3 or k > 0])
+    assert got == pytest.approx(want, abs=0.05), n
+  every = [gap(n, k) for n in (3, 5, 8, 10) for k in ks(n) if k > 0]
+  assert _span(every) == pytest.approx((17.8, 32.8), abs=0.05)  # README
+  kl = lambda v, n, k: c[v, n, k][1]
+  assert kl(tr, 3, 0) == pytest.approx(0.161, abs=5e-4)
+  assert _span([kl(tr, 3, k) for k in ks(3) if k]) == pytest.approx(
+      (0.839, 1.052), abs=5e-4)
+  assert _span([kl("mixture:1e-06", 3, k) for k in ks(3) if k]) == (
+      pytest.approx((0.383, 0.839), abs=5e-4))
+  for n, start, end in ((5, 0.302, 0.262), (8, 0.163, 0.125),
+                        (10, 0.141, 0.105)):
+    assert (kl(tr, n, 0), kl(tr, n, max(ks(n)))) == pytest.approx(
+        (start, end), abs=5e-4)
+  moves = [c[tr, n, k][0] - c[tr, n, 0][0] for n in (5, 8, 10) for k in ks(n)]
+  assert _span(moves) == pytest.approx((-4.8, 4.4), abs=0.05)
+  assert max(c[tr, 3, k][0] - c[tr, 3, 0][0] for k in ks(3)) == (
+      pytest.approx(8.3, abs=0.05))
+  every_k = [0, 1, 2, 4, 8, 16, 32, 64]
+  span = lambda v, n, k0=1: _span([c[v, n, k][0] for k in every_k[k0:]])
+  assert span("concept:0.001", 3) == pytest.approx((78.8, 89.6))
+  assert span("mixture:1e-06", 3) == pytest.approx((47.2, 52.6))
+  assert _span([c[ref, 5, k][0] - c["mixture:1e-06", 5, k][0]
+                for k in every_k[1:]]) == pytest.approx((5.2, 11.6), abs=0.05)
+  assert _span([c[v, n, k][0] for v in (ref, "concept:0.001",
+                                        "mixture:1e-06")
+                for n in (8, 10) for k in every_k[1:]]) == (
+                    pytest.approx((98.8, 100.0)))
+  for n in (3, 5, 8, 10):  # no delimiter jump at k = 0: smoothing moves none
+    assert c[ref, n, 0][0] == c["0", n, 0][0]
+  ood = _icl_cells("OOD_sample")
+  assert _span([a for (v, _, _), (a, _) in ood.items()
+                if v.startswith(("concept", "mixture"))]) == pytest.approx(
+                    (3.6, 13.6))
+  assert _span([a for (v, _, _), (a, _) in ood.items() if v == tr]) == (
+      pytest.approx((7.9, 11.9), abs=0.05))
+
+
+def _draws():
+  """``{(backbone, panel, method, size): [5]}``: each draw's accuracy (%),
+  the mean over its tasks, from docs/results/adaptation/results.jsonl."""
+  acc: dict = {}
+  for d in _jsonl("adaptation", "results.jsonl"):
+    acc.setdefault((d["backbone"], d["panel"], d["method"], d["size"]),
+                   {}).setdefault(d["trial"], []).append(100 * d["test_accuracy"])
+  return {k: np.array([np.mean(v[t]) for t in sorted(v)])
+          for k, v in acc.items()}
+
+
+def _t4_two_sided(t: float) -> float:
+  """The two-sided p of Student's t with 4 degrees of freedom (5 paired
+  draws), in closed form: ``F(t) = 1/2 + 3/8 x (1 - t^2 / (12 (1 +
+  t^2 / 4)))``, ``x = t / sqrt(1 + t^2 / 4)``."""
+  t = abs(t)
+  x = t / np.sqrt(1 + t * t / 4)
+  return 2 * (1 - (0.5 + 3 / 8 * x * (1 - t * t / (12 * (1 + t * t / 4)))))
+
+
+def test_the_adaptation_page_quotes_its_lines():
+  """docs/adaptation.md's findings: one vector's share of 20's gain, the
+  prefix against the prompt of 5 (paired t over draws, and per draw
+  against the pair's floor), LoRA r1 against the exact prompt arm, the
+  `tokens` start against its twin per draw."""
+  a = _draws()
+  with open(os.path.join(_RESULTS, "adaptation", "noise_floor.json")) as f:
+    sd = {(d["backbone"], d["method"]): d["seed_sd"] for d in json.load(f)}
+  floor = lambda b, m, n: 2 * np.hypot(sd[b, m], sd[b, n])
+  arm = lambda b, m, s: a[b, "left", m, s]
+  sizes = (8, 12, 20, 30)
+  for b, want in (("exact", (0.99, 0.21, 0.22, 0.61)),
+                  ("transformer", (0.32, 0.50, 0.35, 0.46))):
+    head = [arm(b, "head_linear", s) for s in sizes]
+    share = [np.mean(arm(b, "prompt_linear_p1", s) - h)
+             / np.mean(arm(b, "prompt_linear", s) - h)
+             for s, h in zip(sizes, head)]
+    assert share == pytest.approx(want, abs=0.005), b
+  f = floor("transformer", "prefix_linear_p5", "prompt_linear_p5")
+  assert f == pytest.approx(2.6, abs=0.05)
+  for s, mean, p, below in ((8, -3.3, 0.37, 1), (12, -5.1, 0.17, 2),
+                            (20, -0.9, 0.33, 1), (30, -8.0, 0.03, 4)):
+    d = (arm("transformer", "prefix_linear_p5", s)
+         - arm("transformer", "prompt_linear_p5", s))
+    t = d.mean() / (d.std(ddof=1) / np.sqrt(len(d)))
+    assert d.mean() == pytest.approx(mean, abs=0.05), s
+    assert _t4_two_sided(t) == pytest.approx(p, abs=0.005), s
+    assert ((d < -f).sum(), (d > f).sum()) == (below, 0), s
+  margin = [arm("transformer", "lora_linear_r1", s)
+            - arm("exact", "prompt_linear", s) for s in sizes]
+  assert [m.mean() for m in margin] == pytest.approx([2.7, 10.9, 10.7, 9.7],
+                                                     abs=0.05)
+  assert margin[0].max() == pytest.approx(13.9, abs=0.05)
+  assert np.sort(np.abs(margin[0]))[:4].max() <= 0.2
+  for b, passed, lo, hi in (("exact", 7, -15.2, 17.4),
+                            ("transformer", 5, -11.8, 14.3)):
+    out = []
+    for u in ("prompt_linear_p1", "prompt_linear_p5", "prompt_linear"):
+      for s in sizes:
+        d = arm(b, u + "_tokens", s) - arm(b, u, s)
+        out += list(d[np.abs(d) > floor(b, u + "_tokens", u)])
+    assert len(out) == passed, b
+    assert _span(out) == pytest.approx((lo, hi), abs=0.05), b
