@@ -8,3 +8,22 @@ import logging
 logging.getLogger("jax._src.xla_bridge").addFilter(lambda record: not (
     (msg := record.getMessage()).startswith(
         "Unable to initialize backend 'tpu'") and "libtpu.so" in msg))
+
+from absl import app as _app
+
+
+def _help_ends_well(cls) -> None:
+  """absl ends ``--help`` / ``--helpfull`` with status 1, as if it failed;
+  help that was asked for ends with 0 (parse errors keep theirs)."""
+  parse = cls.parse
+
+  def parse_then_exit_0(self, arg):
+    try:
+      parse(self, arg)
+    except SystemExit:
+      raise SystemExit(0) from None
+  cls.parse = parse_then_exit_0
+
+
+for _cls in (_app.HelpFlag, _app.HelpfullFlag):
+  _help_ends_well(_cls)

@@ -163,7 +163,8 @@ def start(argv, **required) -> float:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   missing = [f"--{name}" for name, value in required.items() if not value]
-  if missing and not flags.FLAGS.get_flag_value("print_config", False):
+  if missing and not ("print_config" in flags.FLAGS
+                      and flags.FLAGS.print_config):
     raise app.UsageError(f"{missing[0]} is required")
   if path := _COMPILATION_CACHE.value:
     with usage_errors():
@@ -231,6 +232,7 @@ def study_main(study, run: Callable, write_report: Callable, **outputs: str
       setup = study.get_setup(preset.value, config.value())
       if print_it.value:
         return print_config(setup)
+      getattr(study, "check_inputs", lambda _: None)(setup)
       study.check_workdir(make_dir(out), setup)
     run(setup, out)
     print(write_report(out))

@@ -16,6 +16,9 @@ mixture's in-context prediction.
 
 import dataclasses
 import functools
+import os
+import pickle
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -110,8 +113,65 @@ def concepts(key, cfg: GincConfig = GincConfig()
       jax.random.split(k_concepts, cfg.num_concepts)), memory
 
 
+class _Attributes:
+  """What a GINC pickle holds for hmmlearn's ``MultinomialHMM``: its
+  attributes alone, so neither hmmlearn nor its version is needed."""
+
+  def __setstate__(self, state):
+    self.__dict__.update(state if isinstance(state, dict) else state[-1])
+
+
+class _Unpickler(pickle.Unpickler):
+  """Numbers only: hmmlearn / sklearn classes become :class:`_Attributes`,
+  numpy's own are allowed, any other global is refused by name (a pickle
+  can name any callable)."""
+
+  def find_class(self, module, name):
+    if module.split(".")[0] in ("hmmlearn", "sklearn"):
+      return _Attributes
+    if module.split(".")[0] == "numpy" or (module, name) == (
+        "copyreg", "_reconstructor") or (module, name) == ("builtins", "object"):
+      return super().find_class(module, name)
+    raise pickle.UnpicklingError(f"a GINC pickle names {module}.{name}, "
+                                 f"which is not numbers")
+
+
+RELEASE_FILES = ("id_hmms.pkl", "ood_hmms.pkl", "id_params.pkl",
+                 "ood_params.pkl", "fixed_params.pkl")
+
+
+def convert_release(source: str, out: str) -> None:
+  """Writes :func:`load_released`'s file ``out`` from GINC's own
+  (p-lambda/incontext-learning at 84fab21, ``data/GINC_trans0.1_start10.0_
+  nsymbols50_nvalues10_nslots10_vic0.9_nhmms10/``): :data:`RELEASE_FILES`
+  in ``source``. ``ValueError`` names what is missing or wrong."""
+  if missing := [f for f in RELEASE_FILES
+                 if not os.path.isfile(os.path.join(source, f))]:
+    raise ValueError(f"{source} lacks GINC's {', '.join(missing)}")
+
+  def load(name):
+    with open(os.path.join(source, name), "rb") as f:
+      return _Unpickler(f).load()
+  try:
+    arrays: dict[str, Any] = {
+        "all_values": np.asarray(load("fixed_params.pkl"), np.int64)}
+    for kind in ("id", "ood"):
+      hmms, params = load(f"{kind}_hmms.pkl"), load(f"{kind}_params.pkl")
+      for name in ("startprob", "transmat", "emissionprob"):
+        arrays[f"{kind}_{name}"] = np.stack([getattr(h, f"{name}_")
+                                             for h in hmms])
+      for i, name in enumerate(("slot_transmat", "value_transmat")):
+        arrays[f"{kind}_{name}"] = np.stack([p[i] for p in params])
+  except (AttributeError, IndexError, TypeError, pickle.UnpicklingError) as e:
+    raise ValueError(f"{source} does not hold GINC's release: {e}") from None
+  tmp = out + ".tmp.npz"
+  np.savez(tmp, **arrays)
+  os.replace(tmp, out)
+  load_released(out)  # checked as our HMMs
+
+
 def load_released(path: str) -> dict:
-  """GINC's released HMMs (``../shared/ginc/ginc_hmms.npz``) as
+  """GINC's released HMMs (:func:`convert_release`'s file) as
   ``{"id": HMM [5], "ood": HMM [5], "memory": int [V, S]}``, float32; each
   HMM is checked as our :class:`hmm.HMM` (rows summing to 1)."""
   with np.load(path) as d:

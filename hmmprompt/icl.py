@@ -32,7 +32,7 @@ from hmmprompt.backbones import transformer
 
 LAYOUT = 1  # bumped when a line's meaning changes for the same setup
 CONCEPTS = ("released", "drawn")
-RELEASED = os.path.join("..", "shared", "ginc", "ginc_hmms.npz")
+RELEASED = "ginc_hmms.npz"  # ginc.convert_release's, from GINC's files
 REFERENCE = "concept:1e-06"  # the exact predictive every line's KL is to
 _PROMPT_STREAM = 7_000  # prompts: fold_in(root, this), then their cell
 
@@ -54,8 +54,9 @@ class IclSetup:
       ``"mixture:EPS"`` the mixture smoothed.
     context: the longest prompt the exact backbone scores (GINC's 1024);
       the transformers score those within ``pretrain.model.max_len``.
-    concepts: ``"released"`` (GINC's, from ``released_path``) or
-      ``"drawn"`` (:func:`hmmprompt.ginc.concepts` of ``ginc`` under ``seed``).
+    concepts: ``"drawn"`` (:func:`hmmprompt.ginc.concepts` of ``ginc``,
+      GINC's settings, under ``seed``) or ``"released"`` (GINC's own, from
+      ``released_path``: :func:`hmmprompt.ginc.convert_release`).
     pretrain: the transformers' recipe (``model.causal``, the vocabulary
       GINC's symbols).
     seed: root of the prompts (and of drawn concepts).
@@ -69,7 +70,7 @@ class IclSetup:
   prompts: int = 500
   smoothings: tuple[str, ...] = ("0", REFERENCE)
   context: int = 1024
-  concepts: str = "released"
+  concepts: str = "drawn"
   ginc: ginc_lib.GincConfig = ginc_lib.GincConfig()
   pretrain: pretrain_lib.PretrainConfig
   seed: int = 0
@@ -135,8 +136,9 @@ def _tiny() -> IclSetup:
 
 
 def _cpu() -> IclSetup:
-  """41 minutes on 2 cores: GINC's released concepts, 5 transformers of
-  CPU width at context 256 (GINC's 1024 cut: docs/icl.md)."""
+  """41 minutes on 2 cores: GINC's concepts (drawn; the committed run:
+  ``concepts="released"``), 5 transformers of CPU width at context 256
+  (GINC's 1024 cut: docs/icl.md)."""
   return IclSetup(seeds=5, smoothings=("0", REFERENCE, "concept:0.001",
                                        "mixture:1e-06"),
                   pretrain=pretrain_lib.configure(
@@ -155,14 +157,17 @@ def get_setup(preset: str = "cpu", overrides: Mapping[str, Any] | None = None,
   return config_flags.from_preset(PRESETS, preset, overrides, **fields)
 
 
-def check_released(setup: IclSetup, error: type[Exception] = ValueError
-                   ) -> None:
+def check_inputs(setup: IclSetup, error: type[Exception] = ValueError
+                 ) -> None:
   """Raises ``error`` naming ``released_path`` if the setup needs it and it
-  is missing (the binary: a usage error before any work)."""
+  is missing (the binary: a usage error before any work or workdir)."""
   if setup.concepts == "released" and not os.path.exists(
       setup.released_path):
-    raise error(f"GINC's released HMMs are not at {setup.released_path} (set "
-                f"--config.released_path, or --config.concepts=drawn)")
+    raise error(f"GINC's released HMMs are not at {setup.released_path}: "
+                f"convert GINC's own files with `python -m "
+                f"experiments.ginc_release --source=DIR --out=FILE` and set "
+                f"--config.released_path=FILE (docs/icl.md), or drop "
+                f"--config.concepts=released")
 
 
 def load_concepts(setup: IclSetup, kind: str = "id") -> hmm_lib.HMM:
@@ -174,7 +179,7 @@ def load_concepts(setup: IclSetup, kind: str = "id") -> hmm_lib.HMM:
     half = max(setup.ginc.num_concepts // 2, 1)
     return jax.tree.map(lambda x: x[:half] if kind == "id" else x[half:],
                         concepts)
-  check_released(setup, FileNotFoundError)
+  check_inputs(setup, FileNotFoundError)
   return ginc_lib.load_released(setup.released_path)[kind]
 
 
@@ -286,7 +291,7 @@ def plan(setup: IclSetup) -> dict[Backbone, list[Group]]:
 def check_workdir(workdir: str, setup: IclSetup) -> None:
   """Stamps DIR/icl.json (``ValueError`` if it holds another setup's,
   lines of other concepts, or GINC's released HMMs are missing)."""
-  check_released(setup)
+  check_inputs(setup)
   files_lib.stamp(os.path.join(workdir, "icl.json"), setup.identity(),
                   "icl setup", defaults=identity_lib.added_defaults(setup))
   # The released file is named by a runtime path: its content is checked.

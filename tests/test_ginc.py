@@ -308,3 +308,77 @@ def test_next_symbol_conditionals_are_each_prefixs_predictive():
     np.testing.assert_allclose(
         got[t], np.asarray(hmm_lib.conditionals(mix, prefix))[-1], atol=2e-4)
   np.testing.assert_allclose(got.sum(-1), 1, atol=2e-4)
+
+
+class _MultinomialHMM:
+  """Stands in, while pickling, for hmmlearn's class of the same name: a
+  GINC pickle names ``hmmlearn.hmm.MultinomialHMM`` and holds attributes."""
+
+
+def _write_release(directory, concepts_K, memory_VxS, slot_K, value_K):
+  """GINC's release files as its generate_data.py writes them (lists of
+  hmmlearn models and of (slot, value) factor pairs, the memory array),
+  with the hmmlearn class faked in ``sys.modules`` for the dump alone."""
+  import pickle
+  import sys
+  import types
+  fake = types.ModuleType("hmmlearn.hmm")
+  _MultinomialHMM.__module__, _MultinomialHMM.__qualname__ = (
+      "hmmlearn.hmm", "MultinomialHMM")
+  fake.MultinomialHMM = _MultinomialHMM
+  saved = {m: sys.modules.get(m) for m in ("hmmlearn", "hmmlearn.hmm")}
+  sys.modules.update({"hmmlearn": types.ModuleType("hmmlearn"),
+                      "hmmlearn.hmm": fake})
+  try:
+    for kind, sl in (("id", slice(0, 2)), ("ood", slice(2, 4))):
+      hmms = []
+      for k in range(sl.start, sl.stop):
+        h = _MultinomialHMM()
+        h.startprob_, h.transmat_, h.emissionprob_ = (
+            np.asarray(x[k], np.float64) for x in concepts_K)
+        h.n_components = h.transmat_.shape[0]
+        hmms.append(h)
+      with open(os.path.join(directory, f"{kind}_hmms.pkl"), "wb") as f:
+        pickle.dump(hmms, f)
+      with open(os.path.join(directory, f"{kind}_params.pkl"), "wb") as f:
+        pickle.dump([(np.asarray(slot_K[k]), np.asarray(value_K[k]))
+                     for k in range(sl.start, sl.stop)], f)
+    with open(os.path.join(directory, "fixed_params.pkl"), "wb") as f:
+      pickle.dump(np.asarray(memory_VxS), f)
+  finally:
+    for m, was in saved.items():
+      if was is None:
+        del sys.modules[m]
+      else:
+        sys.modules[m] = was
+
+
+def test_gincs_own_files_convert_without_hmmlearn(tmp_path):
+  """A release written as GINC writes it (pickled hmmlearn models) converts
+  to the arrays load_released reads, equal to what was pickled, with no
+  hmmlearn importable; a pickle naming any other callable is refused by
+  name, and a missing file is named."""
+  cfg = ginc.GincConfig(num_values=3, num_slots=4, num_symbols=8,
+                        num_concepts=4)
+  concepts, memory = ginc.concepts(jax.random.PRNGKey(3), cfg)
+  slot = np.random.default_rng(0).random((4, 4, 4))
+  value = np.random.default_rng(1).random((4, 3, 3))
+  _write_release(str(tmp_path), concepts, memory, slot, value)
+  out = str(tmp_path / "release.npz")
+  ginc.convert_release(str(tmp_path), out)
+  got = ginc.load_released(out)
+  for kind, sl in (("id", slice(0, 2)), ("ood", slice(2, 4))):
+    for a, b in zip(got[kind], concepts):
+      np.testing.assert_allclose(a, np.asarray(b)[sl], rtol=1e-6)
+  np.testing.assert_array_equal(got["memory"], memory)
+  with np.load(out) as d:
+    np.testing.assert_array_equal(d["ood_slot_transmat"], slot[2:])
+    np.testing.assert_array_equal(d["id_value_transmat"], value[:2])
+  import pickle
+  with open(tmp_path / "fixed_params.pkl", "wb") as f:
+    pickle.dump(os.system, f)
+  with pytest.raises(ValueError, match="names posix.system"):
+    ginc.convert_release(str(tmp_path), out)
+  os.remove(tmp_path / "ood_params.pkl")
+  with pytest.raises(ValueError, match="lacks GINC's ood_params.pkl"):
+    ginc.convert_release(str(tmp_path), out)

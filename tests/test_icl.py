@@ -278,7 +278,7 @@ def test_bad_setups_are_refused_by_name():
   for bad in ("1e-06", "concept:0", "both:1e-3", "mixture:x"):
     with pytest.raises(ValueError, match=f"smoothings: '{bad}'"):
       dataclasses.replace(tiny, smoothings=("0", bad))
-  missing = dataclasses.replace(icl.get_setup("cpu"),
+  missing = dataclasses.replace(icl.get_setup("cpu"), concepts="released",
                                 released_path="/nonexistent/ginc.npz")
   with pytest.raises(FileNotFoundError, match="released_path"):
     icl.load_concepts(missing)
@@ -347,3 +347,18 @@ def test_the_transformers_read_out_is_the_pretraining_position():
   batch = ginc.prompts(jax.random.PRNGKey(2), *ginc.concepts(
       jax.random.PRNGKey(1), SMALL), "ID_sample", 7, 3, 2)
   assert batch["tokens"].shape == (2, icl.prompt_len(3, 7))
+
+
+def test_the_committed_run_is_the_cpu_preset_on_gincs_release():
+  """docs/icl.md's command for the committed run (`--preset=cpu
+  --config.concepts=released`) is the setup its stamp and lines record;
+  the preset alone draws its concepts (a clone needs no file)."""
+  results = os.path.join(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))), "docs", "results", "icl")
+  setup = icl.get_setup("cpu", concepts="released")
+  with open(os.path.join(results, "icl.json")) as f:
+    stamp = json.load(f)
+  assert {k: v for k, v in stamp.items() if k in setup.identity()} == (
+      setup.identity())
+  assert {r.setup for r in icl.read_icl_lines(results)} == {setup.fingerprint()}
+  assert icl.get_setup("cpu").concepts == "drawn"

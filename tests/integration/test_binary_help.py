@@ -26,14 +26,18 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def test_help_is_short_and_helpfull_lists_every_config_path(module):
   """Before: figure3's --help was 213 lines, nearly all --config.pretrain.*
   (adopted as key flags of the main module with experiments.cli's)."""
-  shown = _run("-m", module, "--help").stdout
+  proc = _run("-m", module, "--help")
+  assert proc.returncode == 0, proc.stderr  # asked for: absl's 1 is not
+  shown = proc.stdout
   listed = re.findall(r"^  (--\S+?):", shown, re.M)
   assert {"--preset", "--workdir"} <= set(listed), shown
   assert not [f for f in listed if f.startswith("--config.")], shown
   assert "--helpfull" in shown.split("flags:")[0], shown  # the usage says so
   assert len(shown.splitlines()) < (60 if module.endswith("figure3")
                                     else 80), shown
-  full = _run("-m", module, "--helpfull").stdout
+  proc = _run("-m", module, "--helpfull")
+  assert proc.returncode == 0, proc.stderr
+  full = proc.stdout
   assert re.search(r"^  --config\.pretrain\.\S+:", full, re.M), full[-2000:]
   assert len(full.splitlines()) > 2 * len(shown.splitlines())
 

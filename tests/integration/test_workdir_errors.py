@@ -39,3 +39,24 @@ def test_a_workdir_that_cannot_be_one_is_a_usage_error(tmp_path):
   with open(a_file) as f:
     assert f.read() == "kept"
   assert not os.path.exists(out)
+
+
+def test_a_missing_ginc_release_is_refused_before_any_workdir(tmp_path):
+  """ICL on GINC's released HMMs, without them: one line pointing to the
+  converter, and no workdir made; the converter names what it lacks."""
+  out = str(tmp_path / "icl")
+  [end] = binaries.usage_errors("experiments.icl", [[
+      "--preset=tiny", "--config.concepts=released",
+      "--config.released_path=/nonexistent/ginc.npz", f"--workdir={out}"]])
+  assert end["returncode"] == 2, end["stderr"][-2000:]
+  [line] = end["stderr"].strip().splitlines()
+  assert "/nonexistent/ginc.npz" in line and "experiments.ginc_release" in line
+  assert not os.path.exists(out)
+  lacks, unset = binaries.usage_errors("experiments.ginc_release", [
+      [f"--source={tmp_path}", f"--out={out}.npz"], []])
+  assert (lacks["returncode"], unset["returncode"]) == (2, 2)
+  assert lacks["stderr"].strip().splitlines() == [
+      f"error: {tmp_path} lacks GINC's id_hmms.pkl, ood_hmms.pkl, "
+      f"id_params.pkl, ood_params.pkl, fixed_params.pkl"], lacks["stderr"]
+  assert unset["stderr"].strip().splitlines() == [
+      "error: --source is required"], unset["stderr"]
