@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import types
 from collections.abc import Callable
@@ -28,6 +29,8 @@ def _end(what, status: int, say: bool = True) -> NoReturn:
     workdir = flags.FLAGS["workdir"].value if "workdir" in flags.FLAGS else None
     print(f"error: {what}{resume_hint(workdir)}", file=sys.stderr, flush=True)
   sys.stdout.flush()
+  if workers := sys.modules.get("hmmprompt.figure3.workers"):
+    workers.stop_all()  # no worker or claims folder outlives this process
   os._exit(status)
 
 
@@ -77,6 +80,12 @@ def _stop(signum, _) -> None:
        say=not _is_worker())
 
 
+def _end_with(parent: int) -> None:
+  while os.getppid() == parent:
+    time.sleep(1)
+  os._exit(128 + signal.SIGTERM)
+
+
 def one_line_errors(main: Callable) -> Callable:
   """``main`` ending a usage error with ``error: <what>`` and status 2 (not
   absl's whole help), a fault (``OSError``, SIGINT, SIGTERM) at once with
@@ -85,6 +94,9 @@ def one_line_errors(main: Callable) -> Callable:
   def main_with_one_line_errors(argv):
     for sig in (signal.SIGINT, signal.SIGTERM):
       signal.signal(sig, _stop)
+    if _is_worker():  # a worker whose parent is gone (SIGKILL) ends too
+      threading.Thread(target=_end_with, args=(os.getppid(),),
+                       daemon=True).start()
     try:
       return main(argv)
     except app.UsageError as e:

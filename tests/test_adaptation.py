@@ -200,7 +200,11 @@ def test_arms_name_their_settings_and_keep_figure3s_lines():
     ("lorax-1", "'lorax-1' is not an arm"),
     ("prompt-0", "'prompt-0': TuneConfig.prompt_len must be >= 1"),
     ("prompt-3-random", "'prompt-3-random': TuneConfig.prompt_init_mode"),
-    ("lora-x", "'lora-x'"), ("head-1", "'head-1' is not an arm")])
+    ("lora-x", r"'lora-x': lora_r must be a whole number \(the form: "
+     r"lora-RANK\)"),
+    ("prompt-3.5", r"prompt_len must be a whole number \(the form: "
+     r"prompt-LEN\)"),
+    ("head-1", "'head-1' is not an arm")])
 def test_a_bad_arm_is_refused_by_name(arms, match):
   with pytest.raises(ValueError, match=match):
     configs.get_setup("adaptation", {"arms": arms})
@@ -212,6 +216,14 @@ def test_transformer_arms_need_the_transformer_before_any_work():
                      "finetune: no meaning on the exact backbone"):
     configs.check_run(setup, ["exact"])
   configs.check_run(setup, ["exact", "transformer"])
+  # An arm's prompt past the context: refused by name before pretraining.
+  long = configs.get_setup("tiny", {"arms": "head,prompt-30,prefix-30"})
+  with pytest.raises(ValueError, match=r"--config.arms prompt-30: its prompt "
+                     r"\+ 1 \+ seq_len = 47 positions exceed the pretrained "
+                     r"context of 32"):
+    configs.check_run(long, ["exact", "transformer"])
+  configs.check_run(configs.get_setup("tiny", {"arms": "head,prefix-30"}),
+                    ["transformer"])  # a prefix takes no position
 
 
 @pytest.mark.slow  # 2.2 s: the full suite's

@@ -69,6 +69,20 @@ class Setup(protocol.TrialsConfig):
       raise ValueError(f"Setup.features must be from {heads.FEATURES}, got "
                        f"{self.features}")
 
+  def check_context(self) -> None:
+    """``ValueError`` naming the arm whose input exceeds the context."""
+    super().check_context()
+    for spec in self.arms:
+      method, settings = parse_arm(spec, self.tune)
+      n = tasks_lib.input_len(dataclasses.replace(
+          self.tune, method=method, **dict(settings)).num_prompt,
+                              self.task.seq_len)
+      if n > self.pretrain.model.max_len:
+        raise ValueError(
+            f"--config.arms {spec}: its prompt + 1 + seq_len = {n} positions "
+            f"exceed the pretrained context of {self.pretrain.model.max_len}; "
+            f"shorten its prompt or --config.task.seq_len")
+
   def fingerprint(self, backbone: str = "exact") -> str:
     """12 hex digits keying result lines to the setup that made them
     (:func:`fingerprint_of`); not which arms run (each line's method), nor
@@ -125,6 +139,10 @@ def parse_arm(spec: str, tune: tuning.TuneConfig) -> tuple[str, tuple]:
     raise ValueError(
         f"Setup.arms: {spec!r} is not an arm: head, prompt-LEN[-uniform|"
         f"tokens], prefix-LEN, lora-RANK or finetune")
+  for n, v in zip(names, values):
+    if type(getattr(tune, n)) is int and not v.isdigit():
+      raise ValueError(f"Setup.arms: {spec!r}: {n} must be a whole number "
+                       f"(the form: {method}-{ {'lora_r': 'RANK'}.get(n, 'LEN')})")
   try:
     settings = tuple((n, type(getattr(tune, n))(v))
                      for n, v in zip(names, values)

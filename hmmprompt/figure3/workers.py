@@ -65,15 +65,33 @@ def resolve_count(requested: int, num_hosts: int = 1) -> int:
   return count
 
 
+_IN_FLIGHT: dict[str, list] = {}  # claims dir -> its workers, for stop_all
+
+
+def stop_all() -> None:
+  """Stops every worker in flight and removes its claims directory: what a
+  binary's fault or signal runs before it exits (``os._exit`` skips
+  ``finally``)."""
+  for claims_dir, procs in list(_IN_FLIGHT.items()):
+    for p in procs:
+      if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+      p.wait()
+    shutil.rmtree(claims_dir, ignore_errors=True)
+
+
 def run_workers(argv: list[str], count: int, workdir: str) -> None:
   """:func:`spawn` with a fresh temporary claims directory, then
   :func:`merge_results` into ``workdir``; ``SystemExit`` if a worker failed."""
   claims_dir = tempfile.mkdtemp(prefix="hmmprompt-claims-")
+  _IN_FLIGHT[claims_dir] = []
   try:
     codes = spawn(argv, count, claims_dir)
     faults = [pathlib.Path(path).read_text() for path in sorted(
         glob.glob(error_path(claims_dir, "*")))]
   finally:
+    _IN_FLIGHT.pop(claims_dir, None)
     shutil.rmtree(claims_dir, ignore_errors=True)
     merge_results(workdir)
   if faults:  # the binary ends with the worker's one line, as if its own
@@ -108,7 +126,7 @@ def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
     raise ValueError("--workers needs the binary run as python -m MODULE")
   cores = _cores()
   taskset = shutil.which("taskset")
-  procs = []
+  procs = _IN_FLIGHT.setdefault(claims_dir, [])
   try:
     for i in range(count):
       pin = [taskset, "-c", str(cores[i % len(cores)])] if taskset else []
