@@ -227,10 +227,12 @@ def define_distributed_flags() -> Callable[[], None]:
   return initialize
 
 
-def study_main(study, run: Callable, write_report: Callable, **outputs: str
-               ) -> Callable:
+def study_main(study, run: Callable, write_report: Callable,
+               one_arena: bool = False, **outputs: str) -> Callable:
   """A study's ``main`` (``--preset``, ``--config.<path>``, ``--workdir``,
-  ``--print_config``) over ``study.{PRESETS,get_setup,check_workdir}``."""
+  ``--print_config``) over ``study.{PRESETS,get_setup,check_workdir}``;
+  ``one_arena``: :func:`hmmprompt.glibc.one_arena`, for steps whose
+  temporaries pass 64 MiB."""
   preset = flags.DEFINE_enum("preset", "cpu", list(study.PRESETS),
                              "config preset; --config.<path> overrides it")
   config = define_config(study.PRESETS["cpu"]())
@@ -240,6 +242,8 @@ def study_main(study, run: Callable, write_report: Callable, **outputs: str
   @one_line_errors
   def main(argv):
     t0, out = start(argv, workdir=workdir.value), workdir.value
+    if one_arena:
+      glibc.one_arena()  # before the first computation starts XLA's threads
     with usage_errors():
       setup = study.get_setup(preset.value, config.value())
       if print_it.value:

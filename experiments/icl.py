@@ -9,7 +9,8 @@ from absl import flags
 from experiments import cli
 from hmmprompt import icl
 
-main = cli.study_main(icl, icl.run_icl, icl.write_report,
+# One malloc arena: the step's 1.6 GiB of temporaries (docs/performance.md).
+main = cli.study_main(icl, icl.run_icl, icl.write_report, one_arena=True,
                       results="icl.jsonl", table="icl.md", plot="icl.png")
 flags.adopt_module_key_flags(cli)
 if __name__ == "__main__":

@@ -12,22 +12,39 @@ import signal
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
+
+
+@functools.cache
+def _mallopt():
+  """glibc's ``mallopt``, or one that fails (``0``) where there is none."""
+  try:
+    mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+  except (OSError, AttributeError, TypeError):
+    return lambda param, value: 0
+  mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+  mallopt.restype = ctypes.c_int
+  return mallopt
 
 
 @functools.cache
 def retain_freed_memory() -> bool:
-  """Sets glibc's ``M_MMAP_MAX = 0``, ``M_TRIM_THRESHOLD`` = 2 GiB - 1 and
-  ``M_TOP_PAD`` = 256 MiB; ``True`` if all took effect (``False``: no glibc)."""
-  try:
-    mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
-  except (OSError, AttributeError, TypeError):
-    return False
-  mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-  mallopt.restype = ctypes.c_int
-  return all(mallopt(param, value) == 1 for param, value in (
+  """Sets glibc's ``M_MMAP_MAX = 0``, ``M_TRIM_THRESHOLD = -1`` (never trim:
+  a step's block of 1.6 GiB atop other freed memory passed the 2 GiB cap
+  tried first) and ``M_TOP_PAD`` = 256 MiB; ``True`` if all took effect
+  (``False``: no glibc)."""
+  return all(_mallopt()(param, value) == 1 for param, value in (
       (_M_MMAP_MAX, 0),
-      (_M_TRIM_THRESHOLD, 2**31 - 1),  # an int: mallopt's largest value
+      (_M_TRIM_THRESHOLD, -1),
       (_M_TOP_PAD, 256 << 20)))
+
+
+def one_arena() -> bool:
+  """Sets ``M_ARENA_MAX = 1`` before any thread starts: a block over a thread
+  arena's 64 MiB heap (XLA:CPU's temporaries of a big step) is then kept,
+  not mapped afresh each step; with small blocks on several threads the
+  arena's lock costs more than it saves (docs/performance.md)."""
+  return _mallopt()(_M_ARENA_MAX, 1) == 1
 
 
 def end_with_parent() -> bool:

@@ -1,0 +1,92 @@
+r"""System time against user time of the pretraining step: Figure 3's (the
+``cpu`` recipe, ``|H|`` = 12, 3 draws in one step) beside ICL's (its ``cpu``
+preset, 5 seeds in one step over GINC's 500-state mixture), each with the
+binaries' glibc settings and with one malloc arena too (docs/performance.md).
+
+  python -m experiments.bench.sys_time [--steps=30] [--warmup=5]
+
+Each of the four runs is a process of its own (glibc's arenas are set before
+XLA's threads start); the steps after ``--warmup`` (compiles) are timed.
+"""
+
+import dataclasses
+import json
+import resource
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+
+from experiments.bench import harness
+from hmmprompt import generative
+from hmmprompt import ginc
+from hmmprompt import glibc
+from hmmprompt import icl
+from hmmprompt import pretrain
+
+_STEPS = flags.DEFINE_integer("steps", 30, "timed steps per run")
+_WARMUP = flags.DEFINE_integer("warmup", 5, "untimed steps first")
+_CHILD = flags.DEFINE_string("child", None, "internal: STUDY,ARENAS")
+_RUNS = [("figure3", "default"), ("figure3", "one"), ("icl", "default"),
+         ("icl", "one")]
+
+
+def study(name: str):
+  """``(cfg, models_K)`` of a study's pretraining."""
+  if name == "icl":
+    setup = icl.get_setup("cpu")
+    mix = ginc.mixture(icl.load_concepts(setup, "id"))
+    return setup.pretrain, generative.stack([mix] * setup.seeds)
+  job = pretrain.Job.of("cpu", num_states=12, trials=3)
+  return job.pretrain, job.make_model()
+
+
+def child(name: str) -> dict:
+  """The timed steps' seconds, minor faults per step (this process)."""
+  cfg, models_K = study(name)
+  warm, n = _WARMUP.value, _STEPS.value
+  cfg = dataclasses.replace(cfg, steps=warm + n, cycles=None,
+                            target_gap=None, eval_every=10**9,
+                            ckpt_every=10**9)
+  marks = {}
+  def after_step(step):
+    if step in (warm, warm + n):
+      use = resource.getrusage(resource.RUSAGE_SELF)
+      marks[step] = (time.perf_counter(), use.ru_utime, use.ru_stime,
+                     use.ru_minflt)
+  with tempfile.TemporaryDirectory() as d:
+    pretrain.run_trials(d, cfg, models_K, log=lambda _: None,
+                        after_step=after_step)
+  deltas = [(b - a) / n for a, b in zip(marks[warm], marks[warm + n])]
+  return dict(zip(("wall", "user", "sys", "faults"), deltas))
+
+
+def main(argv):
+  if _CHILD.value:
+    name, arenas = _CHILD.value.split(",")
+    glibc.retain_freed_memory()
+    if arenas == "one":
+      glibc.one_arena()
+    print(json.dumps(child(name)))
+    return
+  harness.start(argv, devices=False)
+  print(f"{_STEPS.value} steps after {_WARMUP.value}; per step:\n"
+        "study    arenas   wall ms  user ms  sys ms  sys/user  faults  "
+        "wall vs default")
+  base = {}
+  for name, arenas in _RUNS:
+    out = json.loads(harness.child(
+        [sys.executable, "-m", "experiments.bench.sys_time",
+         f"--steps={_STEPS.value}", f"--warmup={_WARMUP.value}",
+         f"--child={name},{arenas}"], f"{name} ({arenas})").stdout)
+    base.setdefault(name, out["wall"])
+    print(f"{name:8s} {arenas:8s} {1e3 * out['wall']:7.0f} "
+          f"{1e3 * out['user']:8.0f} {1e3 * out['sys']:7.0f} "
+          f"{out['sys'] / out['user']:8.2f} {out['faults']:7.0f} "
+          f"{out['wall'] / base[name]:8.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
