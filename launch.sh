@@ -73,11 +73,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # folder, which uv does not read.
   if [ "$mode" = bench ] || ! { { "$PY" -m pip --python "$VENV/bin/python" \
           install -q "uv>=0.9" 2>/dev/null ||
-        { "$VENV/bin/python" -m ensurepip -q &&
+        { "$VENV/bin/python" -m ensurepip >/dev/null &&
           "$VENV/bin/python" -m pip install -q "uv>=0.9"; }; } &&
       "$VENV/bin/uv" pip install -q --compile-bytecode \
         --python "$VENV/bin/python" ${lock[@]+"${lock[@]}"} -e "$spec"; }; then
-    "$VENV/bin/python" -m ensurepip -q
+    "$VENV/bin/python" -m ensurepip >/dev/null
     "$VENV/bin/python" -m pip install -q --upgrade pip
     "$VENV/bin/python" -m pip install -q ${lock[@]+"${lock[@]}"} -e "$spec"
   fi
