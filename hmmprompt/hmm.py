@@ -21,7 +21,11 @@ from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 
+from hmmprompt import smoothing
 from hmmprompt import validation
+from hmmprompt.smoothing import (  # re-exported: hmm.forward_backward, ...
+    Smoothed, forward_backward, forward_backward_blocked,
+    forward_backward_parallel)
 
 MASK = -1
 """Token id of an unobserved (``[MASK]``) position."""
@@ -228,176 +232,6 @@ def draw_sequence(key, hmm: HMM, length: int):
   return tokens_T, states_T
 
 
-class Smoothed(NamedTuple):
-  """Everything one forward-backward pass gives (shapes for one sequence).
-
-  Attributes:
-    log_likelihood: ``[]`` log P(evidence); ``-inf`` if impossible.
-    posterior: ``[T, H]`` P[H_t | all evidence].
-    masked_posterior: ``[T, H]`` P[H_t | evidence at positions != t].
-  """
-
-  log_likelihood: jax.Array
-  posterior: jax.Array
-  masked_posterior: jax.Array
-
-
-@jax.custom_jvp
-def _unit_sum(x: jax.Array) -> jax.Array:
-  s = jnp.sum(x, axis=-1, keepdims=True)
-  return x / jnp.where(s > 0, s, 1.0)
-
-
-@_unit_sum.defjvp
-def _unit_sum_jvp(primals, tangents):
-  # d(x / s) = (dx - y sum(dx)) / s with y = x / s. Autodiff's x ds / s**2
-  # underflows: s**2 is 0 in float32 for the tiny sums of near-deterministic
-  # HMMs (s < 1e-19), and inf * 0 = NaN gradients.
-  (x,), (dx,) = primals, tangents
-  s = jnp.sum(x, axis=-1, keepdims=True)
-  safe = jnp.where(s > 0, s, 1.0)
-  y = x / safe
-  return y, (dx - y * jnp.sum(dx, axis=-1, keepdims=True)) / safe
-
-
-def _normalize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``x >= 0`` rescaled to sum 1 (zeros stay zero), and the sum."""
-  return _unit_sum(x), jnp.sum(x, axis=-1)
-
-
-def safe_log(x: jax.Array) -> jax.Array:
-  """Elementwise ``log x``, ``-inf`` where ``x <= 0``, with no NaN in the value
-  or gradient there (``jnp.log``'s gradient at 0 is NaN through a ``where``)."""
-  pos = x > 0
-  return jnp.where(pos, jnp.log(jnp.where(pos, x, 1.0)), -jnp.inf)
-
-
-def forward_backward(hmm: HMM, evidence_TxH: jax.Array) -> Smoothed:
-  """Forward scan, then a backward scan that also emits the posteriors
-  (on XLA:CPU faster than forming them afterwards, as is not unrolling).
-  ``pred_t ∝ P[H_t, e_{<t}]``, ``back_t ∝ P[e_{>t} | H_t]``: ``pred_t ⊙
-  back_t ∝ P[H_t, e_{-t}]``, ``⊙ e_t`` the posterior. Messages are rescaled
-  to sum 1; the forward scales ``c_t = P(e_t | e_{<t})`` give log P(e)."""
-  init_H, trans_HxH, ev_TxH = _promoted(hmm, evidence_TxH)
-  _, (pred_TxH, c_T) = jax.lax.scan(_forward_step(trans_HxH), init_H, ev_TxH)
-  _, (post_TxH, masked_TxH) = jax.lax.scan(
-      _backward_step(trans_HxH), jnp.ones_like(pred_TxH[0]),
-      (pred_TxH, ev_TxH), reverse=True)
-  return Smoothed(jnp.sum(safe_log(c_T)), post_TxH, masked_TxH)
-
-
-def _promoted(hmm: HMM, evidence_TxH: jax.Array):
-  """``(initial, transition, evidence)`` in their common dtype."""
-  dtype = jnp.result_type(hmm.transition.dtype, evidence_TxH.dtype)
-  return (hmm.initial.astype(dtype), hmm.transition.astype(dtype),
-          evidence_TxH.astype(dtype))
-
-
-def _forward_step(trans_HxH):
-  """``pred_t -> pred_{t+1}``, emitting ``(pred_t, c_t)``."""
-  def forward(pred_H, ev_H):
-    filt_H, c = _normalize(pred_H * ev_H)
-    return filt_H @ trans_HxH, (pred_H, c)
-  return forward
-
-
-def _backward_step(trans_HxH):
-  """``back_t -> back_{t-1}``, emitting ``(posterior, masked)`` at ``t``."""
-  def backward(back_H, pred_ev):
-    pred_H, ev_H = pred_ev
-    masked_H, _ = _normalize(pred_H * back_H)
-    post_H, _ = _normalize(masked_H * ev_H)
-    back_prev_H, _ = _normalize(trans_HxH @ (ev_H * back_H))
-    return back_prev_H, (post_H, masked_H)
-  return backward
-
-
-def forward_backward_blocked(hmm: HMM, evidence_TxH: jax.Array,
-                             block: int | None = None) -> Smoothed:
-  """:func:`forward_backward` in ``C`` blocks of ``L`` positions (default
-  ``ceil(sqrt(T))``): all blocks' transfer matrices at once (``L`` steps), the
-  messages entering each (``C``), then all blocks' own steps at once (``2 L``):
-  ~``5 sqrt(T)`` dependent steps, not ``2 T``, for accelerators. Equal to the
-  sequential kernel to float rounding."""
-  init_H, trans_HxH, ev_TxH = _promoted(hmm, evidence_TxH)
-  dtype, (num, h) = ev_TxH.dtype, ev_TxH.shape
-  size = block or max(1, int(np.ceil(np.sqrt(num))))
-  blocks = -(-num // size)
-  pad_PxH = jnp.ones((blocks * size - num, h), dtype)
-  ev_CxLxH = jnp.concatenate([ev_TxH, pad_PxH]).reshape(blocks, size, h)
-  def transfer(carry, ev_CxH):
-    fwd_CxHxH, bwd_CxHxH = carry
-    return (_rescaled(fwd_CxHxH @ (ev_CxH[:, :, None] * trans_HxH))[0],
-            _rescaled(bwd_CxHxH @ (trans_HxH * ev_CxH[:, None, :]))[0]), None
-  eye_CxHxH = jnp.broadcast_to(jnp.eye(h, dtype=dtype), (blocks, h, h))
-  (fwd_CxHxH, bwd_CxHxH), _ = jax.lax.scan(
-      transfer, (eye_CxHxH, eye_CxHxH), jnp.swapaxes(ev_CxLxH, 0, 1))
-  # The messages entering each block: the forward one before its first
-  # position, the backward one at its last.
-  step_in = lambda m_H, t_HxH: (_normalize(m_H @ t_HxH)[0], m_H)
-  _, pred_in_CxH = jax.lax.scan(step_in, init_H, fwd_CxHxH)
-  step_back = lambda b_H, t_HxH: (_normalize(t_HxH @ b_H)[0], b_H)
-  _, back_in_CxH = jax.lax.scan(step_back, jnp.ones((h,), dtype), bwd_CxHxH,
-                                reverse=True)
-  forward = lambda p_H, ev_LxH: jax.lax.scan(_forward_step(trans_HxH), p_H,
-                                             ev_LxH)
-  out_CxH, (pred_CxLxH, c_CxL) = jax.vmap(forward)(pred_in_CxH, ev_CxLxH)
-  backward = lambda b_H, pred_LxH, ev_LxH: jax.lax.scan(
-      _backward_step(trans_HxH), b_H, (pred_LxH, ev_LxH), reverse=True)[1]
-  post_CxLxH, masked_CxLxH = jax.vmap(backward)(back_in_CxH, pred_CxLxH,
-                                                ev_CxLxH)
-  flat = lambda x: x.reshape((blocks * size,) + x.shape[2:])[:num]
-  # log P(e) as the scan gives it for any transition matrix (its gradient is
-  # the scan's, off the simplex too): the blocks' scales and each outgoing
-  # message's mass before the next block rescaled it (padding left out).
-  log_lik = (jnp.sum(safe_log(flat(c_CxL)))
-             + jnp.sum(safe_log(jnp.sum(out_CxH[:-1], axis=-1))))
-  return Smoothed(log_lik, flat(post_CxLxH), flat(masked_CxLxH))
-
-
-def _combine(left, right):
-  """Associative product of ``(M [..., H, H], log scale [...])``: ``M_l @
-  M_r`` rescaled to sum 1 (all-zero stays zero, scale ``-inf``)."""
-  (m_l, c_l), (m_r, c_r) = left, right
-  m, c = _rescaled(jnp.einsum("...ij,...jk->...ik", m_l, m_r))
-  return m, c_l + c_r + c
-
-
-def _rescaled(m):
-  """Each matrix of ``m [..., H, H]`` rescaled to sum 1, and its log sum."""
-  shape = m.shape
-  flat, total = _normalize(m.reshape(shape[:-2] + (shape[-2] * shape[-1],)))
-  return flat.reshape(shape), safe_log(total)
-
-
-def forward_backward_parallel(hmm: HMM, evidence_TxH: jax.Array) -> Smoothed:
-  """:func:`forward_backward` by associative scans (Särkkä & García-Fernández):
-  ``O(log T)`` rescaled ``H x H`` matrix products, log scales carried; no
-  ``log`` of a transition (exact zeros give no NaN, unlike dynamax's); work
-  ``O(T H^3)``. Equal to the sequential kernel to float rounding (tested)."""
-  init_H, trans_HxH, ev_TxH = _promoted(hmm, evidence_TxH)
-  dtype, last = ev_TxH.dtype, ev_TxH.shape[0] - 1
-  # Forward: pred_t ∝ pi^T diag(e_0) A ... diag(e_{t-1}) A.
-  fwd = jax.lax.associative_scan(
-      _combine, _rescaled(ev_TxH[:, :, None] * trans_HxH[None]))
-  # Backward: back_t ∝ A diag(e_{t+1}) ... A diag(e_{T-1}) 1 (a reverse scan
-  # hands fn the later element first).
-  bwd = jax.lax.associative_scan(
-      lambda later, earlier: _combine(earlier, later),
-      _rescaled(trans_HxH[None] * ev_TxH[:, None, :]), reverse=True)
-  pred_TxH = jnp.concatenate(
-      [init_H[None], jnp.einsum("h,thk->tk", init_H, fwd[0][:-1])])
-  pred_scale_T = jnp.concatenate([jnp.zeros((1,), dtype), fwd[1][:-1]])
-  back_TxH = jnp.concatenate([jnp.sum(bwd[0][1:], axis=-1),
-                              jnp.ones((1, trans_HxH.shape[0]), dtype)])
-  pred_TxH, pred_sum_T = _normalize(pred_TxH)
-  masked_TxH, _ = _normalize(pred_TxH * back_TxH)
-  post_TxH, _ = _normalize(masked_TxH * ev_TxH)
-  log_lik = (safe_log(jnp.sum(pred_TxH[last] * ev_TxH[last]))
-             + safe_log(pred_sum_T[last]) + pred_scale_T[last])
-  return Smoothed(log_lik, post_TxH, masked_TxH)
-
-
 def token_evidence(hmm: HMM, tokens_T: jax.Array) -> jax.Array:
   """Proper embeddings ``[T, H]``: ``e(x)[h] = P(x | h)``; ones for ``MASK``."""
   # mode="fill": an out-of-range token under a caller's jit has zero
@@ -455,8 +289,7 @@ def token_conditionals(hmm: HMM, tokens_T: jax.Array,
 def token_next_conditionals(hmm: HMM, tokens_T: jax.Array) -> jax.Array:
   """``[T, V]``: ``P[X_t | x_{<t}]``, a causal LM's exact targets: the
   forward scan's predicted states (zeros after an impossible prefix)."""
-  init_H, trans_HxH, ev_TxH = _promoted(hmm, token_evidence(hmm, tokens_T))
-  _, (pred_TxH, _) = jax.lax.scan(_forward_step(trans_HxH), init_H, ev_TxH)
+  pred_TxH = smoothing.predicted(hmm, token_evidence(hmm, tokens_T))
   return pred_TxH @ hmm.emission.astype(pred_TxH.dtype)
 
 
@@ -468,6 +301,25 @@ def method_args(model, inputs, method: str, check, check_model=check_model):
   inputs = check(inputs, model)
   return validation.kernel_args(model, inputs,
                                 resolve_method(method, inputs.shape[0]))
+
+
+CALLING_RULES = """
+  ``method``: ``"sequential"``, ``"parallel"``, ``"blocked"`` or ``"auto"``;
+  batches: ``jax.vmap`` on rows right-padded with ``MASK`` (never left-pad).
+
+  Raises:
+    ValueError: at the call, on a bad ``method``, model or ``tokens``;
+      under your ``jit`` only on dtypes and shapes (:func:`hmm.check_tokens`).
+"""
+
+
+def calling_rules(entry):
+  """``entry`` with :data:`CALLING_RULES` after its docstring: the rules of
+  the entry points over tokens here and in :mod:`~hmmprompt.memory`, one
+  text for ``help()`` (the module docstring states them for the API
+  reference)."""
+  entry.__doc__ = (entry.__doc__ or "").rstrip() + "\n" + CALLING_RULES
+  return entry
 
 
 @validation.entry_point(draw_sequence, static_argnums=2)
@@ -490,29 +342,17 @@ def smooth(hmm: HMM, evidence, method: str = "auto") -> Smoothed:
   return method_args(hmm, evidence, method, check_evidence)
 
 
+@calling_rules
 @validation.entry_point(token_smooth, static_argnums=2, field="log_likelihood")
 def log_likelihood(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
-  """``log P(x)`` of the observed tokens, ``-inf`` if impossible.
-  ``method``: ``"sequential"``, ``"parallel"``, ``"blocked"`` or ``"auto"``;
-  batches: ``jax.vmap`` on rows right-padded with ``MASK`` (never left-pad).
-
-  Raises:
-    ValueError: at the call, on a bad ``method``, model or ``tokens``;
-      under your ``jit`` only on dtypes and shapes (:func:`check_tokens`).
-  """
+  """``log P(x)`` of the observed tokens, ``-inf`` if impossible."""
   return method_args(hmm, tokens, method, check_sequence)
 
 
+@calling_rules
 @validation.entry_point(token_smooth, static_argnums=2, field="posterior")
 def posterior(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
-  """``[T, H]``: ``P[H_t | observed tokens]``, all zeros if impossible.
-  ``method``: ``"sequential"``, ``"parallel"``, ``"blocked"`` or ``"auto"``;
-  batches: ``jax.vmap`` on rows right-padded with ``MASK`` (never left-pad).
-
-  Raises:
-    ValueError: at the call, on a bad ``method``, model or ``tokens``;
-      under your ``jit`` only on dtypes and shapes (:func:`check_tokens`).
-  """
+  """``[T, H]``: ``P[H_t | observed tokens]``, all zeros if impossible."""
   return method_args(hmm, tokens, method, check_sequence)
 
 
@@ -522,17 +362,11 @@ def masked_posterior(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   return method_args(hmm, tokens, method, check_sequence)
 
 
+@calling_rules
 @validation.entry_point(token_conditionals, static_argnums=2)
 def conditionals(hmm: HMM, tokens, method: str = "auto") -> jax.Array:
   """``[T, V]``: ``P[X_t | x_{-t}]``, the exact masked LM ``G``; row ``t``
-  does not read ``tokens[t]``, all-zero where ``x_{-t}`` is impossible.
-  ``method``: ``"sequential"``, ``"parallel"``, ``"blocked"`` or ``"auto"``;
-  batches: ``jax.vmap`` on rows right-padded with ``MASK`` (never left-pad).
-
-  Raises:
-    ValueError: at the call, on a bad ``method``, model or ``tokens``;
-      under your ``jit`` only on dtypes and shapes (:func:`check_tokens`).
-  """
+  does not read ``tokens[t]``, all-zero where ``x_{-t}`` is impossible."""
   return method_args(hmm, tokens, method, check_sequence)
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hmmprompt import hmm as hmm_lib
+from hmmprompt import smoothing
 from hmmprompt import validation
 
 MAX_PRODUCT_STATES = 2048
@@ -181,7 +182,7 @@ def token_memory_posterior(mhmm: MemoryHMM, tokens_T,
   loglik_M = jax.vmap(
       lambda h: hmm_lib.token_smooth(h, tokens_T, method).log_likelihood)(
           hmm_lib.HMM(initial, transition, mhmm.emission))
-  return _normalize_log(hmm_lib.safe_log(mhmm.memory_prior) + loglik_M)
+  return _normalize_log(smoothing.safe_log(mhmm.memory_prior) + loglik_M)
 
 
 def token_memory_masked_posterior(mhmm: MemoryHMM, tokens_T,
@@ -193,48 +194,30 @@ def token_memory_masked_posterior(mhmm: MemoryHMM, tokens_T,
                             mhmm.num_states).sum(-1)
 
 
+@hmm_lib.calling_rules
 @validation.entry_point(token_memory_posterior, static_argnums=2)
 def memory_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
                      ) -> jax.Array:
-  """``[M]``: ``P[M | observed tokens]``, all zeros if impossible.
-  ``method``: ``"sequential"``, ``"parallel"``, ``"blocked"`` or ``"auto"``;
-  batches: ``jax.vmap`` on rows right-padded with ``MASK`` (never left-pad).
-
-  Raises:
-    ValueError: at the call, on a bad ``method``, model or ``tokens``;
-      under your ``jit`` only on dtypes and shapes (:func:`hmm.check_tokens`).
-  """
+  """``[M]``: ``P[M | observed tokens]``, all zeros if impossible."""
   return hmm_lib.method_args(mhmm, tokens, method, hmm_lib.check_sequence,
                              check_model)
 
 
+@hmm_lib.calling_rules
 @validation.entry_point(token_memory_masked_posterior, static_argnums=2)
 def memory_masked_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
                             ) -> jax.Array:
   """``[T, M]``: ``P[M | x_{-t}]`` for every position ``t`` (row ``t`` does
-  not read ``tokens[t]``; all zeros where ``x_{-t}`` is impossible).
-  ``method``: ``"sequential"``, ``"parallel"``, ``"blocked"`` or ``"auto"``;
-  batches: ``jax.vmap`` on rows right-padded with ``MASK`` (never left-pad).
-
-  Raises:
-    ValueError: at the call, on a bad ``method``, model or ``tokens``;
-      under your ``jit`` only on dtypes and shapes (:func:`hmm.check_tokens`).
-  """
+  not read ``tokens[t]``; all zeros where ``x_{-t}`` is impossible)."""
   return hmm_lib.method_args(mhmm, tokens, method, hmm_lib.check_sequence,
                              check_model)
 
 
+@hmm_lib.calling_rules
 def conditionals(mhmm: MemoryHMM, tokens, method: str = "auto") -> jax.Array:
   """``[T, V]``: the exact masked LM ``P[X_t | x_{-t}]`` of a memory HMM:
   :func:`hmm.conditionals` on its product HMM (:func:`to_hmm`); row ``t``
-  does not read ``tokens[t]``, all-zero where ``x_{-t}`` is impossible.
-  ``method``: ``"sequential"``, ``"parallel"``, ``"blocked"`` or ``"auto"``;
-  batches: ``jax.vmap`` on rows right-padded with ``MASK`` (never left-pad).
-
-  Raises:
-    ValueError: at the call, on a bad ``method``, model or ``tokens``;
-      under your ``jit`` only on dtypes and shapes (:func:`hmm.check_tokens`).
-  """
+  does not read ``tokens[t]``, all-zero where ``x_{-t}`` is impossible."""
   # Checked first: a bad model is named by its own fields, not the product's.
   return hmm_lib.conditionals(to_hmm(check_model(mhmm)), tokens, method=method)
 

@@ -240,7 +240,7 @@ def main(argv):
   todo = sorted(k for k, v in meta["exit_code_by_key"].items()
                 if v is None or (_SURVIVORS.value and v == _SURVIVED))
   if _FUNCTIONS.value is not None:
-    # mutmut's names: hmmprompt.hmm.x__combine__mutmut_3 for hmm._combine,
+    # mutmut's names: hmmprompt.smoothing.x__combine__mutmut_3 for _combine,
     # hmmprompt.scheduling.xǁScheduleǁmine__mutmut_2 for Schedule.mine.
     mangle = lambda f: "xǁ" + f.replace(".", "ǁ") if "." in f else "x_" + f
     wanted = {mangle(f): f for f in _FUNCTIONS.value}
