@@ -28,6 +28,7 @@ from hmmprompt import tasks
 from hmmprompt import tuning
 from hmmprompt.backbones import depth
 from hmmprompt.backbones import transformer
+from hmmprompt.pretrain import batches as pretrain_batches
 from hmmprompt.pretrain import loop as pretrain_loop
 from hmmprompt.pretrain import train as pretrain_train
 from hmmprompt.pretrain import workdir as pretrain_workdir
@@ -1630,17 +1631,17 @@ def test_progress_logs_mfu_where_the_peak_is_known(monkeypatch):
   (transformer.train_flops_per_token) over the devices' peak; on a CPU
   (no peak) the line has none."""
   from hmmprompt.backbones import transformer
-  from hmmprompt.pretrain import loop
+  from hmmprompt.pretrain import curves
   cfg = dataclasses.replace(TINY, steps=100)
   tokens = cfg.batch_size * cfg.corpus.chunk_len
   fpt = transformer.train_flops_per_token(cfg.model, cfg.corpus.chunk_len)
   for peak in (None, 1e-3):
     clock = iter([100.0, 102.0])
-    monkeypatch.setattr(loop.time, "perf_counter", lambda: next(clock))
-    monkeypatch.setattr(loop.sharding_lib, "peak_tflops",
+    monkeypatch.setattr(curves.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(curves.sharding, "peak_tflops",
                         lambda dtype, peak=peak: peak)
     logs = []
-    progress = loop._Progress(cfg, 0, logs.append, trials=2)
+    progress = curves.Progress(cfg, 0, logs.append, trials=2)
     progress.add(jnp.float32(1.0))
     rate = progress.flush(10, 10, "ck")
     assert rate == 2 * tokens * 10 / 2
@@ -1654,13 +1655,13 @@ def test_progress_logs_rate_and_eta_without_compilation(monkeypatch):
   """The log line's tokens/s is the window's (all trials stepping), and
   its ETA extrapolates the time per step since the first window, which
   holds the compilation; a non-finite loss is named by its step."""
-  from hmmprompt.pretrain import loop
+  from hmmprompt.pretrain import curves
   clock = iter([100.0, 102.0, 103.0, 105.0])
-  monkeypatch.setattr(loop.time, "perf_counter", lambda: next(clock))
+  monkeypatch.setattr(curves.time, "perf_counter", lambda: next(clock))
   cfg = dataclasses.replace(TINY, steps=100)
   tokens = cfg.batch_size * cfg.corpus.chunk_len
   logs = []
-  progress = loop._Progress(cfg, 0, logs.append, trials=2)  # at 100 s
+  progress = curves.Progress(cfg, 0, logs.append, trials=2)  # at 100 s
   for loss in (1.0, 3.0):
     progress.add(jnp.float32(loss))
   assert progress.flush(10, 10, "ck") == 2 * tokens * 10 / 2  # at 102 s
@@ -1681,7 +1682,7 @@ def test_progress_logs_rate_and_eta_without_compilation(monkeypatch):
   # A resumed run's first window counts from its resume step (20 here),
   # one step long.
   clock = iter([200.0, 204.0])
-  resumed = loop._Progress(cfg, 20, logs.append)  # at 200 s
+  resumed = curves.Progress(cfg, 20, logs.append)  # at 200 s
   resumed.add(jnp.float32(1.0))
   assert resumed.flush(21, 20, "ck") == tokens / 4  # at 204 s
   assert logs.pop() == (f"step 21/100 loss 1.0000 {tokens / 4 / 1e3:.1f}k "
@@ -1967,9 +1968,9 @@ def test_targets_drawn_ahead_are_each_steps_own(fresh):
       corpus.build_chunks(keys.corpus[k], generative.trial(models, k),
                           cfg.corpus) for k in range(2)])
   mesh = sharding.data_mesh()
-  window = pretrain_loop._window_fn(cfg, 3, fresh, mesh)(
+  window = pretrain_batches.window_fn(cfg, 3, fresh, mesh)(
       keys.data, 6, models, chunks, hmms)
-  draw = pretrain_loop._batch_fn(cfg.corpus, cfg.batch_size, 10, fresh, False,
+  draw = pretrain_batches.batch_fn(cfg.corpus, cfg.batch_size, 10, fresh, False,
                                  mesh)
   targets = jax.jit(jax.vmap(functools.partial(pretrain_train.loss_targets,
                                                cfg)))
@@ -1985,7 +1986,7 @@ def test_targets_drawn_ahead_are_each_steps_own(fresh):
                    (inputs, tokens, weights),
                    one(keys.data[k], 6 + i, generative.trial(models, k),
                        None if fresh else chunks[k]))
-    ahead = pretrain_loop._step_of(window, i)
+    ahead = pretrain_batches.step_of(window, i)
     np.testing.assert_array_equal(ahead[0], inputs)
     np.testing.assert_array_equal(ahead[2], weights)
     assert ahead[1].shape == tokens.shape + (10,)
@@ -2099,8 +2100,8 @@ def test_a_run_drawing_targets_ahead_resumes_as_uninterrupted(
     pretrain.run_trials(resumed, cfg, stacked, log=lambda s: None,
                         after_step=_crash_after(12))
   taken = []
-  real = pretrain_loop._step_of
-  monkeypatch.setattr(pretrain_loop, "_step_of",
+  real = pretrain_batches.step_of
+  monkeypatch.setattr(pretrain_batches, "step_of",
                       lambda w, i: taken.append(i) or real(w, i))
   drop = lambda lines: [{k: v for k, v in m.items() if k != "wall_s"}
                         for m in lines]

@@ -1,6 +1,6 @@
-"""TensorBoard curves of a pretraining run, one run per trial
-(:func:`trial_logdir`): ``train_loss``, ``tokens_per_s`` and the evaluations
-against steps (``by_step/``) and tokens (``by_tokens/``). Written with
+"""The progress log (:class:`Progress`) and TensorBoard curves of a
+pretraining run, one run per trial (:func:`trial_logdir`): ``train_loss``,
+``tokens_per_s`` and the evaluations against steps (``by_step/``) and tokens (``by_tokens/``). Written with
 tensorboardX (the ``tensorboard`` extra), one append per write (a killed run
 keeps every point; a resumed one's replace later ones: :func:`read_scalars`)."""
 
@@ -13,8 +13,13 @@ from collections.abc import Iterable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from hmmprompt import files
+from hmmprompt import sharding
+from hmmprompt.backbones import transformer
+from hmmprompt.pretrain.config import PretrainConfig
 
 try:  # the `tensorboard` extra; without it nothing is written
   from tensorboardX.proto import event_pb2
@@ -155,3 +160,44 @@ def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
           points.pop()
         points.append((event.step, value.simple_value))
   return out
+
+
+class Progress:
+  """Logs loss, rate and ETA; raises on a non-finite loss."""
+
+  def __init__(self, cfg: PretrainConfig, start: int, log, trials: int = 1):
+    self.cfg, self.log = cfg, log
+    self.trials = trials  # tokens/s counts all the models stepping
+    self.pending: list[jax.Array] = []
+    self.t_last, self.step_last = time.perf_counter(), start
+    self.first: tuple[float, int] | None = None  # (time, step)
+    self.flops_per_token = transformer.train_flops_per_token(
+        cfg.model, cfg.corpus.chunk_len)
+    peak = sharding.peak_tflops(cfg.model.dtype)  # MFU where known (GPUs)
+    self.peak_flops = peak and peak * 1e12 * jax.device_count()
+
+  def add(self, loss) -> None:
+    self.pending.append(loss)
+
+  def flush(self, done: int, last_ckpt: int | None, ckpt_dir: str) -> float:
+    """Logs the steps since the last flush; returns their tokens/s."""
+    losses, self.pending = np.asarray(jnp.stack(self.pending)), []
+    if not np.all(np.isfinite(losses)):
+      bad = done - len(losses) + int(np.argmin(np.isfinite(losses)))
+      raise FloatingPointError(
+          f"non-finite loss at step {bad + 1}; stopping. The last good "
+          f"checkpoint (step {last_ckpt}) is in {ckpt_dir}; lower --lr or "
+          f"raise --warmup_steps")
+    now, total = time.perf_counter(), self.cfg.total_steps
+    # The ETA excludes compilation: it counts from the first flush.
+    t_first, step_first = self.first = self.first or (now, done)
+    tokens = self.cfg.batch_size * self.cfg.corpus.chunk_len * self.trials
+    rate = tokens * (done - self.step_last) / max(now - self.t_last, 1e-9)
+    sec_per_step = ((now - t_first) / (done - step_first) if done > step_first
+                    else (now - self.t_last) / max(done - self.step_last, 1))
+    mfu = (f" MFU {100 * rate * self.flops_per_token / self.peak_flops:.1f}%"
+           if self.peak_flops else "")
+    self.log(f"step {done}/{total} loss {losses.mean():.4f} {rate / 1e3:.1f}k "
+             f"tokens/s{mfu} ETA {sec_per_step * (total - done):.0f}s")
+    self.t_last, self.step_last = now, done
+    return rate

@@ -3,6 +3,7 @@ exact conditionals' ``bayes_ce`` (:func:`hmm.conditionals`), their TV; a
 causal model's at every position, to ``P[X_t | x_<t]``."""
 
 import functools
+import typing
 from typing import NamedTuple
 
 import jax
@@ -13,7 +14,9 @@ from hmmprompt import corpus as corpus_lib
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import generative
 from hmmprompt.backbones import transformer
+from hmmprompt.pretrain import batches
 from hmmprompt.pretrain import train
+from hmmprompt.pretrain import workdir as workdir_lib
 from hmmprompt.pretrain.config import PretrainConfig
 
 
@@ -107,3 +110,16 @@ def _metrics(tot) -> dict:
   n = max(tot[3], 1.0)
   return {"mlm_ce": tot[0] / n, "bayes_ce": tot[1] / n, "tv": tot[2] / n,
           "ce_gap": (tot[0] - tot[1]) / n, "eval_positions": int(tot[3])}
+
+
+def evaluate_checkpoints(cfg: PretrainConfig, models_K: generative.Model,
+                         params_QxK) -> list[list[dict]]:
+  """``metrics[q][k]`` of ``params_QxK[q, k]`` on its validation set: the
+  loop's line at an evaluation step (to float rounding across groupings)."""
+  num = typing.cast(int, generative.num_trials(models_K))  # stacked: an int
+  keys = batches.Keys.of(cfg.seed, num)
+  vals_K = jax.tree.map(lambda *xs: jnp.stack(xs), *[
+      validation_set(keys.val[k], generative.trial(models_K, k), cfg)
+      for k in range(num)])
+  return [evaluate_group(workdir_lib.take(params_QxK, q), cfg, vals_K)
+          for q in range(jax.tree.leaves(params_QxK)[0].shape[0])]

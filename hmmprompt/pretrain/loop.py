@@ -2,11 +2,10 @@
 ``s``'s batch is a pure function of ``(seed, s)`` (:func:`corpus.batch_at`),
 so a resumed run is bit for bit an uninterrupted one."""
 
-import functools
 import os
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,27 +17,13 @@ from hmmprompt import generative
 from hmmprompt import sharding as sharding_lib
 from hmmprompt import validation
 from hmmprompt.backbones import Backbone
-from hmmprompt.backbones import transformer
+from hmmprompt.pretrain import batches
 from hmmprompt.pretrain import curves as curves_lib
 from hmmprompt.pretrain import evaluation as evaluate_lib
 from hmmprompt.pretrain import train
 from hmmprompt.pretrain import workdir as workdir_lib
+from hmmprompt.pretrain.batches import Keys
 from hmmprompt.pretrain.config import PretrainConfig
-
-
-class Keys(NamedTuple):
-  """The random streams of K runs, each leaf ``[K, 2]``: run ``k``'s are
-  ``split(PRNGKey(seed + k), 4)``."""
-
-  init: jax.Array  # model parameters
-  data: jax.Array  # training batches and their masks (folded with the step)
-  corpus: jax.Array  # the fixed corpus (non-fresh presets)
-  val: jax.Array  # held-out evaluation sequences
-
-  @classmethod
-  def of(cls, seed: int, num: int = 1) -> "Keys":
-    return cls(*jnp.stack([jax.random.split(jax.random.PRNGKey(seed + k), 4)
-                           for k in range(num)], axis=1))
 
 
 def _clock() -> float:
@@ -64,47 +49,6 @@ def check_checkpoints(checkpoints: str) -> str:
 
 class DeadlineReached(Exception):
   """A run's ``stop_at`` came; everything finished before it is on disk."""
-
-
-class _Progress:
-  """Logs loss, rate and ETA; raises on a non-finite loss."""
-
-  def __init__(self, cfg: PretrainConfig, start: int, log, trials: int = 1):
-    self.cfg, self.log = cfg, log
-    self.trials = trials  # tokens/s counts all the models stepping
-    self.pending: list[jax.Array] = []
-    self.t_last, self.step_last = time.perf_counter(), start
-    self.first: tuple[float, int] | None = None  # (time, step)
-    self.flops_per_token = transformer.train_flops_per_token(
-        cfg.model, cfg.corpus.chunk_len)
-    peak = sharding_lib.peak_tflops(cfg.model.dtype)  # MFU where known (GPUs)
-    self.peak_flops = peak and peak * 1e12 * jax.device_count()
-
-  def add(self, loss) -> None:
-    self.pending.append(loss)
-
-  def flush(self, done: int, last_ckpt: int | None, ckpt_dir: str) -> float:
-    """Logs the steps since the last flush; returns their tokens/s."""
-    losses, self.pending = np.asarray(jnp.stack(self.pending)), []
-    if not np.all(np.isfinite(losses)):
-      bad = done - len(losses) + int(np.argmin(np.isfinite(losses)))
-      raise FloatingPointError(
-          f"non-finite loss at step {bad + 1}; stopping. The last good "
-          f"checkpoint (step {last_ckpt}) is in {ckpt_dir}; lower --lr or "
-          f"raise --warmup_steps")
-    now, total = time.perf_counter(), self.cfg.total_steps
-    # The ETA excludes compilation: it counts from the first flush.
-    t_first, step_first = self.first = self.first or (now, done)
-    tokens = self.cfg.batch_size * self.cfg.corpus.chunk_len * self.trials
-    rate = tokens * (done - self.step_last) / max(now - self.t_last, 1e-9)
-    sec_per_step = ((now - t_first) / (done - step_first) if done > step_first
-                    else (now - self.t_last) / max(done - self.step_last, 1))
-    mfu = (f" MFU {100 * rate * self.flops_per_token / self.peak_flops:.1f}%"
-           if self.peak_flops else "")
-    self.log(f"step {done}/{total} loss {losses.mean():.4f} {rate / 1e3:.1f}k "
-             f"tokens/s{mfu} ETA {sec_per_step * (total - done):.0f}s")
-    self.t_last, self.step_last = now, done
-    return rate
 
 
 def _reached(cfg: PretrainConfig, metrics: dict) -> bool:
@@ -234,60 +178,6 @@ def _run_trials(workdir, cfg, models_K, log, after_step,
   return finals, states, deeps
 
 
-def _draw_K(corpus_cfg, batch_size: int, vocab_size: int, fresh: bool,
-            causal: bool):
-  """:func:`corpus.batch_at` vmapped over K trials (unjitted)."""
-  return jax.vmap(functools.partial(corpus_lib.batch_at, cfg=corpus_cfg,
-                                    batch_size=batch_size,
-                                    vocab_size=vocab_size, causal=causal),
-                  in_axes=(0, None, 0, None if fresh else 0))
-
-
-@functools.lru_cache(maxsize=16)
-def _batch_fn(corpus_cfg, batch_size: int, vocab_size: int, fresh: bool,
-              causal: bool, mesh):
-  """The jitted ``[K]`` batch draw, kept across runs as the train step."""
-  return jax.jit(_draw_K(corpus_cfg, batch_size, vocab_size, fresh, causal),
-                 out_shardings=sharding_lib.trial_batch_sharded(mesh))
-
-
-@functools.lru_cache(maxsize=16)
-def _window_fn(cfg: PretrainConfig, window: int, fresh: bool, mesh):
-  """The jitted draw of ``window`` steps' ``[K]`` batches ``[N, K, ...]``,
-  bit for bit :func:`_batch_fn`'s, exact targets (one scan) for tokens."""
-  draw = _draw_K(cfg.corpus, cfg.batch_size, cfg.model.vocab_size, fresh,
-                 cfg.model.causal)
-  targets = jax.vmap(jax.vmap(functools.partial(train.loss_targets, cfg)),
-                     in_axes=(None, 0, 0, 0))
-  def window_at(keys_K, first, models_K, chunks_K, hmms_K):
-    steps_N = first + jnp.arange(window)
-    inputs, tokens, weights = jax.vmap(draw, in_axes=(None, 0, None, None))(
-        keys_K, steps_N, models_K, chunks_K)
-    return inputs, targets(hmms_K, inputs, tokens, weights), weights
-  return jax.jit(window_at,
-                 out_shardings=sharding_lib.step_trial_batch_sharded(mesh))
-
-
-@jax.jit
-def _step_of(window_N, i):
-  """Step ``i``'s ``(inputs, targets, weights)`` of a window's draw."""
-  return jax.tree.map(lambda x: x[i], window_N)
-
-
-def _groups(running: list[int], trials_per_vmap: int
-            ) -> list[tuple[np.ndarray, int]]:
-  """``(rows, n)`` per train-step call: groups of ``trials_per_vmap``, the
-  last padded to a power of two (``n`` rows real), so few shapes compile."""
-  if trials_per_vmap <= 1:
-    return [(np.asarray(running), len(running))]
-  out = []
-  for i in range(0, len(running), trials_per_vmap):
-    rows = running[i:i + trials_per_vmap]
-    size = min(1 << (len(rows) - 1).bit_length(), trials_per_vmap)
-    out.append((np.asarray(rows + [rows[0]] * (size - len(rows))), len(rows)))
-  return out
-
-
 def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
                  num: int, log: Callable[[str], Any],
                  after_step: Callable[[int], Any] | None,
@@ -353,16 +243,16 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   chunks = (None if cfg.corpus.fresh else jnp.stack(
       [corpus_lib.build_chunks(keys.corpus[k], generative.trial(models_K, k),
                                cfg.corpus) for k in range(num)]))
-  get_batch = _batch_fn(cfg.corpus, cfg.batch_size, cfg.model.vocab_size,
+  get_batch = batches.batch_fn(cfg.corpus, cfg.batch_size, cfg.model.vocab_size,
                         chunks is None, cfg.model.causal, mesh)
   train_step = train.make_train_step(cfg, mesh)
   window = train.exact_window(cfg)
-  get_window = (_window_fn(cfg, window, chunks is None, mesh) if window > 1
+  get_window = (batches.window_fn(cfg, window, chunks is None, mesh) if window > 1
                 else None)
   # Stopped trials are never evaluated again: no validation set for them.
   vals = {k: evaluate_lib.validation_set(
       keys.val[k], generative.trial(models_K, k), cfg) for k in running}
-  progress = _Progress(cfg, start, log, trials=len(running))
+  progress = curves_lib.Progress(cfg, start, log, trials=len(running))
   # Written, never read: no result depends on them.
   curves = curves_lib.Curves(workdir, cfg.batch_size * cfg.corpus.chunk_len)
   if curves.status:
@@ -424,7 +314,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
     idx = np.asarray(running)
     halt_at = None if stop_at is None else stop_at - trial_bytes * (
         len(running) if periodic else num) / SAVE_BYTES_PER_S
-    groups = _groups(running, cfg.trials_per_vmap)
+    groups = batches.groups(running, cfg.trials_per_vmap)
     subs = [_take(states, rows) for rows, _ in groups]
     data = [(n, keys.data[rows], _take(models_K, rows),
              None if chunks is None else chunks[rows], _take(hmms, rows))
@@ -444,7 +334,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
           if g not in ahead or ahead[g][0] != first:
             ahead[g] = (first, get_window(data_keys, first, models, chunk,
                                           group_hmms))
-          batch = _step_of(ahead[g][1], step - first)
+          batch = batches.step_of(ahead[g][1], step - first)
         subs[g], losses = train_step(subs[g], *batch, group_hmms)
         parts.append(losses[:n])  # a padded group's copies are dropped
       losses = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
@@ -496,19 +386,6 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
              "before a tuning the deadline would cut")
   _close(ckpts, retained, stopped)
   return [last.get(k, {}) for k in range(num)], states
-
-
-def evaluate_checkpoints(cfg: PretrainConfig, models_K: generative.Model,
-                         params_QxK) -> list[list[dict]]:
-  """``metrics[q][k]`` of ``params_QxK[q, k]`` on its validation set: the
-  loop's line at an evaluation step (to float rounding across groupings)."""
-  num = cast(int, generative.num_trials(models_K))  # stacked: an int
-  keys = Keys.of(cfg.seed, num)
-  vals_K = jax.tree.map(lambda *xs: jnp.stack(xs), *[
-      evaluate_lib.validation_set(keys.val[k], generative.trial(models_K, k),
-                                  cfg) for k in range(num)])
-  return [evaluate_lib.evaluate_group(_take(params_QxK, q), cfg, vals_K)
-          for q in range(jax.tree.leaves(params_QxK)[0].shape[0])]
 
 
 def _close(*managers) -> None:

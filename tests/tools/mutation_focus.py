@@ -153,7 +153,7 @@ def _serve(tests: list[str]) -> None:
     # entry point jitted at import (validation.entry_point) or a test
     # module's jax.jit(kernel) ran the clean code under every mutant. The
     # library's functools caches hold functions built by the code of their
-    # first call (pretrain.loop._window_fn's draw).
+    # first call (pretrain.batches.window_fn's draw).
     jax.clear_caches()
     for module in list(sys.modules.values()):
       if getattr(module, "__name__", "").startswith("hmmprompt"):
