@@ -311,24 +311,6 @@ def stack_order(mids, schedule: scheduling.Schedule,
       0 if weight is None else weight(mid), mid.size))
 
 
-def _progress(schedule: scheduling.Schedule, key: str, done: int,
-              total: int, elapsed: float) -> tuple[str, str]:
-  """A progress line's count and timing after this process's ``done``-th
-  group ``key`` of ``total``, ``elapsed`` seconds in (:func:`run_stacks`)."""
-  if schedule.claim is None:
-    return (f"[{done}/{total} groups]", f"elapsed {elapsed:.0f}s, ETA "
-            f"{elapsed / done * (total - done):.0f}s")
-  if schedule.progress is None:
-    return f"[{done} done here, of the run's {total} groups]", (
-        f"elapsed {elapsed:.0f}s")
-  finished, processes = schedule.progress(key)
-  total = max(total, finished)  # one finished while this process planned
-  # This process's seconds per group, the groups left shared between all.
-  eta = elapsed / done * max(total - finished, 0) / max(processes, 1)
-  return (f"[{finished}/{total} groups, all workers]",
-          f"elapsed {elapsed:.0f}s, ETA {eta:.0f}s")
-
-
 def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
                schedule: scheduling.Schedule = scheduling.EVERYTHING,
                weight: Callable[[ModelId], float] | None = None,
@@ -389,8 +371,8 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
       accs = [r.test_accuracy for r in lines]
       bad = sum(not np.isfinite(getattr(r, "final_loss", 0.0))
                 for r in lines)
-      count, timing = _progress(schedule, f"{mid.tag}-{i}", done, total,
-                                elapsed)
+      count, timing = schedule.progress_line(f"{mid.tag}-{i}", done, total,
+                                             elapsed)
       logging.info(
           "%s %s %s: test acc %.3f +- %.3f over %d lines (%.1fs)%s; %s",
           count, mid.tag, g, np.mean(accs), np.std(accs), len(lines),

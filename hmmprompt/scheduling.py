@@ -52,6 +52,23 @@ class Schedule(NamedTuple):
     return [s for i, s in enumerate(ordered)
             if i % self.num_hosts == self.host_index]
 
+  def progress_line(self, key: str, done: int, total: int, elapsed: float
+                    ) -> tuple[str, str]:
+    """A progress line's count and timing after this process's ``done``-th
+    group ``key`` of ``total``, ``elapsed`` seconds in (``run_stacks``)."""
+    if self.claim is None:
+      return (f"[{done}/{total} groups]", f"elapsed {elapsed:.0f}s, ETA "
+              f"{elapsed / done * (total - done):.0f}s")
+    if self.progress is None:
+      return f"[{done} done here, of the run's {total} groups]", (
+          f"elapsed {elapsed:.0f}s")
+    finished, processes = self.progress(key)
+    total = max(total, finished)  # one finished while this process planned
+    # This process's seconds per group, the groups left shared between all.
+    eta = elapsed / done * max(total - finished, 0) / max(processes, 1)
+    return (f"[{finished}/{total} groups, all workers]",
+            f"elapsed {elapsed:.0f}s, ETA {eta:.0f}s")
+
 
 EVERYTHING = Schedule()
 """The default: every stack, in plan order, with no deadline."""
