@@ -1,12 +1,9 @@
-r"""System time against user time of the pretraining step: Figure 3's (the
-``cpu`` recipe, ``|H|`` = 12, 3 draws in one step) beside ICL's (its ``cpu``
-preset, 5 seeds in one step over GINC's 500-state mixture), each with the
-binaries' glibc settings and with one malloc arena too (docs/performance.md).
+r"""System against user time of a pretraining step, Figure 3's (``cpu``,
+``|H|`` = 12, 3 draws) beside ICL's (``cpu``, 5 seeds), with the binaries'
+glibc settings and with one malloc arena (docs/performance.md); each run a
+process of its own, the steps after ``--warmup`` timed.
 
   python -m experiments.bench.sys_time [--steps=30] [--warmup=5]
-
-Each of the four runs is a process of its own (glibc's arenas are set before
-XLA's threads start); the steps after ``--warmup`` (compiles) are timed.
 """
 
 import dataclasses
@@ -33,19 +30,15 @@ _RUNS = [("figure3", "default"), ("figure3", "one"), ("icl", "default"),
          ("icl", "one")]
 
 
-def study(name: str):
-  """``(cfg, models_K)`` of a study's pretraining."""
+def child(name: str) -> dict:
+  """The timed steps' seconds, minor faults per step (this process)."""
   if name == "icl":
     setup = icl.get_setup("cpu")
     mix = ginc.mixture(icl.load_concepts(setup, "id"))
-    return setup.pretrain, generative.stack([mix] * setup.seeds)
-  job = pretrain.Job.of("cpu", num_states=12, trials=3)
-  return job.pretrain, job.make_model()
-
-
-def child(name: str) -> dict:
-  """The timed steps' seconds, minor faults per step (this process)."""
-  cfg, models_K = study(name)
+    cfg, models_K = setup.pretrain, generative.stack([mix] * setup.seeds)
+  else:
+    job = pretrain.Job.of("cpu", num_states=12, trials=3)
+    cfg, models_K = job.pretrain, job.make_model()
   warm, n = _WARMUP.value, _STEPS.value
   cfg = dataclasses.replace(cfg, steps=warm + n, cycles=None,
                             target_gap=None, eval_every=10**9,
