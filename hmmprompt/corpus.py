@@ -22,7 +22,6 @@ from hmmprompt import validation
 
 
 CORRUPTIONS = ("bert", "mask")
-# BERT: of the selected positions, 80% MASK, 10% a uniform symbol, 10% kept.
 _BERT_MASK, _BERT_RANDOM = 0.8, 0.1
 
 

@@ -1,18 +1,16 @@
 """GINC (Xie, Raghunathan, Liang & Ma, ICLR 2022): in-context learning on a
 mixture of HMM "concepts" (docs/icl.md).
 
-A concept's hidden state is ``(value v, slot s)``, index ``v * S + s``:
-the value (an entity) changes slowly, the slot (a property) moves, and the
-state emits ``memory[v, s]`` (slot 0: the delimiter, symbol 0). Its
-transition is ``kron(value_factor [V, V], slot_factor [S, S])``, each factor
-a softmax-weighted mixture of random permutation matrices, the value factor
-biased to the identity. Pretraining documents come each from one concept
-drawn uniformly; :func:`mixture` is the mixture as one exact HMM
-(block-diagonal), so the existing kernels give its next-symbol conditionals
-and its posterior over concepts. :func:`prompts` builds GINC's
-``ID_sample`` / ``OOD_sample`` prompts and :func:`predict` the exact
-mixture's in-context prediction.
-"""
+A concept's hidden state is ``(value v, slot s)``, index ``v * S + s``: the
+value (an entity) changes slowly, the slot (a property) moves, and the state
+emits ``memory[v, s]`` (slot 0: the delimiter, symbol 0). Its transition is
+``kron(value_factor [V, V], slot_factor [S, S])``, each factor a
+softmax-weighted mixture of random permutation matrices, the value factor
+biased to the identity. A pretraining document comes from one concept drawn
+uniformly; :func:`mixture` is the mixture as one exact (block-diagonal) HMM
+for the existing kernels; :func:`prompts` builds GINC's ``ID_sample`` /
+``OOD_sample`` prompts and :func:`predict` the mixture's in-context
+prediction."""
 
 import dataclasses
 import functools
@@ -129,8 +127,8 @@ class _Unpickler(pickle.Unpickler):
   def find_class(self, module, name):
     if module.split(".")[0] in ("hmmlearn", "sklearn"):
       return _Attributes
-    if module.split(".")[0] == "numpy" or (module, name) == (
-        "copyreg", "_reconstructor") or (module, name) == ("builtins", "object"):
+    if module.split(".")[0] == "numpy" or (module, name) in (
+        ("copyreg", "_reconstructor"), ("builtins", "object")):
       return super().find_class(module, name)
     raise pickle.UnpicklingError(f"a GINC pickle names {module}.{name}, "
                                  f"which is not numbers")
@@ -219,8 +217,8 @@ def smoothed(hmm: hmm_lib.HMM, eps: float) -> hmm_lib.HMM:
   return hmm._replace(transition=t / t.sum(-1, keepdims=True))
 
 
-def predict(model: hmm_lib.HMM, prompt_T: jax.Array) -> tuple[jax.Array,
-                                                              jax.Array]:
+def predict(model: hmm_lib.HMM,
+            prompt_T: jax.Array) -> tuple[jax.Array, jax.Array]:
   """``(next-symbol distribution [X], log-likelihood [])`` of ``prompt_T``
   under ``model`` (a :func:`mixture`): the Bayes-optimal in-context
   prediction. An impossible prompt (log-likelihood ``-inf``) gives zeros,

@@ -21,10 +21,6 @@ import jax
 Params = Any
 
 
-def _same(x):
-  return x
-
-
 @dataclasses.dataclass(frozen=True)
 class Backbone:
   name: str
@@ -35,7 +31,7 @@ class Backbone:
   vocab_size: int
   finetunable: bool = False
   apply_at: Callable[[Params, jax.Array, int], jax.Array] | None = None
-  prompt_raw: Callable[[jax.Array], jax.Array] = _same
+  prompt_raw: Callable[[jax.Array], jax.Array] = lambda raw: raw
 
   def inputs(self, params: Params, tokens_T: jax.Array,
              prompt_raw_PxD: jax.Array | None = None) -> jax.Array:

@@ -9,20 +9,18 @@ from jax import custom_batching
 import jax.numpy as jnp
 
 
-# JAX's batching rules under dot_product_attention (cuDNN's in particular)
-# have had bugs, and pretraining vmaps the model over trials. So
+# Pretraining vmaps the model over trials, and JAX's batching rules under
+# dot_product_attention (cuDNN's in particular) have had bugs. So
 # ``_folding_vmap``'s custom_vmap rule folds each vmapped axis into the batch
-# (``[K, B, ...] -> [K*B, ...]``) and calls the function again, or into the
-# heads where the bias (relative positions, ``[1, N, T, T]`` per model) is
-# batched, as for pretraining's trials (:func:`_fold_heads`): cuDNN computes
-# the bias gradient only for a bias of batch 1 whose heads are the query's.
+# (``[K, B, ...] -> [K*B, ...]``), or into the heads where the bias is
+# batched (:func:`_fold_heads`: cuDNN computes the bias gradient only for a
+# bias of batch 1 whose heads are the query's), and calls the function again.
 # custom_vmap has no transpose, so the op is a ``jax.custom_vjp`` (outermost,
 # as custom_vmap's docstring prescribes) whose fwd and bwd (a recomputing
-# ``jax.vjp(dpa)``: cuDNN's residuals could not be folded) are folding
-# custom_vmaps: both fold at every vmap level, in either order; with a bias
-# the backward folds into the heads (a bias cotangent per vmapped member).
-# No forward mode. Merging a replicated K into a sharded B may make XLA
-# reshard. The bias reaches the op in the queries' dtype (cuDNN requires it).
+# ``jax.vjp(dpa)``: cuDNN's residuals could not be folded) both fold at every
+# vmap level. No forward mode. Merging a replicated K into a sharded B may
+# make XLA reshard. The bias reaches the op in the queries' dtype (cuDNN's
+# requirement).
 
 
 def _fold_heads(axis_size, in_batched, args, roles):
@@ -100,16 +98,13 @@ def dot_product_implementation(dtype, head_dim: int) -> str | None:
   return None
 
 
-def _cudnn_trains(bias, query) -> bool:
-  """Whether cuDNN gives ``bias`` a gradient: batch 1, the query's heads."""
-  return bias.shape[0] == 1 and bias.shape[1] == query.shape[2]
-
-
 @functools.lru_cache(maxsize=None)
 def _attention_op(implementation: str | None, biased: bool):
   def dpa(*qkv_bias, training=False):
-    if implementation is not None and (
-        not training or not biased or _cudnn_trains(qkv_bias[3], qkv_bias[0])):
+    # cuDNN gives a bias a gradient at batch 1 and the query's heads alone.
+    cudnn_trains = not (training and biased) or (
+        qkv_bias[3].shape[:2] == (1, qkv_bias[0].shape[2]))
+    if implementation is not None and cudnn_trains:
       try:
         return jax.nn.dot_product_attention(*qkv_bias,
                                             implementation=implementation)

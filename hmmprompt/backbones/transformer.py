@@ -72,8 +72,7 @@ class MLMConfig:
   # readout (MLM.logits_and_states; 0: none) for PretrainConfig.state_loss.
   rel_pos: str = identity_lib.added("none")
   state_readout: int = identity_lib.added(0)
-  # causal: left to right, position t attends to positions <= t alone (a
-  # causal LM's mask; the manual attention path).
+  # causal: position t attends to positions <= t alone (the manual path).
   causal: bool = identity_lib.added(False)
   # ATTENTIONS: left out of identities (the paths agree to float rounding).
   attention: str = identity_lib.runtime("auto")
@@ -344,10 +343,9 @@ def build_backbone(cfg: MLMConfig, dtype: str = "float32") -> Backbone:
     if emb_TxD.shape[0] > cfg.max_len:
       raise ValueError(f"input of {emb_TxD.shape[0]} positions exceeds the "
                        f"model's context max_len = {cfg.max_len}")
-    if index is None:
-      logits = model.apply(params, emb_TxD[None], method=MLM.encode)
-    else:
-      logits = model.apply(params, emb_TxD[None], index, method=MLM.encode_at)
+    logits = (model.apply(params, emb_TxD[None], method=MLM.encode)
+              if index is None else
+              model.apply(params, emb_TxD[None], index, method=MLM.encode_at))
     return jax.nn.softmax(logits[0], -1)
 
   return Backbone(name="transformer", embed=embed, apply=apply,

@@ -45,7 +45,7 @@ class ResultLine(files_lib.Line):
   # [a, b): pretrained with trials a..b-1 alone, a part of the stack (a run
   # cut short for time); absent from the file where the whole stack was.
   pretrain_part: list[int] | None = None
-  trainable_params: int | None = None  # head included; absent before #67
+  trainable_params: int | None = None  # head included; absent in old lines
 
   KEY_FIELDS = ("backbone", "panel", "hmm", "num_states", "memory_size",
                 "trial", "task", "method", "features", "setup")

@@ -94,7 +94,6 @@ def write_plot(runs, path: str) -> list[tuple[str, int]]:
       gap = np.maximum([m["ce_gap"] for m in ms], 1e-3)
       ok = ms[-1]["ce_gap"] <= target
       reached += ok
-      # Stalled trials in red and labelled: visible among converged ones.
       ax.plot(x, gap, "-", lw=1.0 if ok else 1.8, alpha=0.8 if ok else 1.0,
               color=_TRIAL_COLORS[k % len(_TRIAL_COLORS)] if ok else "red",
               marker="o" if ok else "X", markevery=[len(ms) - 1])

@@ -112,9 +112,8 @@ def targets_ahead(inputs, tokens) -> bool:
 
 def loss_targets(cfg: PretrainConfig, hmm, inputs_BxT, tokens_BxT, weights_BxT):
   """The true tokens ``[B, T]``, or (``cfg.targets == "exact"``) their
-  exact conditionals ``[B, T, V]`` given the inputs under ``hmm`` (causal:
-  given the tokens before), unless
-  passed in place of the tokens (computed ahead: :func:`exact_window`)."""
+  exact conditionals ``[B, T, V]`` given the inputs (causal: the tokens
+  before) under ``hmm``, unless passed as the tokens (:func:`exact_window`)."""
   if cfg.targets == "sampled" or targets_ahead(inputs_BxT, tokens_BxT):
     return tokens_BxT
   if cfg.model.causal:  # P[X_t | x_<t]: the forward scan alone

@@ -127,8 +127,7 @@ class TuneConfig:
         head=heads.HEADS, features=heads.TRANSFORMS, optimizer=OPTIMIZERS,
         prompt_init_mode=PROMPT_INITS)
     targets = self.lora_targets.split(",")
-    if not targets or set(targets) - {"q", "k", "v"} or len(set(targets)) < len(
-        targets):
+    if set(targets) - {"q", "k", "v"} or len(set(targets)) < len(targets):
       raise ValueError(f"TuneConfig.lora_targets must name distinct "
                        f"projections from q,k,v, got {self.lora_targets!r}")
     if self.lora_alpha is not None and not self.lora_alpha > 0:
@@ -210,9 +209,15 @@ def backbone_head_inputs(backbone: Backbone, params, cfg: TuneConfig,
                             tasks_lib.mask_index(cfg.num_prompt)), None
 
 
-def _frozen_inputs(backbone, bparams, tunable, cfg, tokens_T):
-  del tunable  # Nothing tunable before the head: cacheable.
-  return backbone_head_inputs(backbone, bparams, cfg, tokens_T)
+def _reading(params_of, prompt: bool = False) -> Callable[..., tuple]:
+  """A :attr:`Method.head_inputs`: :func:`backbone_head_inputs` at the
+  params ``params_of(bparams, tunable, cfg)``, the soft prompt
+  ``tunable["prompt"]`` prepended if ``prompt``."""
+  def head_inputs(backbone, bparams, tunable, cfg, tokens_T):
+    return backbone_head_inputs(backbone, params_of(bparams, tunable, cfg),
+                                cfg, tokens_T,
+                                tunable["prompt"] if prompt else None)
+  return head_inputs
 
 
 def prompt_tokens(key, train_tokens_NxT: jax.Array, num: int) -> jax.Array:
@@ -231,19 +236,9 @@ def _init_prompt(key, backbone, bparams, cfg, train_tokens_NxT):
       maxval=cfg.prompt_init)}
 
 
-def _prompted_inputs(backbone, bparams, tunable, cfg, tokens_T):
-  return backbone_head_inputs(backbone, bparams, cfg, tokens_T,
-                              tunable["prompt"])
-
-
 def _init_prefix(key, backbone, bparams, cfg, train_tokens_NxT):
   del backbone, train_tokens_NxT
   return {"prefix": transformer.prefix_init(key, bparams, cfg.prompt_len)}
-
-
-def _prefixed_inputs(backbone, bparams, tunable, cfg, tokens_T):
-  return backbone_head_inputs(backbone, {**bparams, **tunable["prefix"]}, cfg,
-                              tokens_T)
 
 
 def _init_lora(key, backbone, bparams, cfg, train_tokens_NxT):
@@ -252,11 +247,9 @@ def _init_lora(key, backbone, bparams, cfg, train_tokens_NxT):
                                         cfg.lora_targets.split(","))}
 
 
-def _lora_inputs(backbone, bparams, tunable, cfg, tokens_T):
-  scale = (cfg.lora_r if cfg.lora_alpha is None else cfg.lora_alpha) / (
-      cfg.lora_r)
-  return backbone_head_inputs(backbone, transformer.with_lora(
-      bparams, tunable["lora"], scale), cfg, tokens_T)
+def _with_lora(bparams, tunable, cfg):
+  return transformer.with_lora(bparams, tunable["lora"],
+                               (cfg.lora_alpha or cfg.lora_r) / cfg.lora_r)
 
 
 def _copy_backbone(key, backbone, bparams, cfg, train_tokens_NxT):
@@ -264,23 +257,23 @@ def _copy_backbone(key, backbone, bparams, cfg, train_tokens_NxT):
   return {"backbone": bparams}
 
 
-def _finetuned_inputs(backbone, bparams, tunable, cfg, tokens_T):
-  del bparams
-  return backbone_head_inputs(backbone, tunable["backbone"], cfg, tokens_T)
+_frozen = lambda p, t, c: p  # nothing tunable before the head: cacheable
 
 
 METHODS: dict[str, Method] = {
     "head": Method("head", init_extra=lambda *_: {},
-                   head_inputs=_frozen_inputs, caches_features=True),
+                   head_inputs=_reading(_frozen), caches_features=True),
     "prompt": Method("prompt", init_extra=_init_prompt,
-                     head_inputs=_prompted_inputs, uses_prompt=True),
+                     head_inputs=_reading(_frozen, prompt=True),
+                     uses_prompt=True),
     "prefix": Method("prefix", init_extra=_init_prefix,
-                     head_inputs=_prefixed_inputs, needs_finetunable=True),
-    "lora": Method("lora", init_extra=_init_lora, head_inputs=_lora_inputs,
-                   needs_finetunable=True),
+                     head_inputs=_reading(lambda p, t, c: {**p, **t["prefix"]}),
+                     needs_finetunable=True),
+    "lora": Method("lora", init_extra=_init_lora,
+                   head_inputs=_reading(_with_lora), needs_finetunable=True),
     # A pretrained backbone is wrecked by the head's learning rate.
     "finetune": Method("finetune", init_extra=_copy_backbone,
-                       head_inputs=_finetuned_inputs,
+                       head_inputs=_reading(lambda p, t, c: t["backbone"]),
                        slow_keys=frozenset({"backbone"}),
                        needs_finetunable=True),
 }

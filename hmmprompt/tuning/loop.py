@@ -22,10 +22,9 @@ from hmmprompt.tuning.config import (METHODS, SPLITS, Data, TuneConfig,
 
 def init_tunable(key, backbone: Backbone, bparams, cfg: TuneConfig,
                  train_tokens_NxT: jax.Array) -> dict:
-  """The tunable params before training, ``{"head": ..., **extra}``
-  (``train_tokens_NxT``: the training split's, each row from the ``MASK``;
-  ``"tokens"`` prompts draw from them); :func:`run_seed` passes it
-  ``jax.random.split(key)[0]``."""
+  """The tunable params before training, ``{"head": ..., **extra}``, from
+  the training split's ``train_tokens_NxT`` (rows from the ``MASK``);
+  :func:`run_seed` passes it ``jax.random.split(key)[0]``."""
   num_tokens = train_tokens_NxT.shape[-1]
   k_head, k_extra = jax.random.split(key)
   length = tasks_lib.input_len(cfg.num_prompt, num_tokens - 1)
