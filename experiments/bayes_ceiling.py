@@ -66,8 +66,8 @@ def main(argv):
       raise ValueError("--config.task.labeling must be 'paper'")
     cli.make_dir(workdir)
     sweep.check_workdir(workdir, setup)
-  out, plan = [], sweep.plan(setup)
-  for mid, num in sweep.stack_sizes(setup).items():
+  out, plan = [], configs.plan(setup)
+  for mid, num in configs.stack_sizes(setup).items():
     stack = protocol.draw_stack(setup, mid, num, setup.tasks_per_hmm)
     acc = [bayes_accuracy(generative.trial(stack.models_K, k), t)
            for k, row in enumerate(stack.tasks) for t in row]

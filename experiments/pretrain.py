@@ -39,6 +39,19 @@ _CRASH_SIGNAL = flags.DEFINE_enum("crash_signal", "SIGKILL",
 _INIT_DISTRIBUTED = cli.define_distributed_flags()
 flags.adopt_module_key_flags(cli)
 
+# A final evaluation's fields as printed, in this order (the rest left out).
+_SHOWN = {"step": "step {}", "ce_gap": "ce_gap {:.4f}", "tv": "tv {:.4f}",
+          "mlm_ce": "mlm_ce {:.4f}", "bayes_ce": "bayes_ce {:.4f}",
+          "layers": "{} layers", "wall_s": "{:.0f} s of training"}
+
+
+def final_lines(final: list[dict]) -> list[str]:
+  """``trial K: step S, ce_gap G, ...``: each trial's last evaluation, the
+  same whether it was just made or read back by a rerun."""
+  return [f"trial {k}: " + (", ".join(
+      f.format(m[n]) for n, f in _SHOWN.items() if n in m) or "no evaluation")
+          for k, m in enumerate(final)]
+
 
 @cli.one_line_errors
 def main(argv):
@@ -64,7 +77,7 @@ def main(argv):
       os.kill(os.getpid(), signal.Signals[_CRASH_SIGNAL.value])
   final = pretrain.run_trials(_WORKDIR.value, cfg, models_K,
                               log=logging.info, after_step=after_step)
-  print(final[0] if len(final) == 1 else final)
+  print("\n".join(final_lines(final)))
   cli.done(t0, workdir=_WORKDIR.value)
 
 

@@ -29,6 +29,7 @@ from hmmprompt import protocol
 from hmmprompt import scheduling
 from hmmprompt import validation
 from hmmprompt.backbones import transformer
+from hmmprompt.figure3 import reporting
 
 LAYOUT = 1  # bumped when a line's meaning changes for the same setup
 CONCEPTS = ("released", "drawn")
@@ -161,8 +162,7 @@ def check_inputs(setup: IclSetup, error: type[Exception] = ValueError
                  ) -> None:
   """Raises ``error`` naming ``released_path`` if the setup needs it and it
   is missing (the binary: a usage error before any work or workdir)."""
-  if setup.concepts == "released" and not os.path.exists(
-      setup.released_path):
+  if setup.concepts == "released" and not os.path.exists(setup.released_path):
     raise error(f"GINC's released HMMs are not at {setup.released_path}: "
                 f"convert GINC's own files with `python -m "
                 f"experiments.ginc_release --source=DIR --out=FILE` and set "
@@ -457,13 +457,14 @@ def _table(summary: dict, proto: str, ks: list, scale: float, fmt: str
           if p == proto]
 
 
-def markdown(summary: dict, kls: dict, gaps: list[float]) -> str:
+def markdown(summary: dict, kls: dict, gaps: list, smoke: str = "") -> str:
   """DIR/icl.md: per protocol, accuracy (%) and the KL to the reference
   against ``k``, a row per (length, curve), the transformers' mean ± sd
-  over seeds."""
+  over seeds; ``smoke`` (:func:`reporting.smoke`) first where given."""
   ks = sorted({k for cells in summary.values() for k in cells})
-  out = ["# In-context learning on GINC", "",
-         "Accuracy (%) on GINC's prompts against k, the examples before the "
+  prompts = "these prompts" if smoke else "GINC's prompts"
+  out = ["# In-context learning on GINC", ""] + ([smoke, ""] if smoke else [])
+  out += [f"Accuracy (%) on {prompts} against k, the examples before the "
          "test one. `exact <variant>`: the mixture of the concepts with the "
          "exact zeros (`0`; an impossible prompt counts wrong), each "
          "concept's transitions smoothed by EPS (`concept:EPS`), or the "
@@ -501,16 +502,16 @@ def _style(curve: str) -> dict:
               ls="-.", marker="^" if mixture else "None", alpha=0.45))
 
 
-def write_plot(summary: dict, kls: dict, path: str) -> None:
+def write_plot(summary: dict, kls: dict, path: str, smoke: str = "") -> None:
   """Accuracy (top) and KL to the reference (bottom, log) against ``k``
-  (symlog), a column per protocol, a color per example length, the
-  transformers with their seeds' spread; the legend beside the panels."""
+  (symlog), a column per protocol, a colour per length, the transformers'
+  seeds' spread; the legend in room made beside them; a ``smoke`` title."""
   plt = files_lib.pyplot()
   protos = sorted({key[0] for key in summary} - {"impossible"})
   lengths = sorted({key[1] for key in summary if key[0] != "impossible"})
   ks = sorted({k for cells in summary.values() for k in cells})
   fig, axes = plt.subplots(2, len(protos), figsize=(5 * len(protos) + 2, 7),
-                           squeeze=False, sharex=True)
+                           squeeze=False, sharex=True, layout="constrained")
   curves = set()
   for row, (data, scale) in enumerate(((summary, 100), (kls, 1))):
     for ax, proto in zip(axes[row], protos):
@@ -538,9 +539,8 @@ def write_plot(summary: dict, kls: dict, path: str) -> None:
              + [line([], [], color="k", markersize=3, label=c, **_style(c))
                 for c in sorted(curves, key=lambda c: (c == "transformer",
                                                        _order(((0, 0, c), 0))))])
-  fig.legend(handles=handles, loc="center right", fontsize=7, frameon=False)
-  fig.tight_layout(rect=(0, 0, 1 - 1.9 / fig.get_figwidth(), 1))
-  files_lib.atomic_write_png(path, fig, dpi=110)
+  fig.legend(handles=handles, loc="outside right", fontsize=7, frameon=False)
+  reporting.write_png(path, fig, 110, smoke)
 
 
 def write_report(workdir: str) -> str:
@@ -550,8 +550,13 @@ def write_report(workdir: str) -> str:
   seeds = sorted({r.variant for r in lines if r.backbone == "transformer"})
   gaps = [next(r.ce_gap for r in lines if r.backbone == "transformer"
                and r.variant == s) for s in seeds]
-  text = markdown(summary, kls, gaps)
+  tiny = get_setup("tiny")
+  smoke = reporting.smoke(tiny.fingerprint() in {r.setup for r in lines},
+                          f"the `tiny` preset's ({tiny.ginc.num_concepts} "
+                          f"concepts of {tiny.ginc.num_symbols} symbols, not "
+                          f"GINC's)", "`--preset=cpu` or docs/results/icl")
+  text = markdown(summary, kls, gaps, smoke)
   files_lib.atomic_write_text(os.path.join(workdir, "icl.md"), text)
   if summary:
-    write_plot(summary, kls, os.path.join(workdir, "icl.png"))
+    write_plot(summary, kls, os.path.join(workdir, "icl.png"), smoke)
   return text

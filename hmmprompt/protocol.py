@@ -167,8 +167,9 @@ def tune_key(setup: TrialsConfig, trial: int, task: int):
 def make_models(setup: TrialsConfig, mid: ModelId, num: int
                 ) -> generative.Model:
   """``mid``'s first ``num`` trials, stacked ``[num]``."""
-  return generative.random_models(model_key(setup, mid), num, mid.hmm,
-                                  mid.num_states, VOCAB, mid.memory_size)
+  key = model_key(setup, mid)
+  return generative.random_models(key, num, mid.hmm, mid.num_states, VOCAB,
+                                  mid.memory_size)
 
 
 class Stack(NamedTuple):
@@ -237,10 +238,10 @@ def pretrain(workdir: str, setup: TrialsConfig, mid: ModelId,
              part: range | None = None) -> str:
   """Pretrains, reuses or resumes ``mid``'s transformers (its trials
   ``part``: :func:`part_config`) in :func:`pretrain_dir`, which it returns."""
-  pdir = pretrain_dir(workdir, setup, mid, part)
+  cfg, pdir = part_config(setup, part), pretrain_dir(workdir, setup, mid, part)
   logging.info("pretraining %d trials in %s", len(models_K.initial), pdir)
-  pretrain_lib.run_trials(pdir, part_config(setup, part), models_K,
-                          log=logging.info, stop_at=stop_at)
+  pretrain_lib.run_trials(pdir, cfg, models_K, log=logging.info,
+                          stop_at=stop_at)
   return pdir
 
 
@@ -255,10 +256,12 @@ def pretrained(workdir: str, setup: TrialsConfig, mid: ModelId,
   if part is not None and len(part) != len(models_K.initial):
     raise ValueError(f"{mid.tag}: part {part!r} of {len(part)} trials, "
                      f"{len(models_K.initial)} models given")
+  cfg, pdir = part_config(setup, part), pretrain_dir(workdir, setup, mid, part)
   if pretrain_lib.check_checkpoints(checkpoints) == "always":
-    return pretrain_lib.load_trials(
-        pretrain(workdir, setup, mid, models_K, stop_at, part))
-  pdir, cfg = pretrain_dir(workdir, setup, mid, part), part_config(setup, part)
+    logging.info("pretraining %d trials in %s", len(models_K.initial), pdir)
+    pretrain_lib.run_trials(pdir, cfg, models_K, log=logging.info,
+                            stop_at=stop_at)
+    return pretrain_lib.load_trials(pdir)
   logging.info("pretraining %d trials in %s (%s)", len(models_K.initial),
                pdir, "no checkpoints" if checkpoints == "never" else
                "a checkpoint only at the deadline")

@@ -61,9 +61,7 @@ class TaskConfig:
                        f"{self.max_label_share}")
     if self.max_redraws < 0:
       raise ValueError("TaskConfig.max_redraws must be >= 0")
-    if self.labeling not in LABELINGS:
-      raise ValueError(f"TaskConfig.labeling must be 'paper' or 'authors', "
-                       f"got {self.labeling!r}")
+    check_labeling(self.labeling, "TaskConfig.labeling")
 
 
 def mask_index(num_prompt: int) -> int:
@@ -93,6 +91,13 @@ class Task(NamedTuple):
   redraws: int
 
 
+def check_labeling(labeling: str, name: str = "labeling") -> str:
+  """``labeling``; ``ValueError`` unless ``"paper"`` or ``"authors"``."""
+  if labeling not in LABELINGS:
+    raise ValueError(f"{name} must be 'paper' or 'authors', got {labeling!r}")
+  return labeling
+
+
 def task_weights(key, num_latent: int, num_classes: int = 2,
                  num_nonzero: int = 6) -> jax.Array:
   """``mu [C, Z]``: ``num_nonzero`` N(0, 1) entries at random, the rest 0."""
@@ -108,7 +113,7 @@ def label_posterior(model: Model, tokens_T: jax.Array,
                     labeling: str = "paper") -> jax.Array:
   """``[Z]``: the posterior a label is a linear function of (module doc);
   ``tokens_T`` includes the leading ``MASK``. Traceable; vmap it."""
-  if (validation.one_of("labeling", labeling, LABELINGS) == "authors"
+  if (check_labeling(labeling) == "authors"
       and not generative.is_memory(model)):
     first_real_H = hmm_lib.token_smooth(model, tokens_T[1:]).posterior[0]
     return model.transition @ first_real_H
@@ -124,7 +129,7 @@ def sample_examples(key, model: Model, n: int, seq_len: int,
                     labeling: str = "paper") -> jax.Array:
   """``int32 [N, T+1]``: ``seq_len + 1`` sampled tokens, the first masked
   (``"paper"``), or ``MASK`` before ``seq_len`` ones (``"authors"``)."""
-  validation.one_of("labeling", labeling, LABELINGS)
+  check_labeling(labeling)
   length = seq_len if labeling == "authors" else seq_len + 1
   tokens_NxL = corpus.sample_sequences(key, model, n, length)
   if labeling == "authors":

@@ -177,7 +177,7 @@ def test_arms_name_their_settings_and_keep_figure3s_lines():
   setup = configs.get_setup("adaptation")
   assert setup.fingerprint("transformer") == configs.get_setup(
       "cpu_paper").fingerprint("transformer")
-  names = lambda b: [g.method_name for g in sweep.plan(setup, "left", b)[
+  names = lambda b: [g.method_name for g in configs.plan(setup, "left", b)[
       protocol.vanilla(8)]]
   assert names("transformer") == [
       "head_linear", "prompt_linear_p1", "prompt_linear_p5", "prompt_linear",
@@ -185,15 +185,15 @@ def test_arms_name_their_settings_and_keep_figure3s_lines():
       "prompt_linear_tokens", "prefix_linear_p5", "lora_linear_r1",
       "lora_linear_r4", "finetune_linear"]
   assert names("exact") == names("transformer")[:7]
-  (memory,) = [g for g in sweep.plan(setup, "right", "exact")]
-  assert {g.head for g in sweep.plan(setup, "right", "exact")[memory]} == {
+  (memory,) = [g for g in configs.plan(setup, "right", "exact")]
+  assert {g.head for g in configs.plan(setup, "right", "exact")[memory]} == {
       "attention"}
-  g = sweep.plan(setup, "left", "transformer")[protocol.vanilla(8)][8]
+  g = configs.plan(setup, "left", "transformer")[protocol.vanilla(8)][8]
   cfg = g.tune_config(setup.tune)
   assert (cfg.method, cfg.lora_r, cfg.prompt_len) == ("lora", 1, 20)
   # Only transformer arms on the exact backbone plan nothing there.
   only = dataclasses.replace(setup, arms=("lora-2",))
-  assert sweep.plan(only, "left", "exact") == {}
+  assert configs.plan(only, "left", "exact") == {}
 
 
 @pytest.mark.parametrize("arms,match", [
@@ -251,6 +251,37 @@ def test_a_sweep_of_arms_records_settings_and_trainable_parameters(tmp_path):
   assert "## Adaptation arms" in report
   assert "| exact | left | 4 | prompt 1 tokens | 26 |" in report
   assert (tmp_path / "adaptation.png").stat().st_size > 0
+
+
+def test_no_adaptation_cell_mixes_raw_and_log_features():
+  """Each features transform is its own arm in every column: an arm's
+  paired difference is from the head on its own features, and the exact
+  prompt arm it is set beside is its features' too; a blank exact prompt
+  column is said why."""
+  acc = {("head_linear", "raw"): [0.8, 0.8], ("head_linear", "log"): [0.6, 0.6],
+         ("prompt_linear", "raw"): [0.9, 0.9],
+         ("prompt_linear", "log"): [0.7, 0.7],
+         ("prompt_linear_p1", "raw"): [0.85, 0.85],
+         ("prompt_linear_p1", "log"): [0.65, 0.65]}
+  lines = [schema.ResultLine(
+      backbone="exact", panel="left", hmm="vanilla", num_states=4,
+      memory_size=0, trial=k, task=0, method=m, features=f, setup="fp",
+      hmm_fingerprint="h", size=4, test_accuracy=a[k], val_accuracy=0.5,
+      train_accuracy=0.5, final_loss=0.1, steps=1, seconds=0.0,
+      task_redraws=0, assumptions={}, tune_config={"prompt_len": (
+          1 if m.endswith("p1") else 4)}, task_config={})
+           for (m, f), a in acc.items() for k in range(2)]
+  text = reporting.adaptation_section(lines)
+  rows = {r.split("|")[4].strip(): [c.strip() for c in r.split("|")[5:-1]]
+          for r in text.splitlines() if r.startswith("| exact")}
+  # (accuracy, arm - head, ..., exact prompt - arm)
+  assert (rows["head (log)"][2], rows["head (log)"][-1]) == (
+      "0.0 ± 0.0 (2)", "10.0")
+  assert (rows["prompt 1 (log)"][2], rows["prompt 1 (log)"][-1]) == (
+      "5.0 ± 0.0 (2)", "5.0")
+  assert (rows["prompt 1"][2], rows["prompt 1"][-1]) == (
+      "5.0 ± 0.0 (2)", "5.0")
+  assert "A blank exact prompt - arm: no exact prompt arm of Figure 3" in text
 
 
 # --- Through the tuning path: the params the backbone computes with.

@@ -21,6 +21,7 @@ from conftest import CPU_PAPER, without_fma
 from hmmprompt import figure3
 from hmmprompt import pretraining_curve
 from hmmprompt.figure3 import chunks
+from hmmprompt.figure3 import configs
 from hmmprompt import scheduling
 from hmmprompt.figure3 import noise
 from hmmprompt.figure3 import schema
@@ -146,6 +147,40 @@ def test_identities_are_the_committed_ones():
     assert json.load(f) == pretraining_curve.get_setup("cpu").identity()
 
 
+def test_the_curves_tiny_report_says_it_is_a_smoke_test(tmp_path,
+                                                        monkeypatch):
+  """The pretraining curve's report of the tiny preset's lines says first
+  that its numbers are a smoke test's, and its plot says it over the
+  panels; the committed curve's (the cpu preset's) says nothing of it."""
+  from hmmprompt.pretraining_curve import report as curve_report
+  fp = pretraining_curve.get_setup("tiny").fingerprint()
+  pretraining_curve.check_workdir(str(tmp_path), pretraining_curve.get_setup(
+      "tiny"))
+  files_lib.append_lines(pretraining_curve.lines_path(str(tmp_path)), [
+      pretraining_curve.CurveLine(
+          model="vanilla-h4", trial=k, backbone=b, step=step,
+          method="head_linear", setup=fp, hmm="vanilla", num_states=4,
+          memory_size=0, hmm_fingerprint="h", ce_gap=gap, tv=gap / 2,
+          mlm_ce=None, bayes_ce=None, test_accuracy=0.5 + k / 10,
+          val_accuracy=0.5, train_accuracy=0.5, final_loss=0.1, seconds=1.0)
+      for k in range(2) for b, step, gap in (("transformer", 0, 2.0),
+                                             ("transformer", 40, 0.3),
+                                             ("exact", None, 0.0))])
+  figs = {}
+  monkeypatch.setattr(files_lib, "atomic_write_png",
+                      lambda path, fig, dpi: figs.setdefault(path, fig))
+  text = curve_report.write_curve_report(str(tmp_path))
+  assert text.split("\n\n")[1].startswith(
+      "**A smoke test, not a result.** These lines are the `tiny` preset's")
+  (fig,) = figs.values()
+  assert fig._suptitle.get_text() == reporting.SMOKE_TITLE
+  committed = f"{__file__.rsplit('/tests/', 1)[0]}/docs/results/pretraining-curve"
+  assert fp not in {r.setup for r in pretraining_curve.read_curve_lines(
+      committed)}
+  with open(f"{committed}/curve.md") as f:
+    assert "smoke" not in f.read().lower()
+
+
 def test_get_setup_presets_overrides_and_errors():
   cpu = figure3.get_setup("cpu")
   assert cpu.left_sizes == (4, 8, 12, 28) and cpu.trials == 3
@@ -197,19 +232,19 @@ def test_a_workdir_holds_one_setup(tmp_path):
   paper = figure3.get_setup("paper")
   assert (paper.trials, paper.right_trials, paper.tasks_per_hmm) == (20, 5, 1)
   # A vanilla HMM both panels use is one stack of the larger count.
-  assert sweep.stack_sizes(paper)[protocol.vanilla(8)] == 20
-  assert sweep.stack_sizes(paper)[protocol.vanilla(20)] == 5
-  assert sweep.stack_sizes(paper)[protocol.memory(7)] == 5
-  assert sweep.stack_sizes(paper)[protocol.vanilla(30)] == 20
+  assert configs.stack_sizes(paper)[protocol.vanilla(8)] == 20
+  assert configs.stack_sizes(paper)[protocol.vanilla(20)] == 5
+  assert configs.stack_sizes(paper)[protocol.memory(7)] == 5
+  assert configs.stack_sizes(paper)[protocol.vanilla(30)] == 20
   tiny = figure3.get_setup("tiny")
   # The plan: each model once, vanilla then memory by size, with its groups.
-  by_model = sweep.plan(tiny)
+  by_model = configs.plan(tiny)
   assert [m.tag for m in by_model] == [
       "vanilla-h4", "vanilla-h8", "vanilla-h12", "memory-h4-m2"]
   assert [(g.panel, g.method_name) for g in by_model[
       protocol.vanilla(8)]] == [("right", "head_linear")] * 2
   assert all(g.model_id == m for m, gs in by_model.items() for g in gs)
-  assert [m.tag for m in sweep.plan(tiny, "left")] == [
+  assert [m.tag for m in configs.plan(tiny, "left")] == [
       "vanilla-h4", "vanilla-h12"]
   sweep.check_workdir(str(tmp_path), tiny)
   sweep.check_workdir(str(tmp_path), tiny)  # the same setup: fine
@@ -564,7 +599,7 @@ def test_plan_adds_the_arms_beyond_the_paper():
   memory HMM; ``head_optimum``: an L-BFGS twin after every head arm, named
   ``<method>_<head>_lbfgs``. Off (the default), the plan is the paper's."""
   names = lambda setup: {m.tag: [g.method_name for g in gs]
-                         for m, gs in sweep.plan(setup).items()}
+                         for m, gs in configs.plan(setup).items()}
   tiny = figure3.get_setup("tiny", features=("raw",))
   assert names(tiny) == {
       "vanilla-h4": ["head_linear", "prompt_linear"],
@@ -580,14 +615,14 @@ def test_plan_adds_the_arms_beyond_the_paper():
       "memory-h4-m2": ["head_attention", "prompt_attention"]}
   prompt_only = figure3.get_setup("tiny", features=("raw",),
                                   prompt_attention=True)
-  memory, = [gs for m, gs in sweep.plan(prompt_only).items()
+  memory, = [gs for m, gs in configs.plan(prompt_only).items()
              if m.hmm == "memory"]
   assert [(g.panel, g.method, g.head, g.optimizer) for g in memory] == [
       ("right", "head", "attention", "adam"),
       ("right", "prompt", "attention", "adam")]
   # Stacks keep their sizes: the new arms are on panels already planned.
-  assert all(sweep.stack_sizes(both)[m] == sweep.stack_sizes(tiny)[m]
-             for m in sweep.plan(tiny))
+  assert all(configs.stack_sizes(both)[m] == configs.stack_sizes(tiny)[m]
+             for m in configs.plan(tiny))
 
 
 def test_report_shows_the_arms_beyond_the_paper_only_when_present(tmp_path):

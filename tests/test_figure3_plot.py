@@ -2,6 +2,7 @@
 objects it draws, and the tiny preset's report: a smoke test's, said
 first."""
 
+import dataclasses
 import os
 
 import numpy as np
@@ -259,13 +260,17 @@ def _write_lines(workdir, setup: str, panels=("left", "right")) -> None:
 def test_the_tiny_presets_report_says_it_is_a_smoke_test(tmp_path,
                                                          monkeypatch):
   """The tiny preset's report says first that its numbers are a smoke
-  test's, and its plot says it over the panels; another setup's report
-  (the committed ones included) says nothing of it."""
+  test's, and its plots (Figure 3's, the adaptation arms') say it over the
+  panels; another setup's report (the committed ones included) says
+  nothing of it."""
   tiny = configs.get_setup("tiny")
   for backbone in protocol.BACKBONES:
     workdir = tmp_path / backbone
     workdir.mkdir()
     _write_lines(workdir, tiny.fingerprint(backbone))
+    files_lib.append_lines(schema.results_path(str(workdir)), [
+        dataclasses.replace(r, method="prompt_linear_p3") for r in
+        schema.read_results(str(workdir)) if r.method == "prompt_linear"])
     figs = _captured(monkeypatch)
     reporting.write_figure3_report(str(workdir))
     head = (workdir / "figure3.md").read_text().splitlines()[:3]
@@ -274,8 +279,8 @@ def test_the_tiny_presets_report_says_it_is_a_smoke_test(tmp_path,
                               "are the `tiny` preset's (2 HMM draws per "
                               "size, 128 training and 64 test examples of "
                               "16 tokens, 2 epochs of tuning)"), head
-    assert figs["figure3.png"][0]._suptitle.get_text() == (
-        "A smoke test, not a result")
+    for png in ("figure3.png", "adaptation.png"):
+      assert figs[png][0]._suptitle.get_text() == "A smoke test, not a result"
   other = tmp_path / "cpu"
   other.mkdir()
   _write_lines(other, configs.get_setup("cpu").fingerprint("exact"))

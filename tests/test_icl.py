@@ -362,3 +362,40 @@ def test_the_committed_run_is_the_cpu_preset_on_gincs_release():
       setup.identity())
   assert {r.setup for r in icl.read_icl_lines(results)} == {setup.fingerprint()}
   assert icl.get_setup("cpu").concepts == "drawn"
+
+
+def test_a_smoke_runs_report_says_so_and_the_legend_covers_no_curve(
+    tmp_path, monkeypatch):
+  """The tiny preset's lines (4 concepts of 8 symbols, not GINC's
+  settings) head the report as a smoke test's that calls them no GINC
+  prompts, and title its plot; the committed run's lines are not its. The
+  plot's legend lies outside every panel."""
+  tiny = icl.get_setup("tiny")
+  files_lib.append_lines(icl.lines_path(str(tmp_path)), [icl.IclLine(
+      backbone=b, variant=v, protocol=p, length=n, examples=k,
+      setup=tiny.fingerprint(), hmm_fingerprint="h", test_accuracy=acc,
+      impossible=0.0, label_prob=0.5, ce_gap=0.1,
+      kl=None if v == "0" else 0.1 * (k + 1), prompts=16, seconds=0.0)
+      for b, vs in (("exact", tiny.smoothings), ("transformer", "01"))
+      for v in vs for p in ginc.PROTOCOLS for n in (3, 5)
+      for k, acc in zip(tiny.examples, (0.0, 0.5, 1.0))])
+  figs = {}
+  monkeypatch.setattr(files_lib, "atomic_write_png",
+                      lambda path, fig, dpi: figs.setdefault("icl", fig))
+  text = icl.write_report(str(tmp_path))
+  assert text.split("\n\n")[1].startswith(
+      "**A smoke test, not a result.** These lines are the `tiny` preset's "
+      "(4 concepts of 8 symbols, not GINC's)")
+  assert "these prompts" in text and "GINC's prompts" not in text
+  fig = figs["icl"]
+  fig.canvas.draw()
+  assert fig._suptitle.get_text() == "A smoke test, not a result"
+  (legend,) = fig.legends
+  box = legend.get_window_extent()
+  assert not any(box.overlaps(ax.get_window_extent()) for ax in fig.axes)
+  results = os.path.join(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))), "docs", "results", "icl")
+  assert tiny.fingerprint() not in {r.setup for r in icl.read_icl_lines(
+      results)}
+  with open(os.path.join(results, "icl.md")) as f:
+    assert "GINC's prompts" in f.read()

@@ -1,6 +1,12 @@
 """hmmprompt.figure3.noise: tuning replicates, the perturbed backbone and
 the floor the reports quote."""
 
+import dataclasses
+import os
+import shlex
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -14,6 +20,7 @@ from hmmprompt.figure3 import schema
 from hmmprompt.figure3 import sweep
 
 SETUP = configs.get_setup("tiny", features=("raw",), left_sizes=(12,))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -123,32 +130,79 @@ def test_adam_against_the_optimum_and_lines_beside_committed_ones():
 
 
 def test_too_few_trials_or_replicates_are_refused_by_name(tmp_path):
-  with pytest.raises(ValueError, match="at least 2 trials and 2 replicates"):
+  with pytest.raises(ValueError, match="--trials and --replicates >= 2"):
     noise.run(SETUP, str(tmp_path), "exact", [12], trials=2, replicates=1)
-  with pytest.raises(ValueError, match="at most the setup's 2 trials; got 3"):
+  with pytest.raises(ValueError, match="--trials <= the setup's 2; got "
+                     "--trials=3 --replicates=2"):
     noise.run(SETUP, str(tmp_path), "exact", [12], trials=3, replicates=2)
 
 
-def test_a_difference_within_the_floor_is_a_tie_in_the_report(tmp_path):
-  """The draw-by-draw table calls a prompt - head difference within the
-  floor (2 sqrt(1^2 + 1^2) = 2.83 points here) a tie; without a floor
-  only equal accuracies tie; the report states the floor it used."""
+def _tiny_workdir(tmp_path) -> tuple[str, list]:
+  """A tiny adaptation run's workdir (its stamp, run with two --config
+  overrides) and lines of its arms on both panels and backbones."""
+  workdir = str(tmp_path / "tiny run")  # a space: the command quotes it
+  setup = configs.get_setup("tiny", {"arms": "head,prompt-3,lora-2",
+                                     "tune.lr": "0.02", "pretrain.lr": "0.005"})
+  sweep.check_workdir(workdir, setup)  # writes DIR/sweep.json
+  tc = {"prompt_len": 3, "lora_r": 2}
+  lines = [dataclasses.replace(_result(m, 0.9, k), backbone=b, size=size,
+                               tune_config=tc, setup=setup.fingerprint(b))
+           for b, ms in (("exact", ("head_linear", "prompt_linear_p3")),
+                         ("transformer", ("head_linear", "prompt_linear_p3",
+                                          "lora_linear_r2")))
+           for m in ms for size in (4, 12) for k in range(2)]
+  lines.append(dataclasses.replace(
+      _result("prefix_attention_p5", 0.9), panel="right", size=8,
+      tune_config=tc, setup=setup.fingerprint("transformer")))
+  files.append_lines(schema.results_path(workdir), lines)
+  return workdir, lines
+
+
+def test_the_reports_noise_floor_command_is_the_workdirs_own(tmp_path):
+  """Where no floor is measured, figure3.md names the command that
+  measures it: the workdir (the binary reads its setup there) and its
+  left panel's backbones, sizes, draws and arms (the right panel's left
+  out), each arm an arm of its setup."""
   from hmmprompt.figure3 import reporting
-  lines = [_result("head_linear", 0.90, 0), _result("prompt_linear", 0.92, 0),
-           _result("head_linear", 0.80, 1), _result("prompt_linear", 0.90, 1),
-           _result("head_linear", 0.95, 2), _result("prompt_linear", 0.95, 2)]
-  floor = {("exact", m): {"seed_sd": 1.0, "seed_range": 2.0, "perturbed": 0.0,
-                          "sizes": [4]} for m in ("head", "prompt")}
-  assert "| exact | raw | 4 | 3 | 2 | 1 | 0 |" in reporting.wins_table(lines)
-  assert "| exact | raw | 4 | 3 | 1 | 2 | 0 |" in reporting.wins_table(
-      lines, floor)
-  note = reporting.floor_note(floor)
-  assert "| exact | head | 4 | 1.0 | 2.0 | 0.0 |  |" in note
-  assert "| exact | prompt | 4 | 1.0 | 2.0 | 0.0 | 2.8 |" in note
-  assert reporting.floor_note({}).startswith("No noise floor is measured")
-  # Read back from a results directory's file, as the report does.
-  path = str(tmp_path / noise.FLOOR)
-  files.atomic_write_text(path, '[{"backbone": "exact", "method": "head", '
-                          '"seed_sd": 1.0, "seed_range": 2.0, "perturbed": '
-                          '0.0, "sizes": [4]}]')
-  assert noise.read_floor(path) == {("exact", "head"): floor["exact", "head"]}
+  workdir, lines = _tiny_workdir(tmp_path)
+  command = reporting.noise_floor_command(workdir, lines)
+  assert f"`{command}`" in reporting.floor_note({}, command)
+  argv = shlex.split(command)
+  assert argv[:3] == ["python", "-m", "experiments.noise_floor"]
+  given = dict(a.removeprefix("--").split("=", 1) for a in argv[3:])
+  assert given == {"workdir": workdir, "backbone": "exact,transformer",
+                   "sizes": "4,12", "trials": "2",
+                   "arms": "head,lora-2,prompt-3"}
+  for spec in given["arms"].split(","):
+    configs.parse_arm(spec, configs.get_setup("tiny").tune)
+
+
+@pytest.mark.integration
+@pytest.mark.slow  # three starts of the binary (~15 s)
+def test_the_binary_takes_the_workdirs_setup_and_names_it_on_a_mismatch(
+    tmp_path):
+  """The printed command passes every check before work with the setup
+  the binary reads from the workdir (here it stops at ``--replicates=1``,
+  after the workdir's stamp accepted it: the tiny preset and the run's two
+  --config overrides); another --preset or --config is refused naming the
+  workdir's own flags."""
+  from hmmprompt.figure3 import reporting
+  workdir, lines = _tiny_workdir(tmp_path)
+  command = reporting.noise_floor_command(workdir, lines)
+  run = lambda argv: subprocess.run(
+      [sys.executable, *argv], capture_output=True, text=True, cwd=_ROOT,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"), check=False)
+  printed = run(shlex.split(command)[1:] + ["--replicates=1"])
+  assert printed.returncode == 2 and printed.stderr.strip().splitlines() == [
+      "error: a noise floor needs --trials and --replicates >= 2, --trials <= "
+      "the setup's 2; got --trials=2 --replicates=1"], printed.stderr[-3000:]
+  own = "--preset=tiny --config.pretrain.lr=0.005 --config.tune.lr=0.02"
+  for other, differs in (("--preset=tiny", "pretrain.lr: 0.005 -> 0.003"),
+                         ("--config.tune.lr=0.03", "tune.lr: 0.02 -> 0.03")):
+    end = run(["-m", "experiments.noise_floor", f"--workdir={workdir}", other])
+    assert end.returncode == 2, end.stderr[-3000:]
+    [refusal] = end.stderr.strip().splitlines()
+    assert refusal.startswith(f"error: {workdir} holds results of another "
+                              f"setup ("), refusal
+    assert differs in refusal and refusal.endswith(
+        f"): drop --preset and --config.* to measure it with its own ({own})")

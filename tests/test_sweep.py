@@ -20,6 +20,7 @@ from hmmprompt.pretrain import TrialInfo
 from hmmprompt import protocol
 from hmmprompt import scheduling
 from hmmprompt import files as files_lib
+from hmmprompt.figure3 import configs
 from hmmprompt.figure3 import schema
 from hmmprompt.figure3 import sweep
 from hmmprompt.backbones import transformer
@@ -85,13 +86,13 @@ def test_a_sweep_files_each_cell_once_with_its_draw(tmp_path, tuned):
                    ("right", "vanilla", 8, "head_linear"): one,
                    ("right", "memory", 8, "head_attention"): one}
   for mid in (H4, H8, M2):
-    stack = protocol.draw_stack(SETUP, mid, sweep.stack_sizes(SETUP)[mid],
+    stack = protocol.draw_stack(SETUP, mid, configs.stack_sizes(SETUP)[mid],
                                 SETUP.tasks_per_hmm, verdicts=True)
     for r in lines:
       if (r.hmm, r.num_states, r.memory_size) != (mid.hmm, mid.num_states,
                                                  mid.memory_size):
         continue
-      group, = [g for g in sweep.plan(SETUP)[mid]
+      group, = [g for g in configs.plan(SETUP)[mid]
                 if (g.panel, g.method_name) == (r.panel, r.method)]
       cfg = group.tune_config(SETUP.tune)
       want = dict(
@@ -134,7 +135,7 @@ def test_missing_cells_are_the_plans_cells_without_a_line(tmp_path, tuned):
   left_done = sweep.missing_cells(SETUP, workdir, "both", "exact")
   assert left_done[H4] == {}
   assert [g.panel for g in left_done[H8]] == ["right"]
-  assert list(left_done[M2]) == [g for g in sweep.plan(SETUP)[M2]]
+  assert list(left_done[M2]) == [g for g in configs.plan(SETUP)[M2]]
   # Lines of another backbone or setup are another sweep's cells.
   assert sweep.missing_cells(SETUP, workdir, "left", "transformer")[H4]
   other = dataclasses.replace(SETUP, seed=SETUP.seed + 1)
@@ -144,7 +145,7 @@ def test_missing_cells_are_the_plans_cells_without_a_line(tmp_path, tuned):
 
 
 def test_shards_claims_and_deadlines_divide_whole_stacks(tmp_path, tuned):
-  order = list(sweep.plan(SETUP))
+  order = list(configs.plan(SETUP))
   assert order == [H4, H8, M2]
   for i in range(2):
     workdir = str(tmp_path / "sharded")
@@ -200,11 +201,11 @@ def test_a_bad_run_is_refused_by_name_before_any_work(tmp_path, tuned,
 
 
 def test_exact_backbones_are_the_stacks_hmms(tmp_path):
-  models = protocol.make_models(SETUP, H8, sweep.stack_sizes(SETUP)[H8])
+  models = protocol.make_models(SETUP, H8, configs.stack_sizes(SETUP)[H8])
   assert generative.num_trials(models) == 2
-  bb, params_K, fields, configs, shallow = sweep.backbones(
+  bb, params_K, fields, configs_K, shallow = sweep.backbones(
       str(tmp_path), SETUP, H8, models, "exact")
-  assert bb.name == "exact" and fields == [{}, {}] and configs == [None] * 2
+  assert bb.name == "exact" and fields == [{}, {}] and configs_K == [None] * 2
   assert shallow == {}
   for k in range(2):
     want = generative.as_hmm(generative.trial(models, k))
@@ -243,7 +244,7 @@ def test_a_stack_without_verdicts_is_refused_by_name(tuned):
   models = stack.models_K
   trials = sweep.Trials(stack, *sweep.backbones("unused", SETUP, mid, models,
                                                 "exact"))
-  group = sweep.plan(SETUP)[mid][0]
+  group = configs.plan(SETUP)[mid][0]
   with pytest.raises(ValueError, match="^" + re.escape(
       f"{mid}: the stack has no assumption verdicts") + "$"):
     sweep.tune_group(SETUP, "exact", group, trials, {(0, 0)})
@@ -263,13 +264,13 @@ def test_each_panel_alone_plans_and_runs_its_own_groups(tmp_path, tuned):
   """The right panel alone, the features of each group, and the L-BFGS
   twin on its head's panel."""
   assert {m: [(g.panel, g.method_name) for g in gs] for m, gs in
-          sweep.plan(SETUP, "right").items()} == {
+          configs.plan(SETUP, "right").items()} == {
               H8: [("right", "head_linear")], M2: [("right", "head_attention")]}
   sweep.run_sweep(SETUP, str(tmp_path), "right", "exact")
   assert {(r.panel, r.hmm) for r in schema.read_results(str(tmp_path))} == {
       ("right", "vanilla"), ("right", "memory")}
   two = dataclasses.replace(SETUP, features=("raw", "log"), head_optimum=True)
-  groups = [g for gs in sweep.plan(two).values() for g in gs]
+  groups = [g for gs in configs.plan(two).values() for g in gs]
   assert {(g.panel, g.method_name, g.features) for g in groups} == {
       (panel, method, f) for f in ("raw", "log") for panel, method in (
           ("left", "head_linear"), ("left", "head_linear_lbfgs"),
@@ -367,7 +368,7 @@ def test_a_transformer_sweep_pretrains_each_stack_in_its_own_directory(
       for mid in (H4, H8)]
   for (_, _, models), mid in zip(pretrained, (H4, H8)):
     assert generative.same(models, protocol.make_models(
-        setup, mid, sweep.stack_sizes(setup)[mid]))
+        setup, mid, configs.stack_sizes(setup)[mid]))
   assert [c[:3] for c in tuned] == [
       ("head", "linear", "adam"), ("prompt", "linear", "adam"),
       ("finetune", "linear", "adam")] * 2
@@ -384,9 +385,9 @@ def test_a_transformer_sweep_pretrains_each_stack_in_its_own_directory(
   sweep.run_sweep(setup, workdir, "left", "transformer")  # its own lines: done
   assert tuned == []
   # Fine-tuning is an arm of the transformer's only when asked for.
-  assert [g.method_name for g in sweep.plan(SETUP, "left", "transformer")[
+  assert [g.method_name for g in configs.plan(SETUP, "left", "transformer")[
       H4]] == ["head_linear", "prompt_linear"]
-  assert [g.method_name for g in sweep.plan(setup, "left", "exact")[H4]] == [
+  assert [g.method_name for g in configs.plan(setup, "left", "exact")[H4]] == [
       "head_linear", "prompt_linear"]
   # pretrain_sweep pretrains the claimed stacks and tunes nothing.
   pretrained.clear()
@@ -575,8 +576,8 @@ def test_parts_of_a_stack(tmp_path, monkeypatch):
       SETUP, trials=20, right_trials=5, left_sizes=(8,), memory_sizes=(2,),
       pretrain=SETUP.pretrain.with_overrides(trials_per_vmap=4))
   workdir = str(tmp_path)
-  sizes = sweep.stack_sizes(setup)
-  *left, right = sweep.plan(setup, "both", "transformer")[H8]
+  sizes = configs.stack_sizes(setup)
+  *left, right = configs.plan(setup, "both", "transformer")[H8]
   assert (left[0].panel, right.panel, sizes[H8]) == ("left", "right", 20)
   cells = lambda trials: {(k, s) for k in trials for s in range(2)}
   todo = {H8: {left[0]: cells(range(20)), left[1]: cells(range(20)),

@@ -244,7 +244,7 @@ def test_authors_latent_is_the_transition_times_the_first_real_posterior(
   for fn in (lambda: tasks.label_posterior(vanilla, tokens_T, "Paper"),
              lambda: tasks.sample_examples(jax.random.PRNGKey(0), vanilla,
                                            2, 3, "Authors")):
-    with pytest.raises(ValueError, match="labeling must be one of"):
+    with pytest.raises(ValueError, match="labeling must be 'paper' or 'authors'"):
       fn()
 
 

@@ -231,7 +231,7 @@ def chunk_step_bytes(setup: configs.Setup, chunk: str) -> list[dict]:
   """Per stack of ``chunk``: its trials, :func:`hmmprompt.pretrain.step_bytes`
   and the device's memory (``device_bytes``; ``None`` if it reports none)."""
   part, cfg = chunk_setup(setup, chunk), setup.pretrain
-  mesh, sizes = sharding_lib.data_mesh(), sweep.stack_sizes(setup)
+  mesh, sizes = sharding_lib.data_mesh(), configs.stack_sizes(setup)
   limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
   hmms = lambda mid: jax.eval_shape(  # shapes only: no model is drawn
       lambda: jax.vmap(generative.as_hmm)(
@@ -239,7 +239,7 @@ def chunk_step_bytes(setup: configs.Setup, chunk: str) -> list[dict]:
   return [{"stack": mid.tag, "trials": sizes[mid],
            "trials_per_vmap": cfg.trials_per_vmap,
            **pretrain_lib.step_bytes(cfg, hmms(mid), mesh),
-           "device_bytes": limit} for mid in sweep.plan(part)]
+           "device_bytes": limit} for mid in configs.plan(part)]
 
 
 def describe_step_bytes(m: dict) -> str:

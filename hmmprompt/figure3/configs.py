@@ -1,6 +1,7 @@
-"""The sweep's config tree (:class:`Setup`) and its named presets: every
-number that decides a result line is a field of :class:`Setup`;
-:func:`get_setup` is the one way in (each leaf a ``--config.<path>`` flag)."""
+"""The sweep's config tree (:class:`Setup`), its named presets and its plan
+(:func:`plan`: the groups it tunes, by model): every number that decides a
+result line is a field of :class:`Setup`; :func:`get_setup` is the one way
+in (each leaf a ``--config.<path>`` flag)."""
 
 import dataclasses
 from typing import Any
@@ -14,6 +15,7 @@ from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import sharding
 from hmmprompt import tasks as tasks_lib
 from hmmprompt import tuning
+from hmmprompt.protocol import ModelId
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -152,6 +154,63 @@ def parse_arm(spec: str, tune: tuning.TuneConfig) -> tuple[str, tuple]:
   except ValueError as e:
     raise ValueError(f"Setup.arms: {spec!r}: {e}") from None
   return method, settings
+
+
+@dataclasses.dataclass(frozen=True)
+class Group(protocol.Group):
+  """A tuning arm of one model size on one of Figure 3's panels."""
+
+  panel: str = dataclasses.field(default="left", kw_only=True)  # | "right"
+
+  def __str__(self) -> str:
+    return f"{self.panel} {super().__str__()}"
+
+
+def plan(setup: Setup, panel: str = "both",
+         backbone: str = "exact") -> dict[ModelId, list[Group]]:
+  """The groups (the arms of :class:`Setup`) of ``panel`` by model,
+  models vanilla then memory by size (the order they run and shard in)."""
+  out = []
+  arms = [parse_arm(a, setup.tune) for a in setup.arms]
+  arms = [(m, s) for m, s in arms if backbone == "transformer"
+          or not tuning.METHODS[m].needs_finetunable]
+  if panel in ("left", "both"):
+    methods = arms if setup.arms else [(m, ()) for m in ["head", "prompt"] + (
+        ["finetune"] if setup.finetune and backbone == "transformer" else [])]
+    out += [Group(protocol.vanilla(h), method, "linear", f, panel="left",
+                  settings=settings)
+            for h in setup.left_sizes for method, settings in methods
+            for f in setup.features]
+  if panel in ("right", "both") and setup.arms:
+    out += [Group(protocol.memory(m), method, "attention", f, panel="right",
+                  settings=settings)
+            for m in setup.memory_sizes for method, settings in arms
+            for f in setup.features]
+  elif panel in ("right", "both"):
+    paper = [("memory", "head", "attention")] + (
+        [("memory", "prompt", "attention")] if setup.prompt_attention else [])
+    out += [Group(protocol.memory(m) if hmm == "memory" else
+                  protocol.vanilla(protocol.MEMORY_SYNTAX_STATES * m),
+                  method, head, f, panel="right")
+            for m in setup.memory_sizes
+            for hmm, method, head in paper + [("vanilla", "head", "linear")]
+            for f in setup.features]
+  if setup.head_optimum:
+    out = [twin for g in out for twin in (
+        (g, dataclasses.replace(g, optimizer="lbfgs"))
+        if g.method == "head" and g.head == "linear" else (g,))]
+  by_model: dict[ModelId, list[Group]] = {}
+  for g in sorted(out, key=lambda g: (g.model_id.hmm != "vanilla",  # stable
+                                      g.model_id.size)):
+    by_model.setdefault(g.model_id, []).append(g)
+  return by_model
+
+
+def stack_sizes(setup: Setup) -> dict[ModelId, int]:
+  """Trials drawn per model: the most any panel reads, whichever panels
+  this run does, so a stack never changes size."""
+  return {mid: max(setup.panel_trials(g.panel) for g in groups)
+          for mid, groups in plan(setup).items()}
 
 
 def check_run(setup: Setup, backbones, pretrain_only: bool = False) -> None:

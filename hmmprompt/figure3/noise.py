@@ -81,9 +81,9 @@ def run(setup: configs.Setup, workdir: str, backbone_name: str,
   and unless ``rel`` = 0 the perturbed backbone, on the sweep's
   transformers; a rerun resumes."""
   if min(trials, replicates) < 2 or trials > setup.trials:
-    raise ValueError(f"a noise floor needs at least 2 trials and 2 "
-                     f"replicates, and at most the setup's {setup.trials} "
-                     f"trials; got {trials} and {replicates}")
+    raise ValueError(f"a noise floor needs --trials and --replicates >= 2, "
+                     f"--trials <= the setup's {setup.trials}; got --trials="
+                     f"{trials} --replicates={replicates}")
   fp = setup.fingerprint(backbone_name)
   done = {(r.backbone, r.size, r.method)
           for r in files_lib.read_lines(path(workdir), ReplicateLine)
@@ -101,7 +101,7 @@ def run(setup: configs.Setup, workdir: str, backbone_name: str,
     todo = [m for m in groups if (backbone_name, size, m) not in done]
     if not todo:
       continue
-    stack = protocol.draw_stack(setup, mid, sweep.stack_sizes(setup)[mid],
+    stack = protocol.draw_stack(setup, mid, configs.stack_sizes(setup)[mid],
                                 setup.tasks_per_hmm)
     held = sweep.Trials(stack, *sweep.backbones(workdir, setup, mid,
                                                 stack.models_K,

@@ -2,6 +2,7 @@
 the plot, and the pretrained models' table and gap curves."""
 
 import os
+import shlex
 
 import numpy as np
 
@@ -80,8 +81,7 @@ def variance_components(lines: list[schema.ResultLine]) -> dict:
 def trial_table(lines: list[schema.ResultLine]) -> str:
   """Markdown, one row per (backbone, panel, size, trial): HMM
   fingerprint, pretraining gap and mean accuracy in every arm."""
-  out = ["## Per trial (HMM draw): test accuracy (%), mean over its tasks",
-         ""]
+  out = ["## Per trial (HMM draw): test accuracy (%), mean over its tasks", ""]
   panels: dict = {}
   for r in lines:
     panels.setdefault((r.backbone, r.panel), []).append(r)
@@ -142,13 +142,28 @@ def _points(x: float) -> str:
   return "" if np.isnan(x) else f"{x:.1f}"
 
 
-def floor_note(floor: dict) -> str:
+def noise_floor_command(workdir: str, lines) -> str:
+  """The command measuring the noise floor of ``workdir``'s ``lines``:
+  their left panel's backbones, sizes, draws (at most 5) and arms; the
+  binary reads the setup from the workdir."""
+  arms = set(_LEFT_ARMS) | ({r.method for r in lines} - _FIGURE3_ARMS)
+  rs = [r for r in lines if r.panel == "left" and r.method in arms]  # left
+  ran = {"backbone": {r.backbone for r in rs}, "sizes": {r.size for r in rs},
+         "trials": {min(5, len({r.trial for r in rs}))}, "arms": {
+             _LEFT_ARMS.get(r.method) or _arm_label(r).replace(" r", " ")
+             .replace(" ", "-") for r in rs}}  # none: the binary's defaults
+  return shlex.join(["python", "-m", "experiments.noise_floor",
+                     f"--workdir={workdir}"] + [
+      f"--{k}={','.join(map(str, sorted(v)))}" for k, v in ran.items() if rs])
+
+
+def floor_note(floor: dict, command: str = "") -> str:
   """Markdown stating each arm's noise floor (:func:`noise.read_floor`):
-  what the tables' differences are measured against, or that none is."""
+  what the tables' differences are measured against, or the ``command``."""
   if not floor:
-    return ("No noise floor is measured for these lines (`python -m "
-            "experiments.noise_floor --workdir=DIR`, docs/noise_floor.md): "
-            "the draw-by-draw table counts any difference.\n")
+    return (f"No noise floor is measured for these lines (`{command}`, "
+            f"docs/noise_floor.md): the draw-by-draw table counts any "
+            f"difference.\n")
   rows = [(b, m, ", ".join(map(str, v["sizes"])), f"{v['seed_sd']:.1f}",
            f"{v['seed_range']:.1f}", _points(v["perturbed"]),
            "" if m == "head" or (d := noise.difference_floor(
@@ -163,39 +178,6 @@ def floor_note(floor: dict) -> str:
            "\nOne draw's difference of two arms within their floor "
            "(2 sqrt(sd_a^2 + sd_b^2), twice the sd of a difference of two "
            "independent tunings) is a tie in the draw-by-draw tables.\n")
-
-
-def noise_floor_page(workdir: str, title: str,
-                     committed: str | None = None) -> str:
-  """The noise-floor run's page (``DIR/replicates.jsonl``, written by
-  :func:`noise.run`): the spreads per size and arm, each arm's floor (also
-  written to ``DIR/noise_floor.json``), Adam beside its optimum where DIR
-  holds ``head_optimum`` lines, and DIR's lines beside ``committed``'s."""
-  summary = noise.summarize(files_lib.read_lines(noise.path(workdir),
-                                                 noise.ReplicateLine))
-  floor = noise.arm_floor(summary)
-  noise.write_floor(os.path.join(workdir, noise.FLOOR), floor)
-  lines = schema.read_results(workdir)
-  parts = [f"# {title}\n", _section(
-      "Spread per size and arm (test accuracy, points)",
-      ("backbone", "size", "arm", "draws", "seeds", "between draws (sd)",
-       "within a draw, tuning seeds (sd)", "largest seed range",
-       "largest change at a 1e-6 perturbation"),
-      [(b, size, m, s["draws"], s["seeds"], *(_points(s[k]) for k in (
-          "draw_sd", "seed_sd", "seed_range", "perturbed")))
-       for (b, size, m), s in summary.items()]), floor_note(floor),
-           _section("Adam against the optimum (head, test accuracy, points)",
-                    ("backbone", "panel", "size", "lines",
-                     "Adam > 1 point below", "mean shortfall",
-                     "largest shortfall", "prompt - Adam head",
-                     "prompt - optimum head"), noise.adam_vs_optimum(lines))]
-  if committed:
-    parts.append(_section(
-        f"Beside the lines of {committed}",
-        ("backbone", "arm", "size", "lines", "differ",
-         "largest accuracy change", "largest gap change (nats)"),
-        noise.reproduction(lines, schema.read_results(committed))))
-  return "\n".join(p for p in parts if p)
 
 
 def diverged_table(lines: list[schema.ResultLine]) -> str:
@@ -262,21 +244,23 @@ def inputs_note(lines) -> str:
 SMOKE_TITLE = "A smoke test, not a result"
 
 
+def smoke(ran: bool, drew: str, results: str) -> str:
+  """A smoke run's (``ran``) first words: what it ``drew``, the ``results``."""
+  return "" if not ran else (
+      f"**{SMOKE_TITLE}.** These lines are {drew}: they show that the run "
+      f"goes end to end, not what it measures. The results: {results}.")
+
+
 def smoke_note(lines) -> str:
   """What heads the report of the ``tiny`` preset's lines (any setup of
-  its fingerprint: its trial counts, sizes and arms may differ): that its
-  numbers are a smoke test's; "" for every other setup's."""
-  tiny = configs.get_setup("tiny")
-  if not {r.setup for r in lines} & {tiny.fingerprint(b)
-                                     for b in protocol.BACKBONES}:
-    return ""
-  return (f"**{SMOKE_TITLE}.** These lines are the `tiny` preset's "
-          f"({tiny.trials} HMM draws per size, {tiny.task.num_train} "
-          f"training and {tiny.task.num_test} test examples of "
-          f"{tiny.task.seq_len} tokens, {tiny.tune.epochs} epochs of "
-          f"tuning): they show that the sweep runs end to end, not how head "
-          f"and prompt tuning compare. Figure 3's results: `--preset=cpu` "
-          f"(the main job) or the committed `docs/results/` (docs/figure3.md).")
+  its fingerprint: its trial counts, sizes and arms may differ)."""
+  t = configs.get_setup("tiny")
+  return smoke(bool({r.setup for r in lines} & {
+      t.fingerprint(b) for b in protocol.BACKBONES}), f"the `tiny` preset's "
+      f"({t.trials} HMM draws per size, {t.task.num_train} training and "
+      f"{t.task.num_test} test examples of {t.task.seq_len} tokens, "
+      f"{t.tune.epochs} epochs of tuning)", "`--preset=cpu` (the main job) "
+      "or the committed `docs/results/` (docs/figure3.md)")
 
 
 def write_table(summary: dict, path: str, extra: str = "",
@@ -358,7 +342,7 @@ def _panels(summary: dict) -> list[str]:
 
 def write_plot(summary: dict, path: str, note: str = "") -> None:
   """A panel per panel that ran: each curve's means and its 95% band beside
-  the paper's curves; ``note`` a title over them (a smoke test's)."""
+  the paper's curves; a smoke test's title where ``note`` (:func:`smoke`)."""
   plt = files_lib.pyplot()
   import matplotlib.transforms as mtransforms  # pylint: disable=g-import-not-at-top
   panels = _panels(summary)
@@ -406,15 +390,23 @@ def write_plot(summary: dict, path: str, note: str = "") -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, handlelength=3.5, ncol=2, loc="upper center",
               bbox_to_anchor=(0.5, -0.14), frameon=False)
+  write_png(path, fig, 120, note)
+
+
+def write_png(path: str, fig, dpi: int, note: str = "") -> None:
+  """``fig`` laid out at ``path``; a smoke ``note``'s :data:`SMOKE_TITLE`."""
   if note:
-    fig.suptitle(note, color="firebrick", fontsize=11)
-  fig.tight_layout()
-  files_lib.atomic_write_png(path, fig, dpi=120)
+    fig.suptitle(SMOKE_TITLE, color="firebrick", fontsize=11)
+  if fig.get_layout_engine() is None:  # a constrained one lays out on draw
+    fig.tight_layout()
+  files_lib.atomic_write_png(path, fig, dpi=dpi)
 
 
 # Figure 3's arms; a line of any other is an adaptation arm (Setup.arms).
 _FIGURE3_ARMS = {"head_linear", "prompt_linear", "finetune_linear",
                  "head_attention", "prompt_attention", *_ARMS}
+_LEFT_ARMS = {"head_linear": "head", "prompt_linear": "prompt",  # noise.ARMS
+              "finetune_linear": "finetune"}
 _FAMILY_MARKERS = {"head": "s", "prompt": "o", "prefix": "^", "lora": "D",
                    "finetune": "P"}
 
@@ -448,8 +440,7 @@ def _adaptation_cells(lines) -> dict:
 def pair_floor(floor: dict, backbone: str, a: str, b: str) -> float | None:
   """:func:`noise.difference_floor` of two result-line methods, each arm's
   floor under its own name or Figure 3's (``head``, ``prompt``)."""
-  legacy = {"head_linear": "head", "prompt_linear": "prompt"}
-  name = lambda m: m if (backbone, m) in floor else legacy.get(m) or m
+  name = lambda m: m if (backbone, m) in floor else _LEFT_ARMS.get(m) or m
   return noise.difference_floor(floor, backbone, name(a), name(b))
 
 
@@ -466,14 +457,14 @@ def adaptation_section(lines, floor: dict | None = None,
   cells, rows, bayes = _adaptation_cells(lines), [], bayes or {}
   for (b, panel, size), arms in sorted(cells.items()):
     head_name = "head_linear" if panel == "left" else "head_attention"
-    head = arms.get((head_name, "raw"))
-    ref = cells.get(("exact", panel, size), {}).get(
-        ("prompt_linear" if panel == "left" else "prompt_attention", "raw"))
     if (panel, size) in bayes and b == "exact":
       rows.append((b, panel, size, "Bayes classifier (the ceiling)", "",
                    f"{bayes[(panel, size)]:.1f}", "", "", "", ""))
-    for (method, _), (n, label, acc) in sorted(arms.items(),
-                                               key=lambda a: a[1][0]):
+    for (method, features), (n, label, acc) in sorted(arms.items(),
+                                                      key=lambda a: a[1][0]):
+      head = arms.get((head_name, features))  # never across features
+      ref = cells.get(("exact", panel, size), {}).get((
+          "prompt_linear" if panel == "left" else "prompt_attention", features))
       d = np.array([v - head[2][t] for t, v in acc.items()
                     if head and t in head[2]])
       tie = pair_floor(floor or {}, b, method, head_name)
@@ -492,9 +483,10 @@ def adaptation_section(lines, floor: dict | None = None,
       ("backbone", "panel", "size", "arm", "trainable params", "accuracy",
        "arm - head (paired)", "pair floor", "draws above / within floor / "
        "below head", "exact prompt - arm"), rows) + (
-           "\nA blank pair floor: one of the two arms' noise floors is not "
-           "measured (docs/noise_floor.md), so no draw is called above or "
-           "below.\n")
+           "\nA blank pair floor: an arm's noise floor is not measured "
+           "(docs/noise_floor.md); no draw is called above or below. A blank "
+           "exact prompt - arm: no exact prompt arm of Figure 3's length "
+           "(`--config.tune.prompt_len`) ran on these features at that size.\n")
 
 
 def write_adaptation_plot(lines, path: str, bayes: dict | None = None
@@ -533,8 +525,7 @@ def write_adaptation_plot(lines, path: str, bayes: dict | None = None
           ax.axhline(mean, color=f"C{i}", ls=":", lw=0.8)
     if (panel, size) in bayes:
       ax.axhline(bayes[(panel, size)], color="k", ls="--", lw=0.8)
-    ax.set_xticks(range(len(order)), order, rotation=55, ha="right",
-                  fontsize=7)
+    ax.set_xticks(range(len(order)), order, rotation=55, ha="right", fontsize=7)
     ax.set(ylabel="test accuracy (%)",
            title=f"{panel}: {'|H|' if panel == 'left' else '|M||H|'} = {size}")
     ax.grid(alpha=0.3, axis="y")
@@ -544,8 +535,7 @@ def write_adaptation_plot(lines, path: str, bayes: dict | None = None
       plt.Line2D([], [], color="k", ls="--", label="Bayes classifier")]
   axes[0][0].legend(handles=handles, fontsize=7, loc="lower right")
   axes[0][0].set_ylim(max(low, 0.0) - 2, 102)  # shared: every panel
-  fig.tight_layout()
-  files_lib.atomic_write_png(path, fig, dpi=120)
+  write_png(path, fig, 120, smoke_note(lines))
 
 
 BAYES = "bayes.jsonl"  # {"panel", "size", "accuracy"}: the Bayes classifier
@@ -566,15 +556,14 @@ def write_figure3_report(workdir: str) -> dict:
   smoke = smoke_note(lines)
   floor = noise.read_floor(os.path.join(workdir, noise.FLOOR))
   bayes = read_bayes(workdir)
-  extra = [diverged_table(lines), floor_note(floor),
-           adaptation_section(lines, floor, bayes), wins_table(lines, floor),
-           components_table(lines), trial_table(lines),
-           pretrain_report.section(workdir)]
+  extra = [diverged_table(lines), floor_note(floor, noise_floor_command(
+      workdir, lines)), adaptation_section(lines, floor, bayes),
+           wins_table(lines, floor), components_table(lines),
+           trial_table(lines), pretrain_report.section(workdir)]
   write_table(summary, os.path.join(workdir, "figure3.md"),
               extra="\n".join(e for e in extra if e), inputs=inputs_note(lines),
               smoke=smoke)
-  write_plot(summary, os.path.join(workdir, "figure3.png"),
-             note=SMOKE_TITLE if smoke else "")
+  write_plot(summary, os.path.join(workdir, "figure3.png"), smoke)
   if {r.method for r in lines} - _FIGURE3_ARMS:
     write_adaptation_plot(lines, os.path.join(workdir, "adaptation.png"),
                           bayes)

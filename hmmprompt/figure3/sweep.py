@@ -1,5 +1,5 @@
-"""The sweep: :func:`plan` lists the groups (one tuning arm on one model
-size) by model; :func:`run_sweep` draws and pretrains each model's stack of
+"""The sweep: over :func:`configs.plan`'s groups (one tuning arm on one
+model size) by model, :func:`run_sweep` draws and pretrains each model's stack of
 trials, then tunes each group's missing cells (a :class:`schema.ResultLine`
 each) in one program. Both panels share a vanilla HMM and its transformer."""
 
@@ -29,63 +29,6 @@ from hmmprompt.backbones import transformer
 
 BACKBONES = protocol.BACKBONES
 STAMP = "sweep.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class Group(protocol.Group):
-  """A tuning arm of one model size on one of Figure 3's panels."""
-
-  panel: str = dataclasses.field(default="left", kw_only=True)  # | "right"
-
-  def __str__(self) -> str:
-    return f"{self.panel} {super().__str__()}"
-
-
-def plan(setup: configs.Setup, panel: str = "both",
-         backbone: str = "exact") -> dict[ModelId, list[Group]]:
-  """The groups (the arms of :class:`configs.Setup`) of ``panel`` by model,
-  models vanilla then memory by size (the order they run and shard in)."""
-  out = []
-  arms = [configs.parse_arm(a, setup.tune) for a in setup.arms]
-  arms = [(m, s) for m, s in arms if backbone == "transformer"
-          or not tuning.METHODS[m].needs_finetunable]
-  if panel in ("left", "both"):
-    methods = arms if setup.arms else [(m, ()) for m in ["head", "prompt"] + (
-        ["finetune"] if setup.finetune and backbone == "transformer" else [])]
-    out += [Group(protocol.vanilla(h), method, "linear", f, panel="left",
-                  settings=settings)
-            for h in setup.left_sizes for method, settings in methods
-            for f in setup.features]
-  if panel in ("right", "both") and setup.arms:
-    out += [Group(protocol.memory(m), method, "attention", f, panel="right",
-                  settings=settings)
-            for m in setup.memory_sizes for method, settings in arms
-            for f in setup.features]
-  elif panel in ("right", "both"):
-    paper = [("memory", "head", "attention")] + (
-        [("memory", "prompt", "attention")] if setup.prompt_attention else [])
-    out += [Group(protocol.memory(m) if hmm == "memory" else
-                  protocol.vanilla(protocol.MEMORY_SYNTAX_STATES * m),
-                  method, head, f, panel="right")
-            for m in setup.memory_sizes
-            for hmm, method, head in paper + [("vanilla", "head", "linear")]
-            for f in setup.features]
-  if setup.head_optimum:
-    out = [twin for g in out for twin in (
-        (g, dataclasses.replace(g, optimizer="lbfgs"))
-        if g.method == "head" and g.head == "linear" else (g,))]
-  by_model: dict[ModelId, list[Group]] = {}
-  for g in sorted(out, key=lambda g: (g.model_id.hmm != "vanilla",  # stable
-                                      g.model_id.size)):
-    by_model.setdefault(g.model_id, []).append(g)
-  return by_model
-
-
-def stack_sizes(setup: configs.Setup) -> dict[ModelId, int]:
-  """Trials drawn per model: the most any panel reads, whichever panels
-  this run does, so a stack never changes size."""
-  return {mid: max(setup.panel_trials(g.panel) for g in groups)
-          for mid, groups in plan(setup).items()}
 
 
 def backbones(workdir: str, setup: configs.Setup, mid: ModelId,
@@ -143,7 +86,7 @@ class Trials(NamedTuple):
     return out
 
 
-def tune_group(setup: configs.Setup, backbone_name: str, g: Group,
+def tune_group(setup: configs.Setup, backbone_name: str, g: configs.Group,
                trials: Trials, cells) -> list[schema.ResultLine]:
   """Tunes ``g``'s ``cells`` (``(trial, task)`` pairs, trials of
   ``trials``' rows) in one program (the rectangle of their trials x tasks)
@@ -183,13 +126,12 @@ def check_workdir(workdir: str, setup: configs.Setup,
   """Stamps ``DIR/sweep.json`` with :meth:`configs.Setup.identity` on first
   use (``write``; :func:`stamp`); ``ValueError`` where its stamp or result
   lines are another setup's (what differs named where the stamp says)."""
-  identity = setup.identity()
+  identity, defaults = setup.identity(), identity_lib.added_defaults(setup)
   mine = {configs.fingerprint_of(identity, b) for b in BACKBONES}
   others = sorted({r.setup for r in schema.read_results(workdir)} - mine)
   # With others, the stamp names what differs; the digits alone do not.
   if not others or os.path.exists(os.path.join(workdir, STAMP)):
-    stamp(workdir, identity, write and not others,
-          identity_lib.added_defaults(setup))
+    stamp(workdir, identity, write and not others, defaults)
   if others:
     raise ValueError(
         f"{workdir} holds result lines of setup {others}, this run's are "
@@ -217,14 +159,15 @@ def stamp(workdir: str, identity: dict, write: bool = True,
 
 def missing_cells(setup: configs.Setup, workdir: str, panel: str,
                   backbone_name: str,
-                  by_model: dict[ModelId, list[Group]] | None = None
-                  ) -> dict[ModelId, dict[Group, set]]:
+                  by_model: dict[ModelId, list[configs.Group]] | None = None
+                  ) -> dict[ModelId, dict[configs.Group, set]]:
   """:func:`protocol.missing` of ``workdir``'s lines over :func:`plan`'s
   models (or ``by_model``), cells ``(trial, task)``."""
   fp = setup.fingerprint(backbone_name)
+  if by_model is None:
+    by_model = configs.plan(setup, panel, backbone_name)
   return protocol.missing(
-      plan(setup, panel, backbone_name) if by_model is None else by_model,
-      {line.key() for line in schema.read_results(workdir)},
+      by_model, {line.key() for line in schema.read_results(workdir)},
       lambda g: {(k, s): (backbone_name, g.panel, g.model_id.hmm,
                           g.model_id.num_states, g.model_id.memory_size, k,
                           s, g.method_name, g.features, fp)
@@ -241,7 +184,8 @@ def _start(setup: configs.Setup, workdir: str, panel: str,
   schedule.check()
   if backbone_name == "transformer":
     setup.check_context()
-  by_model, sizes = plan(setup, panel, backbone_name), stack_sizes(setup)
+  by_model = configs.plan(setup, panel, backbone_name)
+  sizes = configs.stack_sizes(setup)
   os.makedirs(workdir, exist_ok=True)
   check_workdir(workdir, setup)
   return by_model, sizes
@@ -291,7 +235,7 @@ def run_sweep(setup: configs.Setup, workdir: str, panel: str,
                                     backbone_name, checkpoints,
                                     schedule.stop_at, part, keep_by))
 
-  def tune(g: Group, trials: Trials) -> list[schema.ResultLine]:
+  def tune(g: configs.Group, trials: Trials) -> list[schema.ResultLine]:
     rows = range(trials.stack.first,
                  trials.stack.first + len(trials.stack.tasks))
     return tune_group(setup, backbone_name, g, trials, {
@@ -313,7 +257,7 @@ class Parts(NamedTuple):
   setup: configs.Setup
   workdir: str
   sizes: dict[ModelId, int]
-  todo: dict[ModelId, dict[Group, set]]
+  todo: dict[ModelId, dict[configs.Group, set]]
   backbone_name: str
 
   def of(self, mid: ModelId, groups: dict) -> range | None:

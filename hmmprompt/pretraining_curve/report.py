@@ -8,6 +8,7 @@ import numpy as np
 
 from hmmprompt import pretraining_curve as curve
 from hmmprompt import files as files_lib
+from hmmprompt.figure3 import reporting
 
 WITHIN = 0.02  # "within 2 points of the exact backbone"
 # The log x axis has no 0: a gap at or below this (float noise) is drawn here.
@@ -70,11 +71,12 @@ def _pct(x: float) -> str:
   return "" if np.isnan(x) else f"{100 * x:.1f}"
 
 
-def markdown(summary: dict) -> str:
+def markdown(summary: dict, smoke: str = "") -> str:
   """DIR/curve.md: per model, accuracy at each retained checkpoint beside
   the exact backbone; when each method comes within :data:`WITHIN` of it;
-  rank correlations of the accuracy deficit with the CE gap and TV."""
+  rank correlations of the deficit with the CE gap and TV; ``smoke`` first."""
   out = ["# Accuracy against pretraining quality", "",
+         *([smoke, ""] if smoke else []),
          "Test accuracy (%), mean ± sd over trials, at each retained "
          "checkpoint with its mean held-out CE gap to the Bayes CE (nats) "
          "and TV at MASK; `exact` is the exact backbone (perfect "
@@ -119,9 +121,9 @@ def _correlations(pts) -> str:
           f"{_per_decade(pts[:, 0], pts[:, 2]):.1f} |")
 
 
-def write_plot(summary: dict, path: str) -> None:
+def write_plot(summary: dict, path: str, smoke: str = "") -> None:
   """Test accuracy against CE gap (log x), a panel per model: each method's
-  means, each trial a faint dot, the exact backbone a dashed line."""
+  means, each trial a faint dot, the exact one dashed; a ``smoke`` title."""
   fig, axes = files_lib.pyplot().subplots(
       1, len(summary), figsize=(4 * len(summary), 3.8), squeeze=False)
   for ax, (tag, methods) in zip(axes[0], summary.items()):
@@ -143,15 +145,18 @@ def write_plot(summary: dict, path: str) -> None:
            ylabel="test accuracy (%)", title=tag)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-  fig.tight_layout()
-  files_lib.atomic_write_png(path, fig, dpi=110)
+  reporting.write_png(path, fig, 110, smoke)
 
 
 def write_curve_report(workdir: str) -> str:
   """Writes DIR/curve.md and .png from DIR/curve.jsonl; returns the former."""
-  summary = summarize(curve.read_curve_lines(workdir))
-  text = markdown(summary)
+  lines, tiny = curve.read_curve_lines(workdir), curve.get_setup("tiny")
+  summary, smoke = summarize(lines), reporting.smoke(
+      tiny.fingerprint() in {r.setup for r in lines}, f"the `tiny` preset's "
+      f"(transformers of {tiny.pretrain.steps} steps)", "`--preset=cpu` or "
+      "docs/results/pretraining-curve (docs/pretraining_curve.md)")
+  text = markdown(summary, smoke)
   files_lib.atomic_write_text(os.path.join(workdir, "curve.md"), text)
   if summary:
-    write_plot(summary, os.path.join(workdir, "curve.png"))
+    write_plot(summary, os.path.join(workdir, "curve.png"), smoke)
   return text
