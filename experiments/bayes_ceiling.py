@@ -22,6 +22,7 @@ from hmmprompt import files as files_lib
 from hmmprompt import generative
 from hmmprompt import memory
 from hmmprompt import protocol
+from hmmprompt.figure3 import adaptation
 from hmmprompt.figure3 import configs
 from hmmprompt.figure3 import reporting
 from hmmprompt.figure3 import sweep
@@ -76,10 +77,10 @@ def main(argv):
                   "accuracy": 100 * float(np.mean(acc)),
                   "lowest": 100 * float(np.min(acc))})
       print(json.dumps(out[-1]))
-  files_lib.atomic_write_text(os.path.join(workdir, reporting.BAYES), "".join(
+  files_lib.atomic_write_text(os.path.join(workdir, adaptation.BAYES), "".join(
       json.dumps(d, sort_keys=True) + "\n" for d in out))
   reporting.write_figure3_report(workdir)
-  cli.done(t0, ceiling=os.path.join(workdir, reporting.BAYES))
+  cli.done(t0, ceiling=os.path.join(workdir, adaptation.BAYES))
 
 
 if __name__ == "__main__":

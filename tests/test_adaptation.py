@@ -14,6 +14,7 @@ from hmmprompt import protocol
 from hmmprompt import tasks
 from hmmprompt import tuning
 from hmmprompt.backbones import exact
+from hmmprompt.figure3 import adaptation
 from hmmprompt.figure3 import configs
 from hmmprompt.figure3 import reporting
 from hmmprompt.figure3 import schema
@@ -271,7 +272,7 @@ def test_no_adaptation_cell_mixes_raw_and_log_features():
       task_redraws=0, assumptions={}, tune_config={"prompt_len": (
           1 if m.endswith("p1") else 4)}, task_config={})
            for (m, f), a in acc.items() for k in range(2)]
-  text = reporting.adaptation_section(lines)
+  text = adaptation.section(lines)
   rows = {r.split("|")[4].strip(): [c.strip() for c in r.split("|")[5:-1]]
           for r in text.splitlines() if r.startswith("| exact")}
   # (accuracy, arm - head, ..., exact prompt - arm)

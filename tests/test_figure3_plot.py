@@ -1,4 +1,4 @@
-"""The Figure 3 plot (reporting.write_plot), read from the matplotlib
+"""The Figure 3 plot (plots.write_plot), read from the matplotlib
 objects it draws, and the tiny preset's report: a smoke test's, said
 first."""
 
@@ -11,6 +11,7 @@ from conftest import CPU_PAPER
 from hmmprompt import files as files_lib
 from hmmprompt import protocol
 from hmmprompt.figure3 import configs
+from hmmprompt.figure3 import plots
 from hmmprompt.figure3 import reporting
 from hmmprompt.figure3 import schema
 
@@ -32,7 +33,7 @@ def _captured(monkeypatch) -> dict:
 
 def _plot(summary: dict, tmp_path, monkeypatch, note: str = ""):
   figs = _captured(monkeypatch)
-  reporting.write_plot(summary, str(tmp_path / "figure3.png"),
+  plots.write_plot(summary, str(tmp_path / "figure3.png"),
                        **({"note": note} if note else {}))
   return figs["figure3.png"]
 

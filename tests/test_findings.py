@@ -14,9 +14,9 @@ from experiments import bayes_ceiling
 from hmmprompt import generative
 from hmmprompt import memory
 from hmmprompt import protocol
+from hmmprompt.figure3 import adaptation
 from hmmprompt.figure3 import configs
 from hmmprompt.figure3 import noise
-from hmmprompt.figure3 import reporting
 from hmmprompt.figure3 import schema
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,10 +97,10 @@ def test_the_adaptation_counts_use_each_pairs_floor():
               for k, a in enumerate(head)])
   floor = {("exact", "head"): {"seed_sd": 1.5},
            ("exact", "prompt_linear_p1"): {"seed_sd": 2.0}}
-  assert reporting.pair_floor(floor, "exact", "prompt_linear_p1",
+  assert adaptation.pair_floor(floor, "exact", "prompt_linear_p1",
                               "head_linear") == pytest.approx(5.0)
   rows = {r.split("|")[4].strip(): [c.strip() for c in r.split("|")[1:-1]]
-          for r in reporting.adaptation_section(lines, floor).splitlines()
+          for r in adaptation.section(lines, floor).splitlines()
           if r.startswith("| exact") or r.startswith("| transformer")}
   assert rows["prompt 1"][7:9] == ["5.0", "1 / 3 / 1"]
   lora = [r for k, r in rows.items() if k.startswith("lora")]

@@ -6,6 +6,7 @@ import os
 import numpy as np
 
 from hmmprompt import files as files_lib
+from hmmprompt.figure3 import plots
 from hmmprompt.figure3 import reporting
 from hmmprompt.icl.setup import REFERENCE, get_setup, smoothing
 from hmmprompt.icl.sweep import IclLine, read_icl_lines
@@ -132,7 +133,7 @@ def write_plot(summary: dict, kls: dict, path: str, smoke: str = "") -> None:
                 for c in sorted(curves, key=lambda c: (c == "transformer",
                                                        _order(((0, 0, c), 0))))])
   fig.legend(handles=handles, loc="outside right", fontsize=7, frameon=False)
-  reporting.write_png(path, fig, 110, smoke)
+  plots.write_png(path, fig, 110, smoke)
 
 
 def write_report(workdir: str) -> str:

@@ -8,6 +8,7 @@ import numpy as np
 
 from hmmprompt import pretraining_curve as curve
 from hmmprompt import files as files_lib
+from hmmprompt.figure3 import plots
 from hmmprompt.figure3 import reporting
 
 WITHIN = 0.02  # "within 2 points of the exact backbone"
@@ -145,7 +146,7 @@ def write_plot(summary: dict, path: str, smoke: str = "") -> None:
            ylabel="test accuracy (%)", title=tag)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-  reporting.write_png(path, fig, 110, smoke)
+  plots.write_png(path, fig, 110, smoke)
 
 
 def write_curve_report(workdir: str) -> str:
