@@ -1,15 +1,11 @@
 """What the binaries log: JAX's probe for a TPU that is not there is not a
 line of theirs (experiments/__init__.py; the binaries' own runs are checked
-in tests/integration/test_binary_help.py and test_figure3_sweep.py); what
-the pretraining binary prints as its result."""
+in tests/integration/test_binary_help.py and test_figure3_sweep.py; what
+the pretraining binary prints as its result: test_pretrain_binary.py)."""
 
 import logging
 import os
-import re
-import subprocess
-import sys
 
-import pytest
 
 import experiments  # noqa: F401  (every binary imports it first)
 
@@ -36,30 +32,3 @@ def test_jaxs_libtpu_probe_is_dropped_and_nothing_else():
                "is detected",
                "Remote TPU is not linked into jax; skipping remote TPU."):
     assert _passes(kept), kept
-
-
-@pytest.mark.integration
-@pytest.mark.slow  # two runs of the binary (~25 s)
-def test_pretrain_prints_each_trials_final_metrics_once(tmp_path):
-  """experiments.pretrain's result: a line per trial, its numbers as
-  numbers (not a dict's repr with ``np.float64(...)``), once; a rerun of
-  the finished run prints the same lines and evaluates (logs) nothing."""
-  def run():
-    done = subprocess.run(
-        [sys.executable, "-m", "experiments.pretrain", "--preset=tiny",
-         f"--workdir={tmp_path}", "--config.trials=2",
-         "--config.pretrain.steps=20"], cwd=_ROOT, capture_output=True,
-        text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
-  first, again = run(), run()
-  printed = [l for l in first.stdout.splitlines() if l.startswith("trial")]
-  assert len(printed) == 2, first.stdout
-  for k, line in enumerate(printed):
-    assert re.fullmatch(rf"trial {k}: step 20, ce_gap \d+\.\d{{4}}, tv "
-                        r"\d\.\d{4}, mlm_ce \d+\.\d{4}, bayes_ce \d+\.\d{4}, "
-                        r"\d+ s of training", line), line
-  assert "float64" not in first.stdout + again.stdout
-  assert [l for l in again.stdout.splitlines() if l.startswith("trial")] == (
-      printed)
-  assert "mlm_ce" not in again.stderr, again.stderr[-3000:]

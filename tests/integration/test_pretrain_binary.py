@@ -224,3 +224,15 @@ def test_faults_end_in_one_line_and_a_rerun_resumes(small_disk):
       r"[IW]\d{4} ", l)] == [], again[1][-3000:]
   assert "checkpoint at step 20" in again[1], again[1][-3000:]
   assert "resumed from step 10" in again[1], again[1][-3000:]
+  # The finished run's result: a line per trial, its numbers as numbers
+  # (not a dict's repr with np.float64(...)); a rerun prints it again and
+  # evaluates (logs) nothing.
+  done = subprocess.run(
+      [sys.executable, "-m", "experiments.pretrain", f"--workdir={workdir}",
+       *ARGS], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert re.fullmatch(r"trial 0: step \d+, ce_gap \d+\.\d{4}, tv \d\.\d{4}, "
+                      r"mlm_ce \d+\.\d{4}, bayes_ce \d+\.\d{4}, \d+ s of "
+                      r"training", done.stdout.splitlines()[0]), done.stdout
+  assert "float64" not in done.stdout
+  assert "mlm_ce" not in done.stderr, done.stderr[-3000:]
