@@ -16,7 +16,6 @@ def _help_ends_well(cls) -> None:
   """absl ends ``--help`` / ``--helpfull`` with status 1, as if it failed;
   help that was asked for ends with 0 (parse errors keep theirs)."""
   parse = cls.parse
-
   def parse_then_exit_0(self, arg):
     try:
       parse(self, arg)

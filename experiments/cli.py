@@ -37,12 +37,10 @@ def _end(what, status: int, say: bool = True) -> NoReturn:
 def resume_hint(workdir: str | None) -> str:
   """How to resume, and where finished work is kept if ``workdir`` holds
   some (empty: nothing started, nothing to say)."""
-  if not workdir:
-    return "; rerun the same command to resume"
-  if not (os.path.isdir(workdir) and os.listdir(workdir)):
+  if workdir and not (os.path.isdir(workdir) and os.listdir(workdir)):
     return ""
-  return (f"; rerun the same command to resume (finished work is kept in "
-          f"{workdir})")
+  return "; rerun the same command to resume" + (
+      f" (finished work is kept in {workdir})" if workdir else "")
 
 
 def make_dir(path: str, flag: str = "--workdir") -> str:
@@ -73,9 +71,8 @@ def _is_worker() -> bool:
 
 
 def _stop(signum, _) -> None:
-  # Ends here, not by raising KeyboardInterrupt: that can land in a garbage
-  # collection callback, which swallows it. A --workers process leaves the
-  # line to its parent (Ctrl-C reaches the whole process group).
+  # Not KeyboardInterrupt: a garbage collection callback can swallow it. A
+  # worker leaves the line to its parent (Ctrl-C reaches the process group).
   _end(f"stopped by {signal.Signals(signum).name}", 128 + signum,
        say=not _is_worker())
 
@@ -87,9 +84,9 @@ def _end_with(parent: int) -> None:
 
 
 def one_line_errors(main: Callable) -> Callable:
-  """``main`` ending a usage error with ``error: <what>`` and status 2 (not
-  absl's whole help), a fault (``OSError``, SIGINT, SIGTERM) at once with
-  one such line saying how to resume, status 1 or 128 + the signal."""
+  """``main`` ending a usage error with ``error: <what>``, status 2 (not
+  absl's whole help), and a fault (``OSError``, SIGINT, SIGTERM) at once
+  with such a line and how to resume, status 1 or 128 + the signal."""
   @functools.wraps(main)
   def main_with_one_line_errors(argv):
     for sig in (signal.SIGINT, signal.SIGTERM):

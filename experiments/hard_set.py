@@ -233,8 +233,7 @@ def main(argv):
     if _BENCH_ONLY.value:
       return
   t0, c0 = time.perf_counter(), os.times()
-  per_draw = pretrain_hard_set(workdir, cfg,
-                               log=lambda s: print(s, flush=True))
+  per_draw = pretrain_hard_set(workdir, cfg, log=lambda s: print(s, flush=True))
   c1 = os.times()
   spent = {"wall_s": time.perf_counter() - t0, "user_s": c1.user - c0.user,
            "sys_s": c1.system - c0.system}

@@ -4,15 +4,11 @@ r"""The tuning noise floor of Figure 3's arms (docs/noise_floor.md).
       --sizes=4,12,30 --trials=5 --replicates=5 --backbone=exact,transformer \
       [--committed=docs/results/figure3-cpu-paper]
 
-DIR is a Figure 3 workdir (its pretrained transformers are reused, or
-pretrained), measured with its run's setup: the preset nearest its
-sweep.json and the fields that differ, or --preset and --config.* where
-given (another setup's is refused naming DIR's own flags); its figure3.md,
-until a floor is measured, prints this command for its lines.
-``replicates.jsonl`` gets every tuning, and
-``noise_floor.md`` / ``noise_floor.json`` the spreads and each arm's floor,
-with DIR's lines set beside ``--committed``'s and, where DIR holds
-``--config.head_optimum`` lines, Adam beside the optimum. Reruns resume.
+DIR: a Figure 3 workdir (its pretrained transformers reused, or trained),
+measured with its run's setup (or --preset's), --config.* over it; another
+setup's is refused, naming DIR's own flags. Its figure3.md prints this
+command until a floor is measured. Writes DIR/replicates.jsonl (every
+tuning) and noise_floor.md / .json (:func:`page`). Reruns resume.
 """
 
 import json
@@ -40,8 +36,7 @@ _PRESET = flags.DEFINE_enum(
 _CONFIG = cli.define_config(configs.PRESETS["cpu"]())
 _WORKDIR = flags.DEFINE_string("workdir", None, "a Figure 3 workdir of the "
                                "preset (required; a rerun resumes)")
-_BACKBONE = flags.DEFINE_list("backbone", ["exact"], "exact and/or "
-                              "transformer")
+_BACKBONE = flags.DEFINE_list("backbone", ["exact"], "exact and/or transformer")
 _SIZES = flags.DEFINE_list("sizes", ["4", "12", "30"], "left-panel |H|")
 _TRIALS = flags.DEFINE_integer("trials", 5, "the first draws of each size")
 _REPLICATES = flags.DEFINE_integer("replicates", 5, "tuning seeds per cell")
@@ -56,9 +51,8 @@ flags.adopt_module_key_flags(cli)
 
 
 def workdir_setup(workdir: str) -> tuple[str, dict[str, str]]:
-  """``(preset, {config path: value})`` of the run that stamped
-  DIR/sweep.json: the preset nearest it (fewest fields apart) and the
-  fields it differs in; ``cpu_paper``'s where DIR has no stamp."""
+  """``(preset, {config path: value})`` of DIR/sweep.json's run: the
+  preset fewest fields apart, and those; ``cpu_paper`` where no stamp."""
   if not os.path.exists(path := os.path.join(workdir, sweep.STAMP)):
     return "cpu_paper", {}
   def flat(d, prefix=""):  # {"a.b": leaf} as JSON reads it back
@@ -84,10 +78,9 @@ def _section(title: str, header: tuple[str, ...], rows: list) -> str:
 
 
 def page(workdir: str, title: str, committed: str | None = None) -> str:
-  """The run's page (``DIR/replicates.jsonl``, written by
-  :func:`noise.run`): the spreads per size and arm, each arm's floor (also
-  written to ``DIR/noise_floor.json``), Adam beside its optimum where DIR
-  holds ``head_optimum`` lines, and DIR's lines beside ``committed``'s."""
+  """The page of ``DIR/replicates.jsonl``: spreads per size and arm, each
+  arm's floor (also to ``DIR/noise_floor.json``), Adam beside its optimum
+  where DIR holds ``head_optimum`` lines, DIR's beside ``committed``'s."""
   summary = noise.summarize(files_lib.read_lines(noise.path(workdir),
                                                  noise.ReplicateLine))
   floor = noise.arm_floor(summary)

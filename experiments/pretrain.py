@@ -58,8 +58,7 @@ def main(argv):
   t0 = cli.start(argv, workdir=_WORKDIR.value)
   with cli.usage_errors():
     if _PRINT_CONFIG.value:
-      return cli.print_config(pretrain.Job.of(_PRESET.value,
-                                              **_CONFIG.value()))
+      return cli.print_config(pretrain.Job.of(_PRESET.value, **_CONFIG.value()))
     cli.make_dir(_WORKDIR.value)
     _INIT_DISTRIBUTED()  # before anything starts a backend (Job.of may)
     job = pretrain.Job.of(_PRESET.value, **_CONFIG.value())

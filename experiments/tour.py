@@ -1,6 +1,5 @@
 """The README's tour of the API, runnable: `python -m experiments.tour`
-(tests/test_tour.py checks that the README shows this code and runs it).
-"""
+(tests/test_tour.py checks that the README shows this code and runs it)."""
 
 # README tour: begin
 import tempfile

@@ -256,6 +256,7 @@ def pretrained(workdir: str, setup: TrialsConfig, mid: ModelId,
   if part is not None and len(part) != len(models_K.initial):
     raise ValueError(f"{mid.tag}: part {part!r} of {len(part)} trials, "
                      f"{len(models_K.initial)} models given")
+  # One config and directory for both paths (not pretrain()'s again).
   cfg, pdir = part_config(setup, part), pretrain_dir(workdir, setup, mid, part)
   if pretrain_lib.check_checkpoints(checkpoints) == "always":
     logging.info("pretraining %d trials in %s", len(models_K.initial), pdir)

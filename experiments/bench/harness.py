@@ -23,6 +23,7 @@ from hmmprompt import glibc
 from hmmprompt import sharding
 
 peak_tflops = sharding.peak_tflops  # the library's (pretraining logs MFU)
+NO_BENCH = "not installed (pip install -e '.[bench]')"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))  # the checkout, where the benchmarks' subprocesses run
 
@@ -129,9 +130,8 @@ def describe(flops: float, seconds: float, peak: float | None) -> str:
 
 
 def top_ops(trace_dir: str, top: int = 15) -> list[tuple[str, float, float]]:
-  """The ``top`` events by duration in the newest perfetto trace under
-  ``trace_dir``: ``(name, ms, share)``, of the devices' processes (else
-  the host's)."""
+  """``(name, ms, share)`` of the ``top`` events by time in the newest
+  perfetto trace under ``trace_dir``, on the devices (else the host)."""
   paths = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz",
                            recursive=True), key=os.path.getmtime)
   if not paths:

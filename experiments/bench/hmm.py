@@ -38,7 +38,6 @@ _SECTIONS = flags.DEFINE_list("sections", ["sampling", "posterior", "long",
 _HMMLEARN_SEQS = flags.DEFINE_integer(
     "hmmlearn_seqs", 5, "sequences for hmmlearn (it is slow; rates scale)")
 
-_NO_BENCH = "not installed (pip install -e '.[bench]')"
 _METHODS = ("sequential", "parallel", "blocked")
 
 
@@ -103,9 +102,9 @@ def bench_sampling(model):
     _report("dynamax CategoricalHMM.sample (jit+vmap)", b * t,
             lambda: dyn_fn(keys), t_ours)
   except ImportError:
-    print("  dynamax", _NO_BENCH)
+    print("  dynamax", harness.NO_BENCH)
   if (hl := _hmmlearn_model(model)) is None:
-    return print("  hmmlearn", _NO_BENCH)
+    return print("  hmmlearn", harness.NO_BENCH)
   n, t0 = _HMMLEARN_SEQS.value, time.perf_counter()
   for i in range(n):
     hl.sample(t, random_state=i)
@@ -132,7 +131,7 @@ def bench_posterior(model):
           lambda: par(model, tokens), t_ours)
   print(f"    max |difference| from the scan: {err:.2e}")
   if (dyn := _dynamax_smoothers(model).get("dynamax hmm_smoother")) is None:
-    print("  dynamax", _NO_BENCH)
+    print("  dynamax", harness.NO_BENCH)
   else:
     err = float(jnp.max(jnp.abs(dyn(tokens) - post)))
     _report("dynamax hmm_smoother (jit+vmap)", b * t, lambda: dyn(tokens),
@@ -147,35 +146,34 @@ def bench_posterior(model):
   print(f"    max |difference| from hmmprompt: {err:.2e}")
 
 
-def bench_long(vocab_size):
-  """Our kernels and dynamax's two smoothers on each (T, |H|) cell."""
-  b = _LONG_BATCH.value
+def bench_long(base):
+  """Our kernels and dynamax's two smoothers per (T, |H|), |X| as base's."""
+  b, vocab_size = _LONG_BATCH.value, base.vocab_size
   if not _dynamax_smoothers(None):  # (the model is only read in a call)
-    print("  dynamax", _NO_BENCH)
+    print("  dynamax", harness.NO_BENCH)
   for t in map(int, _LONG_LENS.value):
     for h in map(int, _LONG_STATES.value):
       model = hmm_lib.random_hmm(jax.random.PRNGKey(h), h, vocab_size)
       tokens = _tokens(model, t, b, 2)
       print(f"Long posterior: {b} x {t} tokens, |H|={h}")
-      fns = {f"hmmprompt method={m}": jax.jit(jax.vmap(
-          lambda x, m=m: hmm_lib.posterior(model, x, method=m)))
-             for m in _METHODS}
+      fns = {f"hmmprompt method={m}": jax.jit(jax.vmap(lambda x, m=m:
+          hmm_lib.posterior(model, x, method=m))) for m in _METHODS}
       harness.against_first(
           fns | _dynamax_smoothers(model), (tokens,), _LONG_REPEATS.value,
           lambda name, secs: f"  {name:<34s} {b * t / secs / 1e6:9.3f} M "
           "tokens/s", "our sequential time")
 
 
-def bench_targets(vocab_size):
+def bench_targets(base):
   """Per kernel, :func:`corpus.exact_targets` of 1 and of each of
-  ``--targets_windows`` batches in one call, per batch."""
+  ``--targets_windows`` batches in one call, per batch (|X| as base's)."""
   from hmmprompt import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
   b, t, h = map(int, _TARGETS_SHAPE.value)
-  model = hmm_lib.random_hmm(jax.random.PRNGKey(h), h, vocab_size)
+  model = hmm_lib.random_hmm(jax.random.PRNGKey(h), h, base.vocab_size)
   for n in sorted({1, *map(int, _TARGETS_WINDOWS.value)}):
     inputs, weights = corpus_lib.mask_tokens(
-        jax.random.PRNGKey(4), _tokens(model, t, n * b, 3), 0.15, vocab_size,
-        bert=True)
+        jax.random.PRNGKey(4), _tokens(model, t, n * b, 3), 0.15,
+        base.vocab_size, bert=True)
     print(f"Exact targets: {n} x {b} x {t} tokens, |H|={h}, in one call")
     harness.against_first(
         {m: jax.jit(jax.vmap(lambda x, w, m=m: corpus_lib.exact_targets(
@@ -187,15 +185,13 @@ def bench_targets(vocab_size):
 def main(argv):
   harness.start(argv)
   model = hmm_lib.random_hmm(jax.random.PRNGKey(0), _STATES.value, _VOCAB.value)
-  sections = {"sampling": lambda: bench_sampling(model),
-              "posterior": lambda: bench_posterior(model),
-              "long": lambda: bench_long(_VOCAB.value),
-              "targets": lambda: bench_targets(_VOCAB.value)}
+  sections = {"sampling": bench_sampling, "posterior": bench_posterior,
+              "long": bench_long, "targets": bench_targets}
   if unknown := set(_SECTIONS.value) - set(sections):
     raise app.UsageError(f"--sections: unknown {sorted(unknown)}; known "
                          f"{sorted(sections)}")
   for name in _SECTIONS.value:
-    sections[name]()
+    sections[name](model)
 
 
 if __name__ == "__main__":

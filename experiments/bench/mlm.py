@@ -1,6 +1,5 @@
-r"""A full AdamW step at a pretraining preset's shape: our Flax MLM vs
-HuggingFace's PyTorch ``BertForMaskedLM`` (the authors') in one run
-(docs/performance.md).
+r"""A full AdamW step at a preset's shape, in one run: our Flax MLM vs the
+authors', HuggingFace's PyTorch ``BertForMaskedLM`` (docs/performance.md).
 
   python -m experiments.bench.mlm [--preset=cpu|paper|...] \
       [--config.model.d_model=64 --config.batch_size=32 \
@@ -46,8 +45,7 @@ VOCAB = 10
 def resolve() -> tuple[transformer.MLMConfig, int]:
   """The preset's model (context as ``max_len``) and batch, overridden."""
   with cli.usage_errors():
-    cfg = config_flags.apply(pretrain.configure(_PRESET.value),
-                             _CONFIG.value())
+    cfg = config_flags.apply(pretrain.configure(_PRESET.value), _CONFIG.value())
   keys = ("d_model", "num_layers", "num_heads", "d_ff", "dtype", "attention")
   model = {k: getattr(cfg.model, k) for k in keys}
   return transformer.MLMConfig(vocab_size=VOCAB, max_len=cfg.corpus.chunk_len,
@@ -102,7 +100,6 @@ def bench_hf(m: transformer.MLMConfig, b: int):
     loss.backward()
     opt.step()
     return loss
-
   def sync(out):
     out.item()
     if device == "cuda":
@@ -147,8 +144,7 @@ def main(argv):
   try:
     t_hf, n_hf, desc = bench_hf(m, b)
   except ImportError:
-    return print("  torch/transformers not installed (pip install -e "
-                 "'.[bench]')")
+    return print("  torch/transformers", harness.NO_BENCH)
   report("HF BertForMaskedLM", t_hf, n_hf, f", {desc}")
   print(f"  ratio (ours / HF):      {t_hf / t_ours:9.2f}x")
 

@@ -26,8 +26,7 @@ from hmmprompt import pretrain
 _STEPS = flags.DEFINE_integer("steps", 30, "timed steps per run")
 _WARMUP = flags.DEFINE_integer("warmup", 5, "untimed steps first")
 _CHILD = flags.DEFINE_string("child", None, "internal: STUDY,ARENAS")
-_RUNS = [("figure3", "default"), ("figure3", "one"), ("icl", "default"),
-         ("icl", "one")]
+_RUNS = [(s, a) for s in ("figure3", "icl") for a in ("default", "one")]
 
 
 def child(name: str) -> dict:
@@ -40,9 +39,8 @@ def child(name: str) -> dict:
     job = pretrain.Job.of("cpu", num_states=12, trials=3)
     cfg, models_K = job.pretrain, job.make_model()
   warm, n = _WARMUP.value, _STEPS.value
-  cfg = dataclasses.replace(cfg, steps=warm + n, cycles=None,
-                            target_gap=None, eval_every=10**9,
-                            ckpt_every=10**9)
+  cfg = dataclasses.replace(cfg, steps=warm + n, cycles=None, target_gap=None,
+                            eval_every=10**9, ckpt_every=10**9)
   marks = {}
   def after_step(step):
     if step in (warm, warm + n):
@@ -62,8 +60,7 @@ def main(argv):
     glibc.retain_freed_memory()
     if arenas == "one":
       glibc.one_arena()
-    print(json.dumps(child(name)))
-    return
+    return print(json.dumps(child(name)))
   harness.start(argv, devices=False)
   print(f"{_STEPS.value} steps after {_WARMUP.value}; per step:\n"
         "study    arenas   wall ms  user ms  sys ms  sys/user  faults  "

@@ -19,7 +19,6 @@ _FAMILY_MARKERS = {"head": "s", "prompt": "o", "prefix": "^", "lora": "D",
                    "finetune": "P"}
 
 
-
 def _adaptation_cells(lines) -> dict:
   """(backbone, panel, size) -> {(method, features): (trainable params: the
   fewest and the most (a deeper fallback's), label, {trial: %})}: each
@@ -43,8 +42,8 @@ def pair_floor(floor: dict, backbone: str, a: str, b: str) -> float | None:
   return noise.difference_floor(floor, backbone, name(a), name(b))
 
 
-def section(lines, floor: dict | None = None,
-                       bayes: dict | None = None) -> str:
+def section(lines, floor: dict | None = None, bayes: dict | None = None
+            ) -> str:
   """Markdown, where ``lines`` hold adaptation arms: per backbone, panel,
   size and arm, its trainable parameters, accuracy, the paired difference
   from the head on the same draws, draws above / within / below the head
@@ -88,8 +87,7 @@ def section(lines, floor: dict | None = None,
            "(`--config.tune.prompt_len`) ran on these features at that size.\n")
 
 
-def write_plot(lines, path: str, bayes: dict | None = None
-                          ) -> None:
+def write_plot(lines, path: str, bayes: dict | None = None) -> None:
   """A panel per size: each arm's test accuracy (mean and 95% interval over
   draws), an arm per column (by method, then length or rank), a colour and
   offset per backbone, a marker per method (hollow: tokens init); the

@@ -102,9 +102,8 @@ class Setup(protocol.TrialsConfig):
 
   def panel_trials(self, panel: str) -> int:
     """HMM draws per size on ``panel`` (left | right)."""
-    if panel == "right" and self.right_trials is not None:
-      return self.right_trials
-    return self.trials
+    return (self.right_trials if panel == "right"
+            and self.right_trials is not None else self.trials)
 
   def trial_counts(self) -> dict:
     """What a workdir's trial stacks depend on."""

@@ -1,6 +1,5 @@
 """Figure 3's plot (``figure3.png``: accuracy against size per panel, the
-paper's curves beside ours) and the PNG writer every report's plot shares
-(a smoke run's title on it)."""
+paper's curves beside ours) and every report's PNG writer."""
 
 import numpy as np
 
@@ -8,6 +7,8 @@ from hmmprompt import files as files_lib
 from hmmprompt.figure3.reporting import (PAPER_LEFT, PAPER_RIGHT, SMOKE_TITLE,
                                          _label)
 
+# An arm (hmm, method) keeps its marker and colour in both panels and on its
+# paper curve (open, grey, dotted); backbones set line styles, features fills.
 _ARM_STYLES = {("vanilla", "head_linear"): ("s", "C0"),
                ("vanilla", "prompt_linear"): ("o", "C3"),
                ("vanilla", "head_linear_lbfgs"): ("D", "C4"),
@@ -33,9 +34,8 @@ _DODGE_PT, _DODGE_SPAN = 5.5, 16.0
 
 def _style(choices: dict, spares: tuple, seen: dict, key):
   """``choices[key]``, else ``key``'s spare (the same in every panel)."""
-  if key in choices:
-    return choices[key]
-  return seen.setdefault(key, spares[len(seen) % len(spares)])
+  return (choices[key] if key in choices
+          else seen.setdefault(key, spares[len(seen) % len(spares)]))
 
 
 def _curve_order(k) -> tuple:

@@ -137,11 +137,6 @@ def wins_table(lines: list[schema.ResultLine], floor: dict | None = None
                    "ties", "head wins"), rows)
 
 
-def _points(x: float) -> str:
-  """``x`` to a tenth; blank where not measured (NaN)."""
-  return "" if np.isnan(x) else f"{x:.1f}"
-
-
 def noise_floor_command(workdir: str, lines) -> str:
   """The command measuring the noise floor of ``workdir``'s ``lines``:
   their left panel's backbones, sizes, draws (at most 5) and arms; the
@@ -165,7 +160,8 @@ def floor_note(floor: dict, command: str = "") -> str:
             f"docs/noise_floor.md): the draw-by-draw table counts any "
             f"difference.\n")
   rows = [(b, m, ", ".join(map(str, v["sizes"])), f"{v['seed_sd']:.1f}",
-           f"{v['seed_range']:.1f}", _points(v["perturbed"]),
+           f"{v['seed_range']:.1f}",
+           "" if np.isnan(v["perturbed"]) else f"{v['perturbed']:.1f}",
            "" if m == "head" or (d := noise.difference_floor(
                floor, b, m, "head")) is None else f"{d:.1f}")
           for (b, m), v in sorted(floor.items())]
@@ -294,10 +290,6 @@ def write_table(summary: dict, path: str, extra: str = "",
   files_lib.atomic_write_text(path, "\n".join(out))
 
 
-# The plot's styles (write_plot): an arm, (hmm, method), has a marker and a
-# colour in both panels (the paper's curve of that arm: its marker, open, on
-# a grey dotted line); the backbone sets the line style, the features the
-# marker's fill; other keys take the spares in turn.
 # Figure 3's arms; a line of any other is an adaptation arm (Setup.arms).
 _FIGURE3_ARMS = {"head_linear", "prompt_linear", "finetune_linear",
                  "head_attention", "prompt_attention", *_ARMS}

@@ -1,7 +1,7 @@
-"""The sweep: over :func:`configs.plan`'s groups (one tuning arm on one
-model size) by model, :func:`run_sweep` draws and pretrains each model's stack of
-trials, then tunes each group's missing cells (a :class:`schema.ResultLine`
-each) in one program. Both panels share a vanilla HMM and its transformer."""
+"""The sweep: :func:`run_sweep`, by model, draws and pretrains its stack of
+trials, then tunes each of its :func:`configs.plan` groups (one tuning arm)
+in one program, a :class:`schema.ResultLine` per missing cell. Both panels
+share a vanilla HMM and its transformer."""
 
 import dataclasses
 import json

@@ -47,10 +47,9 @@ def validation_set(key, model: generative.Model,
   seqs = corpus_lib.sample_sequences(key, model, cfg.corpus.val_seqs,
                                      cfg.corpus.chunk_len)
   if cfg.model.causal:
-    hmm = generative.as_hmm(model)
     return ValidationSet(
         corpus_lib.next_token_inputs(seqs), seqs, jnp.ones(seqs.shape),
-        _next_conditionals(hmm, seqs))
+        _next_conditionals(generative.as_hmm(model), seqs))
   inputs, weights = corpus_lib.mask_tokens(
       jax.random.fold_in(key, 1), seqs, cfg.corpus.mask_rate,
       cfg.model.vocab_size, bert=False)

@@ -25,8 +25,7 @@ from hmmprompt.backbones import exact
 
 LAYOUT = 1  # bumped when a line's meaning changes for the same setup
 BACKBONES = ("transformer", "exact")
-# TuneConfig fields the curve's identity holds at any value (it was keyed
-# before they became identity.ADDED).
+# TuneConfig fields the identity keeps at any value (keyed before ADDED).
 _TUNE_KEYED = ("optimizer", "lbfgs_tol", "lbfgs_max_steps", "lbfgs_l2")
 
 
