@@ -82,6 +82,13 @@ def predicted(hmm: HMM, evidence_TxH: jax.Array) -> jax.Array:
   return pred_TxH
 
 
+def filtered(hmm: HMM, evidence_TxH: jax.Array) -> jax.Array:
+  """``[T, H]``: ``P[H_t | e_{<=t}]``, what a causal model may know at
+  ``t`` (all zeros after an impossible prefix)."""
+  filt_TxH, _ = _normalize(predicted(hmm, evidence_TxH) * evidence_TxH)
+  return filt_TxH
+
+
 def _promoted(hmm: HMM, evidence_TxH: jax.Array):
   """``(initial, transition, evidence)`` in their common dtype."""
   dtype = jnp.result_type(hmm.transition.dtype, evidence_TxH.dtype)

@@ -936,3 +936,15 @@ def test_the_helpers_a_user_calls_have_docstrings():
       smoothing.safe_log(jnp.asarray([0.0, -1.0, 1.0])), [-np.inf, -np.inf, 0])
   assert float(jax.grad(lambda x: jnp.where(
       x > 0, smoothing.safe_log(x), 0.0))(0.0)) == 0.0
+
+
+def test_the_filtered_posterior_is_bayes_on_the_prefix_by_brute_force():
+  """``smoothing.filtered``: row t is the smoothed posterior of the prefix
+  x_{<=t} alone (its last position), brute force over paths in float64."""
+  hmm = random_dense_hmm(3, 3, 4)
+  tokens = [2, MASK, 0, 3, 1]
+  ev = np.asarray(hmm_lib.token_evidence(hmm, jnp.array(tokens, jnp.int32)))
+  got = np.asarray(smoothing.filtered(hmm, jnp.asarray(ev)))
+  for t in range(len(tokens)):
+    _, post, _ = ref.brute_force(hmm.initial, hmm.transition, ev[:t + 1])
+    np.testing.assert_allclose(got[t], post[t], rtol=1e-5, atol=1e-6)
