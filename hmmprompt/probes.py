@@ -107,3 +107,33 @@ def scores(probe: Probe, x_KxNxD, y_KxNxH) -> dict:
   q /= q.sum(-1, keepdims=True)
   kl = np.where(y > 0, y * np.log(np.where(y > 0, y, 1.0) / q), 0.0)
   return {"r2": r2(probe, x_KxNxD, y), "tv": tv, "kl": kl.sum(-1).mean(-1)}
+
+
+def layer_scores(cfg: transformer.MLMConfig, params_K, tokens_KxNxT,
+                 targets_KxNxTxH, position: int | None = None,
+                 split: tuple[float, float] = (0.6, 0.2)) -> dict:
+  """:func:`scores` of each layer's probe, ``{"r2", "tv", "kl"}`` each
+  ``[L + 1, K]``, for ``K`` stacked transformers: the stream at
+  ``position`` (every position where ``None``) against the targets there;
+  the sequences split in order into ``split`` (fit, ridge choice), the
+  rest held out, so no sequence's positions are on two sides."""
+  n = tokens_KxNxT.shape[1]
+  a, b = int(n * split[0]), int(n * (split[0] + split[1]))
+  if not 0 < a < b < n:
+    raise ValueError(f"probes.layer_scores: split {split} of {n} sequences "
+                     f"leaves a part empty")
+  streams = np.asarray(jax.vmap(lambda p, t: residual_streams(cfg, p, t)[1])(
+      params_K, tokens_KxNxT), np.float64)  # [K, L + 1, N, T, D]
+  y = np.asarray(targets_KxNxTxH, np.float64)
+  if position is not None:
+    streams, y = streams[:, :, :, position:position + 1], y[:, :, position:
+                                                             position + 1]
+  rows = lambda v, lo, hi: v[:, lo:hi].reshape(len(v), -1, v.shape[-1])
+  out: dict = {"r2": [], "tv": [], "kl": []}
+  for layer in range(streams.shape[1]):
+    x = streams[:, layer]
+    probe = fit(rows(x, 0, a), rows(y, 0, a), rows(x, a, b), rows(y, a, b))
+    for k, v in scores(probe, rows(x, b, n), rows(y, b, n)).items():
+      out[k].append(v)
+  return {k: np.stack(v) for k, v in out.items()}
+

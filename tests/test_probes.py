@@ -125,3 +125,31 @@ def test_capturing_the_stream_leaves_the_outputs_bit_for_bit(causal):
   emb = model.apply(params, tokens, method=lambda m, t: m.embed(t))
   np.testing.assert_allclose(
       streams[0], emb + params["params"]["pos_embed"][:12], atol=1e-7)
+
+
+def test_layer_scores_of_a_stack_are_each_transformers_own():
+  """Two transformers of different initialisations in one call (the
+  stream captured under vmap, the probes solved in one batch) score as
+  each alone; every layer has its scores, the held-out sequences apart."""
+  cfg = pretrain.configure("tiny").model
+  cfg = transformer.MLMConfig(**{**vars(cfg), "num_layers": 2})
+  params_K = jax.vmap(lambda k: transformer.init_params(k, cfg))(
+      jax.random.split(jax.random.PRNGKey(3), 2))
+  hmm = hmm_lib.random_hmm(jax.random.PRNGKey(4), 3, cfg.vocab_size)
+  keys = jax.random.split(jax.random.PRNGKey(5), 2 * 60).reshape(2, 60, 2)
+  tokens = jax.vmap(jax.vmap(lambda k: hmm_lib.sample(k, hmm, 8)[0]))(keys)
+  post = jax.vmap(jax.vmap(lambda t: hmm_lib.posterior(hmm, t)))(tokens)
+  both = probes.layer_scores(cfg, params_K, tokens, post, position=4)
+  assert both["r2"].shape == (3, 2)
+  for k in range(2):
+    alone = probes.layer_scores(
+        cfg, jax.tree.map(lambda x, k=k: x[k:k + 1], params_K),
+        tokens[k:k + 1], post[k:k + 1], position=4)
+    # A batch of 2 against 1 may round the float32 streams differently
+    # (a few eps = 1.2e-7 each); a probe of the other trial's stream would
+    # miss by orders more.
+    for name in ("r2", "tv", "kl"):
+      np.testing.assert_allclose(both[name][:, k], alone[name][:, 0],
+                                 rtol=1e-6, atol=1e-9)
+  with pytest.raises(ValueError, match="leaves a part empty"):
+    probes.layer_scores(cfg, params_K, tokens[:, :2], post[:, :2])
