@@ -18,7 +18,6 @@ import shlex
 
 from absl import app
 from absl import flags
-import numpy as np
 
 from experiments import cli
 from hmmprompt import files as files_lib
@@ -59,6 +58,8 @@ def workdir_setup(workdir: str) -> tuple[str, dict[str, str]]:
     return {k: v for key, x in json.loads(json.dumps(d)).items()
             for k, v in (flat(x, f"{prefix}{key}.") if isinstance(x, dict)
                          else {prefix + key: x}).items()}
+  # An older stamp lacks the fields added since: their class defaults,
+  # the same under every preset.
   added = flat(identity_lib.added_defaults(configs.get_setup("tiny")))
   with open(path) as f:
     had = {**added, **flat(json.load(f))}
@@ -71,12 +72,6 @@ def workdir_setup(workdir: str) -> tuple[str, dict[str, str]]:
   return best, apart[best]
 
 
-def _section(title: str, header: tuple[str, ...], rows: list) -> str:
-  """``## title`` over a markdown table of ``rows``; "" without rows."""
-  return "\n".join([f"## {title}", ""] + files_lib.markdown_table(
-      header, rows) + [""]) if rows else ""
-
-
 def page(workdir: str, title: str, committed: str | None = None) -> str:
   """The page of ``DIR/replicates.jsonl``: spreads per size and arm, each
   arm's floor (also to ``DIR/noise_floor.json``), Adam beside its optimum
@@ -86,8 +81,8 @@ def page(workdir: str, title: str, committed: str | None = None) -> str:
   floor = noise.arm_floor(summary)
   noise.write_floor(os.path.join(workdir, noise.FLOOR), floor)
   lines = schema.read_results(workdir)
-  points = lambda x: "" if np.isnan(x) else f"{x:.1f}"  # NaN: not measured
-  parts = [f"# {title}\n", _section(
+  section, points = reporting.table_section, reporting.points
+  parts = [f"# {title}\n", section(
       "Spread per size and arm (test accuracy, points)",
       ("backbone", "size", "arm", "draws", "seeds", "between draws (sd)",
        "within a draw, tuning seeds (sd)", "largest seed range",
@@ -95,13 +90,13 @@ def page(workdir: str, title: str, committed: str | None = None) -> str:
       [(b, size, m, s["draws"], s["seeds"], *(points(s[k]) for k in (
           "draw_sd", "seed_sd", "seed_range", "perturbed")))
        for (b, size, m), s in summary.items()]), reporting.floor_note(floor),
-           _section("Adam against the optimum (head, test accuracy, points)",
-                    ("backbone", "panel", "size", "lines",
-                     "Adam > 1 point below", "mean shortfall",
-                     "largest shortfall", "prompt - Adam head",
-                     "prompt - optimum head"), noise.adam_vs_optimum(lines))]
+           section("Adam against the optimum (head, test accuracy, points)",
+                   ("backbone", "panel", "size", "lines",
+                    "Adam > 1 point below", "mean shortfall",
+                    "largest shortfall", "prompt - Adam head",
+                    "prompt - optimum head"), noise.adam_vs_optimum(lines))]
   if committed:
-    parts.append(_section(
+    parts.append(section(
         f"Beside the lines of {committed}",
         ("backbone", "arm", "size", "lines", "differ",
          "largest accuracy change", "largest gap change (nats)"),

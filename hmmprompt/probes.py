@@ -126,8 +126,8 @@ def layer_scores(cfg: transformer.MLMConfig, params_K, tokens_KxNxT,
       params_K, tokens_KxNxT), np.float64)  # [K, L + 1, N, T, D]
   y = np.asarray(targets_KxNxTxH, np.float64)
   if position is not None:
-    streams, y = streams[:, :, :, position:position + 1], y[:, :, position:
-                                                             position + 1]
+    at = slice(position, position + 1)
+    streams, y = streams[:, :, :, at], y[:, :, at]
   rows = lambda v, lo, hi: v[:, lo:hi].reshape(len(v), -1, v.shape[-1])
   out: dict = {"r2": [], "tv": [], "kl": []}
   for layer in range(streams.shape[1]):

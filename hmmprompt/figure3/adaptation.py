@@ -11,7 +11,7 @@ from hmmprompt import files as files_lib
 from hmmprompt import protocol
 from hmmprompt.figure3 import noise
 from hmmprompt.figure3.reporting import (_FIGURE3_ARMS, _LEFT_ARMS,
-                                         _arm_label, _cell, _section,
+                                         _arm_label, _cell, table_section,
                                          mean_ci, smoke_note)
 from hmmprompt.figure3.plots import write_png
 
@@ -76,7 +76,7 @@ def section(lines, floor: dict | None = None, bayes: dict | None = None
                    f"{(d < -tie).sum()}",
                    f"{np.mean(list(ref[2].values())) - mean[0]:.1f}"
                    if ref else ""))
-  return _section(
+  return table_section(
       "Adaptation arms: test accuracy (%), mean ± 95% interval (draws)",
       ("backbone", "panel", "size", "arm", "trainable params", "accuracy",
        "arm - head (paired)", "pair floor", "draws above / within floor / "

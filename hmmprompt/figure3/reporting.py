@@ -132,9 +132,14 @@ def wins_table(lines: list[schema.ResultLine], floor: dict | None = None
       rows.append((backbone, features, size, len(pairs),
                    int((p - h > tie).sum()), int((abs(p - h) <= tie).sum()),
                    int((h - p > tie).sum())))
-  return _section("Prompt vs head tuning, draw by draw (left panel)",
+  return table_section("Prompt vs head tuning, draw by draw (left panel)",
                   ("backbone", "features", "size", "draws", "prompt wins",
                    "ties", "head wins"), rows)
+
+
+def points(x: float) -> str:
+  """``x`` to a tenth; blank where not measured (NaN)."""
+  return "" if np.isnan(x) else f"{x:.1f}"
 
 
 def noise_floor_command(workdir: str, lines) -> str:
@@ -161,11 +166,11 @@ def floor_note(floor: dict, command: str = "") -> str:
             f"difference.\n")
   rows = [(b, m, ", ".join(map(str, v["sizes"])), f"{v['seed_sd']:.1f}",
            f"{v['seed_range']:.1f}",
-           "" if np.isnan(v["perturbed"]) else f"{v['perturbed']:.1f}",
+           points(v["perturbed"]),
            "" if m == "head" or (d := noise.difference_floor(
                floor, b, m, "head")) is None else f"{d:.1f}")
           for (b, m), v in sorted(floor.items())]
-  return _section(
+  return table_section(
       "The noise floor of each arm (test accuracy, points; how it is "
       "measured: docs/noise_floor.md)",
       ("backbone", "arm", "sizes measured", "tuning seeds (sd)",
@@ -179,7 +184,7 @@ def floor_note(floor: dict, command: str = "") -> str:
 def diverged_table(lines: list[schema.ResultLine]) -> str:
   """Markdown naming every cell whose tuning loss ended non-finite."""
   bad = [r for r in lines if not np.isfinite(r.final_loss)]
-  return _section(
+  return table_section(
       f"Diverged tuning: {len(bad)} cell(s) ended with a non-finite loss "
       "(their accuracies are in the tables)",
       ("backbone", "panel", "size", "trial", "task", "arm", "HMM", "test acc"),
@@ -189,7 +194,7 @@ def diverged_table(lines: list[schema.ResultLine]) -> str:
 
 
 def components_table(lines: list[schema.ResultLine]) -> str:
-  return _section(
+  return table_section(
       "Variance components (points): SD between trials (HMM draws) / SD "
       "within a trial (task draws)", ("curve", "size", "between", "within"),
       [(_label(k), size, f"{b:.1f}", f"{w:.1f}")
@@ -197,7 +202,7 @@ def components_table(lines: list[schema.ResultLine]) -> str:
        for size, (b, w) in d.items()])
 
 
-def _section(title: str, header: tuple[str, ...], rows: list) -> str:
+def table_section(title: str, header: tuple[str, ...], rows: list) -> str:
   """``## title`` over a markdown table of ``rows``; "" without rows."""
   if not rows:
     return ""
@@ -309,7 +314,8 @@ def write_figure3_report(workdir: str) -> dict:
   """Writes ``figure3.md``, ``figure3.png`` and ``pretraining.png`` in
   ``workdir``; returns :func:`summarize`'s summary."""
   # Imported here: the adaptation tables and the plots use this module's parts.
-  from hmmprompt.figure3 import adaptation, plots  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from hmmprompt.figure3 import adaptation, plots
   lines = schema.read_results(workdir)
   schema.check_one_setup(lines, workdir)
   summary = summarize(lines)
