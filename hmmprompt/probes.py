@@ -8,6 +8,7 @@ variation and KL from the exact posterior to its prediction projected onto
 the simplex. Probes of ``[K]`` stacked trials are fitted in one batched
 solve, each trial's its own."""
 
+import functools
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -96,44 +97,76 @@ def to_simplex(y_NxH) -> np.ndarray:
   return np.maximum(y - theta, 0.0)
 
 
-def scores(probe: Probe, x_KxNxD, y_KxNxH) -> dict:
-  """``{"r2", "tv", "kl"}``, each ``[K]``: R², and the mean total variation
-  and KL(exact || prediction) with the prediction projected onto the
-  simplex (floored at :data:`KL_FLOOR` for the KL, renormalised)."""
+def scores(probe: Probe, x_KxNxD, y_KxNxH, mu_KxCxH=None) -> dict:
+  """``{"r2", "tv", "kl", "peak", "peak_exact"}``, each ``[K]``: R², the
+  mean total variation and KL(exact || prediction) with the prediction
+  projected onto the simplex (floored at :data:`KL_FLOOR` for the KL,
+  renormalised), and the mean largest probability of the projection and of
+  the exact posterior (how sharp each is); with ``mu [K, C, H]`` also
+  ``"label_acc"``: how often ``argmax mu @ q`` is the exact one's."""
   y = np.asarray(y_KxNxH, np.float64)
   q = to_simplex(predict(probe, x_KxNxD))
-  tv = 0.5 * np.abs(y - q).sum(-1).mean(-1)
+  out = {"r2": r2(probe, x_KxNxD, y), "tv": 0.5 * np.abs(y - q).sum(-1).mean(-1),
+         "peak": q.max(-1).mean(-1), "peak_exact": y.max(-1).mean(-1)}
+  if mu_KxCxH is not None:
+    label = lambda p: np.argmax(p @ np.swapaxes(mu_KxCxH, 1, 2), -1)
+    out["label_acc"] = (label(q) == label(y)).mean(-1)
   q = np.maximum(q, KL_FLOOR)
   q /= q.sum(-1, keepdims=True)
   kl = np.where(y > 0, y * np.log(np.where(y > 0, y, 1.0) / q), 0.0)
-  return {"r2": r2(probe, x_KxNxD, y), "tv": tv, "kl": kl.sum(-1).mean(-1)}
+  return {**out, "kl": kl.sum(-1).mean(-1)}
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _features(cfg: transformer.MLMConfig, params_K, tokens_KxBxT, at_P):
+  """``(streams [K, L + 1, B, P, D], probs [K, B, P, V])`` at positions
+  ``at_P``: the stream after the embedding and each block, and the output
+  probabilities (what a head reads)."""
+  def one(params, tokens):
+    logits, streams = residual_streams(cfg, params, tokens)
+    return streams[:, :, at_P], jax.nn.softmax(logits[:, at_P], -1)
+  return jax.vmap(one)(params_K, tokens_KxBxT)
 
 
 def layer_scores(cfg: transformer.MLMConfig, params_K, tokens_KxNxT,
-                 targets_KxNxTxH, position: int | None = None,
-                 split: tuple[float, float] = (0.6, 0.2)) -> dict:
-  """:func:`scores` of each layer's probe, ``{"r2", "tv", "kl"}`` each
-  ``[L + 1, K]``, for ``K`` stacked transformers: the stream at
-  ``position`` (every position where ``None``) against the targets there;
-  the sequences split in order into ``split`` (fit, ridge choice), the
-  rest held out, so no sequence's positions are on two sides."""
-  n = tokens_KxNxT.shape[1]
+                 targets_KxNxPxH, positions=None,
+                 split: tuple[float, float] = (0.6, 0.2), mu_KxCxH=None,
+                 shuffle: bool = False, batch: int = 128, keep: bool = False
+                 ) -> dict:
+  """:func:`scores` of each input's probe, each ``[L + 2, K]`` for ``K``
+  stacked transformers: the stream after the embedding and each of the
+  ``L`` blocks, then the output probabilities (what a head reads), at
+  ``positions`` (every position where ``None``; the targets are there,
+  ``P`` of them). The sequences split in order into ``split`` (fit, ridge
+  choice) and the rest held out, no sequence on two sides; ``shuffle``:
+  the targets permuted across sequences (the control); ``keep``: also
+  ``"kept"``, the held-out targets ``[K, R, H]`` and each input's projected
+  predictions ``[L + 2, K, R, H]``. Streams are read ``batch`` sequences at
+  a time (memory)."""
+  n, length = tokens_KxNxT.shape[1:]
   a, b = int(n * split[0]), int(n * (split[0] + split[1]))
   if not 0 < a < b < n:
     raise ValueError(f"probes.layer_scores: split {split} of {n} sequences "
                      f"leaves a part empty")
-  streams = np.asarray(jax.vmap(lambda p, t: residual_streams(cfg, p, t)[1])(
-      params_K, tokens_KxNxT), np.float64)  # [K, L + 1, N, T, D]
-  y = np.asarray(targets_KxNxTxH, np.float64)
-  if position is not None:
-    at = slice(position, position + 1)
-    streams, y = streams[:, :, :, at], y[:, :, at]
+  at = np.arange(length) if positions is None else np.asarray(positions)
+  parts = [_features(cfg, params_K, tokens_KxNxT[:, i:i + batch], at)
+           for i in range(0, n, batch)]
+  inputs = [np.concatenate([np.asarray(p[0][:, layer]) for p in parts], 1)
+            for layer in range(cfg.num_layers + 1)]
+  inputs.append(np.concatenate([np.asarray(p[1]) for p in parts], 1))
+  y = np.asarray(targets_KxNxPxH, np.float64)
+  if shuffle:
+    y = y[:, np.random.default_rng(0).permutation(n)]
   rows = lambda v, lo, hi: v[:, lo:hi].reshape(len(v), -1, v.shape[-1])
-  out: dict = {"r2": [], "tv": [], "kl": []}
-  for layer in range(streams.shape[1]):
-    x = streams[:, layer]
+  out: dict = {}
+  kept = []
+  mu = None if mu_KxCxH is None else np.asarray(mu_KxCxH, np.float64)
+  for x in inputs:
+    x = x.astype(np.float64)
     probe = fit(rows(x, 0, a), rows(y, 0, a), rows(x, a, b), rows(y, a, b))
-    for k, v in scores(probe, rows(x, b, n), rows(y, b, n)).items():
-      out[k].append(v)
-  return {k: np.stack(v) for k, v in out.items()}
-
+    for k, v in scores(probe, rows(x, b, n), rows(y, b, n), mu).items():
+      out.setdefault(k, []).append(v)
+    if keep:
+      kept.append(to_simplex(predict(probe, rows(x, b, n))))
+  out = {k: np.stack(v) for k, v in out.items()}
+  return {**out, "kept": (rows(y, b, n), np.stack(kept))} if keep else out

@@ -372,14 +372,16 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
       files_lib.append_lines(path, lines)
       done += 1
       elapsed = time.perf_counter() - t0
-      accs = [r.test_accuracy for r in lines]
+      field = getattr(lines[0], "PROGRESS", "test_accuracy")
+      accs = [getattr(r, field) for r in lines]
       bad = sum(not np.isfinite(getattr(r, "final_loss", 0.0))
                 for r in lines)
       count, timing = schedule.progress_line(f"{mid.tag}-{i}", done, total,
                                              elapsed)
       logging.info(
-          "%s %s %s: test acc %.3f +- %.3f over %d lines (%.1fs)%s; %s",
-          count, mid.tag, g, np.mean(accs), np.std(accs), len(lines),
+          "%s %s %s: %s %.3f +- %.3f over %d lines (%.1fs)%s; %s",
+          count, mid.tag, g, {"test_accuracy": "test acc"}.get(field, field),
+          np.mean(accs), np.std(accs), len(lines),
           lines[0].seconds,
           f"; {bad} with a non-finite tuning loss" if bad else "", timing)
     if weight is not None:

@@ -139,16 +139,17 @@ def test_layer_scores_of_a_stack_are_each_transformers_own():
   keys = jax.random.split(jax.random.PRNGKey(5), 2 * 60).reshape(2, 60, 2)
   tokens = jax.vmap(jax.vmap(lambda k: hmm_lib.sample(k, hmm, 8)[0]))(keys)
   post = jax.vmap(jax.vmap(lambda t: hmm_lib.posterior(hmm, t)))(tokens)
-  both = probes.layer_scores(cfg, params_K, tokens, post, position=4)
-  assert both["r2"].shape == (3, 2)
+  both = probes.layer_scores(cfg, params_K, tokens, post[:, :, 4:5],
+                              positions=[4])
+  assert both["r2"].shape == (4, 2)
   for k in range(2):
     alone = probes.layer_scores(
         cfg, jax.tree.map(lambda x, k=k: x[k:k + 1], params_K),
-        tokens[k:k + 1], post[k:k + 1], position=4)
+        tokens[k:k + 1], post[k:k + 1, :, 4:5], positions=[4])
     # A batch of 2 against 1 may round the float32 streams differently
     # (a few eps = 1.2e-7 each); a probe of the other trial's stream would
     # miss by orders more.
-    for name in ("r2", "tv", "kl"):
+    for name in ("r2", "tv", "kl", "peak"):
       np.testing.assert_allclose(both[name][:, k], alone[name][:, 0],
                                  rtol=1e-6, atol=1e-9)
   with pytest.raises(ValueError, match="leaves a part empty"):

@@ -214,7 +214,7 @@ def prepare(workdir: str, setup: IclSetup, backbone: Backbone) -> dict:
     pretrain_lib.run_trials(pdir, setup.pretrain, generative.stack(
         [mix] * setup.seeds), log=logging.info)
     _, params, infos = pretrain_lib.load_trials(pdir)
-    stack.update(model_cfg=setup.pretrain.model, params=params,
+    stack.update(model_cfg=setup.pretrain.model, params=params, infos=infos,
                  ce_gaps=[i.metrics.get("ce_gap", np.nan) for i in infos])
   return stack
 

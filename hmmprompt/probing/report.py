@@ -1,0 +1,233 @@
+"""Where the posterior lives, its report: DIR/probes.md (:func:`markdown`)
+from DIR/probes.jsonl, the paper's tasks beside the adaptation arms'
+accuracies on the same draws, and DIR/mess3_simplex.png
+(:func:`write_simplex`, drawn by the sweep: it needs the predictions)."""
+
+import os
+
+import numpy as np
+
+from hmmprompt import files as files_lib
+from hmmprompt.figure3 import reporting
+from hmmprompt.probing.setup import ADAPTATION_RESULTS, get_setup
+from hmmprompt.probing.sweep import ProbeLine, read_probe_lines
+
+ARMS = {"head": "head_{}", "prompt": "prompt_{}", "LoRA": "lora_{}_r4"}
+"""The adaptation arms set beside the probes (prompt: 20 vectors)."""
+
+
+def _ms(values, scale: float = 1.0, fmt: str = ".3f") -> str:
+  v = scale * np.asarray(values, np.float64)
+  return f"{v.mean():{fmt}}" + (f" ± {v.std():{fmt}}" if len(v) > 1 else "")
+
+
+def best(line: ProbeLine, field: str = "r2") -> tuple[int, float]:
+  """``(input index, value)`` of the block (not the embedding or output)
+  with the best held-out R², within the trial's own depth; ``field``'s
+  value there."""
+  i = 1 + int(np.argmax(line.r2[1:line.layers + 1]))
+  return i, getattr(line, field)[i]
+
+
+def _by(lines, **where) -> list[ProbeLine]:
+  return [r for r in lines if all(getattr(r, k) == v for k, v in where.items())]
+
+
+def _mess3(lines: list[ProbeLine]) -> list[str]:
+  got = {c: _by(lines, study="mess3", control=c) for c in
+         ("trained", "random", "shuffled")}
+  if not got["trained"]:
+    return []
+  names = got["trained"][0].inputs
+  col = lambda c, f, i: _ms([getattr(r, f)[i] for r in got[c]]) if got[c] else ""
+  rows = [[n, col("trained", "r2", i), col("trained", "tv", i),
+           col("trained", "kl", i), col("random", "r2", i),
+           col("shuffled", "r2", i)] for i, n in enumerate(names)]
+  gaps = ", ".join(f"{r.ce_gap:.4f}" for r in got["trained"])
+  return ["## Mess3", "", f"Causal transformers on Mess3 (x = 0.05, alpha = "
+          f"0.85), {len(got['trained'])} seeds (held-out next-symbol CE gaps "
+          f"to the Bayes CE: {gaps} nats); the belief P(S_t | x_<t) probed at "
+          f"every position, {got['trained'][0].rows} held-out rows. Mean ± sd "
+          "over seeds.", ""] + files_lib.markdown_table(
+              ["input", "R²", "TV", "KL (nats)", "R², random init",
+               "R², shuffled"], rows) + [
+                   "", "![Mess3's belief simplex](mess3_simplex.png)", ""]
+
+
+def adaptation_accuracy(results_path: str) -> dict:
+  """``{(model tag, trial, hmm fingerprint): {arm: accuracy}}`` of an
+  adaptation run's ``results.jsonl``: :data:`ARMS` on the transformer,
+  head and prompt on the exact backbone (``exact head``, ``exact prompt``),
+  and the transformer's pretraining gap (``gap``)."""
+  out: dict = {}
+  for d in files_lib.read_jsonl(results_path):
+    mem = f"-m{d['memory_size']}" if d["hmm"] == "memory" else ""
+    head = "attention" if d["hmm"] == "memory" else "linear"
+    cell = out.setdefault((f"{d['hmm']}-h{d['num_states']}{mem}", d["trial"],
+                           d["hmm_fingerprint"]), {})
+    for arm, name in ARMS.items():
+      if d["method"] != name.format(head) or d["features"] != "raw":
+        continue
+      if d["backbone"] == "transformer":
+        cell[arm], cell["gap"] = d["test_accuracy"], d["pretrain_ce_gap"]
+      elif arm != "LoRA":
+        cell[f"exact {arm}"] = d["test_accuracy"]
+  return out
+
+
+def _corr(a, b) -> str:
+  if len(a) < 3 or np.std(a) == 0 or np.std(b) == 0:
+    return "n/a"
+  return f"{np.corrcoef(a, b)[0, 1]:+.2f}"
+
+
+def _tasks(lines: list[ProbeLine], results_path: str) -> list[str]:
+  trained = _by(lines, study="tasks", control="trained")
+  if not trained:
+    return []
+  arms = adaptation_accuracy(results_path) if os.path.exists(
+      results_path) else {}
+  ctrl = {(r.model, r.trial, r.control): r for r in lines
+          if r.study == "tasks"}
+  rows, gain, lora, prompt, gaps = [], [], [], [], []
+  for tag in sorted({r.model for r in trained}, key=lambda t: (
+      t.startswith("memory"), int(t.split("-h")[1].split("-")[0]))):
+    mine = sorted(_by(trained, model=tag), key=lambda r: r.trial)
+    acc = [arms.get((tag, r.trial, r.hmm_fingerprint), {}) for r in mine]
+    arm = lambda a: (_ms([x[a] for x in acc], 100, ".1f")
+                     if all(a in x for x in acc) else "")
+    rand = [best(ctrl[(tag, r.trial, "random")])[1] for r in mine
+            if (tag, r.trial, "random") in ctrl]
+    shuf = [best(ctrl[(tag, r.trial, "shuffled")])[1] for r in mine
+            if (tag, r.trial, "shuffled") in ctrl]
+    rows.append([tag, len(mine), _ms([r.r2[-1] for r in mine]),
+                 _ms([best(r)[1] for r in mine]),
+                 ", ".join(str(best(r)[0]) for r in mine),
+                 _ms(rand) if rand else "", _ms(shuf) if shuf else "",
+                 _ms([(r.label_acc or [np.nan])[-1] for r in mine], 100, ".1f"),
+                 _ms([best(r, "label_acc")[1] for r in mine], 100, ".1f"),
+                 arm("head"), arm("prompt"), arm("LoRA"), arm("exact head"),
+                 arm("exact prompt")])
+    for r, x in zip(mine, acc):
+      if all(a in x for a in ARMS):
+        gain.append(best(r, "label_acc")[1] - (r.label_acc or [np.nan])[-1])
+        lora.append(x["LoRA"] - x["head"])
+        prompt.append(x["prompt"] - x["head"])
+        gaps.append(abs(x["gap"] - r.ce_gap))
+  out = ["## The paper's tasks", "",
+         "At the `MASK`, the posterior the label reads (`P[H_0 | x]`; memory "
+         "HMMs: `P[M | x]`), probed on each draw's task: fit on its train "
+         "split, ridge on val, scored on test. R² of the output "
+         "probabilities' probe (what a head reads) and of the best block's "
+         "(its index per draw; 0 is the embedding), the controls' best "
+         "block, the probes' label accuracy (%), and the adaptation arms' "
+         "test accuracy (%) on the same draws (prompt: 20 vectors; LoRA: "
+         "rank 4), mean ± sd over draws.", ""]
+  out += files_lib.markdown_table(
+      ["model", "draws", "R² output", "R² best block", "best block",
+       "R² random init", "R² shuffled", "probe acc output",
+       "probe acc best block", "head", "prompt", "LoRA", "exact head",
+       "exact prompt"], rows)
+  if gain:
+    out += ["", f"Draw by draw ({len(gain)} draws joined to "
+            f"{results_path} by HMM fingerprint; their pretraining gaps "
+            f"agree within {max(gaps):.1e} nats): the correlation of the "
+            f"probe's gain (best block's label accuracy minus the output's, "
+            f"mean {100 * np.mean(gain):+.1f} points) with LoRA's gain over "
+            f"the head (mean {100 * np.mean(lora):+.1f}) is "
+            f"{_corr(gain, lora)}, with the prompt's (mean "
+            f"{100 * np.mean(prompt):+.1f}) {_corr(gain, prompt)}."]
+  elif trained:
+    out += ["", f"No draw matched {results_path} (another setup's draws): "
+            "the arms' columns are blank."]
+  return out + [""]
+
+
+def _ginc(lines: list[ProbeLine]) -> list[str]:
+  trained = _by(lines, study="ginc", control="trained")
+  if not trained:
+    return []
+  ctrl = {(r.trial, r.target, r.where, r.control): r for r in lines
+          if r.study == "ginc"}
+  order = lambda w: -1 if w == "documents" else int(w[2:])
+  rows = []
+  for target in ("concept", "state"):
+    for where in sorted({r.where for r in trained}, key=order):
+      mine = _by(trained, target=target, where=where)
+      if not mine:
+        continue
+      other = lambda c: [best(ctrl[(r.trial, target, where, c)])[1]
+                         for r in mine if (r.trial, target, where, c) in ctrl]
+      rows.append([target, where, mine[0].rows, _ms([r.r2[-1] for r in mine]),
+                   _ms([best(r)[1] for r in mine]),
+                   _ms([best(r, "tv")[1] for r in mine]),
+                   f"{mine[0].peak_exact:.3f}",
+                   _ms([best(r, "peak")[1] for r in mine]),
+                   _ms(other("random")), _ms(other("shuffled"))])
+  gaps = ", ".join(f"{r.ce_gap:.3f}" for r in _by(
+      trained, target="concept", where="documents"))
+  return ["## GINC", "", "The ICL study's causal transformers (CE gaps "
+          f"{gaps} nats): the concept posterior and the state posterior "
+          "`P[H_t | x_<t]` of the mixture, probed on documents (every few "
+          "positions) and at the label position of `ID_sample` prompts with "
+          "k examples (the reference `exact concept:1e-06`'s posterior). "
+          "Peak: the mean largest probability, exact and of the best "
+          "block's projected probe. Mean ± sd over seeds.", ""
+          ] + files_lib.markdown_table(
+              ["target", "where", "held-out rows", "R² output",
+               "R² best block", "TV best block", "peak exact",
+               "peak probe", "R² random init", "R² shuffled"], rows) + [""]
+
+
+def markdown(lines: list[ProbeLine], results_path: str, smoke: str = ""
+             ) -> str:
+  """DIR/probes.md: a section per study present."""
+  out = ["# Where the posterior lives: linear probes of the residual stream",
+         ""] + ([smoke, ""] if smoke else []) + [
+             "Affine probes fitted by ridge regression (float64, ridge chosen "
+             "on a validation split) from each input (`embed`, `block i`, "
+             "`output`: the output probabilities) to the exact posterior; "
+             "held-out R² (1 - residual / total sum of squares, pooled over "
+             "the posterior's coordinates), total variation and KL to the "
+             "prediction projected onto the simplex. Controls: the same "
+             "probe of a randomly initialised transformer of the same shape, "
+             "and of targets shuffled across sequences.", ""]
+  return "\n".join(out + _mess3(lines) + _tasks(lines, results_path)
+                   + _ginc(lines))
+
+
+def write_report(workdir: str, results_path: str = ADAPTATION_RESULTS
+                 ) -> str:
+  """Writes DIR/probes.md; returns it (``results_path``: the adaptation
+  results beside the paper's tasks)."""
+  lines = read_probe_lines(workdir)
+  tiny = get_setup("tiny")
+  smoke = reporting.smoke(
+      tiny.fingerprint() in {r.setup for r in lines}, "the `tiny` preset's "
+      "(a few steps of pretraining, tiny HMMs, few sequences)",
+      "`--preset=cpu` or docs/results/probes")
+  text = markdown(lines, results_path, smoke)
+  files_lib.atomic_write_text(os.path.join(workdir, "probes.md"), text)
+  return text
+
+
+def write_simplex(workdir: str, kept, r2_IxK) -> None:
+  """DIR/mess3_simplex.png: trial 0's held-out beliefs, exact and probed at
+  its best block, in the simplex, coloured by the exact belief."""
+  y, q_I = kept
+  i = 1 + int(np.argmax(r2_IxK[1:-1, 0]))
+  plt = files_lib.pyplot()
+  fig, axes = plt.subplots(1, 2, figsize=(9, 4.4))
+  xy = lambda p: (p[:, 1] + 0.5 * p[:, 2], np.sqrt(3) / 2 * p[:, 2])
+  colour = np.clip(y[0], 0, 1)
+  for ax, p, title in ((axes[0], y[0], "exact belief"),
+                       (axes[1], q_I[i, 0], f"probe of block {i} "
+                        f"(held-out R² {r2_IxK[i, 0]:.3f})")):
+    ax.scatter(*xy(p), s=1.5, c=colour, alpha=0.6, linewidths=0)
+    ax.plot([0, 1, 0.5, 0], [0, 0, np.sqrt(3) / 2, 0], "k-", lw=0.6)
+    ax.set_title(title, fontsize=10)
+    ax.set_aspect("equal")
+    ax.axis("off")
+  fig.suptitle("Mess3 (x = 0.05, alpha = 0.85): the belief simplex")
+  fig.tight_layout()
+  files_lib.atomic_write_png(os.path.join(workdir, "mess3_simplex.png"), fig)
