@@ -77,16 +77,6 @@ def atomic_write_png(path: str, fig, dpi: int = 110) -> None:
   atomic_write_bytes(path, buf.getvalue())
 
 
-def line_from_json(cls, d: dict, what: str) -> Any:
-  """``cls(**d)``; ``ValueError`` naming ``what`` and bad or missing fields."""
-  if unknown := sorted(set(d) - {f.name for f in dataclasses.fields(cls)}):
-    raise ValueError(f"{what} has unknown fields {unknown}")
-  try:
-    return cls(**d)
-  except TypeError as e:
-    raise ValueError(f"{what} is incomplete: {e}") from None
-
-
 def read_jsonl(path: str) -> list[dict]:
   """A JSONL file's records ([] if missing); ``ValueError`` at a bad line."""
   if not os.path.exists(path):
@@ -146,8 +136,14 @@ class Line:
 
   @classmethod
   def from_json(cls, d: dict):
-    """Raises ``ValueError`` naming missing or unknown fields."""
-    return line_from_json(cls, d, cls.WHAT)
+    """``cls(**d)``; ``ValueError`` naming missing or unknown fields."""
+    fields = {f.name for f in dataclasses.fields(cast(Any, cls))}
+    if unknown := sorted(set(d) - fields):
+      raise ValueError(f"{cls.WHAT} has unknown fields {unknown}")
+    try:
+      return cls(**d)
+    except TypeError as e:
+      raise ValueError(f"{cls.WHAT} is incomplete: {e}") from None
 
 
 def read_lines(pattern: str, cls) -> list:

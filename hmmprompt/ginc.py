@@ -64,16 +64,6 @@ class GincConfig:
                        "in [0, 1]")
 
 
-def permutation_mixture(key, n: int, temp: float) -> jax.Array:
-  """``[n, n]``: ``n`` random permutation matrices mixed with weights
-  ``softmax((u - 1/2) / temp)``, ``u`` uniform (GINC's transition block)."""
-  k_mix, k_perm = jax.random.split(key)
-  weights = jax.nn.softmax((jax.random.uniform(k_mix, (n,)) - 0.5) / temp)
-  perms = jax.vmap(lambda k: jax.random.permutation(k, n))(
-      jax.random.split(k_perm, n))
-  return jnp.einsum("p,pij->ij", weights, jax.nn.one_hot(perms, n))
-
-
 def memory_matrix(key, cfg: GincConfig) -> jax.Array:
   """``int32 [V, S]``: each state's symbol, 1.. at random, 0 at slot 0."""
   symbols = jax.random.randint(key, (cfg.num_values, cfg.num_slots), 1,
@@ -87,16 +77,16 @@ def concept(key, cfg: GincConfig, memory_VxS: jax.Array,
   value factor (GINC draws it once, under a fixed seed) and memory."""
   k_start, k_slot = jax.random.split(key)
   n = cfg.num_values * cfg.num_slots
-  start = jax.nn.softmax((jax.random.uniform(k_start, (n,)) - 0.5)
-                         / cfg.start_temp)
-  slot = permutation_mixture(k_slot, cfg.num_slots, cfg.transition_temp)
+  start = hmm_lib.random_simplex(k_start, (n,), cfg.start_temp)
+  slot = hmm_lib.random_transition(k_slot, cfg.num_slots, cfg.transition_temp)
   return hmm_lib.HMM(start, jnp.kron(value_factor_VxV, slot), jax.nn.one_hot(
       memory_VxS.reshape(-1), cfg.num_symbols))
 
 
 def value_factor(key, cfg: GincConfig) -> jax.Array:
-  """``[V, V]``: ``c I + (1 - c)`` a :func:`permutation_mixture`."""
-  mix = permutation_mixture(key, cfg.num_values, cfg.transition_temp)
+  """``[V, V]``: ``c I + (1 - c)`` a permutation mixture
+  (:func:`hmm.random_transition`, GINC's transition block)."""
+  mix = hmm_lib.random_transition(key, cfg.num_values, cfg.transition_temp)
   c = cfg.value_identity
   return c * jnp.eye(cfg.num_values) + (1 - c) * mix
 
@@ -184,14 +174,13 @@ def load_released(path: str) -> dict:
   return out
 
 
-def mixture(concepts_K: hmm_lib.HMM, prior_K: jax.Array | None = None
-            ) -> hmm_lib.HMM:
+def mixture(concepts_K: hmm_lib.HMM) -> hmm_lib.HMM:
   """The mixture of ``K`` concepts as one HMM over ``K H`` states: the
-  first state's distribution ``prior_k initial_k`` (uniform prior by
-  default), a block-diagonal transition (a document never changes its
-  concept), the emissions stacked."""
+  first state's distribution ``initial_k / K`` (a uniform prior), a
+  block-diagonal transition (a document never changes its concept), the
+  emissions stacked."""
   k, h = concepts_K.initial.shape
-  prior = jnp.full((k,), 1.0 / k) if prior_K is None else prior_K
+  prior = jnp.full((k,), 1.0 / k)
   eye = jnp.eye(k, dtype=concepts_K.transition.dtype)
   transition = jnp.einsum("kl,kij->kilj", eye, concepts_K.transition)
   return hmm_lib.HMM((prior[:, None] * concepts_K.initial).reshape(-1),

@@ -84,21 +84,19 @@ class Head:
   reads_all_positions: bool
 
 
-def init_linear(key, num_features: int, num_classes: int = NUM_CLASSES) -> dict:
+def init_linear(key, num_features: int) -> dict:
   del key  # zero init: a linear model has no symmetry to break
-  return {"w": jnp.zeros((num_features, num_classes)),
-          "bias": jnp.zeros((num_classes,))}
+  return {"w": jnp.zeros((num_features, NUM_CLASSES)),
+          "bias": jnp.zeros((NUM_CLASSES,))}
 
 
 def apply_linear(params: dict, feats_F: jax.Array) -> jax.Array:
   return feats_F @ params["w"] + params["bias"]
 
 
-def init_attention(key, vocab_size: int, embed_dim: int, seq_len: int,
-                   num_classes: int = NUM_CLASSES,
-                   key_dim: int | None = None) -> dict:
-  """``key_dim`` defaults to ``embed_dim + 1`` (the paper's ``|H| + 1``)."""
-  key_dim = key_dim or embed_dim + 1
+def init_attention(key, vocab_size: int, embed_dim: int, seq_len: int) -> dict:
+  """Keys of ``embed_dim + 1`` dimensions (the paper's ``|H| + 1``)."""
+  key_dim = embed_dim + 1
   k_k, k_q, k_v, k_b = jax.random.split(key, 4)
   normal = lambda k, shape, fan_in: jax.random.normal(k, shape) * (
       1.0 / jnp.sqrt(fan_in))
@@ -108,8 +106,8 @@ def init_attention(key, vocab_size: int, embed_dim: int, seq_len: int,
       "q": normal(k_q, (key_dim,), key_dim),
       "log_temp": jnp.zeros(()),
       "theta_v": normal(k_v, (embed_dim, vocab_size), vocab_size),
-      "b": normal(k_b, (embed_dim, num_classes), embed_dim),
-      "bias": jnp.zeros((num_classes,)),
+      "b": normal(k_b, (embed_dim, NUM_CLASSES), embed_dim),
+      "bias": jnp.zeros((NUM_CLASSES,)),
   }
 
 

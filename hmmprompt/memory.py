@@ -270,40 +270,6 @@ class MultiMemoryHMM(validation.ValidatedParams, hmm_lib.Emitting,
     return self.memory_size**self.num_cells * self.num_cells * self.num_syntax
 
 
-def draw_random_multi_memory_hmm(key, num_cells: int, memory_size: int,
-                                  num_syntax: int, vocab_size: int,
-                                  transition_temp, emission_temp,
-                                  initial_temp, memory_temp) -> MultiMemoryHMM:
-  """Kernel of :func:`random_multi_memory_hmm` (sizes static)."""
-  k_c, k_p, k_e = jax.random.split(key, 3)
-  chain = hmm_lib.draw_random_hmm(k_c, num_cells * num_syntax, vocab_size,
-                                  transition_temp, emission_temp, initial_temp)
-  cells = (num_cells, memory_size)
-  return MultiMemoryHMM(
-      memory_prior=hmm_lib.random_simplex(k_p, cells, memory_temp),
-      initial=chain.initial, transition=chain.transition,
-      emission=hmm_lib.random_simplex(
-          k_e, cells + (num_syntax, vocab_size), emission_temp))
-
-
-@validation.entry_point(draw_random_multi_memory_hmm,
-                        static_argnums=(1, 2, 3, 4))
-def random_multi_memory_hmm(key, num_cells: int, memory_size: int,
-                            num_syntax: int, vocab_size: int, *,
-                            transition_temp: float = 0.01,
-                            emission_temp: float = 0.01,
-                            initial_temp: float = 10.0,
-                            memory_temp: float = 10.0) -> MultiMemoryHMM:
-  """Random multi-cell memory HMM: the chain on ``(J, S)`` is Appendix D's
-  random HMM, each emission row ``(j, m, s)`` an independent softmax."""
-  if min(num_cells, memory_size, num_syntax, vocab_size) < 1:
-    raise ValueError("num_cells, memory_size, num_syntax and vocab_size must "
-                     "be >= 1")
-  return validation.kernel_args(key, num_cells, memory_size, num_syntax,
-                                vocab_size, transition_temp, emission_temp,
-                                initial_temp, memory_temp)
-
-
 def _check_product_size(mm: MultiMemoryHMM) -> None:
   k = mm.num_product_states
   if k > MAX_PRODUCT_STATES:

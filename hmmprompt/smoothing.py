@@ -115,16 +115,15 @@ def _backward_step(trans_HxH):
   return backward
 
 
-def forward_backward_blocked(hmm: HMM, evidence_TxH: jax.Array,
-                             block: int | None = None) -> Smoothed:
-  """:func:`forward_backward` in ``C`` blocks of ``L`` positions (default
-  ``ceil(sqrt(T))``): all blocks' transfer matrices at once (``L`` steps), the
+def forward_backward_blocked(hmm: HMM, evidence_TxH: jax.Array) -> Smoothed:
+  """:func:`forward_backward` in ``C`` blocks of ``L = ceil(sqrt(T))``
+  positions: all blocks' transfer matrices at once (``L`` steps), the
   messages entering each (``C``), then all blocks' own steps at once (``2 L``):
   ~``5 sqrt(T)`` dependent steps, not ``2 T``, for accelerators. Equal to the
   sequential kernel to float rounding."""
   init_H, trans_HxH, ev_TxH = _promoted(hmm, evidence_TxH)
   dtype, (num, h) = ev_TxH.dtype, ev_TxH.shape
-  size = block or max(1, int(np.ceil(np.sqrt(num))))
+  size = max(1, int(np.ceil(np.sqrt(num))))
   blocks = -(-num // size)
   pad_PxH = jnp.ones((blocks * size - num, h), dtype)
   ev_CxLxH = jnp.concatenate([ev_TxH, pad_PxH]).reshape(blocks, size, h)

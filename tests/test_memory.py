@@ -123,13 +123,16 @@ def test_random_memory_hmm_and_vanilla_twin():
   assert int(jnp.argmax(post)) == int(mem)
 
 
-@pytest.fixture(scope="module")
-def tiny_multi():
-  rng = np.random.default_rng(4)
-  n, m, s, v = 2, 2, 1, 3
+def _multi(rng, n, m, s, v):
+  """A dense multi-cell memory HMM with N, M, S, V = n, m, s, v."""
   return memory_lib.MultiMemoryHMM(
       _dense(rng, (n, m)), _dense(rng, (n * s,)), _dense(rng, (n * s, n * s)),
       _dense(rng, (n, m, s, v)))
+
+
+@pytest.fixture(scope="module")
+def tiny_multi():
+  return _multi(np.random.default_rng(4), 2, 2, 1, 3)
 
 
 def test_multi_cell_posteriors_match_brute_force(tiny_multi):
@@ -163,7 +166,7 @@ def test_multi_cell_sampler_and_size_limit(tiny_multi):
       jax.random.PRNGKey(0), tiny_multi, 20)
   assert tokens.shape == cells.shape == syntax.shape == (20,)
   assert mem.shape == (2,)
-  big = memory_lib.random_multi_memory_hmm(jax.random.PRNGKey(0), 4, 6, 3, 10)
+  big = _multi(np.random.default_rng(0), 4, 6, 3, 10)
   with pytest.raises(ValueError, match="MAX_PRODUCT_STATES"):
     memory_lib.cell_posteriors(big, [0, 1])
 
@@ -200,8 +203,7 @@ def test_a_wrong_shape_is_named_before_row_sums():
                      r"shape \[M, H, V\] = \(2, 2, V\), got \(2, 5, 2\)$"):
     memory_lib.MemoryHMM(_dense(rng, (2,)), _dense(rng, (2,)),
                          _dense(rng, (2, 2)), emission)
-  multi = memory_lib.random_multi_memory_hmm(jax.random.PRNGKey(0), 2, 2,
-                                             2, 3)
+  multi = _multi(rng, 2, 2, 2, 3)
   with pytest.raises(ValueError, match=r"^MultiMemoryHMM.initial/transition "
                      r"must have shapes \(4,\)"):
     multi._replace(initial=np.full(3, 0.5, np.float32))
@@ -292,18 +294,11 @@ def test_impossible_and_out_of_range_tokens_give_a_zero_posterior():
                              [0.3, 0.7], rtol=1e-6)
 
 
-def test_random_multi_memory_hmm_is_whole_and_its_samples_are_ints():
-  """The drawn multi-cell HMM has every field (distributions of the
-  documented shapes), and its sampler returns integer cells, syntax
-  states and memory that index the model."""
+def test_multi_sample_returns_ints():
+  """The multi-cell sampler returns integer cells, syntax states and
+  memory that index the model."""
   n, m, s, v = 2, 3, 2, 5
-  mm = memory_lib.random_multi_memory_hmm(jax.random.PRNGKey(2), n, m, s, v)
-  shapes = {"memory_prior": (n, m), "initial": (n * s,),
-            "transition": (n * s, n * s), "emission": (n, m, s, v)}
-  for name, shape in shapes.items():
-    x = np.asarray(getattr(mm, name), np.float64)
-    assert x.shape == shape, name
-    np.testing.assert_allclose(x.sum(-1), 1.0, rtol=1e-5, err_msg=name)
+  mm = _multi(np.random.default_rng(2), n, m, s, v)
   tokens, cells, syntax, mem = memory_lib.multi_sample(
       jax.random.PRNGKey(3), mm, 30)
   for x in (tokens, cells, syntax, mem):
@@ -316,11 +311,10 @@ def test_random_multi_memory_hmm_is_whole_and_its_samples_are_ints():
 def test_product_size_limit_is_inclusive():
   """Exactly MAX_PRODUCT_STATES product states (16^2 * 2 * 4 = 2048) is
   built; one syntax state more (2560) is refused."""
-  at = memory_lib.random_multi_memory_hmm(jax.random.PRNGKey(0), 2, 16, 4, 3)
+  at = _multi(np.random.default_rng(0), 2, 16, 4, 3)
   assert at.num_product_states == memory_lib.MAX_PRODUCT_STATES
   memory_lib._check_product_size(at)  # pylint: disable=protected-access
-  over = memory_lib.random_multi_memory_hmm(jax.random.PRNGKey(0), 2, 16, 5,
-                                            3)
+  over = _multi(np.random.default_rng(0), 2, 16, 5, 3)
   with pytest.raises(ValueError, match="= 2560 states, above "
                      "MAX_PRODUCT_STATES = 2048"):
     memory_lib._check_product_size(over)  # pylint: disable=protected-access

@@ -236,25 +236,9 @@ def _init_prompt(key, backbone, bparams, cfg, train_tokens_NxT):
       maxval=cfg.prompt_init)}
 
 
-def _init_prefix(key, backbone, bparams, cfg, train_tokens_NxT):
-  del backbone, train_tokens_NxT
-  return {"prefix": transformer.prefix_init(key, bparams, cfg.prompt_len)}
-
-
-def _init_lora(key, backbone, bparams, cfg, train_tokens_NxT):
-  del backbone, train_tokens_NxT
-  return {"lora": transformer.lora_init(key, bparams, cfg.lora_r,
-                                        cfg.lora_targets.split(","))}
-
-
 def _with_lora(bparams, tunable, cfg):
   return transformer.with_lora(bparams, tunable["lora"],
                                (cfg.lora_alpha or cfg.lora_r) / cfg.lora_r)
-
-
-def _copy_backbone(key, backbone, bparams, cfg, train_tokens_NxT):
-  del key, backbone, cfg, train_tokens_NxT
-  return {"backbone": bparams}
 
 
 _frozen = lambda p, t, c: p  # nothing tunable before the head: cacheable
@@ -266,13 +250,18 @@ METHODS: dict[str, Method] = {
     "prompt": Method("prompt", init_extra=_init_prompt,
                      head_inputs=_reading(_frozen, prompt=True),
                      uses_prompt=True),
-    "prefix": Method("prefix", init_extra=_init_prefix,
+    "prefix": Method("prefix", init_extra=lambda key, _, bparams, cfg, __: {
+        "prefix": transformer.prefix_init(key, bparams, cfg.prompt_len)},
                      head_inputs=_reading(lambda p, t, c: {**p, **t["prefix"]}),
                      needs_finetunable=True),
-    "lora": Method("lora", init_extra=_init_lora,
+    "lora": Method("lora", init_extra=lambda key, _, bparams, cfg, __: {
+        "lora": transformer.lora_init(key, bparams, cfg.lora_r,
+                                      cfg.lora_targets.split(","))},
                    head_inputs=_reading(_with_lora), needs_finetunable=True),
     # A pretrained backbone is wrecked by the head's learning rate.
-    "finetune": Method("finetune", init_extra=_copy_backbone,
+    "finetune": Method("finetune",
+                       init_extra=lambda key, _, bparams, *__: {
+                           "backbone": bparams},
                        head_inputs=_reading(lambda p, t, c: t["backbone"]),
                        slow_keys=frozenset({"backbone"}),
                        needs_finetunable=True),
