@@ -103,14 +103,19 @@ def scores(probe: Probe, x_KxNxD, y_KxNxH, mu_KxCxH=None) -> dict:
   projected onto the simplex (floored at :data:`KL_FLOOR` for the KL,
   renormalised), and the mean largest probability of the projection and of
   the exact posterior (how sharp each is); with ``mu [K, C, H]`` also
-  ``"label_acc"``: how often ``argmax mu @ q`` is the exact one's."""
+  ``"label_acc"``, how often ``argmax mu @ q`` is the exact one's, and
+  ``"label_r2"``, the R² of the label's scores ``mu @ p`` (unprojected)."""
   y = np.asarray(y_KxNxH, np.float64)
   q = to_simplex(predict(probe, x_KxNxD))
   out = {"r2": r2(probe, x_KxNxD, y), "tv": 0.5 * np.abs(y - q).sum(-1).mean(-1),
          "peak": q.max(-1).mean(-1), "peak_exact": y.max(-1).mean(-1)}
   if mu_KxCxH is not None:
-    label = lambda p: np.argmax(p @ np.swapaxes(mu_KxCxH, 1, 2), -1)
-    out["label_acc"] = (label(q) == label(y)).mean(-1)
+    score = lambda p: p @ np.swapaxes(mu_KxCxH, 1, 2)  # [K, N, C]
+    out["label_acc"] = (np.argmax(score(q), -1) == np.argmax(score(y), -1)
+                        ).mean(-1)
+    s, err = score(y), score(y) - score(predict(probe, x_KxNxD))
+    out["label_r2"] = 1 - (err ** 2).sum((1, 2)) / (
+        (s - s.mean(1, keepdims=True)) ** 2).sum((1, 2))
   q = np.maximum(q, KL_FLOOR)
   q /= q.sum(-1, keepdims=True)
   kl = np.where(y > 0, y * np.log(np.where(y > 0, y, 1.0) / q), 0.0)

@@ -13,6 +13,7 @@ import pytest
 from experiments import bayes_ceiling
 from hmmprompt import generative
 from hmmprompt import memory
+from hmmprompt import probes
 from hmmprompt import protocol
 from hmmprompt.figure3 import adaptation
 from hmmprompt.figure3 import configs
@@ -48,6 +49,39 @@ def test_the_float64_first_posterior_is_every_paths_sum():
   want /= want.sum(-1, keepdims=True)
   got = bayes_ceiling.posterior_first(init, trans, emit, tokens)
   np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("states", [3, 6])
+def test_the_output_holds_the_posterior_only_when_h_is_at_most_x(states):
+  """The probes page's tasks finding in closed form: a masked LM's output
+  at ``MASK`` is ``P[x_0 | x_1..T] = P[H_0 | x] @ emission``, an affine
+  image of the posterior in ``|X|`` dimensions: its affine probe recovers
+  the posterior (R² 1) when ``|H| <= |X|`` (a full-rank emission), and not
+  when ``|H| > |X|``. The posterior is the float64 backward pass (checked
+  against every path above); probes' ridge-0 fit and R² against numpy's
+  least squares on the same rows."""
+  rng = np.random.default_rng(states)
+  vocab, n = 4, 900
+  init, trans, emit = (rng.dirichlet(np.ones(k), size=m) for k, m in (
+      (states, None), (states, states), (vocab, states)))
+  tokens = np.full((n, 6), -1)
+  h = np.array([rng.choice(states, p=init) for _ in range(n)])
+  for t in range(1, 6):
+    h = np.array([rng.choice(states, p=trans[i]) for i in h])
+    tokens[:, t] = [rng.choice(vocab, p=emit[i]) for i in h]
+  post = bayes_ceiling.posterior_first(init, trans, emit, tokens)
+  out = post @ emit
+  probe = probes.fit(out[None, :600], post[None, :600], out[None, 600:750],
+                     post[None, 600:750], ridges=(0.0,))
+  got = probes.r2(probe, out[None, 750:], post[None, 750:])[0]
+  w = np.linalg.lstsq(np.c_[out[:600], np.ones(600)], post[:600], rcond=None)[0]
+  resid = post[750:] - np.c_[out[750:], np.ones(150)] @ w
+  want = 1 - (resid ** 2).sum() / ((post[750:] - post[750:].mean(0)) ** 2).sum()
+  assert got == pytest.approx(want, abs=1e-9)
+  if states <= vocab:
+    assert got == pytest.approx(1.0, abs=1e-9)
+  else:  # the posterior's variance off the emission's row space is lost
+    assert got < 1 - 1e-3, got
 
 
 @pytest.mark.parametrize("mid", [protocol.vanilla(12), protocol.memory(2)])
@@ -296,3 +330,85 @@ def test_the_adaptation_page_quotes_its_lines():
         out += list(d[np.abs(d) > floor(b, u + "_tokens", u)])
     assert len(out) == passed, b
     assert _span(out) == pytest.approx((lo, hi), abs=0.05), b
+
+
+def _best(d: dict, field: str = "r2") -> float:
+  """A probe line's ``field`` at its best block by R² (not the embedding,
+  not the output; within the trial's own depth)."""
+  return d[field][1 + int(np.argmax(d["r2"][1:d["layers"] + 1]))]
+
+
+def test_the_probes_page_quotes_its_lines():
+  """docs/probes.md's Mess3 and tasks findings from the committed probe
+  lines and the adaptation lines they are joined to, by plain json +
+  numpy: each layer's R² and TV, the output against the best block, the
+  controls, and the draw-by-draw correlations."""
+  lines = _jsonl("probes", "probes.jsonl")
+  pick = lambda **w: [d for d in lines if all(d[k] == v for k, v in w.items())]
+  mean = lambda ds, f: np.mean([f(d) for d in ds])
+  mess = {c: pick(study="mess3", control=c) for c in ("trained", "random")}
+  for i, want in ((0, (0.828, 0.151, 0.828, 0.151)),
+                  (1, (0.987, 0.034, 0.955, 0.063)),
+                  (2, (0.999, 0.012, 0.960, 0.059)),
+                  (4, (0.999, 0.010, 0.958, 0.061)),
+                  (5, (1.000, 0.003, 0.422, 0.334))):
+    got = [mean(mess[c], lambda d, f=f: d[f][i])
+           for c in ("trained", "random") for f in ("r2", "tv")]
+    assert got == pytest.approx(want, abs=5e-4), i
+  tasks = pick(study="tasks", control="trained")
+  for tag, want in (("vanilla-h8", (0.909, 0.996, 0.755)),
+                    ("vanilla-h12", (0.717, 0.980, 0.505)),
+                    ("vanilla-h20", (0.483, 0.977, 0.572)),
+                    ("vanilla-h30", (0.307, 0.845, 0.093)),
+                    ("memory-h4-m3", (0.817, 0.998, 0.994))):
+    got = (mean(pick(study="tasks", model=tag, control="trained"),
+                lambda d: d["r2"][-1]),
+           mean(pick(study="tasks", model=tag, control="trained"), _best),
+           mean(pick(study="tasks", model=tag, control="random"), _best))
+    assert got == pytest.approx(want, abs=5e-4), tag
+  first = [max(d["r2"][1:d["layers"] + 1]) - d["r2"][1] <= 0.01 for d in tasks]
+  last = [np.argmax(d["r2"][1:d["layers"] + 1]) + 1 == d["layers"]
+          for d in tasks]
+  assert (sum(first), sum(last), len(tasks)) == (19, 12, 25)
+
+
+def test_the_probes_page_quotes_its_labels_and_ginc():
+  """docs/probes.md's label and GINC numbers, and the draw-by-draw
+  correlations with the adaptation arms joined by HMM fingerprint."""
+  lines = _jsonl("probes", "probes.jsonl")
+  pick = lambda **w: [d for d in lines if all(d[k] == v for k, v in w.items())]
+  mean = lambda ds, f: np.mean([f(d) for d in ds])
+  for tag, want in (("vanilla-h20", (0.344, 0.980, 0.666, 0.689)),
+                    ("vanilla-h30", (0.301, 0.857, 0.650, 0.713))):
+    ds = pick(study="tasks", model=tag, control="trained")
+    got = (mean(ds, lambda d: d["label_r2"][-1]),
+           mean(ds, lambda d: _best(d, "label_r2")),
+           mean(ds, lambda d: d["label_acc"][-1]),
+           mean(ds, lambda d: _best(d, "label_acc")))
+    assert got == pytest.approx(want, abs=5e-4), tag
+  acc = {}
+  for d in _jsonl("adaptation", "results.jsonl"):
+    head = "attention" if d["hmm"] == "memory" else "linear"
+    if d["backbone"] == "transformer" and d["method"] in (
+        f"head_{head}", f"lora_{head}_r4"):
+      acc[d["hmm_fingerprint"], d["method"][:4]] = 100 * d["test_accuracy"]
+  tasks = pick(study="tasks", control="trained")
+  loss = np.array([_best(d) - d["r2"][-1] for d in tasks])
+  lora = np.array([acc[d["hmm_fingerprint"], "lora"]
+                   - acc[d["hmm_fingerprint"], "head"] for d in tasks])
+  tags = np.array([d["model"] for d in tasks])
+  off = lambda v: v - np.array([v[tags == t].mean() for t in tags])
+  assert (loss.mean(), lora.mean()) == pytest.approx((0.312, 13.4), abs=0.05)
+  assert np.corrcoef(loss, lora)[0, 1] == pytest.approx(0.59, abs=0.005)
+  assert np.corrcoef(off(loss), off(lora))[0, 1] == pytest.approx(
+      0.30, abs=0.005)
+  for (target, where), want in ((("concept", "documents"), (0.008, 0.429)),
+                                (("concept", "k=8"), (-0.005, 0.143)),
+                                (("state", "documents"), (0.110, 0.134))):
+    ds = pick(study="ginc", control="trained", target=target, where=where)
+    assert (mean(ds, lambda d: d["r2"][-1]), mean(ds, _best)) == (
+        pytest.approx(want, abs=5e-4)), where
+  peaks = [mean(pick(study="ginc", control="trained", target="concept",
+                     where=f"k={k}"), lambda d: _best(d, "peak"))
+           for k in (0, 1, 2, 4, 8, 16, 32)]
+  assert (min(peaks), max(peaks)) == pytest.approx((0.388, 0.429), abs=5e-4)

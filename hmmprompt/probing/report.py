@@ -26,7 +26,7 @@ def best(line: ProbeLine, field: str = "r2") -> tuple[int, float]:
   with the best held-out R², within the trial's own depth; ``field``'s
   value there."""
   i = 1 + int(np.argmax(line.r2[1:line.layers + 1]))
-  return i, getattr(line, field)[i]
+  return i, (getattr(line, field) or [np.nan] * (i + 1))[i]
 
 
 def _by(lines, **where) -> list[ProbeLine]:
@@ -42,7 +42,8 @@ def _mess3(lines: list[ProbeLine]) -> list[str]:
   col = lambda c, f, i: _ms([getattr(r, f)[i] for r in got[c]]) if got[c] else ""
   rows = [[n, col("trained", "r2", i), col("trained", "tv", i),
            col("trained", "kl", i), col("random", "r2", i),
-           col("shuffled", "r2", i)] for i, n in enumerate(names)]
+           col("random", "tv", i), col("shuffled", "r2", i)]
+          for i, n in enumerate(names)]
   gaps = ", ".join(f"{r.ce_gap:.4f}" for r in got["trained"])
   return ["## Mess3", "", f"Causal transformers on Mess3 (x = 0.05, alpha = "
           f"0.85), {len(got['trained'])} seeds (held-out next-symbol CE gaps "
@@ -50,7 +51,7 @@ def _mess3(lines: list[ProbeLine]) -> list[str]:
           f"every position, {got['trained'][0].rows} held-out rows. Mean ± sd "
           "over seeds.", ""] + files_lib.markdown_table(
               ["input", "R²", "TV", "KL (nats)", "R², random init",
-               "R², shuffled"], rows) + [
+               "TV, random init", "R², shuffled"], rows) + [
                    "", "![Mess3's belief simplex](mess3_simplex.png)", ""]
 
 
@@ -89,55 +90,74 @@ def _tasks(lines: list[ProbeLine], results_path: str) -> list[str]:
       results_path) else {}
   ctrl = {(r.model, r.trial, r.control): r for r in lines
           if r.study == "tasks"}
-  rows, gain, lora, prompt, gaps = [], [], [], [], []
+  rows, labels = [], []
+  pairs: dict[str, list] = {k: [] for k in ("r2", "acc", "lora", "prompt",
+                                            "gap", "tag")}
+  last = lambda r, f: (getattr(r, f) or [np.nan])[-1]  # the output's
   for tag in sorted({r.model for r in trained}, key=lambda t: (
       t.startswith("memory"), int(t.split("-h")[1].split("-")[0]))):
     mine = sorted(_by(trained, model=tag), key=lambda r: r.trial)
     acc = [arms.get((tag, r.trial, r.hmm_fingerprint), {}) for r in mine]
     arm = lambda a: (_ms([x[a] for x in acc], 100, ".1f")
                      if all(a in x for x in acc) else "")
-    rand = [best(ctrl[(tag, r.trial, "random")])[1] for r in mine
-            if (tag, r.trial, "random") in ctrl]
-    shuf = [best(ctrl[(tag, r.trial, "shuffled")])[1] for r in mine
-            if (tag, r.trial, "shuffled") in ctrl]
+    other = lambda c: _ms([best(ctrl[(tag, r.trial, c)])[1] for r in mine
+                           if (tag, r.trial, c) in ctrl])
     rows.append([tag, len(mine), _ms([r.r2[-1] for r in mine]),
                  _ms([best(r)[1] for r in mine]),
-                 ", ".join(str(best(r)[0]) for r in mine),
-                 _ms(rand) if rand else "", _ms(shuf) if shuf else "",
-                 _ms([(r.label_acc or [np.nan])[-1] for r in mine], 100, ".1f"),
-                 _ms([best(r, "label_acc")[1] for r in mine], 100, ".1f"),
-                 arm("head"), arm("prompt"), arm("LoRA"), arm("exact head"),
-                 arm("exact prompt")])
+                 ", ".join(str(best(r)[0]) for r in mine), other("random"),
+                 other("shuffled")])
+    labels.append([tag, _ms([last(r, "label_r2") for r in mine]),
+                   _ms([best(r, "label_r2")[1] for r in mine]),
+                   _ms([last(r, "label_acc") for r in mine], 100, ".1f"),
+                   _ms([best(r, "label_acc")[1] for r in mine], 100, ".1f"),
+                   arm("head"), arm("prompt"), arm("LoRA"), arm("exact head"),
+                   arm("exact prompt")])
     for r, x in zip(mine, acc):
       if all(a in x for a in ARMS):
-        gain.append(best(r, "label_acc")[1] - (r.label_acc or [np.nan])[-1])
-        lora.append(x["LoRA"] - x["head"])
-        prompt.append(x["prompt"] - x["head"])
-        gaps.append(abs(x["gap"] - r.ce_gap))
+        for k, v in (("r2", best(r)[1] - r.r2[-1]),
+                     ("acc", best(r, "label_acc")[1] - last(r, "label_acc")),
+                     ("lora", x["LoRA"] - x["head"]),
+                     ("prompt", x["prompt"] - x["head"]),
+                     ("gap", abs(x["gap"] - r.ce_gap)), ("tag", tag)):
+          pairs[k].append(v)
   out = ["## The paper's tasks", "",
          "At the `MASK`, the posterior the label reads (`P[H_0 | x]`; memory "
          "HMMs: `P[M | x]`), probed on each draw's task: fit on its train "
          "split, ridge on val, scored on test. R² of the output "
          "probabilities' probe (what a head reads) and of the best block's "
-         "(its index per draw; 0 is the embedding), the controls' best "
-         "block, the probes' label accuracy (%), and the adaptation arms' "
-         "test accuracy (%) on the same draws (prompt: 20 vectors; LoRA: "
-         "rank 4), mean ± sd over draws.", ""]
+         "(its index per draw; 0 is the embedding), and the controls' best "
+         "block; mean ± sd over draws.", ""]
   out += files_lib.markdown_table(
       ["model", "draws", "R² output", "R² best block", "best block",
-       "R² random init", "R² shuffled", "probe acc output",
-       "probe acc best block", "head", "prompt", "LoRA", "exact head",
-       "exact prompt"], rows)
-  if gain:
-    out += ["", f"Draw by draw ({len(gain)} draws joined to "
-            f"{results_path} by HMM fingerprint; their pretraining gaps "
-            f"agree within {max(gaps):.1e} nats): the correlation of the "
-            f"probe's gain (best block's label accuracy minus the output's, "
-            f"mean {100 * np.mean(gain):+.1f} points) with LoRA's gain over "
-            f"the head (mean {100 * np.mean(lora):+.1f}) is "
-            f"{_corr(gain, lora)}, with the prompt's (mean "
-            f"{100 * np.mean(prompt):+.1f}) {_corr(gain, prompt)}."]
-  elif trained:
+       "R² random init", "R² shuffled"], rows)
+  out += ["", "The label from the probes: the R² of the label's scores "
+          "`mu @ p` (the probe's prediction unprojected) and the label "
+          "accuracy (%) of `argmax mu @ q` (`q` projected onto the simplex), "
+          "from the output and the best block, beside the adaptation arms' "
+          "test accuracy (%) on the same draws (prompt: 20 vectors; LoRA: "
+          "rank 4).", ""] + files_lib.markdown_table(
+              ["model", "label R² output", "label R² best block",
+               "probe acc output", "probe acc best block", "head", "prompt",
+               "LoRA", "exact head", "exact prompt"], labels)
+  if pairs["gap"]:
+    tags = np.asarray(pairs["tag"])
+    within = lambda v: np.asarray(v) - [np.mean(np.asarray(v)[tags == t])
+                                        for t in tags]  # each size's mean off
+    corr = lambda a, b: (f"{_corr(pairs[a], pairs[b])} across draws, "
+                         f"{_corr(within(pairs[a]), within(pairs[b]))} "
+                         f"within sizes")
+    out += ["", f"Draw by draw ({len(tags)} draws joined to {results_path} "
+            f"by HMM fingerprint; their pretraining gaps agree within "
+            f"{max(pairs['gap']):.1e} nats): LoRA's gain over the head (mean "
+            f"{100 * np.mean(pairs['lora']):+.1f} points) against the "
+            f"posterior the output loses (best block's R² minus the "
+            f"output's, mean {np.mean(pairs['r2']):+.3f}): r = "
+            f"{corr('r2', 'lora')}; against the probes' label gain (mean "
+            f"{100 * np.mean(pairs['acc']):+.1f} points): {corr('acc', 'lora')}"
+            f". The prompt's gain (mean {100 * np.mean(pairs['prompt']):+.1f}"
+            f") against the same: {corr('r2', 'prompt')}; "
+            f"{corr('acc', 'prompt')}."]
+  else:
     out += ["", f"No draw matched {results_path} (another setup's draws): "
             "the arms' columns are blank."]
   return out + [""]

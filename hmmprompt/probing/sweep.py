@@ -57,6 +57,7 @@ class ProbeLine(files_lib.Line):
   ce_gap: float | None  # its pretraining's held-out CE gap
   rows: int  # held-out rows the scores average
   seconds: float
+  label_r2: list | None = None  # the R² of its label scores mu @ p
 
   KEY_FIELDS = ("study", "model", "trial", "target", "where", "control",
                 "setup")
@@ -261,7 +262,8 @@ def score_group(workdir: str, setup: ProbeSetup, g: Group, stack: dict
         hmm_fingerprint=stack["fingerprints"][k], inputs=names,
         r2=lst(s["r2"], k), tv=lst(s["tv"], k), kl=lst(s["kl"], k),
         peak=lst(s["peak"], k), peak_exact=float(s["peak_exact"][0, k]),
-        label_acc=lst(s["label_acc"], k) if "label_acc" in s else None,
+        **{f: lst(s[f], k) if f in s else None
+           for f in ("label_acc", "label_r2")},
         layers=stack["layers"][k], ce_gap=stack["ce_gaps"][k], rows=rows,
         seconds=seconds) for k in range(num)]
   return out
