@@ -145,4 +145,9 @@ def get_setup(preset: str = "cpu", overrides: Mapping[str, Any] | None = None,
 
 def check_inputs(setup: ProbeSetup) -> None:
   if "ginc" in setup.studies:
-    icl.check_inputs(setup.ginc())
+    try:
+      icl.check_inputs(setup.ginc())
+    except ValueError as e:  # name this study's flags, not the ICL binary's
+      raise ValueError(str(e).replace(
+          "drop --config.concepts=released", "set --config.ginc_concepts="
+          "drawn, or leave GINC out: --config.studies=mess3,tasks")) from None
