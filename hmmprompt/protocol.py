@@ -308,6 +308,21 @@ def missing(plan: dict, done: set, line_keys: Callable[[Any], dict]) -> dict:
           for mid, groups in plan.items()}
 
 
+def run_lines(plan: dict, read: Callable[[], list],
+              line_keys: Callable[[Any], dict], prepare: Callable,
+              score: Callable, path: str,
+              schedule: scheduling.Schedule = scheduling.EVERYTHING) -> list:
+  """A study's resume over typed lines in ``path``: :func:`run_stacks` on
+  the cells of ``plan`` without a line in ``read()`` (:func:`missing`),
+  each group's ``score(group, stack)`` lines less those on disk; returns
+  ``read()`` after."""
+  done = {line.key() for line in read()}
+  run_stacks(missing(plan, done, line_keys), prepare,
+             lambda g, stack: [r for r in score(g, stack)
+                               if r.key() not in done], path, schedule)
+  return read()
+
+
 def stack_order(mids, schedule: scheduling.Schedule,
                 weight: Callable[[ModelId], float] | None = None) -> list:
   """This process's ``mids`` in :meth:`~scheduling.Schedule.mine`'s order."""

@@ -225,11 +225,8 @@ def run_icl(setup: IclSetup, workdir: str,
   """Runs the groups without lines in DIR/icl.jsonl; returns all lines.
   ``ValueError``: the workdir holds another setup's."""
   check_workdir(workdir, setup)
-  done = {line.key() for line in read_icl_lines(workdir)}
-  todo = protocol.missing(plan(setup), done, lambda g: g.keys(setup))
-  protocol.run_stacks(
-      todo, lambda b, groups: prepare(workdir, setup, b),
-      lambda g, stack: [r for r in score_group(setup, g, stack)
-                        if r.key() not in done],
-      lines_path(workdir), schedule)
-  return read_icl_lines(workdir)
+  return protocol.run_lines(
+      plan(setup), lambda: read_icl_lines(workdir), lambda g: g.keys(setup),
+      lambda b, _: prepare(workdir, setup, b),
+      lambda g, stack: score_group(setup, g, stack), lines_path(workdir),
+      schedule)

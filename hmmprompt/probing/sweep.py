@@ -275,11 +275,8 @@ def run_probes(setup: ProbeSetup, workdir: str,
   """Runs the groups without lines in DIR/probes.jsonl; returns all lines.
   ``ValueError``: the workdir holds another setup's."""
   check_workdir(workdir, setup)
-  done = {line.key() for line in read_probe_lines(workdir)}
-  todo = protocol.missing(plan(setup), done, lambda g: g.keys(setup))
-  protocol.run_stacks(
-      todo, lambda s, groups: prepare(workdir, setup, s),
-      lambda g, stack: [r for r in score_group(workdir, setup, g, stack)
-                        if r.key() not in done],
+  return protocol.run_lines(
+      plan(setup), lambda: read_probe_lines(workdir), lambda g: g.keys(setup),
+      lambda s, _: prepare(workdir, setup, s),
+      lambda g, stack: score_group(workdir, setup, g, stack),
       lines_path(workdir), schedule)
-  return read_probe_lines(workdir)
