@@ -169,27 +169,27 @@ def plan(setup: Setup, panel: str = "both",
          backbone: str = "exact") -> dict[ModelId, list[Group]]:
   """The groups (the arms of :class:`Setup`) of ``panel`` by model,
   models vanilla then memory by size (the order they run and shard in)."""
-  out = []
+  out, syntax = [], protocol.MEMORY_SYNTAX_STATES
   arms = [parse_arm(a, setup.tune) for a in setup.arms]
   arms = [(m, s) for m, s in arms if backbone == "transformer"
           or not tuning.METHODS[m].needs_finetunable]
   if panel in ("left", "both"):
     methods = arms if setup.arms else [(m, ()) for m in ["head", "prompt"] + (
         ["finetune"] if setup.finetune and backbone == "transformer" else [])]
-    out += [Group(protocol.vanilla(h), method, "linear", f, panel="left",
+    out += [Group(ModelId("vanilla", h, 0), method, "linear", f, panel="left",
                   settings=settings)
             for h in setup.left_sizes for method, settings in methods
             for f in setup.features]
   if panel in ("right", "both") and setup.arms:
-    out += [Group(protocol.memory(m), method, "attention", f, panel="right",
-                  settings=settings)
+    out += [Group(ModelId("memory", syntax, m), method, "attention", f,
+                  panel="right", settings=settings)
             for m in setup.memory_sizes for method, settings in arms
             for f in setup.features]
   elif panel in ("right", "both"):
     paper = [("memory", "head", "attention")] + (
         [("memory", "prompt", "attention")] if setup.prompt_attention else [])
-    out += [Group(protocol.memory(m) if hmm == "memory" else
-                  protocol.vanilla(protocol.MEMORY_SYNTAX_STATES * m),
+    out += [Group(ModelId("memory", syntax, m) if hmm == "memory" else
+                  ModelId("vanilla", syntax * m, 0),
                   method, head, f, panel="right")
             for m in setup.memory_sizes
             for hmm, method, head in paper + [("vanilla", "head", "linear")]
