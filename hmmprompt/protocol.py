@@ -60,7 +60,6 @@ class TrialsConfig:
   task_budget_mb: int = identity_lib.runtime(tasks_lib.TASK_BUDGET_BYTES >> 20)
 
   def _check(self, counts: Sequence[str], sizes: Sequence[str]) -> None:
-    """``counts`` ints >= 1, ``sizes`` positive, runtime bounds ints >= 0."""
     validation.require_ints(self, counts, 1, "a trial count < 1 runs nothing")
     validation.require_positive_ints(self, *sizes)
     validation.require_ints(self, ("lanes_per_vmap", "task_budget_mb"), 0,
@@ -81,11 +80,10 @@ class TrialsConfig:
 
   def check_context(self) -> None:
     """``ValueError`` if a prompt-tuning input exceeds the context."""
-    if self.input_len > self.pretrain.model.max_len:
-      raise ValueError(
-          f"prompt_len + 1 + seq_len = {self.input_len} positions exceed the "
-          f"pretrained context of {self.pretrain.model.max_len}; lower "
-          f"--config.task.seq_len or --config.tune.prompt_len")
+    if self.input_len > (context := self.pretrain.model.max_len):
+      raise ValueError(f"prompt_len + 1 + seq_len = {self.input_len} positions "
+                       f"exceed the pretrained context of {context}; lower "
+                       f"--config.task.seq_len or --config.tune.prompt_len")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +126,8 @@ class Group:
 
   @property
   def method_name(self) -> str:
-    """``<method>_<head>``, then each setting's label (``_p5``, ``_tokens``,
-    ``_r4``), then ``_<optimizer>`` unless Adam."""
+    """``<method>_<head>``, each setting's label (``_p5``, ``_tokens``,
+    ``_r4``), ``_<optimizer>`` unless Adam."""
     name = "_".join([self.method, self.head, *(
         _LABELS.get(k, k + "{}").format(v) for k, v in self.settings)])
     return name if self.optimizer == "adam" else f"{name}_{self.optimizer}"
@@ -167,9 +165,8 @@ def tune_key(setup: TrialsConfig, trial: int, task: int):
 def make_models(setup: TrialsConfig, mid: ModelId, num: int
                 ) -> generative.Model:
   """``mid``'s first ``num`` trials, stacked ``[num]``."""
-  key = model_key(setup, mid)
-  return generative.random_models(key, num, mid.hmm, mid.num_states, VOCAB,
-                                  mid.memory_size)
+  return generative.random_models(model_key(setup, mid), num, mid.hmm,
+                                  mid.num_states, VOCAB, mid.memory_size)
 
 
 class Stack(NamedTuple):
@@ -256,19 +253,16 @@ def pretrained(workdir: str, setup: TrialsConfig, mid: ModelId,
   if part is not None and len(part) != len(models_K.initial):
     raise ValueError(f"{mid.tag}: part {part!r} of {len(part)} trials, "
                      f"{len(models_K.initial)} models given")
-  # One config and directory for both paths (not pretrain()'s again).
-  cfg, pdir = part_config(setup, part), pretrain_dir(workdir, setup, mid, part)
   if pretrain_lib.check_checkpoints(checkpoints) == "always":
-    logging.info("pretraining %d trials in %s", len(models_K.initial), pdir)
-    pretrain_lib.run_trials(pdir, cfg, models_K, log=logging.info,
-                            stop_at=stop_at)
-    return pretrain_lib.load_trials(pdir)
+    return pretrain_lib.load_trials(
+        pretrain(workdir, setup, mid, models_K, stop_at, part))
+  pdir = pretrain_dir(workdir, setup, mid, part)
   logging.info("pretraining %d trials in %s (%s)", len(models_K.initial),
                pdir, "no checkpoints" if checkpoints == "never" else
                "a checkpoint only at the deadline")
-  return pretrain_lib.train_trials(pdir, cfg, models_K, log=logging.info,
-                                   stop_at=stop_at, checkpoints=checkpoints,
-                                   keep_by=keep_by)
+  return pretrain_lib.train_trials(
+      pdir, part_config(setup, part), models_K, log=logging.info,
+      stop_at=stop_at, checkpoints=checkpoints, keep_by=keep_by)
 
 
 def pretrain_fields(info: pretrain_lib.TrialInfo) -> dict:
@@ -312,10 +306,9 @@ def run_lines(plan: dict, read: Callable[[], list],
               line_keys: Callable[[Any], dict], prepare: Callable,
               score: Callable, path: str,
               schedule: scheduling.Schedule = scheduling.EVERYTHING) -> list:
-  """A study's resume over typed lines in ``path``: :func:`run_stacks` on
-  the cells of ``plan`` without a line in ``read()`` (:func:`missing`),
-  each group's ``score(group, stack)`` lines less those on disk; returns
-  ``read()`` after."""
+  """A study's resume over typed lines in ``path``: :func:`run_stacks` on the
+  cells of ``plan`` without a line in ``read()`` (:func:`missing`), each group's
+  ``score(group, stack)`` lines less those on disk; returns ``read()`` after."""
   done = {line.key() for line in read()}
   run_stacks(missing(plan, done, line_keys), prepare,
              lambda g, stack: [r for r in score(g, stack)
@@ -371,33 +364,28 @@ def run_stacks(todo: dict, prepare: Callable, tune: Callable, path: str,
     if schedule.claim is not None and not schedule.claim(mid):
       continue  # another process's: still in the run's total
     if part is not None and rate:
-      groups, part_weight = part
+      groups = part[0]
       logging.info("%s: ~%.0f s by this run's estimate, %.0f s left: a part "
-                   "of it (~%.0f s) runs", mid.tag, need, left,
-                   rate * part_weight)
+                   "of it (~%.0f s) runs", mid.tag, need, left, rate * part[1])
       cut.append(f"{mid.tag} (in part)")
     started = time.monotonic()
     stack = prepare(mid, groups)
     for i, g in enumerate(groups):
       if i and stop_at is not None and time.monotonic() >= stop_at:
-        raise DeadlineReached(
-            f"the deadline came in {mid.tag}'s tuning after {i} of its "
-            f"{len(groups)} groups")
+        raise DeadlineReached(f"the deadline came in {mid.tag}'s tuning after "
+                              f"{i} of its {len(groups)} groups")
       lines = tune(g, stack)
       files_lib.append_lines(path, lines)
       done += 1
-      elapsed = time.perf_counter() - t0
       field = getattr(lines[0], "PROGRESS", "test_accuracy")
       accs = [getattr(r, field) for r in lines]
-      bad = sum(not np.isfinite(getattr(r, "final_loss", 0.0))
-                for r in lines)
+      bad = sum(not np.isfinite(getattr(r, "final_loss", 0.0)) for r in lines)
       count, timing = schedule.progress_line(f"{mid.tag}-{i}", done, total,
-                                             elapsed)
+                                             time.perf_counter() - t0)
       logging.info(
           "%s %s %s: %s %.3f +- %.3f over %d lines (%.1fs)%s; %s",
           count, mid.tag, g, {"test_accuracy": "test acc"}.get(field, field),
-          np.mean(accs), np.std(accs), len(lines),
-          lines[0].seconds,
+          np.mean(accs), np.std(accs), len(lines), lines[0].seconds,
           f"; {bad} with a non-finite tuning loss" if bad else "", timing)
     if weight is not None:
       spent.append((time.monotonic() - started,
