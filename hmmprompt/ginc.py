@@ -5,12 +5,11 @@ A concept's hidden state is ``(value v, slot s)``, index ``v * S + s``: the
 value (an entity) changes slowly, the slot (a property) moves, and the state
 emits ``memory[v, s]`` (slot 0: the delimiter, symbol 0). Its transition is
 ``kron(value_factor [V, V], slot_factor [S, S])``, each factor a
-softmax-weighted mixture of random permutation matrices, the value factor
-biased to the identity. A pretraining document comes from one concept drawn
-uniformly; :func:`mixture` is the mixture as one exact (block-diagonal) HMM
-for the existing kernels; :func:`prompts` builds GINC's ``ID_sample`` /
-``OOD_sample`` prompts and :func:`predict` the mixture's in-context
-prediction."""
+softmax-weighted mixture of random permutation matrices, the value factor biased
+to the identity. A pretraining document comes from one concept drawn uniformly;
+:func:`mixture` is the mixture as one exact (block-diagonal) HMM for the
+existing kernels; :func:`prompts` builds GINC's ``ID_sample`` / ``OOD_sample``
+prompts and :func:`predict` the mixture's in-context prediction."""
 
 import dataclasses
 import functools
@@ -175,10 +174,9 @@ def load_released(path: str) -> dict:
 
 
 def mixture(concepts_K: hmm_lib.HMM) -> hmm_lib.HMM:
-  """The mixture of ``K`` concepts as one HMM over ``K H`` states: the
-  first state's distribution ``initial_k / K`` (a uniform prior), a
-  block-diagonal transition (a document never changes its concept), the
-  emissions stacked."""
+  """The mixture of ``K`` concepts as one HMM over ``K H`` states: the first
+  state's distribution ``initial_k / K`` (a uniform prior), a block-diagonal
+  transition (a document never changes its concept), the emissions stacked."""
   k, h = concepts_K.initial.shape
   prior = jnp.full((k,), 1.0 / k)
   eye = jnp.eye(k, dtype=concepts_K.transition.dtype)
@@ -208,10 +206,9 @@ def smoothed(hmm: hmm_lib.HMM, eps: float) -> hmm_lib.HMM:
 
 def predict(model: hmm_lib.HMM,
             prompt_T: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``(next-symbol distribution [X], log-likelihood [])`` of ``prompt_T``
-  under ``model`` (a :func:`mixture`): the Bayes-optimal in-context
-  prediction. An impossible prompt (log-likelihood ``-inf``) gives zeros,
-  never NaN."""
+  """``(next-symbol distribution [X], log-likelihood [])`` of ``prompt_T`` under
+  ``model`` (a :func:`mixture`): the Bayes-optimal in-context prediction. An
+  impossible prompt (log-likelihood ``-inf``) gives zeros, never NaN."""
   tokens = jnp.concatenate([prompt_T, jnp.array([hmm_lib.MASK], jnp.int32)])
   smooth = hmm_lib.token_smooth(model, tokens)
   next_X = smooth.masked_posterior[-1] @ model.emission

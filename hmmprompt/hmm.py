@@ -314,10 +314,9 @@ CALLING_RULES = """
 
 
 def calling_rules(entry):
-  """``entry`` with :data:`CALLING_RULES` after its docstring: the rules of
-  the entry points over tokens here and in :mod:`~hmmprompt.memory`, one
-  text for ``help()`` (the module docstring states them for the API
-  reference)."""
+  """``entry`` with :data:`CALLING_RULES` after its docstring: the rules of the
+  entry points over tokens here and in :mod:`~hmmprompt.memory`, one text for
+  ``help()`` (the module docstring states them for the API reference)."""
   entry.__doc__ = (entry.__doc__ or "").rstrip() + "\n" + CALLING_RULES
   return entry
 

@@ -1,12 +1,11 @@
 """Linear probes of a transformer's residual stream against exact posteriors
-(Shai et al., NeurIPS 2024: belief states in the residual stream). The
-stream is read with flax's ``capture_intermediates`` (the model's outputs
-unchanged): the input embedding and each block's output. A probe is affine,
-fitted in closed form by ridge regression in float64, its ridge chosen on a
-validation split; it is scored on held-out data by R², and by the total
-variation and KL from the exact posterior to its prediction projected onto
-the simplex. Probes of ``[K]`` stacked trials are fitted in one batched
-solve, each trial's its own."""
+(Shai et al., NeurIPS 2024: belief states in the residual stream). The stream is
+read with flax's ``capture_intermediates`` (the model's outputs unchanged): the
+input embedding and each block's output. A probe is affine, fitted in closed
+form by ridge regression in float64, its ridge chosen on a validation split; it
+is scored on held-out data by R², and by the total variation and KL from the
+exact posterior to its prediction projected onto the simplex. Probes of ``[K]``
+stacked trials are fitted in one batched solve, each trial's its own."""
 
 import functools
 from typing import NamedTuple
@@ -138,16 +137,15 @@ def layer_scores(cfg: transformer.MLMConfig, params_K, tokens_KxNxT,
                  split: tuple[float, float] = (0.6, 0.2), mu_KxCxH=None,
                  shuffle: bool = False, batch: int = 128, keep: bool = False
                  ) -> dict:
-  """:func:`scores` of each input's probe, each ``[L + 2, K]`` for ``K``
-  stacked transformers: the stream after the embedding and each of the
-  ``L`` blocks, then the output probabilities (what a head reads), at
-  ``positions`` (every position where ``None``; the targets are there,
-  ``P`` of them). The sequences split in order into ``split`` (fit, ridge
-  choice) and the rest held out, no sequence on two sides; ``shuffle``:
-  the targets permuted across sequences (the control); ``keep``: also
-  ``"kept"``, the held-out targets ``[K, R, H]`` and each input's projected
-  predictions ``[L + 2, K, R, H]``. Streams are read ``batch`` sequences at
-  a time (memory)."""
+  """:func:`scores` of each input's probe, each ``[L + 2, K]`` for ``K`` stacked
+  transformers: the stream after the embedding and each of the ``L`` blocks,
+  then the output probabilities (what a head reads), at ``positions`` (every
+  position where ``None``; the targets are there, ``P`` of them). The sequences
+  split in order into ``split`` (fit, ridge choice) and the rest held out, no
+  sequence on two sides; ``shuffle``: the targets permuted across sequences (the
+  control); ``keep``: also ``"kept"``, the held-out targets ``[K, R, H]`` and
+  each input's projected predictions ``[L + 2, K, R, H]``. Streams are read
+  ``batch`` sequences at a time (memory)."""
   n, length = tokens_KxNxT.shape[1:]
   a, b = int(n * split[0]), int(n * (split[0] + split[1]))
   if not 0 < a < b < n:

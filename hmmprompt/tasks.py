@@ -2,14 +2,13 @@
 
 An example is ``MASK`` at position 0 and ``seq_len`` tokens; its label is
 ``argmax_c (mu @ p)_c`` (``mu [C, Z]``: :func:`task_weights`) with ``p`` the
-exact posterior of the task's latent: ``P[H_0 | x_{1:T}]``, the state at
-the ``MASK`` (vanilla, ``Z = |H|``), or ``P[M | x_{1:T}]`` (memory, ``Z =
-|M|``). ``labeling="authors"`` reproduces the original code instead: the
-real tokens start from ``HMM.initial`` (the ``MASK`` is prepended, not
-sampled) and the vanilla latent is ``transition @ P[H_1 | x_{1:T}]``
-(memory tasks are labelled alike in both modes). A dataset whose majority
-label (over all splits) exceeds ``max_label_share`` is re-drawn
-(:func:`make_tasks`), as the original did."""
+exact posterior of the task's latent: ``P[H_0 | x_{1:T}]``, the state at the
+``MASK`` (vanilla, ``Z = |H|``), or ``P[M | x_{1:T}]`` (memory, ``Z = |M|``).
+``labeling="authors"`` reproduces the original code instead: the real tokens
+start from ``HMM.initial`` (the ``MASK`` is prepended, not sampled) and the
+vanilla latent is ``transition @ P[H_1 | x_{1:T}]`` (memory tasks are labelled
+alike in both modes). A dataset whose majority label (over all splits) exceeds
+``max_label_share`` is re-drawn (:func:`make_tasks`), as the original did."""
 
 import dataclasses
 import functools

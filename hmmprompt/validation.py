@@ -87,13 +87,12 @@ def register_unchecked_pytree(cls):
 
 
 class ValidatedParams(tuple):
-  """The mixin of validated parameter NamedTuples:
-  ``class HMM(ValidatedParams, _HMMFields, validate=_validate_hmm)``, with
-  ``_HMMFields`` a ``typing.NamedTuple`` and ``validate`` raising
-  ``ValueError`` on the fields as ``jnp`` arrays. Concrete fields (or
-  nested lists) are converted and validated, ``_replace`` and ``_make``
-  included; tracers and ``vmap`` axis specs pass unchecked, as do JAX's
-  rebuilds (:func:`register_unchecked_pytree`)."""
+  """The mixin of validated parameter NamedTuples: ``class HMM(ValidatedParams,
+  _HMMFields, validate=_validate_hmm)``, with ``_HMMFields`` a
+  ``typing.NamedTuple`` and ``validate`` raising ``ValueError`` on the fields as
+  ``jnp`` arrays. Concrete fields (or nested lists) are converted and validated,
+  ``_replace`` and ``_make`` included; tracers and ``vmap`` axis specs pass
+  unchecked, as do JAX's rebuilds (:func:`register_unchecked_pytree`)."""
 
   __slots__ = ()
   _fields_cls: ClassVar[Any]  # a NamedTuple class

@@ -1,16 +1,15 @@
 """Frozen backbones: the black box ``G`` / ``G-bar`` of paper Section 2.
 
-A static :class:`Backbone` (pure functions and sizes, a hashable ``jit``
-static argument) plus a params pytree that tuning never differentiates:
-``embed(params, tokens [T]) -> [T, D]`` (``hmm.MASK`` a valid token);
-``apply(params, embeddings [T', D]) -> [T', V]``, a distribution over the
-``V`` real symbols per position (a soft prompt: ``P`` rows prepended);
-optionally ``apply_at(params, embeddings, i) -> [V]``, row ``i`` (static)
-of ``apply``, the others skipped where it can; ``prompt_embedding(raw [P,
-D]) -> [P, D]``, raw prompt parameters to valid embeddings, and
-``prompt_raw``, its inverse (a token's embedding as a prompt vector);
-``finetunable``: every params leaf is free (a transformer's, not the exact
-backbone's stochastic matrices)."""
+A static :class:`Backbone` (pure functions and sizes, a hashable ``jit`` static
+argument) plus a params pytree that tuning never differentiates: ``embed(params,
+tokens [T]) -> [T, D]`` (``hmm.MASK`` a valid token); ``apply(params, embeddings
+[T', D]) -> [T', V]``, a distribution over the ``V`` real symbols per position
+(a soft prompt: ``P`` rows prepended); optionally ``apply_at(params, embeddings,
+i) -> [V]``, row ``i`` (static) of ``apply``, the others skipped where it can;
+``prompt_embedding(raw [P, D]) -> [P, D]``, raw prompt parameters to valid
+embeddings, and ``prompt_raw``, its inverse (a token's embedding as a prompt
+vector); ``finetunable``: every params leaf is free (a transformer's, not the
+exact backbone's stochastic matrices)."""
 
 import dataclasses
 from collections.abc import Callable

@@ -1,9 +1,8 @@
-"""Head tuning and prompt tuning on a frozen backbone, and fine-tuning of
-a copy of it (paper Sections 2-5): a tunable pytree, ``{"head": ...}``,
-``{"prompt": [P, D], "head": ...}`` or ``{"backbone": ..., "head": ...}``
-(:data:`METHODS`), trained by optax (:data:`OPTIMIZERS`); the frozen
-backbone's params are never differentiated.
-:mod:`~hmmprompt.tuning.config` says what a run is,
+"""Head tuning and prompt tuning on a frozen backbone, and fine-tuning of a copy
+of it (paper Sections 2-5): a tunable pytree, ``{"head": ...}``, ``{"prompt":
+[P, D], "head": ...}`` or ``{"backbone": ..., "head": ...}`` (:data:`METHODS`),
+trained by optax (:data:`OPTIMIZERS`); the frozen backbone's params are never
+differentiated. :mod:`~hmmprompt.tuning.config` says what a run is,
 :mod:`~hmmprompt.tuning.loop` runs it (:func:`run_seed`, :func:`tune`)."""
 
 from hmmprompt.tuning.config import (METHODS, OPTIMIZERS, SPLITS, Data, Method,

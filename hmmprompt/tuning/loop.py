@@ -203,14 +203,13 @@ def tune(key_L, backbone: Backbone, bparams, data_L: Data, cfg: TuneConfig,
          ) -> tuple[Result, Any]:
   """Tunes every lane of ``data_L`` in one jitted program.
 
-  Lanes ``L`` are leading axes (none for one seed): ``data_L`` has
-  ``tokens [*L, N, T]`` and ``labels [*L, N]``, ``key_L`` a key per lane,
-  ``bparams`` the first ``param_axes`` (1: one backbone per trial, as
-  :func:`tune_trials`); ``lane_group``: :func:`lane_group_for`. Each lane
-  gets what :func:`run_seed` gives it alone, to float rounding. Returns
-  ``(Result, tunable)``, the tunable params stacked ``[*L, ...]``;
-  ``ValueError`` for shapes that disagree, or fine-tuning a backbone
-  without free parameters."""
+  Lanes ``L`` are leading axes (none for one seed): ``data_L`` has ``tokens [*L,
+  N, T]`` and ``labels [*L, N]``, ``key_L`` a key per lane, ``bparams`` the
+  first ``param_axes`` (1: one backbone per trial, as :func:`tune_trials`);
+  ``lane_group``: :func:`lane_group_for`. Each lane gets what :func:`run_seed`
+  gives it alone, to float rounding. Returns ``(Result, tunable)``, the tunable
+  params stacked ``[*L, ...]``; ``ValueError`` for shapes that disagree, or
+  fine-tuning a backbone without free parameters."""
   if METHODS[cfg.method].needs_finetunable and not backbone.finetunable:
     raise ValueError(f"method {cfg.method!r} has no meaning on the "
                      f"{backbone.name!r} backbone (its params are not a "
