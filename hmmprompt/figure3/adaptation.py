@@ -20,9 +20,8 @@ _FAMILY_MARKERS = {"head": "s", "prompt": "o", "prefix": "^", "lora": "D",
 
 
 def _adaptation_cells(lines) -> dict:
-  """(backbone, panel, size) -> {(method, features): (trainable params: the
-  fewest and the most (a deeper fallback's), label, {trial: %})}: each
-  features transform its own arm, never averaged with another."""
+  """(backbone, panel, size) -> {(method, features): ((fewest, most
+  trainable params: a deeper fallback's), label, {trial: %})}."""
   out: dict = {}
   for r in lines:
     label = _arm_label(r) + ("" if r.features == "raw" else f" ({r.features})")
@@ -44,12 +43,9 @@ def pair_floor(floor: dict, backbone: str, a: str, b: str) -> float | None:
 
 def section(lines, floor: dict | None = None, bayes: dict | None = None
             ) -> str:
-  """Markdown, where ``lines`` hold adaptation arms: per backbone, panel,
-  size and arm, its trainable parameters, accuracy, the paired difference
-  from the head on the same draws, draws above / within / below the head
-  (within: the pair's own floor, :func:`pair_floor`; blank where either
-  arm's is not measured), the exact backbone's prompt tuning less the arm;
-  ``bayes``: ``{(panel, size): %}``, the task's Bayes classifier."""
+  """Markdown of the module's table where ``lines`` hold adaptation arms
+  (``bayes``: :func:`read_bayes`'s), with draws above / within / below the
+  head (within: :func:`pair_floor`; blank where either arm's is unmeasured)."""
   if not {r.method for r in lines} - _FIGURE3_ARMS:
     return ""
   cells, rows, bayes = _adaptation_cells(lines), [], bayes or {}
@@ -88,10 +84,9 @@ def section(lines, floor: dict | None = None, bayes: dict | None = None
 
 
 def write_plot(lines, path: str, bayes: dict | None = None) -> None:
-  """A panel per size: each arm's test accuracy (mean and 95% interval over
-  draws), an arm per column (by method, then length or rank), a colour and
-  offset per backbone, a marker per method (hollow: tokens init); the
-  head's mean dotted and the Bayes classifier's accuracy (``bayes``) dashed."""
+  """A panel per size: each arm's test accuracy (mean, 95% interval), an
+  arm per column, a colour per backbone, a marker per method (hollow:
+  tokens init); the head's mean dotted, the Bayes classifier's dashed."""
   plt, bayes = files_lib.pyplot(), bayes or {}
   cells = _adaptation_cells(lines)
   panels = sorted({(p, s) for _, p, s in cells})

@@ -62,10 +62,9 @@ class Setup(protocol.TrialsConfig):
     self._check(("trials", "tasks_per_hmm", "right_trials"),
                 ("left_sizes", "memory_sizes"))
     if self.tune.optimizer != "adam":
-      raise ValueError(
-          f"Setup.tune.optimizer is set per arm by the sweep, got "
-          f"{self.tune.optimizer!r}: --config.head_optimum=true adds an "
-          f"L-BFGS twin of every head-tuning arm")
+      raise ValueError(f"Setup.tune.optimizer is set per arm by the sweep, got "
+                       f"{self.tune.optimizer!r}: --config.head_optimum=true "
+                       f"adds an L-BFGS twin of every head-tuning arm")
     bad = [f for f in self.features if f not in heads.FEATURES]
     if bad or not self.features:
       raise ValueError(f"Setup.features must be from {heads.FEATURES}, got "
@@ -98,16 +97,13 @@ class Setup(protocol.TrialsConfig):
     return {"task": identity_lib.identity(self.task),
             "tune": identity_lib.identity(self.tune),
             "seed": self.seed, "model_keys": protocol.MODEL_KEYS_VERSION,
-            "pretrain": self.pretrain.identity(), **self.trial_counts()}
+            "pretrain": self.pretrain.identity(), "trials": self.trials,
+            "right_trials": self.panel_trials("right")}
 
   def panel_trials(self, panel: str) -> int:
     """HMM draws per size on ``panel`` (left | right)."""
     return (self.right_trials if panel == "right"
             and self.right_trials is not None else self.trials)
-
-  def trial_counts(self) -> dict:
-    """What a workdir's trial stacks depend on."""
-    return {"trials": self.trials, "right_trials": self.panel_trials("right")}
 
 
 def fingerprint_of(identity: dict, backbone: str = "exact") -> str:
@@ -146,8 +142,7 @@ def parse_arm(spec: str, tune: tuning.TuneConfig) -> tuple[str, tuple]:
                        f"(the form: {method}-{ {'lora_r': 'RANK'}.get(n, 'LEN')})")
   try:
     settings = tuple((n, type(getattr(tune, n))(v))
-                     for n, v in zip(names, values)
-                     if method != "prompt"
+                     for n, v in zip(names, values) if method != "prompt"
                      or type(getattr(tune, n))(v) != getattr(tune, n))
     dataclasses.replace(tune, method=method, **dict(settings))
   except ValueError as e:
@@ -257,10 +252,9 @@ def _cpu() -> Setup:
   80-position inputs as in the authors' tuning scripts; heads on the raw
   probabilities (the paper's ``G``)."""
   return Setup(trials=3, tasks_per_hmm=1, left_sizes=(4, 8, 12, 28),
-               memory_sizes=(2, 3, 7), features=("raw",),
+               memory_sizes=(2, 3, 7), features=("raw",), tune=_tune(5, 20, 32),
                task=tasks_lib.TaskConfig(num_train=2000, num_val=500,
                                          num_test=1000, seq_len=59),
-               tune=_tune(5, 20, 32),
                pretrain=pretrain_lib.configure("cpu_capped", fallback_layers=4,
                                                fallback_gap=0.06))
 

@@ -85,9 +85,8 @@ def run(setup: configs.Setup, workdir: str, backbone_name: str,
                      f"--trials <= the setup's {setup.trials}; got --trials="
                      f"{trials} --replicates={replicates}")
   fp = setup.fingerprint(backbone_name)
-  done = {(r.backbone, r.size, r.method)
-          for r in files_lib.read_lines(path(workdir), ReplicateLine)
-          if r.setup == fp}
+  done = {(r.backbone, r.size, r.method) for r in files_lib.read_lines(
+      path(workdir), ReplicateLine) if r.setup == fp}
   features = setup.features[0]
   for size in sizes:
     mid = protocol.vanilla(size)
@@ -103,9 +102,8 @@ def run(setup: configs.Setup, workdir: str, backbone_name: str,
       continue
     stack = protocol.draw_stack(setup, mid, configs.stack_sizes(setup)[mid],
                                 setup.tasks_per_hmm)
-    held = sweep.Trials(stack, *sweep.backbones(workdir, setup, mid,
-                                                stack.models_K,
-                                                backbone_name))
+    held = sweep.Trials(stack, *sweep.backbones(
+        workdir, setup, mid, stack.models_K, backbone_name))
     for method in todo:
       cfg = groups[method].tune_config(setup.tune)
       lines = []
@@ -119,17 +117,15 @@ def run(setup: configs.Setup, workdir: str, backbone_name: str,
 
 def _tune(setup, cfg, backbone, params_K, ids, stack, replicates, rel,
           backbone_name, size, fp, name) -> list[ReplicateLine]:
-  """Trials ``ids`` (rows of ``params_K``): every task x replicate as a
-  lane of one program, then (``rel`` > 0) the perturbed backbone's seed-0
-  lanes."""
+  """Trials ``ids`` (rows of ``params_K``): every task x replicate a lane
+  of one program, then (``rel`` > 0) the perturbed backbone's seed-0 lanes."""
   tasks = range(setup.tasks_per_hmm)
   data = [[tuning.data_from_task(stack.tasks[k][s], cfg) for s in tasks]
           for k in ids]
   cells = [(s, r) for s in tasks for r in range(replicates)]
   res, _ = tuning.tune_trials(
       [[replicate_key(setup, k, s, r) for s, r in cells] for k in ids],
-      backbone, params_K, [[data[i][s] for s, _ in cells]
-                           for i in range(len(ids))], cfg,
+      backbone, params_K, [[d[s] for s, _ in cells] for d in data], cfg,
       lane_group=setup.lane_group())
   line = lambda k, s, r, acc, loss, rel=0.0: ReplicateLine(
       backbone_name, size, k, s, name, r, fp, float(acc), float(loss), rel)

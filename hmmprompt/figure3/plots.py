@@ -38,24 +38,14 @@ def _style(choices: dict, spares: tuple, seen: dict, key):
           else seen.setdefault(key, spares[len(seen) % len(spares)]))
 
 
-def _curve_order(k) -> tuple:
-  """Exact before transformer, head before prompt, raw features first."""
-  fills = list(_FEATURE_FILLS)
-  return (*k[:4], fills.index(k[4]) if k[4] in fills else len(fills), k[4])
-
-
-def _panels(summary: dict) -> list[str]:
-  """The panels with result lines, left first; both where there are none."""
-  ran = [p for p in ("left", "right") if any(k[1] == p for k in summary)]
-  return ran or ["left", "right"]
-
-
 def write_plot(summary: dict, path: str, note: str = "") -> None:
   """A panel per panel that ran: each curve's means and its 95% band beside
   the paper's curves; a smoke test's title where ``note`` (:func:`smoke`)."""
   plt = files_lib.pyplot()
   import matplotlib.transforms as mtransforms  # pylint: disable=g-import-not-at-top
-  panels = _panels(summary)
+  # The panels with result lines, left first; both where there are none.
+  panels = [p for p in ("left", "right")
+            if any(k[1] == p for k in summary)] or ["left", "right"]
   fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 5.2),
                            squeeze=False)
   seen: dict = {"arm": {}, "backbone": {}, "features": {}}
@@ -65,13 +55,17 @@ def write_plot(summary: dict, path: str, note: str = "") -> None:
   titles = {"left": (PAPER_LEFT, "hidden states |H|", "Head vs prompt tuning"),
             "right": (PAPER_RIGHT, "|M||H|", "Memory vs vanilla HMM"
                       + ("" if prompted else " (head tuning)"))}
+  # Exact before transformer, head before prompt, raw features first.
+  fills = list(_FEATURE_FILLS)
+  order = lambda k: (*k[:4], fills.index(k[4]) if k[4] in fills
+                     else len(fills), k[4])
   for ax, panel in zip(axes[0], panels):
     paper, xlabel, title = titles[panel]
     for name, pts in paper.items():
       xs = sorted(pts)
       ax.plot(xs, [pts[x] for x in xs], marker=arm_style(_PAPER_ARMS[name])[0],
               label=f"paper: {name}", **_PAPER_STYLE)
-    ours = sorted((k for k in summary if k[1] == panel), key=_curve_order)
+    ours = sorted((k for k in summary if k[1] == panel), key=order)
     step = min(_DODGE_PT, _DODGE_SPAN / max(len(ours) - 1, 1))
     for i, k in enumerate(ours):
       backbone, _, hmm, method, features = k
@@ -87,8 +81,8 @@ def write_plot(summary: dict, path: str, note: str = "") -> None:
       rim = dict(markeredgecolor="white", markeredgewidth=0.7)
       ax.plot(xs, m, color=color, marker=marker, markersize=5.5,
               linestyle=line, fillstyle=fill, markerfacecoloralt="white",
-              label=_label(k), transform=shift, **(rim if fill == "full"
-                                                   else {}))
+              label=_label(k), transform=shift,
+              **(rim if fill == "full" else {}))
       lo, hi = np.maximum(m - ci, 0), np.minimum(m + ci, 100)
       ax.fill_between(xs, lo, hi, color=color, alpha=0.08, linewidth=0,
                       transform=shift)

@@ -111,11 +111,9 @@ def trial_table(lines: list[schema.ResultLine]) -> str:
 
 def wins_table(lines: list[schema.ResultLine], floor: dict | None = None
                ) -> str:
-  """Markdown: per backbone and left-panel size, on how many draws prompt
-  tuning beats head tuning (each draw's tasks averaged). With ``floor``
-  (:func:`noise.read_floor`), a difference within the backbone's
-  :func:`noise.difference_floor` is a tie, not a win; without, only
-  equal accuracies tie."""
+  """Markdown: per backbone and left-panel size, on how many draws (tasks
+  averaged) prompt tuning beats head tuning; a difference within ``floor``'s
+  :func:`noise.difference_floor` ties (no ``floor``: equal ones alone)."""
   by: dict = {}
   for r in lines:
     if r.panel == "left":
@@ -132,9 +130,9 @@ def wins_table(lines: list[schema.ResultLine], floor: dict | None = None
       rows.append((backbone, features, size, len(pairs),
                    int((p - h > tie).sum()), int((abs(p - h) <= tie).sum()),
                    int((h - p > tie).sum())))
-  return table_section("Prompt vs head tuning, draw by draw (left panel)",
-                  ("backbone", "features", "size", "draws", "prompt wins",
-                   "ties", "head wins"), rows)
+  return table_section("Prompt vs head tuning, draw by draw (left panel)", (
+      "backbone", "features", "size", "draws", "prompt wins", "ties",
+      "head wins"), rows)
 
 
 def points(x: float) -> str:
@@ -165,8 +163,7 @@ def floor_note(floor: dict, command: str = "") -> str:
             f"docs/noise_floor.md): the draw-by-draw table counts any "
             f"difference.\n")
   rows = [(b, m, ", ".join(map(str, v["sizes"])), f"{v['seed_sd']:.1f}",
-           f"{v['seed_range']:.1f}",
-           points(v["perturbed"]),
+           f"{v['seed_range']:.1f}", points(v["perturbed"]),
            "" if m == "head" or (d := noise.difference_floor(
                floor, b, m, "head")) is None else f"{d:.1f}")
           for (b, m), v in sorted(floor.items())]
@@ -303,11 +300,10 @@ _LEFT_ARMS = {"head_linear": "head", "prompt_linear": "prompt",  # noise.ARMS
 def _arm_label(r) -> str:
   """``prompt 20 tokens``, ``prefix 5``, ``lora r4``: an arm's settings."""
   family, c = r.method.split("_")[0], r.tune_config
-  return " ".join([family] + (
-      [str(c["prompt_len"])] if family in ("prompt", "prefix") else [])
-      + (["tokens"] if family == "prompt" and c.get("prompt_init_mode")
-         == "tokens" else []) + ([f"r{c['lora_r']}"] if family == "lora"
-                                 else []))
+  return " ".join(w for w, on in ((family, True), (
+      str(c.get("prompt_len")), family in ("prompt", "prefix")), (
+      "tokens", family == "prompt" and c.get("prompt_init_mode") == "tokens"),
+      (f"r{c.get('lora_r')}", family == "lora")) if on)
 
 
 def write_figure3_report(workdir: str) -> dict:
@@ -318,8 +314,7 @@ def write_figure3_report(workdir: str) -> dict:
   from hmmprompt.figure3 import adaptation, plots
   lines = schema.read_results(workdir)
   schema.check_one_setup(lines, workdir)
-  summary = summarize(lines)
-  smoke = smoke_note(lines)
+  summary, smoke = summarize(lines), smoke_note(lines)
   floor = noise.read_floor(os.path.join(workdir, noise.FLOOR))
   bayes = adaptation.read_bayes(workdir)
   extra = [diverged_table(lines), floor_note(floor, noise_floor_command(

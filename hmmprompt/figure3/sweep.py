@@ -106,8 +106,7 @@ def tune_group(setup: configs.Setup, backbone_name: str, g: configs.Group,
         setup, cfg, backbone, params, [(first + i, task_ids) for i in ids],
         trials.stack))))
   fp, mid = setup.fingerprint(backbone_name), g.model_id
-  verdicts = trials.stack.verdicts
-  if verdicts is None:  # prepare draws its stacks with them
+  if (verdicts := trials.stack.verdicts) is None:  # prepare draws them
     raise ValueError(f"{mid}: the stack has no assumption verdicts")
   return [schema.ResultLine(
       backbone=backbone_name, panel=g.panel, hmm=mid.hmm,
@@ -211,9 +210,8 @@ def run_sweep(setup: configs.Setup, workdir: str, panel: str,
   """Runs this process's share of the sweep's stacks (``schedule``, a
   stack's weight the trials it pretrains; under ``stop_at`` a transformer
   stack that does not fit runs in part: :class:`Parts`), skipping finished
-  lines, into ``results_file`` (default: the host shard's);
-  ``checkpoints``: what pretraining writes to resume from
-  (:data:`pretrain.CHECKPOINTS`). Returns and raises as
+  lines, into ``results_file`` (default: the host shard's); ``checkpoints``:
+  :data:`pretrain.CHECKPOINTS`. Returns and raises as
   :func:`protocol.run_stacks`; ``ValueError`` for a bad backbone, panel,
   shard or ``checkpoints``, a workdir of another setup, or (transformer)
   inputs longer than the pretrained context."""
@@ -241,10 +239,8 @@ def run_sweep(setup: configs.Setup, workdir: str, panel: str,
     return tune_group(setup, backbone_name, g, trials, {
         c for c in todo[g.model_id][g] if c[0] in rows})
 
-  return protocol.run_stacks(
-      todo, prepare, tune,
-      results_file or schema.results_path(workdir, schedule.num_hosts,
-                                           schedule.host_index),
+  return protocol.run_stacks(todo, prepare, tune, results_file or (
+      schema.results_path(workdir, schedule.num_hosts, schedule.host_index)),
       schedule, weight=parts.weight, split=parts.split)
 
 
@@ -288,14 +284,13 @@ class Parts(NamedTuple):
     return trials if running is None else max(1, len(running))
 
   def split(self, mid: ModelId, fits: float) -> tuple[dict, int] | None:
-    """``(groups, weight)`` of the first trials of ``mid``'s part
-    (:meth:`of`) that ``fits`` trials' time takes, less one group of
-    ``trials_per_vmap`` for a part's own draws and compiles, in whole
-    groups; a part a kept workdir holds from the same first trial (cut
-    short) is resumed where it fits, by the trials it still trains where
-    it is checkpointed (:meth:`weight`). ``None``: not one group fits, the
-    workdir holds the whole stack's run, or the backbone is exact (nothing
-    to pretrain: its stacks run whole)."""
+    """``(groups, weight)`` of the first trials of ``mid``'s part (:meth:`of`)
+    that ``fits`` trials' time takes, less one group of ``trials_per_vmap``
+    for a part's own draws and compiles, in whole groups; a part a kept
+    workdir holds from the same first trial (cut short) is resumed where it
+    fits, by the trials it still trains where checkpointed (:meth:`weight`).
+    ``None``: not one group fits, the workdir holds the whole stack's run,
+    or the backbone is exact (nothing to pretrain: its stacks run whole)."""
     if (self.backbone_name != "transformer" or os.path.isdir(
         protocol.pretrain_dir(self.workdir, self.setup, mid))):
       return None

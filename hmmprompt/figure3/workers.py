@@ -113,8 +113,7 @@ def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
   allowed core; returns their exit codes (the rest stopped by SIGTERM if
   this one is stopped or a worker left a fault at :func:`error_path`)."""
   os.makedirs(claims_dir, exist_ok=True)
-  with open(_count_path(claims_dir), "w") as f:  # for progress()
-    f.write(str(count))
+  pathlib.Path(_count_path(claims_dir)).write_text(str(count))  # progress()
   env = dict(os.environ, XLA_FLAGS=" ".join(
       [os.environ.get("XLA_FLAGS", ""), *SINGLE_THREAD_FLAGS]).strip())
   # One malloc arena, which keeps a step's temporaries (docs/figure3.md).
@@ -124,8 +123,7 @@ def spawn(argv: list[str], count: int, claims_dir: str) -> list[int]:
   spec = sys.modules["__main__"].__spec__
   if spec is None:
     raise ValueError("--workers needs the binary run as python -m MODULE")
-  cores = _cores()
-  taskset = shutil.which("taskset")
+  cores, taskset = _cores(), shutil.which("taskset")
   procs = _IN_FLIGHT.setdefault(claims_dir, [])
   try:
     for i in range(count):

@@ -73,8 +73,8 @@ def _stops(cfg: PretrainConfig, last: dict | None) -> bool:
 
 
 def running_at_checkpoint(workdir: str) -> list[int] | None:
-  """The trials a rerun of the run in ``workdir`` still trains from its
-  newest checkpoint; ``None`` where it holds none. For a deadline's estimate."""
+  """The trials a rerun of ``workdir``'s run still trains from its newest
+  checkpoint (``None``: none), for a deadline's estimate."""
   paths = workdir_lib.Paths.of(workdir)
   if not os.path.isdir(paths.ckpt) or not os.path.exists(paths.config):
     return None
@@ -191,8 +191,6 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   rep = sharding_lib.replicated(mesh)
   keys = Keys.of(cfg.seed, num)
   tag = (lambda k: "") if num == 1 else (lambda k: f"trial {k} ")
-
-  # Resume: the newest readable checkpoint and the evaluations up to it.
   ckpts = stopped = found = None
   periodic = check_checkpoints(checkpoints) == "always"
   if checkpoints != "never":
@@ -225,8 +223,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
     log(f"retain: steps {lost} were trained past without being retained "
         f"(resumed from step {start}); a new workdir retains them")
   retain(start, states)
-  total = cfg.total_steps
-  metrics = workdir_lib.read_metrics(paths, upto=start)
+  total, metrics = cfg.total_steps, workdir_lib.read_metrics(paths, upto=start)
   last = {m.get("trial", 0): m for m in metrics}
   running = [k for k in range(num) if not _stops(cfg, last.get(k))]
   # A crash between a checkpoint and its evaluation leaves one to redo.
@@ -244,11 +241,10 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
       [corpus_lib.build_chunks(keys.corpus[k], generative.trial(models_K, k),
                                cfg.corpus) for k in range(num)]))
   get_batch = batches.batch_fn(cfg.corpus, cfg.batch_size, cfg.model.vocab_size,
-                        chunks is None, cfg.model.causal, mesh)
-  train_step = train.make_train_step(cfg, mesh)
-  window = train.exact_window(cfg)
-  get_window = (batches.window_fn(cfg, window, chunks is None, mesh) if window > 1
-                else None)
+                               chunks is None, cfg.model.causal, mesh)
+  train_step, window = train.make_train_step(cfg, mesh), train.exact_window(cfg)
+  get_window = (batches.window_fn(cfg, window, chunks is None, mesh)
+                if window > 1 else None)
   # Stopped trials are never evaluated again: no validation set for them.
   vals = {k: evaluate_lib.validation_set(
       keys.val[k], generative.trial(models_K, k), cfg) for k in running}
@@ -295,8 +291,6 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   unsaved = [k for k in saved_rows if k not in running]
   if unsaved and stopped is not None and running and start < total:
     workdir_lib.save_rows(stopped, start, states, unsaved)
-
-  # The stack stops early enough for its stop's checkpoint to end by stop_at.
   trial_bytes = 0 if stop_at is None or ckpts is None else sum(
       x.size * x.dtype.itemsize
       for x in jax.tree.leaves(train.abstract_states(cfg, 1)))

@@ -27,13 +27,11 @@ class TrainState:
 
 def lr_schedule(cfg: PretrainConfig):
   """Warmup then linear decay to 0, per cycle (one cycle without cycles)."""
-
   def cycle(length, peak):
     warmup = min(cfg.warmup_steps, max(length - 1, 0))
     return optax.join_schedules(
         [optax.linear_schedule(0.0, peak, max(warmup, 1)),
          optax.linear_schedule(peak, 0.0, max(length - warmup, 1))], [warmup])
-
   parts = [cycle(n, cfg.lr * (cfg.cycle_lr if i else 1.0))
            for i, n in enumerate(cfg.cycles or (cfg.total_steps,))]
   return optax.join_schedules(parts, list(cfg.cycle_ends[:-1]))
@@ -145,7 +143,6 @@ def _step_fn(cfg: PretrainConfig):
   if cfg.state_loss > 0 and not cfg.model.state_readout:
     raise ValueError("PretrainConfig.state_loss needs model.state_readout = "
                      "the generating HMM's number of states")
-
   def step(state: TrainState, inputs_BxT, tokens_BxT, weights_BxT, hmm):
     targets = loss_targets(cfg, hmm, inputs_BxT, tokens_BxT, weights_BxT)
     if cfg.state_loss > 0:
@@ -167,7 +164,6 @@ def _step_fn(cfg: PretrainConfig):
     return TrainState(step=state.step + 1,
                       params=optax.apply_updates(state.params, updates),
                       opt_state=opt_state), loss
-
   return step
 
 
@@ -186,10 +182,8 @@ def _jitted_step(cfg: PretrainConfig, mesh):
   rep = sharding_lib.replicated(mesh)
   bat = sharding_lib.trial_batch_sharded(mesh)
   one = _step_fn(cfg)
-
   def step(*args):  # (states, inputs, tokens, weights, hmms), each [K, ...]
     return map_trials(lambda a: one(*a), args, cfg.trials_per_vmap)
-
   return jax.jit(step, in_shardings=(rep, bat, bat, bat, rep),
                  out_shardings=(rep, rep), donate_argnums=0)
 
@@ -203,19 +197,17 @@ def make_train_step(cfg: PretrainConfig, mesh):
   without the state loss, no ``hmms`` reach the step, so every ``|H|``
   shares one compile."""
   jitted = _jitted_step(cfg, mesh)
-
   def train_step(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT, hmms=None):
     needs_hmms = ((cfg.targets == "exact"
                    and not targets_ahead(inputs_KxBxT, tokens_KxBxT))
                   or cfg.state_loss > 0)
     if needs_hmms and hmms is None:
-      what = ("state_loss" if cfg.state_loss > 0 else "targets='exact'")
+      what = "state_loss" if cfg.state_loss > 0 else "targets='exact'"
       raise ValueError(f"PretrainConfig.{what} needs the generating HMMs: "
                        "pass hmms=jax.vmap(generative.as_hmm)(models_K) to "
                        "the step")
     return jitted(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT,
                   hmms if needs_hmms else None)
-
   return train_step
 
 

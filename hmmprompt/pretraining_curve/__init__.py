@@ -167,9 +167,8 @@ class Group(protocol.Group):
     """``{(trial, step): key}`` of the lines this group writes."""
     steps = setup.pretrain.retain if self.backbone == "transformer" else (None,)
     fp = setup.fingerprint()
-    return {(k, s): (self.model_id.tag, k, self.backbone, s,
-                     self.method_name, fp)
-            for k in range(setup.trials) for s in steps}
+    return {(k, s): (self.model_id.tag, k, self.backbone, s, self.method_name,
+                     fp) for k in range(setup.trials) for s in steps}
 
 
 def plan(setup: CurveSetup) -> dict[protocol.ModelId, list[Group]]:
@@ -251,11 +250,9 @@ def run_curve(setup: CurveSetup, workdir: str,
   todo = protocol.missing(plan(setup), done, lambda g: g.keys(setup))
   def prepare(mid, groups):
     stack = protocol.draw_stack(setup, mid, setup.trials)
-    pretrained = any(g.backbone == "transformer" for g in groups)
-    return stack, (checkpoints(workdir, setup, mid, stack.models_K)
-                   if pretrained else None)
+    return stack, (checkpoints(workdir, setup, mid, stack.models_K) if any(
+        g.backbone == "transformer" for g in groups) else None)
   protocol.run_stacks(todo, prepare, lambda g, sc: [
       r for r in tune_group(setup, g, *sc) if r.key() not in done],
-                      lines_path(workdir), schedule,
-                      weight=lambda mid: setup.trials)
+      lines_path(workdir), schedule, weight=lambda mid: setup.trials)
   return read_curve_lines(workdir)
