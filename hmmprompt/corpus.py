@@ -45,12 +45,9 @@ class CorpusConfig:
     validation.require_choices(self, corruption=CORRUPTIONS)
     validation.require_positive(self, "num_seqs", "seq_len", "chunk_len",
                                 "val_seqs")
-    if not 0 < self.mask_rate < 1:
-      raise ValueError(f"CorpusConfig.mask_rate must be in (0, 1), got "
-                       f"{self.mask_rate}")
-    if not 0 <= self.train_mask_rate < 1:
-      raise ValueError(f"CorpusConfig.train_mask_rate must be in [0, 1), "
-                       f"got {self.train_mask_rate}")
+    validation.require(self, "mask_rate", 0 < self.mask_rate < 1, "in (0, 1)")
+    validation.require(self, "train_mask_rate", 0 <= self.train_mask_rate < 1,
+                       "in [0, 1)")
     if not self.fresh and self.seq_len < self.chunk_len:
       raise ValueError(f"CorpusConfig.seq_len = {self.seq_len} is shorter "
                        f"than chunk_len = {self.chunk_len}")

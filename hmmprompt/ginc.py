@@ -94,8 +94,7 @@ def concepts(key, cfg: GincConfig = GincConfig()
              ) -> tuple[hmm_lib.HMM, jax.Array]:
   """``(concepts [num_concepts], memory [V, S])``: the first half ID."""
   k_mem, k_value, k_concepts = jax.random.split(key, 3)
-  memory = memory_matrix(k_mem, cfg)
-  value = value_factor(k_value, cfg)
+  memory, value = memory_matrix(k_mem, cfg), value_factor(k_value, cfg)
   return jax.vmap(lambda k: concept(k, cfg, memory, value))(
       jax.random.split(k_concepts, cfg.num_concepts)), memory
 
@@ -248,8 +247,7 @@ def prompt(key, concepts_K: hmm_lib.HMM, memory_VxS: jax.Array,
     k_value, k_path = jax.random.split(k)
     value = jax.random.randint(k_value, (), 0, num_values)
     if protocol == "ID_sample":
-      states = _path(k_path, hmm.transition, value * num_slots + slot0,
-                     length)
+      states = _path(k_path, hmm.transition, value * num_slots + slot0, length)
       return states // num_slots, states % num_slots
     slots = jax.random.randint(k_path, (length,), 1, num_slots)
     return jnp.full((length,), value), slots

@@ -46,14 +46,11 @@ def feature_stats(probs_NxV: jax.Array) -> dict:
   return {"mean": flat.mean(0), "std": flat.std(0)}
 
 
-def _standardize(probs_xV: jax.Array, stats: dict) -> jax.Array:
-  return (probs_xV - stats["mean"]) / (stats["std"] + _STD_EPS)
-
-
 TRANSFORMS: dict[str, Features] = {
     "raw": Features("raw", lambda probs, stats: probs),
     "log": Features("log", lambda probs, stats: jnp.log(probs + _LOG_EPS)),
-    "standardized": Features("standardized", _standardize, needs_stats=True),
+    "standardized": Features("standardized", lambda probs, stats: (
+        probs - stats["mean"]) / (stats["std"] + _STD_EPS), needs_stats=True),
 }
 FEATURES = tuple(TRANSFORMS)
 

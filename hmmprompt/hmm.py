@@ -97,8 +97,7 @@ def check_model(hmm: HMM) -> HMM:
 
 def checkify_model(hmm: HMM) -> None:
   """:func:`check_model` under ``checkify.checkify`` only (values checked)."""
-  _validate_hmm(hmm.initial, hmm.transition, hmm.emission,
-                chk=validation.checkify_distribution)
+  _validate_hmm(*hmm, chk=validation.checkify_distribution)
 
 
 def checkify_tokens(tokens, vocab_size: int) -> None:

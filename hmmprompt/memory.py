@@ -144,8 +144,7 @@ def check_model(model):
 
 def checkify_model(model) -> None:
   """:func:`hmm.checkify_model` for either memory HMM (under checkify)."""
-  _validator(model)(model.memory_prior, model.initial, model.transition,
-                    model.emission, chk=validation.checkify_distribution)
+  _validator(model)(*model, chk=validation.checkify_distribution)
 
 
 def draw_memory_sequence(key, mhmm: MemoryHMM, length: int):

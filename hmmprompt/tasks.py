@@ -52,12 +52,9 @@ class TaskConfig:
   def __post_init__(self):
     validation.require_positive(self, "num_train", "num_val", "num_test",
                                 "seq_len", "num_nonzero")
-    if self.num_classes < 2:
-      raise ValueError(f"TaskConfig.num_classes must be >= 2, got "
-                       f"{self.num_classes}")
-    if not 0.5 <= self.max_label_share <= 1.0:
-      raise ValueError(f"TaskConfig.max_label_share must be in [0.5, 1], got "
-                       f"{self.max_label_share}")
+    validation.require(self, "num_classes", not self.num_classes < 2, ">= 2")
+    validation.require(self, "max_label_share",
+                       0.5 <= self.max_label_share <= 1.0, "in [0.5, 1]")
     if self.max_redraws < 0:
       raise ValueError("TaskConfig.max_redraws must be >= 0")
     check_labeling(self.labeling, "TaskConfig.labeling")

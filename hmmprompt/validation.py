@@ -71,6 +71,14 @@ def require_choices(config, **options) -> None:
     one_of(f"{type(config).__name__}.{name}", getattr(config, name), known)
 
 
+def require(config, name: str, ok: bool, what: str) -> None:
+  """``ValueError`` ``<Class>.<name> must be <what>, got <value>`` unless
+  ``ok``."""
+  if not ok:
+    raise ValueError(f"{type(config).__name__}.{name} must be {what}, got "
+                     f"{getattr(config, name)}")
+
+
 def is_concrete(x) -> bool:
   """Whether ``x`` is a concrete array-like (not a tracer), i.e. checkable."""
   return not isinstance(x, jax.core.Tracer) and isinstance(

@@ -109,8 +109,7 @@ class TuneConfig:
   batch_size: int = 32
   max_len: int | None = None
   eval_chunk: int = 250
-  # Added after results were keyed (identity.ADDED): out of identities at
-  # their defaults, so the earlier lines' fingerprints stand.
+  # Added after results were keyed: out of identities at their defaults.
   optimizer: str = identity_lib.added("adam")
   lbfgs_tol: float = identity_lib.added(1e-6)
   lbfgs_max_steps: int = identity_lib.added(500)
@@ -130,9 +129,8 @@ class TuneConfig:
     if set(targets) - {"q", "k", "v"} or len(set(targets)) < len(targets):
       raise ValueError(f"TuneConfig.lora_targets must name distinct "
                        f"projections from q,k,v, got {self.lora_targets!r}")
-    if self.lora_alpha is not None and not self.lora_alpha > 0:
-      raise ValueError(f"TuneConfig.lora_alpha must be > 0 or None, got "
-                       f"{self.lora_alpha}")
+    validation.require(self, "lora_alpha", self.lora_alpha is None
+                       or self.lora_alpha > 0, "> 0 or None")
     if self.optimizer == "lbfgs" and not METHODS[self.method].caches_features:
       cached = tuple(m for m, v in METHODS.items() if v.caches_features)
       raise ValueError(
@@ -141,12 +139,9 @@ class TuneConfig:
           f"backbone); use optimizer='adam' for it, or a method from {cached}")
     validation.require_positive(self, "prompt_len", "epochs", "batch_size",
                                 "eval_chunk", "lbfgs_max_steps", "lora_r")
-    if not self.lbfgs_l2 >= 0:
-      raise ValueError(f"TuneConfig.lbfgs_l2 must be >= 0, got {self.lbfgs_l2}")
+    validation.require(self, "lbfgs_l2", self.lbfgs_l2 >= 0, ">= 0")
     for name in ("lbfgs_tol", "lr", "backbone_lr"):
-      if not getattr(self, name) > 0:
-        raise ValueError(f"TuneConfig.{name} must be > 0, got "
-                         f"{getattr(self, name)}")
+      validation.require(self, name, getattr(self, name) > 0, "> 0")
     if not 0 <= self.warmup_frac < 1:
       raise ValueError("TuneConfig.warmup_frac must be in [0, 1)")
     if (self.max_len is not None
@@ -213,11 +208,9 @@ def _reading(params_of, prompt: bool = False) -> Callable[..., tuple]:
   """A :attr:`Method.head_inputs`: :func:`backbone_head_inputs` at the
   params ``params_of(bparams, tunable, cfg)``, the soft prompt
   ``tunable["prompt"]`` prepended if ``prompt``."""
-  def head_inputs(backbone, bparams, tunable, cfg, tokens_T):
-    return backbone_head_inputs(backbone, params_of(bparams, tunable, cfg),
-                                cfg, tokens_T,
-                                tunable["prompt"] if prompt else None)
-  return head_inputs
+  return lambda backbone, bparams, tunable, cfg, tokens_T: backbone_head_inputs(
+      backbone, params_of(bparams, tunable, cfg), cfg, tokens_T,
+      tunable["prompt"] if prompt else None)
 
 
 def prompt_tokens(key, train_tokens_NxT: jax.Array, num: int) -> jax.Array:
@@ -236,20 +229,14 @@ def _init_prompt(key, backbone, bparams, cfg, train_tokens_NxT):
       maxval=cfg.prompt_init)}
 
 
-def _with_lora(bparams, tunable, cfg):
-  return transformer.with_lora(bparams, tunable["lora"],
-                               (cfg.lora_alpha or cfg.lora_r) / cfg.lora_r)
-
-
 _frozen = lambda p, t, c: p  # nothing tunable before the head: cacheable
 
 
 METHODS: dict[str, Method] = {
     "head": Method("head", init_extra=lambda *_: {},
                    head_inputs=_reading(_frozen), caches_features=True),
-    "prompt": Method("prompt", init_extra=_init_prompt,
-                     head_inputs=_reading(_frozen, prompt=True),
-                     uses_prompt=True),
+    "prompt": Method("prompt", init_extra=_init_prompt, uses_prompt=True,
+                     head_inputs=_reading(_frozen, prompt=True)),
     "prefix": Method("prefix", init_extra=lambda key, _, bparams, cfg, __: {
         "prefix": transformer.prefix_init(key, bparams, cfg.prompt_len)},
                      head_inputs=_reading(lambda p, t, c: {**p, **t["prefix"]}),
@@ -257,12 +244,12 @@ METHODS: dict[str, Method] = {
     "lora": Method("lora", init_extra=lambda key, _, bparams, cfg, __: {
         "lora": transformer.lora_init(key, bparams, cfg.lora_r,
                                       cfg.lora_targets.split(","))},
-                   head_inputs=_reading(_with_lora), needs_finetunable=True),
+                   head_inputs=_reading(lambda p, t, c: transformer.with_lora(
+                       p, t["lora"], (c.lora_alpha or c.lora_r) / c.lora_r)),
+                   needs_finetunable=True),
     # A pretrained backbone is wrecked by the head's learning rate.
-    "finetune": Method("finetune",
-                       init_extra=lambda key, _, bparams, *__: {
-                           "backbone": bparams},
-                       head_inputs=_reading(lambda p, t, c: t["backbone"]),
-                       slow_keys=frozenset({"backbone"}),
-                       needs_finetunable=True),
+    "finetune": Method(
+        "finetune", init_extra=lambda key, _, bparams, *__: {"backbone": bparams},
+        head_inputs=_reading(lambda p, t, c: t["backbone"]),
+        slow_keys=frozenset({"backbone"}), needs_finetunable=True),
 }

@@ -25,9 +25,8 @@ def init_tunable(key, backbone: Backbone, bparams, cfg: TuneConfig,
   """The tunable params before training, ``{"head": ..., **extra}``, from
   the training split's ``train_tokens_NxT`` (rows from the ``MASK``);
   :func:`run_seed` passes it ``jax.random.split(key)[0]``."""
-  num_tokens = train_tokens_NxT.shape[-1]
   k_head, k_extra = jax.random.split(key)
-  length = tasks_lib.input_len(cfg.num_prompt, num_tokens - 1)
+  length = tasks_lib.input_len(cfg.num_prompt, train_tokens_NxT.shape[-1] - 1)
   head = heads.HEADS[cfg.head].init(k_head, backbone.vocab_size,
                                     backbone.embed_dim, length)
   return {"head": head, **METHODS[cfg.method].init_extra(
@@ -59,19 +58,14 @@ def _prepare_examples(backbone: Backbone, bparams, tunable, data: Data,
   return lambda tunable, example: example, examples
 
 
-def _feature_stats(inputs_fn, tunable, train_examples, cfg: TuneConfig):
-  """The training set's ``G`` statistics at init (``None`` if unused)."""
-  if not heads.TRANSFORMS[cfg.features].needs_stats:
-    return None
-  g_train = jax.lax.map(lambda ex: inputs_fn(tunable, ex)[0], train_examples,
-                        batch_size=cfg.eval_chunk)
-  return heads.feature_stats(g_train)
-
-
-def _logits_fn(inputs_fn, stats, cfg: TuneConfig):
-  """``(tunable, example) -> logits [C]``."""
-  head = heads.HEADS[cfg.head]
-
+def _logits_fn(inputs_fn, tunable, train_examples, cfg: TuneConfig):
+  """``(tunable, example) -> logits [C]``; a transform that needs them reads
+  the training set's ``G`` statistics at init (``tunable``)."""
+  head, stats = heads.HEADS[cfg.head], None
+  if heads.TRANSFORMS[cfg.features].needs_stats:
+    stats = heads.feature_stats(jax.lax.map(
+        lambda ex: inputs_fn(tunable, ex)[0], train_examples,
+        batch_size=cfg.eval_chunk))
   def logits(tunable, example):
     g, emb = inputs_fn(tunable, example)
     feats = heads.transform(g, cfg.features, stats)
@@ -80,7 +74,6 @@ def _logits_fn(inputs_fn, stats, cfg: TuneConfig):
     # a [T, C] would argmax over the flattened array); checked at trace time.
     chex.assert_shape(logits_C, (heads.NUM_CLASSES,))
     return logits_C
-
   return logits
 
 
@@ -113,16 +106,14 @@ def run_seed(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
 def _run(key, bparams, data: Data, backbone: Backbone, cfg: TuneConfig):
   """:func:`run_seed`, and the steps taken ``[]`` (Adam: all of ``U``)."""
   k_init, k_perm = jax.random.split(key)
-  n = data.train_tokens.shape[0]
   tunable = init_tunable(k_init, backbone, bparams, cfg, data.train_tokens)
   inputs_fn, examples = _prepare_examples(backbone, bparams, tunable, data, cfg)
-  stats = _feature_stats(inputs_fn, tunable, examples["train"], cfg)
-  logits_fn = _logits_fn(inputs_fn, stats, cfg)
+  logits_fn = _logits_fn(inputs_fn, tunable, examples["train"], cfg)
   if cfg.optimizer == "lbfgs":  # TuneConfig: only on cached features
     tunable, losses, steps = optim.solve_lbfgs(optim.lbfgs_objective(
         logits_fn, examples["train"], data.train_labels, cfg), tunable, cfg)
   else:
-    idx_UxB = _batch_indices(k_perm, n, cfg)
+    idx_UxB = _batch_indices(k_perm, data.train_tokens.shape[0], cfg)
     opt = optim.tuning_optimizer(idx_UxB.shape[0], cfg)
     tunable, losses = optim.train_adam(
         logits_fn, opt, tunable, examples["train"], data.train_labels, idx_UxB)
