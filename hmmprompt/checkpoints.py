@@ -139,9 +139,8 @@ class Checkpoints:
         self._set_aside([s for s, _ in failed])
       return step, state
     if failed:
-      raise FileNotFoundError(
-          f"no readable checkpoint in {self.directory}: " + "; ".join(
-              f"step {s}: {r}" for s, r in failed))
+      raise FileNotFoundError(f"no readable checkpoint in {self.directory}: "
+                              + "; ".join(f"step {s}: {r}" for s, r in failed))
     return None, None
 
   def _set_aside(self, steps) -> None:

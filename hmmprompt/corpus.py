@@ -79,9 +79,8 @@ def mask_tokens(key, tokens_BxT, mask_rate: float, vocab_size: int,
   if bert:
     u = jax.random.uniform(k_kind, tokens_BxT.shape)
     random_tok = jax.random.randint(k_rand, tokens_BxT.shape, 0, vocab_size)
-    replaced = jnp.where(
-        u < _BERT_MASK, hmm_lib.MASK,
-        jnp.where(u < _BERT_MASK + _BERT_RANDOM, random_tok, tokens_BxT))
+    replaced = jnp.where(u < _BERT_MASK, hmm_lib.MASK, jnp.where(
+        u < _BERT_MASK + _BERT_RANDOM, random_tok, tokens_BxT))
   else:
     replaced = jnp.full_like(tokens_BxT, hmm_lib.MASK)
   inputs = jnp.where(selected, replaced, tokens_BxT)
@@ -98,8 +97,8 @@ def next_token_inputs(tokens_BxT):
 def batch_at(key, step, model, chunks, cfg: CorpusConfig, batch_size: int,
              vocab_size: int, causal: bool = False):
   """The training batch of ``step``: ``(inputs, targets, weights)``, a pure
-  function of ``(key, step)``; ``chunks`` is ``None`` in fresh mode.
-  ``causal``: :func:`next_token_inputs`, every position weighted."""
+  function of ``(key, step)``; ``chunks`` is ``None`` in fresh mode. ``causal``:
+  :func:`next_token_inputs`, every position weighted."""
   k_steps, k_epochs = jax.random.split(key)
   k_data, k_mask = jax.random.split(jax.random.fold_in(k_steps, step))
   if cfg.fresh:

@@ -101,9 +101,8 @@ def append_jsonl(path: str, records: Iterable[dict]) -> None:
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence]
                    ) -> list[str]:
   """A markdown table's lines (header, rule, one line per row)."""
-  return (["| " + " | ".join(map(str, header)) + " |",
-           "|" + "---|" * len(header)]
-          + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+  row = lambda r: "| " + " | ".join(map(str, r)) + " |"
+  return [row(header), "|" + "---|" * len(header)] + [row(r) for r in rows]
 
 
 def stamp(path: str, identity: dict, what: str = "setup",

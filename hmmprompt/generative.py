@@ -154,8 +154,7 @@ def _fingerprint(model_kind: str, leaves) -> str:
   h = hashlib.sha256(model_kind.encode())
   for leaf in leaves:
     a = np.ascontiguousarray(leaf, np.float32)
-    h.update(str(a.shape).encode())
-    h.update(a.tobytes())
+    h.update(str(a.shape).encode() + a.tobytes())
   return h.hexdigest()[:12]
 
 

@@ -134,7 +134,6 @@ def convert_release(source: str, out: str) -> None:
   if missing := [f for f in RELEASE_FILES
                  if not os.path.isfile(os.path.join(source, f))]:
     raise ValueError(f"{source} lacks GINC's {', '.join(missing)}")
-
   def load(name):
     with open(os.path.join(source, name), "rb") as f:
       return _Unpickler(f).load()
@@ -242,7 +241,6 @@ def prompt(key, concepts_K: hmm_lib.HMM, memory_VxS: jax.Array,
   c = jax.random.randint(k_concept, (), 0, concepts_K.initial.shape[0])
   hmm = jax.tree.map(lambda x: x[c], concepts_K)
   slot0 = jax.random.randint(k_slot, (), 1, num_slots)
-
   def example(k):
     k_value, k_path = jax.random.split(k)
     value = jax.random.randint(k_value, (), 0, num_values)
@@ -251,7 +249,6 @@ def prompt(key, concepts_K: hmm_lib.HMM, memory_VxS: jax.Array,
       return states // num_slots, states % num_slots
     slots = jax.random.randint(k_path, (length,), 1, num_slots)
     return jnp.full((length,), value), slots
-
   values, slots = jax.vmap(example)(jax.random.split(k_examples,
                                                      num_examples + 1))
   # Each example then a delimiter (slot 0, its last value).

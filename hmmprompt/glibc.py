@@ -34,9 +34,7 @@ def retain_freed_memory() -> bool:
   tried first) and ``M_TOP_PAD`` = 256 MiB; ``True`` if all took effect
   (``False``: no glibc)."""
   return all(_mallopt()(param, value) == 1 for param, value in (
-      (_M_MMAP_MAX, 0),
-      (_M_TRIM_THRESHOLD, -1),
-      (_M_TOP_PAD, 256 << 20)))
+      (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1), (_M_TOP_PAD, 256 << 20)))
 
 
 def one_arena() -> bool:

@@ -173,7 +173,6 @@ def _draw_tasks(config: TaskConfig, stacked: bool, chunk: int | None):
   ``stacked`` (K = 1), no vmap: vmap's batched matmuls round differently."""
   def draw(key, attempt, model):
     return draw_task(jax.random.fold_in(key, attempt), model, config, chunk)
-
   if stacked:
     return jax.jit(jax.vmap(draw, in_axes=(0, None, 0)))
   first = lambda tree: jax.tree.map(lambda x: x[0], tree)

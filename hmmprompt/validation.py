@@ -216,10 +216,8 @@ def entry_point(kernel: Callable[..., Any], *, static_argnums=(),
   as ``jax.jit``'s), runs on; ``field`` picks one field of a NamedTuple
   result inside the jit, so XLA drops the others' work. Traced code calls
   the ``kernel`` attribute."""
-  jitted = jax.jit(kernel if field is None else
-                   lambda *args: getattr(kernel(*args), field),
-                   static_argnums=static_argnums)
-
+  jitted = jax.jit(kernel if field is None else lambda *args: getattr(
+      kernel(*args), field), static_argnums=static_argnums)
   def decorate(check: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(check)
     def entry(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -229,8 +227,6 @@ def entry_point(kernel: Callable[..., Any], *, static_argnums=(),
                         f"return validation.kernel_args(...), got "
                         f"{type(checked).__name__}")
       return jitted(*checked)
-
     vars(entry)["kernel"] = kernel  # (an attribute mypy does not type)
     return entry
-
   return decorate

@@ -70,7 +70,6 @@ def _folding_vmap(fn, in_roles, out_roles, heads_always: bool):
   ``[Bb, N, T, T]`` operands to a tuple (``out_roles``), folding into the
   heads where a bias is batched (or ``heads_always``), else the batch."""
   op = custom_batching.custom_vmap(fn)
-
   @op.def_vmap
   def fold(axis_size, in_batched, *args):
     bias_batched = any(b for b, r in zip(in_batched, in_roles) if r == "bias")
@@ -118,7 +117,6 @@ def _attention_op(implementation: str | None, biased: bool):
   forward = _folding_vmap(lambda *a: (dpa(*a),), roles, ("qkv",),
                           heads_always=False)
   backward = _folding_vmap(dpa_vjp, (*roles, "qkv"), roles, heads_always=biased)
-
   @jax.custom_vjp
   def attention(*qkv_bias):
     return forward(*qkv_bias)[0]

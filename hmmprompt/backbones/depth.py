@@ -32,14 +32,10 @@ def grow_layers(params, fresh):
   if want <= have:
     raise ValueError(f"grow_layers: fresh has {want} layers, not more than "
                      f"the {have} of params")
-  zero_out = lambda block: {
-      name: (jax.tree.map(jnp.zeros_like, leaf)
-             if name in ("attn_out", "mlp_out") else leaf)
-      for name, leaf in block.items()}
-  return {**fresh, "params": {
-      **deep, **inner,
-      **{f"block_{i}": zero_out(deep[f"block_{i}"])
-         for i in range(have, want)}}}
+  zero_out = lambda block: {n: (jax.tree.map(jnp.zeros_like, leaf) if n in (
+      "attn_out", "mlp_out") else leaf) for n, leaf in block.items()}
+  return {**fresh, "params": {**deep, **inner, **{
+      f"block_{i}": zero_out(deep[f"block_{i}"]) for i in range(have, want)}}}
 
 
 def take_layers(params, num_layers: int):
@@ -51,5 +47,4 @@ def take_layers(params, num_layers: int):
                      f"[1, {have}] (the params' layers)")
   return {**params, "params": {
       name: leaf for name, leaf in inner.items()
-      if not name.startswith("block_")
-      or int(name.split("_")[1]) < num_layers}}
+      if not name.startswith("block_") or int(name.split("_")[1]) < num_layers}}

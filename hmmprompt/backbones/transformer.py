@@ -184,11 +184,10 @@ class Block(nn.Module):
 
   def _rel_table(self):
     """The learned ``[A, 2 max_len - 1]`` ``rel_bias`` param, or None."""
-    cfg = self.cfg
-    if cfg.rel_pos != "bias":
+    if self.cfg.rel_pos != "bias":
       return None
     return self.param("rel_bias", nn.initializers.zeros,
-                      (cfg.num_heads, 2 * cfg.max_len - 1))
+                      (self.cfg.num_heads, 2 * self.cfg.max_len - 1))
 
 
 def rel_bias(cfg: MLMConfig, t: int, table_AxO=None):
@@ -218,9 +217,8 @@ class MLM(nn.Module):
     init = normal_init(0.02)
     self.tok_embed = nn.Embed(cfg.vocab_size + 1, cfg.d_model,
                               embedding_init=init, name="tok_embed")
-    self.pos_embed = self.param(
-        "pos_embed", sinusoid_init if cfg.pos_init == "sinusoid" else init,
-        (cfg.max_len, cfg.d_model))
+    pos_init = sinusoid_init if cfg.pos_init == "sinusoid" else init
+    self.pos_embed = self.param("pos_embed", pos_init, (cfg.max_len, cfg.d_model))
     self.blocks = [Block(cfg, name=f"block_{i}") for i in range(cfg.num_layers)]
     self.ln_final = nn.LayerNorm(dtype=cfg.compute_dtype, name="ln_final")
     self.head = TokenDense(cfg.vocab_size, dtype=cfg.compute_dtype, name="head")
@@ -333,12 +331,10 @@ def build_backbone(cfg: MLMConfig, dtype: str = "float32") -> Backbone:
   """A new, uncached :func:`make_backbone` (new closures every call)."""
   cfg = dataclasses.replace(cfg, dtype=dtype)
   model = MLM(cfg)
-
   def embed(params, tokens_T):
     if not isinstance(tokens_T, jax.core.Tracer):
       hmm_lib.check_tokens(tokens_T, cfg.vocab_size)
     return model.apply(params, tokens_T[None], method=MLM.embed)[0]
-
   def apply(params, emb_TxD, index=None):  # apply_at: row index alone
     if emb_TxD.shape[0] > cfg.max_len:
       raise ValueError(f"input of {emb_TxD.shape[0]} positions exceeds the "
@@ -347,7 +343,6 @@ def build_backbone(cfg: MLMConfig, dtype: str = "float32") -> Backbone:
               if index is None else
               model.apply(params, emb_TxD[None], index, method=MLM.encode_at))
     return jax.nn.softmax(logits[0], -1)
-
   return Backbone(name="transformer", embed=embed, apply=apply,
                   apply_at=apply, prompt_embedding=lambda raw: raw,
                   embed_dim=cfg.d_model, vocab_size=cfg.vocab_size,
