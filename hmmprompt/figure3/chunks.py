@@ -1,8 +1,7 @@
-"""Figure 3 in chunks of size stacks, for a machine lent for minutes that
-keeps nothing: each chunk starts from a committed results directory,
-computes only what is missing and ends in one archive that :func:`merge`
-adds back (``experiments/in_chunks.py``); under a deadline, a stack that
-does not fit runs in parts (:class:`~hmmprompt.figure3.sweep.Parts`)."""
+"""Figure 3 in chunks of size stacks (``experiments/in_chunks.py``), for a
+machine lent for minutes that keeps nothing: a chunk computes what its
+results directory lacks into one archive :func:`merge` adds back, a stack
+past a deadline in parts (:class:`~hmmprompt.figure3.sweep.Parts`)."""
 
 import dataclasses
 import glob
@@ -83,8 +82,7 @@ def chunk_sizes(setup: configs.Setup,
 
 
 def chunk_setup(setup: configs.Setup, chunk: str) -> configs.Setup:
-  """``setup`` restricted to :func:`chunk_sizes` (its lines key as the
-  whole sweep's: sizes are no part of the fingerprint)."""
+  """``setup`` at :func:`chunk_sizes` (its lines key as the whole sweep's)."""
   left, memory = chunk_sizes(setup, chunk)
   if chunk != "all":
     logging.info("chunk %s: left sizes %s, memory sizes %s", chunk, left,
@@ -93,9 +91,9 @@ def chunk_setup(setup: configs.Setup, chunk: str) -> configs.Setup:
 
 
 def start_workdir(results_dir: str, workdir: str, setup: configs.Setup) -> int:
-  """Checks that ``results_dir`` and ``workdir`` (new, or kept: it resumes)
-  hold only ``setup``'s results (else ``ValueError``), stamps ``workdir``,
-  adds the lines it lacks and returns its line count."""
+  """Checks that ``results_dir`` and ``workdir`` (kept: it resumes) hold
+  only ``setup``'s results (else ``ValueError``), stamps ``workdir``, adds
+  the lines it lacks and returns its line count."""
   sweep.check_workdir(results_dir, setup, write=False)
   os.makedirs(workdir, exist_ok=True)
   sweep.check_workdir(workdir, setup)
@@ -139,13 +137,12 @@ def run_chunk(setup: configs.Setup, chunk: str, backbone: str,
               deadline_s: float | None = None,
               checkpoints: str | None = None) -> dict:
   """Computes ``chunk``'s missing cells from ``results_dir`` into the archive
-  ``out_dir/figure3-chunk.tar.gz`` (written also after the budget, an error or a
-  signal); returns its ``run.json``; ``ValueError`` for a bad chunk, or a
-  directory of another setup (named). ``workdir``: kept and resumed (``None``: a
-  temporary one). ``compute(chunk_setup, workdir, deadline)`` returns the tags
-  of the stacks skipped for the deadline (default :func:`sweep.run_sweep`;
-  :func:`workers.chunk_compute`); ``info``: more ``run.json`` fields;
-  ``deadline_s``: ``Schedule.stop_at``, in seconds from the start."""
+  ``out_dir/figure3-chunk.tar.gz`` (written also after the budget, an error or
+  a signal); returns its ``run.json``; ``ValueError`` for a bad chunk, or a
+  directory of another setup. ``workdir``: kept and resumed (``None``: a
+  temporary one). ``compute(chunk_setup, workdir, deadline)`` returns the
+  stacks the deadline skipped (default :func:`sweep.run_sweep`); ``info``:
+  more ``run.json`` fields; ``deadline_s``: ``Schedule.stop_at``, from t0."""
   t0 = time.monotonic()
   deadline = None if budget_s is None else t0 + budget_s
   stop_at = None if deadline_s is None else t0 + deadline_s
@@ -229,7 +226,7 @@ def seconds_per_trial(results_dir: str, margin: float = 1.2,
 
 def chunk_step_bytes(setup: configs.Setup, chunk: str) -> list[dict]:
   """Per stack of ``chunk``: its trials, :func:`hmmprompt.pretrain.step_bytes`
-  and the device's memory (``device_bytes``; ``None`` if it reports none)."""
+  and the device's memory (``device_bytes``; ``None`` if unreported)."""
   part, cfg = chunk_setup(setup, chunk), setup.pretrain
   mesh, sizes = sharding_lib.data_mesh(), configs.stack_sizes(setup)
   limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
@@ -268,7 +265,7 @@ def check_chunk(setup: configs.Setup, chunk: str, backbone: str,
 def merge_all(archives: list[str], results_dir: str,
               setup: configs.Setup | None = None, preset: str = ""
               ) -> list[str]:
-  """:func:`merge` of each archive in turn; one line of counts for each.
+  """:func:`merge` of each archive in turn, a line of counts each;
   ``ValueError`` naming a missing archive, or :func:`merge`'s."""
   if missing := [a for a in archives if not os.path.isfile(a)]:
     raise ValueError(f"--merge: no such archive {missing}")
@@ -279,9 +276,9 @@ def merge_all(archives: list[str], results_dir: str,
 
 def check_archive(archive: str, unpacked: str, run: dict,
                   setup: configs.Setup, preset: str = "") -> None:
-  """``ValueError`` where ``archive`` (unpacked in ``unpacked``; ``run``:
-  its ``run.json``) holds results of another setup than ``setup``, naming
-  the preset it ran with where it is another, else the fields that differ."""
+  """``ValueError`` where ``archive`` (unpacked in ``unpacked``; ``run``: its
+  ``run.json``) holds another setup's results, naming its other preset, else
+  the fields that differ."""
   stamp = os.path.join(unpacked, sweep.STAMP)
   diff = identity_lib.differences(
       json.loads(pathlib.Path(stamp).read_text()), setup.identity(),
@@ -304,10 +301,10 @@ def check_archive(archive: str, unpacked: str, run: dict,
 
 def merge(archive: str, results_dir: str,
           setup: configs.Setup | None = None, preset: str = "") -> dict:
-  """Adds ``archive``'s result lines and pretraining metrics to
-  ``results_dir`` (its ``run.json`` to ``runs.jsonl``, once), renders the
-  report and returns :func:`files.merge_lines`' counts; ``ValueError`` for
-  unexpected members or another setup's results (:func:`check_archive`)."""
+  """Adds ``archive``'s result lines, pretraining metrics and ``run.json``
+  (once, to ``runs.jsonl``) to ``results_dir``, renders the report, returns
+  :func:`files.merge_lines`' counts; ``ValueError`` for unexpected members
+  or another setup's results (:func:`check_archive`)."""
   with tempfile.TemporaryDirectory() as tmp:
     names = files_lib.read_archive(archive, tmp, _MEMBER)
     try:
@@ -355,11 +352,10 @@ def _copy_new(src: str, dest: str) -> None:
   had = pathlib.Path(dest).read_bytes()
   if had == blob:
     return
-  if (os.path.basename(dest) == "metrics.jsonl"
-      and len(blob.splitlines()) > len(had.splitlines())):
+  n, m = len(blob.splitlines()), len(had.splitlines())
+  if os.path.basename(dest) == "metrics.jsonl" and n > m:
     files_lib.atomic_write_bytes(dest, blob)
     logging.info("%s: the archive's run went further (%d evaluations, "
-                 "%d here): replaced", dest, len(blob.splitlines()),
-                 len(had.splitlines()))
+                 "%d here): replaced", dest, n, m)
   else:
     logging.warning("%s differs from the archive's copy; kept %s", dest, dest)

@@ -75,9 +75,8 @@ class Setup(protocol.TrialsConfig):
     super().check_context()
     for spec in self.arms:
       method, settings = parse_arm(spec, self.tune)
-      n = tasks_lib.input_len(dataclasses.replace(
-          self.tune, method=method, **dict(settings)).num_prompt,
-                              self.task.seq_len)
+      arm = dataclasses.replace(self.tune, method=method, **dict(settings))
+      n = tasks_lib.input_len(arm.num_prompt, self.task.seq_len)
       if n > self.pretrain.model.max_len:
         raise ValueError(
             f"--config.arms {spec}: its prompt + 1 + seq_len = {n} positions "
@@ -284,11 +283,10 @@ def _cpu_paper() -> Setup:
 
 def _gpu() -> Setup:
   """Figure 3 on one accelerator, in chunks (docs/figure3_gpu.md):
-  :func:`_paper`'s protocol and transformer, pretrained with
-  ``cpu_capped``'s recipe, stopping at the first cycle's end within the
-  target; :func:`_cpu_paper`'s tasks, so the exact backbone's lines of
-  ``docs/results/figure3-cpu-paper`` are this protocol's too. The backbone
-  tunes in bf16 on an accelerator, as it pretrained."""
+  :func:`_paper`'s protocol and transformer, pretrained with ``cpu_capped``'s
+  recipe to the first cycle's end within the target; :func:`_cpu_paper`'s
+  tasks (its exact backbone's lines are this protocol's too); the backbone
+  tunes in the dtype it pretrained in (bf16 on an accelerator)."""
   cycles = (250, 250, 500, 1000)
   pretrain = pretrain_lib.configure(
       "paper", dtype="auto",  # bf16 compute on accelerators
@@ -300,11 +298,9 @@ def _gpu() -> Setup:
       # Runtime: fits an H100 (docs/figure3_gpu.md).
       trials_per_vmap=4, eval_every=250, ckpt_every=250, log_every=50,
       keep=1)  # runtime: 20 trials' params + optimizer are ~7 GB (Muon)
-  cpu_paper = _cpu_paper()
-  tune = dataclasses.replace(
-      cpu_paper.tune, backbone_dtype=pretrain_lib.resolve_dtype("auto"))
-  return dataclasses.replace(_paper(), pretrain=pretrain, task=cpu_paper.task,
-                             tune=tune)
+  cpu = _cpu_paper()
+  return dataclasses.replace(_paper(), pretrain=pretrain, task=cpu.task, tune=(
+      dataclasses.replace(cpu.tune, backbone_dtype=pretrain.model.dtype)))
 
 
 def _adaptation() -> Setup:

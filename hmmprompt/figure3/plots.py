@@ -56,9 +56,7 @@ def write_plot(summary: dict, path: str, note: str = "") -> None:
             "right": (PAPER_RIGHT, "|M||H|", "Memory vs vanilla HMM"
                       + ("" if prompted else " (head tuning)"))}
   # Exact before transformer, head before prompt, raw features first.
-  fills = list(_FEATURE_FILLS)
-  order = lambda k: (*k[:4], fills.index(k[4]) if k[4] in fills
-                     else len(fills), k[4])
+  order = lambda k: (*k[:4], [*_FEATURE_FILLS, k[4]].index(k[4]), k[4])
   for ax, panel in zip(axes[0], panels):
     paper, xlabel, title = titles[panel]
     for name, pts in paper.items():

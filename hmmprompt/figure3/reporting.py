@@ -321,9 +321,8 @@ def write_figure3_report(workdir: str) -> dict:
       workdir, lines)), adaptation.section(lines, floor, bayes),
            wins_table(lines, floor), components_table(lines),
            trial_table(lines), pretrain_report.section(workdir)]
-  write_table(summary, os.path.join(workdir, "figure3.md"),
-              extra="\n".join(e for e in extra if e), inputs=inputs_note(lines),
-              smoke=smoke)
+  write_table(summary, os.path.join(workdir, "figure3.md"), "\n".join(
+      e for e in extra if e), inputs_note(lines), smoke)
   plots.write_plot(summary, os.path.join(workdir, "figure3.png"), smoke)
   if {r.method for r in lines} - _FIGURE3_ARMS:
     adaptation.write_plot(lines, os.path.join(workdir, "adaptation.png"),

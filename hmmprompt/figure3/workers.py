@@ -69,9 +69,8 @@ _IN_FLIGHT: dict[str, list] = {}  # claims dir -> its workers, for stop_all
 
 
 def stop_all() -> None:
-  """Stops every worker in flight and removes its claims directory: what a
-  binary's fault or signal runs before it exits (``os._exit`` skips
-  ``finally``)."""
+  """Stops every worker in flight and removes its claims directory (what a
+  fault or signal runs before ``os._exit``, which skips ``finally``)."""
   for claims_dir, procs in list(_IN_FLIGHT.items()):
     for p in procs:
       if p.poll() is None:

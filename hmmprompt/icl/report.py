@@ -44,8 +44,7 @@ def _table(summary: dict, proto: str, ks: list, scale: float, fmt: str
   """Rows ``[length, curve, cells...]``: mean (± sd over seeds)."""
   cell = lambda v: (f"{scale * np.mean(v):{fmt}}" + (
       f" ± {scale * np.std(v):{fmt}}" if len(v) > 1 else ""))
-  return [[length, curve] + [cell(cells[k]) if k in cells else ""
-                             for k in ks]
+  return [[length, curve] + [cell(cells[k]) if k in cells else "" for k in ks]
           for (p, length, curve), cells in sorted(summary.items(), key=_order)
           if p == proto]
 

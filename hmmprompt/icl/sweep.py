@@ -138,16 +138,11 @@ def next_symbol(model_cfg: transformer.MLMConfig, params_K, tokens_NxT):
   after each prompt (read after a start-of-text ``MASK``)."""
   bos = jnp.full_like(tokens_NxT[:, :1], hmm_lib.MASK)
   inputs = jnp.concatenate([bos, tokens_NxT], 1)
-  logits = lambda p: cast(jax.Array, transformer.MLM(model_cfg).apply(
-      p, inputs))
-  return jax.vmap(lambda p: jax.nn.softmax(logits(p)[:, -1], -1))(params_K)
+  return jax.vmap(lambda p: jax.nn.softmax(cast(jax.Array, transformer.MLM(
+      model_cfg).apply(p, inputs))[:, -1], -1))(params_K)
 
 
 _BATCH = 100  # prompts a transformer reads at a time (attention memory)
-
-
-def _renamed(s: dict) -> dict:
-  return {"test_accuracy": s.pop("accuracy"), **s}
 
 
 def kl_to(reference_NxX, next_NxX) -> float | None:
@@ -168,16 +163,13 @@ def score_group(setup: IclSetup, g: Group, stack: dict) -> list[IclLine]:
     t0 = time.perf_counter()
     batch = cell_prompts(setup, stack["concepts"], g.protocol, g.length, k)
     labels = np.asarray(batch["label"])
-    id_concepts = stack["concepts"]["id"]
-    reference = ginc_lib.predict_all(exact_model(id_concepts, REFERENCE),
-                                     batch["tokens"])
+    tokens, concepts = batch["tokens"], stack["concepts"]["id"]
+    reference = ginc_lib.predict_all(exact_model(concepts, REFERENCE), tokens)
     if g.backbone == "exact":
       rows = [reference if v == REFERENCE else ginc_lib.predict_all(
-          exact_model(id_concepts, v), batch["tokens"])
-              for v in setup.smoothings]
+          exact_model(concepts, v), tokens) for v in setup.smoothings]
       gaps = [0.0] * len(rows)
     else:
-      tokens = batch["tokens"]
       rows = list(np.concatenate([np.asarray(next_symbol(
           stack["model_cfg"], stack["params"], tokens[i:i + _BATCH]))
                                   for i in range(0, len(labels), _BATCH)], 1))
@@ -186,8 +178,9 @@ def score_group(setup: IclSetup, g: Group, stack: dict) -> list[IclLine]:
     out += [IclLine(
         backbone=g.backbone, variant=v, protocol=g.protocol, length=g.length,
         examples=k, setup=setup.fingerprint(),
-        hmm_fingerprint=stack["fingerprint"], **_renamed(ginc_lib.scores(
-            row, labels)),
+        hmm_fingerprint=stack["fingerprint"], **{
+            "test_accuracy" if n == "accuracy" else n: x
+            for n, x in ginc_lib.scores(row, labels).items()},
         ce_gap=float(gap), kl=kl_to(reference, row), prompts=setup.prompts,
         seconds=seconds)
             for v, row, gap in zip(g.variants(setup), rows, gaps)]

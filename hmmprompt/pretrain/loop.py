@@ -118,8 +118,7 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
     FileNotFoundError: checkpoints exist but none is readable.
     FloatingPointError: a non-finite loss; the last checkpoint is kept.
   """
-  return _run_trials(workdir, cfg, models_K, log, after_step,
-                     stop_at=stop_at)[0]
+  return _run_trials(workdir, cfg, models_K, log, after_step, stop_at=stop_at)[0]
 
 
 def train_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
@@ -145,17 +144,15 @@ def train_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
       for k, (_, deep_line, deep_states) in deeps.items()})
 
 
-def _run_trials(workdir, cfg, models_K, log, after_step,
-                checkpoints: str = "always", stop_at: float | None = None,
-                keep_by: float | None = None):
-  """``(finals, states, {k: (own last line, deep line, deep states)})``."""
+def _run_trials(workdir, cfg, models_K, log, after_step, **kw):
+  """``(finals, states, {k: (own last line, deep line, deep states)})``;
+  ``kw``: :func:`_train_stack`'s ``checkpoints``, ``stop_at``, ``keep_by``."""
   if (num := generative.num_trials(models_K)) is None:
     raise ValueError("run_trials needs [K] stacked models "
                      "(generative.random_models or generative.stack); use "
                      "run for one model")
   finals, states = _train_stack(workdir, cfg, models_K, num, log, after_step,
-                                checkpoints=checkpoints, stop_at=stop_at,
-                                keep_by=keep_by)
+                                **kw)
   deeps = {}
   for k, line in enumerate(finals):
     if cfg.falls_back(line):
@@ -171,8 +168,7 @@ def _run_trials(workdir, cfg, models_K, log, after_step,
       (deep,), deep_states = _train_stack(
           workdir_lib.fallback_dir(workdir, k), deep_cfg,
           generative.stack([generative.trial(models_K, k)]), 1, log,
-          after_step, init=init, checkpoints=checkpoints, stop_at=stop_at,
-          keep_by=keep_by)
+          after_step, init=init, **kw)
       deeps[k] = (line, deep, deep_states)
       finals[k] = workdir_lib.fallback_line(line, deep, k, cfg.fallback_layers)
   return finals, states, deeps

@@ -59,8 +59,7 @@ def table(runs) -> str:
   total = sum(max(m.get("wall_s", 0.0) for ms in by_trial.values()
                   for m in ms) for _, _, by_trial in runs)
   out = ["## Pretraining (transformer): held-out masked-position CE vs the "
-         "exact Bayes CE", ""]
-  out += files_lib.markdown_table(
+         "exact Bayes CE", ""] + files_lib.markdown_table(
       ("model", "trial", "steps", "stack wall (s)", "mlm CE", "Bayes CE",
        "gap", "TV"),
       [(name, k, m["step"], f"{m.get('wall_s', float('nan')):.0f}",

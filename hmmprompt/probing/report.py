@@ -22,9 +22,8 @@ def _ms(values, scale: float = 1.0, fmt: str = ".3f") -> str:
 
 
 def best(line: ProbeLine, field: str = "r2") -> tuple[int, float]:
-  """``(input index, value)`` of the block (not the embedding or output)
-  with the best held-out R², within the trial's own depth; ``field``'s
-  value there."""
+  """``(input index, field's value)`` at the block (not the embedding or
+  output) of best held-out R², within the trial's own depth."""
   i = 1 + int(np.argmax(line.r2[1:line.layers + 1]))
   return i, (getattr(line, field) or [np.nan] * (i + 1))[i]
 
@@ -40,10 +39,9 @@ def _mess3(lines: list[ProbeLine]) -> list[str]:
     return []
   names = got["trained"][0].inputs
   col = lambda c, f, i: _ms([getattr(r, f)[i] for r in got[c]]) if got[c] else ""
-  rows = [[n, col("trained", "r2", i), col("trained", "tv", i),
-           col("trained", "kl", i), col("random", "r2", i),
-           col("random", "tv", i), col("shuffled", "r2", i)]
-          for i, n in enumerate(names)]
+  cols = [("trained", "r2"), ("trained", "tv"), ("trained", "kl"),
+          ("random", "r2"), ("random", "tv"), ("shuffled", "r2")]
+  rows = [[n] + [col(c, f, i) for c, f in cols] for i, n in enumerate(names)]
   gaps = ", ".join(f"{r.ce_gap:.4f}" for r in got["trained"])
   return ["## Mess3", "", f"Causal transformers on Mess3 (x = 0.05, alpha = "
           f"0.85), {len(got['trained'])} seeds (held-out next-symbol CE gaps "
@@ -88,11 +86,9 @@ def _tasks(lines: list[ProbeLine], results_path: str) -> list[str]:
     return []
   arms = adaptation_accuracy(results_path) if os.path.exists(
       results_path) else {}
-  ctrl = {(r.model, r.trial, r.control): r for r in lines
-          if r.study == "tasks"}
+  ctrl = {(r.model, r.trial, r.control): r for r in _by(lines, study="tasks")}
   rows, labels = [], []
-  pairs: dict[str, list] = {k: [] for k in ("r2", "acc", "lora", "prompt",
-                                            "gap", "tag")}
+  pairs: dict[str, list] = {k: [] for k in "r2 acc lora prompt gap tag".split()}
   last = lambda r, f: (getattr(r, f) or [np.nan])[-1]  # the output's
   for tag in sorted({r.model for r in trained}, key=lambda t: (
       t.startswith("memory"), int(t.split("-h")[1].split("-")[0]))):

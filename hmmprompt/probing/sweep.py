@@ -235,8 +235,7 @@ def prepare(workdir: str, setup: ProbeSetup, source: Source) -> dict:
 def score_group(workdir: str, setup: ProbeSetup, g: Group, stack: dict
                 ) -> list[ProbeLine]:
   """``g``'s lines: each case's probes of every input, per trial."""
-  params, cfg = stack["params"], stack["cfg"]
-  num = len(stack["layers"])
+  params, cfg, num = stack["params"], stack["cfg"], len(stack["layers"])
   if g.control == "random":
     keys = jax.random.split(jax.random.PRNGKey(setup.seed + 1), num)
     params = jax.vmap(lambda key: transformer.init_params(key, cfg))(keys)
@@ -253,8 +252,7 @@ def score_group(workdir: str, setup: ProbeSetup, g: Group, stack: dict
       from hmmprompt.probing import report  # pylint: disable=g-import-not-at-top
       report.write_simplex(workdir, s["kept"], s["r2"])
     seconds = time.perf_counter() - t0
-    rows = inputs.shape[1] - int(inputs.shape[1] * sum(split))
-    rows *= y.shape[2]
+    rows = (inputs.shape[1] - int(inputs.shape[1] * sum(split))) * y.shape[2]
     lst = lambda v, k: [float(x) for x in v[:, k]]
     out += [ProbeLine(
         study=g.source.study, model=g.source.tag, trial=k, target=target,
