@@ -72,8 +72,7 @@ def require_choices(config, **options) -> None:
 
 
 def require(config, name: str, ok: bool, what: str) -> None:
-  """``ValueError`` ``<Class>.<name> must be <what>, got <value>`` unless
-  ``ok``."""
+  """``ValueError`` ``<Class>.<name> must be <what>, got <value>`` unless ok."""
   if not ok:
     raise ValueError(f"{type(config).__name__}.{name} must be {what}, got "
                      f"{getattr(config, name)}")

@@ -126,9 +126,8 @@ def _attention_op(implementation: str | None, biased: bool):
 
 
 def dot_product_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, bias_1xNxTxT=None):
-  """``jax.nn.dot_product_attention(q, k, v, bias)`` -> ``[B, T, N, H]``
-  (bias batch 1 or ``B``, or None), folded under ``vmap`` (see above) and
-  differentiable, the bias included."""
+  """``jax.nn.dot_product_attention(q, k, v, bias)`` -> ``[B, T, N, H]`` (bias
+  batch 1 or ``B``, or None), folded under vmap, differentiable (bias too)."""
   args = (q_BxTxNxH, k_BxTxNxH, v_BxTxNxH)
   if bias_1xNxTxT is not None:
     args += (bias_1xNxTxT.astype(q_BxTxNxH.dtype),)

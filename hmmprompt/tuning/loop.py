@@ -44,8 +44,7 @@ def num_trainable(backbone: Backbone, bparams, cfg: TuneConfig,
 def _prepare_examples(backbone: Backbone, bparams, tunable, data: Data,
                       cfg: TuneConfig):
   """``(inputs_fn, examples)``: ``inputs_fn(tunable, example) -> (G, emb)``;
-  ``examples[split]`` ``[N, ...]``: a caching method's head inputs, else
-  the tokens."""
+  ``examples[split]`` ``[N, ...]``: the head inputs if cached, else tokens."""
   method = METHODS[cfg.method]
   inputs_fn = lambda tunable, tokens_T: method.head_inputs(
       backbone, bparams, tunable, cfg, tokens_T)
