@@ -56,12 +56,10 @@ HARD_SET = (_vanilla(12, [0], "cpu"), _vanilla(25, range(5)),
             Draws("cpu", protocol.memory(7), (0,), "m7"))
 # --config.draws (docs/figure3.md): the cpu_paper protocol's misses beyond
 # the hard set's, its ten 4-layer fallbacks, and three easy sizes' first 20.
-SETS = {"hard": HARD_SET,
-        "protocol_misses": (_vanilla(25, [13, 18]),
-                            _vanilla(30, [10, 11, 12, 16, 19])),
-        "protocol_fallbacks": (_vanilla(25, [2, 13, 18]),
-                               _vanilla(28, [2], "cpu"),
-                               _vanilla(30, [0, 10, 11, 12, 16, 19])),
+SETS = {"hard": HARD_SET, "protocol_misses": (
+            _vanilla(25, [13, 18]), _vanilla(30, [10, 11, 12, 16, 19])),
+        "protocol_fallbacks": (_vanilla(25, [2, 13, 18]), _vanilla(
+            28, [2], "cpu"), _vanilla(30, [0, 10, 11, 12, 16, 19])),
         "protocol_easy": tuple(_vanilla(h, range(20)) for h in (4, 10, 15))}
 
 
@@ -95,17 +93,6 @@ def draw_models(draws: Draws) -> generative.Model:
       mid.memory_size)
 
 
-def _runs(trials: list[int]) -> list[list[int]]:
-  """Maximal runs of consecutive trials."""
-  return [[k for _, k in run] for _, run in itertools.groupby(
-      enumerate(sorted(trials)), lambda ik: ik[1] - ik[0])]
-
-
-def recipe_fingerprint(cfg: pretrain_lib.PretrainConfig) -> str:
-  return hashlib.sha256(json.dumps(cfg.identity(), sort_keys=True).encode()
-                        ).hexdigest()[:8]
-
-
 def pretrain_hard_set(workdir: str, cfg: HardSetConfig, log=print) -> dict:
   """Pretrains the selected draws; ``{tag: [metrics lines]}``."""
   out = {}
@@ -115,7 +102,9 @@ def pretrain_hard_set(workdir: str, cfg: HardSetConfig, log=print) -> dict:
     if not chosen:
       continue
     stack = draw_models(draws)
-    for run in _runs(chosen):
+    for _, group in itertools.groupby(enumerate(sorted(chosen)),
+                                      lambda ik: ik[1] - ik[0]):
+      run = [k for _, k in group]  # a maximal run of consecutive trials
       # Trial k trains with seed + k, as in the sweep (run_trials adds j).
       pcfg = cfg.pretrain.with_overrides(seed=cfg.pretrain.seed + run[0])
       if pcfg.state_loss > 0:  # the readout has the HMM's state count
@@ -183,9 +172,8 @@ def bench_ratio(cfg: pretrain_lib.PretrainConfig, steps: int,
   per = max(steps // rounds, 1)
   key0, key1 = (jax.random.split(jax.random.PRNGKey(i), 1) for i in (0, 1))
   def steps_of(c):  # ``per`` train steps of ``c``, its state carried
-    get = jax.jit(jax.vmap(lambda k, s: corpus_lib.batch_at(
-        k, s, hmm_model, None, c.corpus, c.batch_size, c.model.vocab_size),
-                           in_axes=(0, None)))
+    get = jax.jit(jax.vmap(lambda k, s: corpus_lib.batch_at(k, s, hmm_model,
+        None, c.corpus, c.batch_size, c.model.vocab_size), in_axes=(0, None)))
     batches = [get(key1, s) for s in range(4)]
     return harness.train_steps(
         pretrain_lib.make_train_step(c, sharding_lib.data_mesh()),
@@ -215,19 +203,19 @@ def main(argv):
     cli.make_dir(_WORKDIR.value)
   pcfg = cfg.pretrain
   tok_step = pcfg.batch_size * pcfg.corpus.chunk_len
-  workdir = os.path.join(_WORKDIR.value, recipe_fingerprint(pcfg))
+  fingerprint = hashlib.sha256(json.dumps(
+      pcfg.identity(), sort_keys=True).encode()).hexdigest()[:8]
+  workdir = os.path.join(_WORKDIR.value, fingerprint)
   os.makedirs(workdir, exist_ok=True)
   put = lambda name, text: files_lib.atomic_write_text(
       os.path.join(workdir, name), text)
   put("recipe.json", json.dumps({"overrides": _CONFIG.value(),
                                  "pretrain": pcfg.to_json()}, indent=1))
-  print(f"recipe {recipe_fingerprint(pcfg)}: overrides {_CONFIG.value()}",
-        flush=True)
+  print(f"recipe {fingerprint}: overrides {_CONFIG.value()}", flush=True)
   if _REPORT_ONLY.value:  # every draw of DIR, however grouped
     return print(hard_set_table(read_hard_set(workdir), tok_step))
-  ratio = None
-  if _BENCH.value:
-    ratio = bench_ratio(pcfg, _BENCH.value)
+  ratio = bench_ratio(pcfg, _BENCH.value) if _BENCH.value else None
+  if ratio is not None:
     print(f"time per training token: {ratio:.2f}x cpu_adamw's "
           f"(interleaved, {_BENCH.value} steps each)", flush=True)
     if _BENCH_ONLY.value:
