@@ -37,15 +37,6 @@ _MAX_REL = flags.DEFINE_float("max_rel_diff", 0.1, "fail above this bias-"
 _REPEATS = 5
 
 
-def model_config() -> transformer.MLMConfig:
-  """The manual path's model (``--tiny``'s, or the paper's)."""
-  kw = {"rel_pos": "bias", "dtype": _DTYPE.value, "attention": "manual"}
-  cfg = (transformer.MLMConfig(vocab_size=10, d_model=32, num_heads=2,
-                               d_ff=64, num_layers=2, max_len=16, **kw)
-         if _TINY.value else transformer.paper_config(10, **kw))
-  return dataclasses.replace(cfg, num_layers=_LAYERS.value or cfg.num_layers)
-
-
 def grad_step(cfg: transformer.MLMConfig):
   """Jitted ``(params [K, ...], tokens, targets [K, B, T]) -> grads``."""
   model = transformer.MLM(cfg)
@@ -56,15 +47,16 @@ def grad_step(cfg: transformer.MLMConfig):
   return jax.jit(jax.vmap(jax.grad(loss)))
 
 
-def bias_grads(grads, num_layers: int) -> list[np.ndarray]:
-  """Each layer's ``[K, A, 2 L - 1]`` offset-table gradient (or KeyError)."""
-  return [np.asarray(grads["params"][f"block_{i}"]["rel_bias"], np.float64)
-          for i in range(num_layers)]
-
-
 def main(argv):
   harness.start(argv, retain_freed_memory=False)
-  cfg = model_config()
+  kw = {"rel_pos": "bias", "dtype": _DTYPE.value, "attention": "manual"}
+  cfg = (transformer.MLMConfig(vocab_size=10, d_model=32, num_heads=2,
+                               d_ff=64, num_layers=2, max_len=16, **kw)
+         if _TINY.value else transformer.paper_config(10, **kw))
+  cfg = dataclasses.replace(cfg, num_layers=_LAYERS.value or cfg.num_layers)
+  bias_grads = lambda grads: [  # each layer's [K, A, 2 L - 1] (or KeyError)
+      np.asarray(grads["params"][f"block_{i}"]["rel_bias"], np.float64)
+      for i in range(cfg.num_layers)]
   k, b, t = _TRIALS.value, _BATCH.value, min(_SEQ.value, cfg.max_len)
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; "
         f"{cfg.num_layers} layers, d {cfg.d_model}, {cfg.num_heads} heads; "
@@ -78,18 +70,16 @@ def main(argv):
   args = (params, *(jax.random.randint(key, (k, b, t), 0, cfg.vocab_size)
                     for key in jax.random.split(jax.random.PRNGKey(1))))
   dp = dataclasses.replace(cfg, attention="dot_product")
-  lowered = grad_step(dp).lower(*args)
-  compiled = lowered.compile()
+  compiled = (lowered := grad_step(dp).lower(*args)).compile()
   for name, step in (("lowered", lowered), ("compiled", compiled)):
     print(f"cuDNN fMHA calls, {name}:",
           attention.cudnn_fmha_targets(step.as_text()) or "none")
   print("cuDNN in the compiled step:",
         "yes" if attention.uses_cudnn(compiled.as_text()) else "absent")
-  failures = []
-  manual_step = grad_step(cfg)
-  want = bias_grads(manual_step(*args), cfg.num_layers)
+  failures, manual_step = [], grad_step(cfg)
+  want = bias_grads(manual_step(*args))
   try:
-    got = bias_grads(compiled(*args), cfg.num_layers)
+    got = bias_grads(compiled(*args))
   except KeyError:
     failures.append("the dot_product path gave no rel_bias gradient")
   else:
