@@ -11,18 +11,12 @@ logging.getLogger("jax._src.xla_bridge").addFilter(lambda record: not (
 
 from absl import app as _app
 
-
-def _help_ends_well(cls) -> None:
-  """absl ends ``--help`` / ``--helpfull`` with status 1, as if it failed;
-  help that was asked for ends with 0 (parse errors keep theirs)."""
-  parse = cls.parse
-  def parse_then_exit_0(self, arg):
+# absl ends --help / --helpfull with status 1, as if it failed; help that was
+# asked for ends with 0 (parse errors keep theirs).
+for _cls in (_app.HelpFlag, _app.HelpfullFlag):
+  def _parse_then_exit_0(self, arg, parse=_cls.parse):
     try:
       parse(self, arg)
     except SystemExit:
       raise SystemExit(0) from None
-  cls.parse = parse_then_exit_0
-
-
-for _cls in (_app.HelpFlag, _app.HelpfullFlag):
-  _help_ends_well(_cls)
+  _cls.parse = _parse_then_exit_0

@@ -90,17 +90,15 @@ def page(workdir: str, title: str, committed: str | None = None) -> str:
       [(b, size, m, s["draws"], s["seeds"], *(points(s[k]) for k in (
           "draw_sd", "seed_sd", "seed_range", "perturbed")))
        for (b, size, m), s in summary.items()]), reporting.floor_note(floor),
-           section("Adam against the optimum (head, test accuracy, points)",
-                   ("backbone", "panel", "size", "lines",
-                    "Adam > 1 point below", "mean shortfall",
-                    "largest shortfall", "prompt - Adam head",
-                    "prompt - optimum head"), noise.adam_vs_optimum(lines))]
+           section("Adam against the optimum (head, test accuracy, points)", (
+               "backbone", "panel", "size", "lines", "Adam > 1 point below",
+               "mean shortfall", "largest shortfall", "prompt - Adam head",
+               "prompt - optimum head"), noise.adam_vs_optimum(lines))]
   if committed:
-    parts.append(section(
-        f"Beside the lines of {committed}",
-        ("backbone", "arm", "size", "lines", "differ",
-         "largest accuracy change", "largest gap change (nats)"),
-        noise.reproduction(lines, schema.read_results(committed))))
+    parts.append(section(f"Beside the lines of {committed}", (
+        "backbone", "arm", "size", "lines", "differ", "largest accuracy change",
+        "largest gap change (nats)"), noise.reproduction(
+            lines, schema.read_results(committed))))
   return "\n".join(p for p in parts if p)
 
 
@@ -119,10 +117,9 @@ def main(argv):
     try:
       sweep.check_workdir(workdir, setup)
     except ValueError as e:  # the fix: DIR's own setup, not a new DIR
-      raise ValueError(
-          re.split(r"[;:] use a new --workdir", str(e))[0] + f": drop "
-          f"--preset and --config.* to measure it with its own ({own})"
-      ) from None
+      raise ValueError(re.split(r"[;:] use a new --workdir", str(e))[0] + ": "
+                       f"drop --preset and --config.* to measure it with its "
+                       f"own ({own})") from None
     sizes = [int(s) for s in _SIZES.value]
     for name in _BACKBONE.value:
       noise.run(setup, workdir, name, sizes, _TRIALS.value,
