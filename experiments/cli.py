@@ -140,14 +140,13 @@ def define_worker_flags(what: str) -> tuple[flags.FlagHolder, ...]:
   """``--workers`` (:mod:`hmmprompt.figure3.workers`) and, internal (only
   ``--helpfull`` lists them), ``--worker`` and ``--claims``."""
   internal = "hmmprompt.figure3.workers"
-  return (
-      flags.DEFINE_integer(
-          "workers", 1, f"processes here, each taking the next unclaimed "
-          f"stack of {what} (CPU; 0: one per core and per 4 GB free memory)"),
-      flags.DEFINE_integer("worker", None, "internal: this worker's index",
-                           module_name=internal),
-      flags.DEFINE_string("claims", None, "internal: the workers' claims "
-                          "directory", module_name=internal))
+  return (flags.DEFINE_integer("workers", 1, f"processes here, each taking "
+                               f"the next unclaimed stack of {what} (CPU; 0: "
+                               "one per core and per 4 GB free memory)"),
+          flags.DEFINE_integer("worker", None, "internal: this worker's "
+                               "index", module_name=internal),
+          flags.DEFINE_string("claims", None, "internal: the workers' "
+                              "claims directory", module_name=internal))
 
 
 def define_print_config():
@@ -167,13 +166,11 @@ _COMPILATION_CACHE = flags.DEFINE_string(
 
 def start(argv, **required) -> float:
   """Checks the command line (no positional arguments; each ``required``
-  flag set unless ``--print_config``), turns on ``--compilation_cache``,
-  retains freed host memory; returns the start time."""
+  flag set unless ``--print_config``) and sets up; the start time."""
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  missing = [f"--{name}" for name, value in required.items() if not value]
-  if missing and not ("print_config" in flags.FLAGS
-                      and flags.FLAGS.print_config):
+  if (missing := [f"--{k}" for k, v in required.items() if not v]) and not (
+      "print_config" in flags.FLAGS and flags.FLAGS.print_config):
     raise app.UsageError(f"{missing[0]} is required")
   if path := _COMPILATION_CACHE.value:
     with usage_errors():
@@ -226,8 +223,7 @@ def define_distributed_flags() -> Callable[[], None]:
 
 def study_main(study, run: Callable, write_report: Callable,
                one_arena: bool = False, **outputs: str) -> Callable:
-  """A study's ``main`` (``--preset``, ``--config.<path>``, ``--workdir``,
-  ``--print_config``) over ``study.{PRESETS,get_setup,check_workdir}``;
+  """A study's ``main`` over ``study.{PRESETS,get_setup,check_workdir}``;
   ``one_arena``: :func:`hmmprompt.glibc.one_arena`, for steps whose
   temporaries pass 64 MiB."""
   preset = flags.DEFINE_enum("preset", "cpu", list(study.PRESETS),
@@ -235,7 +231,6 @@ def study_main(study, run: Callable, write_report: Callable,
   config = define_config(study.PRESETS["cpu"]())
   print_it = define_print_config()
   workdir = flags.DEFINE_string("workdir", None, "output; a rerun resumes")
-
   @one_line_errors
   def main(argv):
     t0, out = start(argv, workdir=workdir.value), workdir.value

@@ -59,22 +59,11 @@ flags.adopt_module_key_flags(cli)
 _DEADLINE = flags.DEFINE_float("deadline", None, "internal: time.monotonic()")
 
 
-def _work(setup) -> None:
-  """A ``--workers`` process: claims the chunk's stacks until the deadline."""
-  sweep.run_sweep(
-      chunks.chunk_setup(setup, _CHUNK.value), _WORKDIR.value, "both",
-      _BACKBONE.value, scheduling.Schedule(
-          claim=workers.claims(_CLAIMS.value, _BACKBONE.value),
-          progress=workers.progress(_CLAIMS.value, _BACKBONE.value),
-          deadline=_DEADLINE.value),
-      results_file=workers.worker_results_path(_WORKDIR.value, _WORKER.value),
-      checkpoints=_CHECKPOINTS.value or "always")
-
-
 @cli.one_line_errors
 def main(argv):
   t0 = cli.start(argv)
   results = _RESULTS.value or chunks.results_dir(_PRESET.value)
+  chunk, backbone, workdir = _CHUNK.value, _BACKBONE.value, _WORKDIR.value
   with cli.usage_errors():
     setup = configs.get_setup(_PRESET.value, _CONFIG.value())
     if _MERGE.value:
@@ -86,29 +75,34 @@ def main(argv):
                                      _PRESET.value), sep="\n")
     if _PRINT_CONFIG.value:
       return cli.print_config(setup)
-    if _WORKER.value is not None:
-      return _work(setup)
+    if _WORKER.value is not None:  # claims the chunk's stacks till a deadline
+      sweep.run_sweep(
+          chunks.chunk_setup(setup, chunk), workdir, "both", backbone,
+          scheduling.Schedule(
+              claim=workers.claims(_CLAIMS.value, backbone),
+              progress=workers.progress(_CLAIMS.value, backbone),
+              deadline=_DEADLINE.value),
+          results_file=workers.worker_results_path(workdir, _WORKER.value),
+          checkpoints=_CHECKPOINTS.value or "always")
+      return
     if not _OUT.value and not _STEP_MEMORY.value:
       raise ValueError("--out is required (or --merge, --step_bytes)")
     if _DEADLINE_S.value is not None and _WORKERS.value != 1:
       raise ValueError("--deadline_s runs in this process: drop --workers")
-    chunks.check_chunk(setup, _CHUNK.value, _BACKBONE.value, results,
-                       _WORKDIR.value)
-    chunks.resolve_checkpoints(_CHECKPOINTS.value, _WORKDIR.value,
-                               _DEADLINE_S.value)
+    chunks.check_chunk(setup, chunk, backbone, results, workdir)
+    chunks.resolve_checkpoints(_CHECKPOINTS.value, workdir, _DEADLINE_S.value)
     # Before any work: an --out it cannot write would lose the chunk's.
-    for flag, path in (("--workdir", _WORKDIR.value), ("--out", _OUT.value)):
+    for flag, path in (("--workdir", workdir), ("--out", _OUT.value)):
       if path:
         cli.make_dir(path, flag)
   if _STEP_MEMORY.value:
     return print(*map(chunks.describe_step_bytes,
-                      chunks.chunk_step_bytes(setup, _CHUNK.value)), sep="\n")
+                      chunks.chunk_step_bytes(setup, chunk)), sep="\n")
   count = workers.resolve_count(_WORKERS.value)
   info = chunks.run_chunk(
-      setup, _CHUNK.value, _BACKBONE.value, results, _OUT.value,
-      _BUDGET.value, _WORKDIR.value, _PRESET.value,
-      compute=None if count == 1 else workers.chunk_compute(
-          sys.argv, count, _BACKBONE.value), info={"workers": count},
+      setup, chunk, backbone, results, _OUT.value, _BUDGET.value, workdir,
+      _PRESET.value, compute=None if count == 1 else workers.chunk_compute(
+          sys.argv, count, backbone), info={"workers": count},
       deadline_s=_DEADLINE_S.value, checkpoints=_CHECKPOINTS.value)
   print(f"{info['cells_computed']} cells, skipped stacks "
         f"{info.get('skipped_stacks')}"

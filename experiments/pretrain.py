@@ -25,7 +25,6 @@ from hmmprompt import sharding
 from hmmprompt.pretrain import workdir as workdir_lib
 from hmmprompt.backbones import transformer
 
-
 _PRESET = flags.DEFINE_enum("preset", "cpu", list(pretrain.PRESETS),
                             "pretraining preset")
 _CONFIG = cli.define_config(pretrain.Job(
@@ -43,14 +42,6 @@ flags.adopt_module_key_flags(cli)
 _SHOWN = {"step": "step {}", "ce_gap": "ce_gap {:.4f}", "tv": "tv {:.4f}",
           "mlm_ce": "mlm_ce {:.4f}", "bayes_ce": "bayes_ce {:.4f}",
           "layers": "{} layers", "wall_s": "{:.0f} s of training"}
-
-
-def final_lines(final: list[dict]) -> list[str]:
-  """``trial K: step S, ce_gap G, ...``: each trial's last evaluation, the
-  same whether it was just made or read back by a rerun."""
-  return [f"trial {k}: " + (", ".join(
-      f.format(m[n]) for n, f in _SHOWN.items() if n in m) or "no evaluation")
-          for k, m in enumerate(final)]
 
 
 @cli.one_line_errors
@@ -76,7 +67,10 @@ def main(argv):
       os.kill(os.getpid(), signal.Signals[_CRASH_SIGNAL.value])
   final = pretrain.run_trials(_WORKDIR.value, cfg, models_K,
                               log=logging.info, after_step=after_step)
-  print("\n".join(final_lines(final)))
+  # Each trial's last evaluation, the same whether just made or read back.
+  print("\n".join(f"trial {k}: " + (", ".join(
+      f.format(m[n]) for n, f in _SHOWN.items() if n in m) or "no evaluation")
+                  for k, m in enumerate(final)))
   cli.done(t0, workdir=_WORKDIR.value)
 
 
