@@ -12,7 +12,6 @@ import re
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 
 from absl import app
@@ -51,14 +50,6 @@ def start(argv, retain_freed_memory: bool = True, devices: bool = True):
     glibc.retain_freed_memory()
   print(header(devices), flush=True)
 
-
-def child(args: list[str], what: str) -> subprocess.CompletedProcess:
-  """``args`` run in the checkout; exits with its stderr's tail if it fails."""
-  proc = subprocess.run(args, capture_output=True, text=True, check=False,
-                        cwd=ROOT)
-  if proc.returncode:
-    sys.exit(f"{proc.stderr[-4000:]}\n{what} failed (exit {proc.returncode})")
-  return proc
 
 
 def train_steps(step: Callable, batch: Callable, state, hmms, n: int = 1

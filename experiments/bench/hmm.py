@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from hmmprompt import hmm as hmm_lib
-
 from experiments.bench import harness
 
 _STATES = flags.DEFINE_integer("num_states", 30, "hidden states |H|")
@@ -95,9 +94,8 @@ def bench_sampling(model):
     from dynamax.hidden_markov_model import CategoricalHMM  # pylint: disable=g-import-not-at-top
     dyn = CategoricalHMM(model.num_states, 1, model.vocab_size)
     params, _ = dyn.initialize(
-        jax.random.PRNGKey(0), initial_probs=model.initial,
-        transition_matrix=model.transition,
-        emission_probs=model.emission[:, None, :])
+        jax.random.PRNGKey(0), emission_probs=model.emission[:, None, :],
+        initial_probs=model.initial, transition_matrix=model.transition)
     dyn_fn = jax.jit(jax.vmap(lambda k: dyn.sample(params, k, t)))
     _report("dynamax CategoricalHMM.sample (jit+vmap)", b * t,
             lambda: dyn_fn(keys), t_ours)
@@ -171,9 +169,8 @@ def bench_targets(base):
   b, t, h = map(int, _TARGETS_SHAPE.value)
   model = hmm_lib.random_hmm(jax.random.PRNGKey(h), h, base.vocab_size)
   for n in sorted({1, *map(int, _TARGETS_WINDOWS.value)}):
-    inputs, weights = corpus_lib.mask_tokens(
-        jax.random.PRNGKey(4), _tokens(model, t, n * b, 3), 0.15,
-        base.vocab_size, bert=True)
+    inputs, weights = corpus_lib.mask_tokens(jax.random.PRNGKey(4), _tokens(
+        model, t, n * b, 3), 0.15, base.vocab_size, bert=True)
     print(f"Exact targets: {n} x {b} x {t} tokens, |H|={h}, in one call")
     harness.against_first(
         {m: jax.jit(jax.vmap(lambda x, w, m=m: corpus_lib.exact_targets(

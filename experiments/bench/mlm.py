@@ -118,10 +118,9 @@ def main(argv):
   tokens = b * m.max_len
   flops = transformer.train_flops_per_token(m, m.max_len) * tokens
   peak = harness.peak_tflops(m.dtype, _PEAK.value)
-  print(f"MLM train step, d={m.d_model} layers={m.num_layers} "
-        f"heads={m.num_heads} T={m.max_len} B={b} {m.dtype}; jax "
-        f"{jax.__version__} on {jax.devices()[0].device_kind}; "
-        f"{flops / 1e9:.1f} GFLOP/step"
+  print(f"MLM train step, d={m.d_model} layers={m.num_layers} heads="
+        f"{m.num_heads} T={m.max_len} B={b} {m.dtype}; jax {jax.__version__} "
+        f"on {jax.devices()[0].device_kind}; {flops / 1e9:.1f} GFLOP/step"
         + (f"; peak {peak:.0f} TFLOP/s" if peak else ""))
   def report(name, sec, n_params, extra=""):
     print(f"  {name:22s} {tokens / sec / 1e3:9.1f}k tokens/s "

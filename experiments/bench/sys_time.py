@@ -9,6 +9,7 @@ process of its own, the steps after ``--warmup`` timed.
 import dataclasses
 import json
 import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -67,10 +68,15 @@ def main(argv):
         "wall vs default")
   base = {}
   for name, arenas in _RUNS:
-    out = json.loads(harness.child(
+    proc = subprocess.run(  # in the checkout, for -m
         [sys.executable, "-m", "experiments.bench.sys_time",
          f"--steps={_STEPS.value}", f"--warmup={_WARMUP.value}",
-         f"--child={name},{arenas}"], f"{name} ({arenas})").stdout)
+         f"--child={name},{arenas}"], capture_output=True, text=True,
+        check=False, cwd=harness.ROOT)
+    if proc.returncode:
+      sys.exit(f"{proc.stderr[-4000:]}\n{name} ({arenas}) failed (exit "
+               f"{proc.returncode})")
+    out = json.loads(proc.stdout)
     base.setdefault(name, out["wall"])
     print(f"{name:8s} {arenas:8s} {1e3 * out['wall']:7.0f} "
           f"{1e3 * out['user']:8.0f} {1e3 * out['sys']:7.0f} "

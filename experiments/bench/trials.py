@@ -50,9 +50,8 @@ def main(argv):
                                      _STATES.value, cfg.model.vocab_size)
   hmms = jax.vmap(generative.as_hmm)(stacked)
   keys = jax.random.split(jax.random.PRNGKey(1), k)
-  batch = jax.jit(jax.vmap(lambda key, s, m: corpus.batch_at(
-      key, s, m, None, cfg.corpus, cfg.batch_size, cfg.model.vocab_size),
-                           in_axes=(0, None, 0)))
+  batch = jax.jit(jax.vmap(lambda key, s, m: corpus.batch_at(key, s, m, None,
+      cfg.corpus, cfg.batch_size, cfg.model.vocab_size), in_axes=(0, None, 0)))
   # The baseline: one model, a stack of one (the unbatched body).
   take1 = lambda tree: jax.tree.map(lambda x: x[:1], tree)
   time = lambda one: harness.seconds_per_call(one, steps=_STEPS.value, warmup=5)
