@@ -1,6 +1,5 @@
 """The result line (:class:`ResultLine`): one typed record per (backbone,
-arm, size, trial, task), written, keyed for resume and read back
-(:func:`read_results`) through this one definition."""
+arm, size, trial, task), written, keyed for resume and read back by it."""
 
 import dataclasses
 import os

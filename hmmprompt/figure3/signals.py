@@ -1,8 +1,8 @@
 """Finished cells survive SIGTERM and SIGINT: :func:`archive_on_signal`
-writes a chunk's archive within seconds, even inside a compiled program
-that runs for minutes (where a Python handler would run too late): a
-thread of its own, woken through :func:`signal.set_wakeup_fd`, writes it
-from what is on disk (whole files: atomic rewrites) and ends the process."""
+writes a chunk's archive within seconds, even inside a minutes-long compiled
+program (where a Python handler runs too late): a thread woken through
+:func:`signal.set_wakeup_fd` writes it from the files on disk (atomic
+rewrites) and ends the process."""
 
 import contextlib
 import os

@@ -1,10 +1,9 @@
 """In-context learning on GINC (docs/icl.md; ``python -m experiments.icl``):
-GINC's prompts scored by the exact mixture of its concepts (the
-Bayes-optimal predictor: exact zeros, or smoothed per concept) and by causal
-transformers pretrained on the mixture's text, one per seed, on the same
-prompts. Figure 3's shape: the setup (:mod:`~hmmprompt.icl.setup`), the
-sweep (:mod:`~hmmprompt.icl.sweep`), the report
-(:mod:`~hmmprompt.icl.report`)."""
+GINC's prompts scored by the exact mixture of its concepts (the Bayes
+predictor: exact zeros, or smoothed per concept) and by causal transformers
+pretrained on its text, one per seed. Figure 3's shape:
+:mod:`~hmmprompt.icl.setup`, :mod:`~hmmprompt.icl.sweep`,
+:mod:`~hmmprompt.icl.report`."""
 
 from hmmprompt.icl.setup import (
     CONCEPTS, LAYOUT, PRESETS, REFERENCE, RELEASED, IclSetup, check_inputs,

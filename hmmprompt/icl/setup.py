@@ -1,6 +1,5 @@
-"""In-context learning on GINC, its setup: :class:`IclSetup` and the named
-presets (:func:`get_setup`), GINC's concepts (drawn, or converted from its
-release) and the exact backbone's variants of their mixture."""
+"""In-context learning on GINC, its setup: :class:`IclSetup`, its presets,
+GINC's concepts and the exact backbone's variants of their mixture."""
 
 import dataclasses
 import json
@@ -29,13 +28,11 @@ class IclSetup:
   """Everything that decides the lines besides their keys.
 
   Attributes:
-    seeds: causal transformers, trial ``k`` pretrained with ``pretrain.seed
-      + k``: its own draw of the mixture's text.
+    seeds: causal transformers, trial ``k`` seeded ``pretrain.seed + k``.
     lengths: example lengths (symbols an example has before its delimiter).
     examples: ``k``, the examples before the test one.
     protocols: :data:`hmmprompt.ginc.PROTOCOLS`.
-    prompts: prompts a ``(protocol, length, k)`` cell has, the same for
-      every backbone and seed.
+    prompts: prompts per ``(protocol, length, k)`` cell (every backbone's).
     smoothings: the exact backbone's variants (:func:`exact_model`):
       ``"0"`` the exact zeros, ``"concept:EPS"`` each concept smoothed,
       ``"mixture:EPS"`` the mixture smoothed.
@@ -44,8 +41,7 @@ class IclSetup:
     concepts: ``"drawn"`` (:func:`hmmprompt.ginc.concepts` of ``ginc``,
       GINC's settings, under ``seed``) or ``"released"`` (GINC's own, from
       ``released_path``: :func:`hmmprompt.ginc.convert_release`).
-    pretrain: the transformers' recipe (``model.causal``, the vocabulary
-      GINC's symbols).
+    pretrain: the transformers' recipe (causal, on GINC's symbols).
     seed: root of the prompts (and of drawn concepts).
     released_path: runtime: where GINC's released HMMs are.
   """
@@ -98,8 +94,8 @@ class IclSetup:
                      "smoothings", "context")})
 
   def fits(self, length: int, k: int, backbone: str) -> bool:
-    """Whether a prompt of ``k`` examples of ``length`` is scored by
-    ``backbone`` (the transformer reads a start symbol before it)."""
+    """Whether ``backbone`` scores a prompt of ``k`` examples of ``length``
+    (the transformer reads a start symbol first)."""
     size = prompt_len(length, k) + (backbone == "transformer")
     return size <= (self.pretrain.model.max_len if backbone == "transformer"
                     else self.context)
@@ -147,7 +143,7 @@ def get_setup(preset: str = "cpu", overrides: Mapping[str, Any] | None = None,
 def check_inputs(setup: IclSetup, error: type[Exception] = ValueError
                  ) -> None:
   """Raises ``error`` naming ``released_path`` if the setup needs it and it
-  is missing (the binary: a usage error before any work or workdir)."""
+  is missing (the binary: a usage error before any work)."""
   if setup.concepts == "released" and not os.path.exists(setup.released_path):
     raise error(f"GINC's released HMMs are not at {setup.released_path}: "
                 f"convert GINC's own files with `python -m "
@@ -157,9 +153,9 @@ def check_inputs(setup: IclSetup, error: type[Exception] = ValueError
 
 
 def load_concepts(setup: IclSetup, kind: str = "id") -> hmm_lib.HMM:
-  """The concepts ``[K]``: ``"id"``, those the pretraining text mixes, or
-  ``"ood"``, the held-out ones GINC's ``OOD_sample`` labels come from
-  (``FileNotFoundError`` naming a missing released file)."""
+  """The concepts ``[K]``: ``"id"``, the pretraining text's, or ``"ood"``,
+  the held-out ones of ``OOD_sample``'s labels (``FileNotFoundError``
+  naming a missing released file)."""
   if setup.concepts == "drawn":
     concepts, _ = ginc_lib.concepts(jax.random.PRNGKey(setup.seed), setup.ginc)
     half = max(setup.ginc.num_concepts // 2, 1)

@@ -1,8 +1,6 @@
 """In-context learning on GINC, its sweep: the groups by backbone
-(:func:`plan`), a stack's concepts and pretrained transformers
-(:func:`prepare`), each group's prompts scored (:func:`score_group`), lines
-in DIR/icl.jsonl (:class:`IclLine`) through the resume loop
-(:func:`protocol.run_stacks`)."""
+(:func:`plan`), a stack's concepts and transformers (:func:`prepare`), each
+group's prompts scored (:func:`score_group`) into DIR/icl.jsonl."""
 
 import dataclasses
 import functools
@@ -196,8 +194,8 @@ def pretrain_dir(workdir: str, setup: IclSetup, fingerprint: str) -> str:
 
 
 def prepare(workdir: str, setup: IclSetup, backbone: Backbone) -> dict:
-  """A backbone's stack: the concepts and mixture, and for the transformers
-  their pretraining (resumed, bit for bit) and final params."""
+  """A backbone's stack: the concepts, their mixture, the transformers'
+  pretraining (resumed, bit for bit) and params."""
   concepts = {kind: load_concepts(setup, kind) for kind in ("id", "ood")}
   mix = ginc_lib.mixture(concepts["id"])
   stack: dict[str, Any] = {"concepts": concepts, "mixture": mix,
@@ -215,8 +213,8 @@ def prepare(workdir: str, setup: IclSetup, backbone: Backbone) -> dict:
 def run_icl(setup: IclSetup, workdir: str,
             schedule: scheduling.Schedule = scheduling.EVERYTHING
             ) -> list[IclLine]:
-  """Runs the groups without lines in DIR/icl.jsonl; returns all lines.
-  ``ValueError``: the workdir holds another setup's."""
+  """Runs the groups without lines in DIR/icl.jsonl; returns all lines
+  (``ValueError``: the workdir holds another setup's)."""
   check_workdir(workdir, setup)
   return protocol.run_lines(
       plan(setup), lambda: read_icl_lines(workdir), lambda g: g.keys(setup),

@@ -1,7 +1,6 @@
-"""Where the posterior lives, its report: DIR/probes.md (:func:`markdown`)
-from DIR/probes.jsonl, the paper's tasks beside the adaptation arms'
-accuracies on the same draws, and DIR/mess3_simplex.png
-(:func:`write_simplex`, drawn by the sweep: it needs the predictions)."""
+"""Where the posterior lives, its report: DIR/probes.md (:func:`markdown`),
+the adaptation arms' accuracies beside the paper's tasks, and
+DIR/mess3_simplex.png (:func:`write_simplex`, drawn by the sweep)."""
 
 import os
 

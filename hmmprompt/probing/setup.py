@@ -1,6 +1,5 @@
-"""Where the posterior lives, its setup: :class:`ProbeSetup` and the named
-presets (:func:`get_setup`); the paper's tasks and GINC come from the
-adaptation comparison's and the ICL study's own setups."""
+"""Where the posterior lives, its setup: :class:`ProbeSetup` and its presets;
+the paper's tasks and GINC come from the adaptation's and ICL's setups."""
 
 import dataclasses
 import json
@@ -27,13 +26,13 @@ class ProbeSetup:
 
   Attributes:
     studies: which of :data:`STUDIES` run.
-    mess3_seeds: causal transformers on Mess3 (Shai et al.'s x = 0.05,
-      alpha = 0.85), trial ``k`` pretrained with ``mess3.seed + k``.
+    mess3_seeds: causal transformers on Mess3 (x = 0.05, alpha = 0.85),
+      trial ``k`` seeded ``mess3.seed + k``.
     mess3_sequences: probe sequences of ``mess3.model.max_len`` tokens,
       every position probed (60% fit, 20% ridge choice, 20% held out).
     mess3: their recipe (``model.causal``, 3 symbols, exact targets).
     tasks_preset: the :mod:`hmmprompt.figure3.configs` preset whose draws,
-      tasks and transformers are probed (pretrained again, bit for bit).
+      tasks and transformers (pretrained again, bit for bit) are probed.
     tasks_sizes, tasks_memory_sizes, tasks_trials: its ``|H|``, ``|M|``
       and draws; each draw's task splits fit, choose and score the probe.
     ginc_preset: the :mod:`hmmprompt.icl` preset whose transformers (its
@@ -94,8 +93,7 @@ class ProbeSetup:
         examples=self.ginc_examples, prompts=self.ginc_prompts)
 
   def identity(self) -> dict:
-    """What DIR/probes.json records: every result-deciding field, the
-    studies' own setups included."""
+    """DIR/probes.json: every result-deciding field, the studies' setups'."""
     return json.loads(json.dumps({
         **identity_lib.identity(self), "tasks_setup": self.tasks().identity(),
         "ginc_setup": self.ginc().identity(), "layout": LAYOUT}))
@@ -106,8 +104,8 @@ class ProbeSetup:
 
 
 def _mess3_recipe(preset: str, steps: int) -> pretrain_lib.PretrainConfig:
-  """Shai et al.'s transformer: 4 layers, d_model 64, one head, context 10;
-  trained here on exact next-symbol targets."""
+  """Shai et al.'s transformer (4 layers, d_model 64, one head, context 10)
+  on exact next-symbol targets."""
   return pretrain_lib.configure(
       preset, 3, context=10, model={"causal": True, "num_layers": 4,
                                     "d_model": 64, "num_heads": 1,
@@ -128,9 +126,8 @@ def _tiny() -> ProbeSetup:
 
 
 def _cpu() -> ProbeSetup:
-  """The committed run (docs/probes.md): Mess3 on 3 seeds; the adaptation
-  comparison's 25 draws; the ICL study's 5 transformers on GINC's
-  released concepts."""
+  """The committed run (docs/probes.md): Mess3 on 3 seeds, the adaptation
+  comparison's 25 draws, ICL's 5 transformers on GINC's released concepts."""
   return ProbeSetup(mess3=_mess3_recipe("cpu", 1500))
 
 

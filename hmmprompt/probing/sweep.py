@@ -1,8 +1,6 @@
 """Where the posterior lives, its sweep: a stack per study's model
-(:func:`plan`: Mess3, each of the paper's model sizes, GINC), its
-transformers and probe cases (:func:`prepare`), a group per control
-(:data:`CONTROLS`) scored by :func:`probes.layer_scores`, lines in
-DIR/probes.jsonl (:class:`ProbeLine`) through :func:`protocol.run_stacks`."""
+(:func:`plan`), its transformers and probe cases (:func:`prepare`), a group
+per control scored by :func:`probes.layer_scores` into DIR/probes.jsonl."""
 
 import dataclasses
 import os
@@ -217,8 +215,8 @@ def _ginc(workdir: str, setup: ProbeSetup) -> tuple:
 
 
 def prepare(workdir: str, setup: ProbeSetup, source: Source) -> dict:
-  """A stack: its transformers (pretrained, or resumed, bit for bit), the
-  deepest one's config, and its cases ``{(target, where): Case}``."""
+  """A stack: its transformers (pretrained or resumed, bit for bit), the
+  deepest one's config, its cases ``{(target, where): Case}``."""
   if source.study == "tasks":
     assert source.mid is not None
     params, infos, fps, cases = _tasks(workdir, setup, source.mid)
@@ -270,8 +268,8 @@ def score_group(workdir: str, setup: ProbeSetup, g: Group, stack: dict
 def run_probes(setup: ProbeSetup, workdir: str,
                schedule: scheduling.Schedule = scheduling.EVERYTHING
                ) -> list[ProbeLine]:
-  """Runs the groups without lines in DIR/probes.jsonl; returns all lines.
-  ``ValueError``: the workdir holds another setup's."""
+  """Runs the groups without lines in DIR/probes.jsonl; returns all lines
+  (``ValueError``: the workdir holds another setup's)."""
   check_workdir(workdir, setup)
   return protocol.run_lines(
       plan(setup), lambda: read_probe_lines(workdir), lambda g: g.keys(setup),
