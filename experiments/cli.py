@@ -77,12 +77,6 @@ def _stop(signum, _) -> None:
        say=not _is_worker())
 
 
-def _end_with(parent: int) -> None:
-  while os.getppid() == parent:
-    time.sleep(1)
-  os._exit(128 + signal.SIGTERM)
-
-
 def one_line_errors(main: Callable) -> Callable:
   """``main`` ending a usage error with ``error: <what>``, status 2 (not
   absl's whole help), and a fault (``OSError``, SIGINT, SIGTERM) at once
@@ -92,8 +86,12 @@ def one_line_errors(main: Callable) -> Callable:
     for sig in (signal.SIGINT, signal.SIGTERM):
       signal.signal(sig, _stop)
     if _is_worker():  # a worker whose parent is gone (SIGKILL) ends too
-      threading.Thread(target=_end_with, args=(os.getppid(),),
-                       daemon=True).start()
+      parent = os.getppid()
+      def end_with_parent():
+        while os.getppid() == parent:
+          time.sleep(1)
+        os._exit(128 + signal.SIGTERM)
+      threading.Thread(target=end_with_parent, daemon=True).start()
     try:
       return main(argv)
     except app.UsageError as e:

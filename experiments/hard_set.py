@@ -162,14 +162,13 @@ def hard_set_table(per_draw: dict, tok_step: int) -> str:
          f"{BUDGET / 1e6:.2f} M tokens ({tok_step} tokens per step)."])
 
 
-def bench_ratio(cfg: pretrain_lib.PretrainConfig, steps: int,
-                rounds: int = 5) -> float:
+def bench_ratio(cfg: pretrain_lib.PretrainConfig, steps: int) -> float:
   """Time per token of ``cfg`` over ``cpu_adamw``'s on an ``|H|`` = 28 draw,
-  interleaved in ``rounds`` blocks."""
+  interleaved in 5 blocks."""
   base = default_config("cpu_adamw").pretrain
   hmm_model = generative.trial(draw_models(HARD_SET[2]), 0)
   hmms = jax.tree.map(lambda x: x[None], generative.as_hmm(hmm_model))
-  per = max(steps // rounds, 1)
+  per = max(steps // 5, 1)
   key0, key1 = (jax.random.split(jax.random.PRNGKey(i), 1) for i in (0, 1))
   def steps_of(c):  # ``per`` train steps of ``c``, its state carried
     get = jax.jit(jax.vmap(lambda k, s: corpus_lib.batch_at(k, s, hmm_model,
@@ -179,7 +178,7 @@ def bench_ratio(cfg: pretrain_lib.PretrainConfig, steps: int,
         pretrain_lib.make_train_step(c, sharding_lib.data_mesh()),
         lambda i: batches[i % 4], pretrain_lib.init_states(key0, c), hmms, per)
   spent = harness.interleaved(
-      {"base": steps_of(base), "cand": steps_of(cfg)}, rounds)
+      {"base": steps_of(base), "cand": steps_of(cfg)}, 5)
   tokens = lambda c: c.batch_size * c.corpus.chunk_len  # per step
   return (spent["cand"] / tokens(cfg)) / (spent["base"] / tokens(base))
 

@@ -51,7 +51,6 @@ def start(argv, retain_freed_memory: bool = True, devices: bool = True):
   print(header(devices), flush=True)
 
 
-
 def train_steps(step: Callable, batch: Callable, state, hmms, n: int = 1
                 ) -> Callable:
   """A callable: ``n`` steps ``state, loss = step(state, *batch(i), hmms)``

@@ -42,16 +42,6 @@ _THREADS = flags.DEFINE_integer("torch_threads", 0, "torch's (0: its default)")
 VOCAB = 10
 
 
-def resolve() -> tuple[transformer.MLMConfig, int]:
-  """The preset's model (context as ``max_len``) and batch, overridden."""
-  with cli.usage_errors():
-    cfg = config_flags.apply(pretrain.configure(_PRESET.value), _CONFIG.value())
-  keys = ("d_model", "num_layers", "num_heads", "d_ff", "dtype", "attention")
-  model = {k: getattr(cfg.model, k) for k in keys}
-  return transformer.MLMConfig(vocab_size=VOCAB, max_len=cfg.corpus.chunk_len,
-                               **model), cfg.batch_size
-
-
 def bench_ours(m: transformer.MLMConfig, b: int, targets="sampled"):
   """Our step's seconds and parameters."""
   cfg = pretrain.PretrainConfig(
@@ -114,8 +104,13 @@ def bench_hf(m: transformer.MLMConfig, b: int):
 
 def main(argv):
   harness.start(argv, _RETAIN.value)
-  m, b = resolve()
-  tokens = b * m.max_len
+  with cli.usage_errors():
+    cfg = config_flags.apply(pretrain.configure(_PRESET.value), _CONFIG.value())
+  # The preset's model (its context as max_len) and batch.
+  keys = ("d_model", "num_layers", "num_heads", "d_ff", "dtype", "attention")
+  m = transformer.MLMConfig(vocab_size=VOCAB, max_len=cfg.corpus.chunk_len,
+                            **{k: getattr(cfg.model, k) for k in keys})
+  b, tokens = cfg.batch_size, cfg.batch_size * m.max_len
   flops = transformer.train_flops_per_token(m, m.max_len) * tokens
   peak = harness.peak_tflops(m.dtype, _PEAK.value)
   print(f"MLM train step, d={m.d_model} layers={m.num_layers} heads="
