@@ -174,7 +174,8 @@ class PretrainConfig:
     """Trial ``k``'s fallback run: the deeper model, seeded as trial ``k``."""
     return self.with_overrides(
         model=dataclasses.replace(self.model, num_layers=self.fallback_layers),
-        seed=self.seed + k, fallback_layers=0, fallback_gap=0.0, fallback_gaps=())
+        seed=self.seed + k, fallback_layers=0, fallback_gap=0.0,
+        fallback_gaps=())
 
   def identity(self) -> dict:
     """The fields that decide results, JSON-normalised (no runtime ones)."""

@@ -118,7 +118,8 @@ def run_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
     FileNotFoundError: checkpoints exist but none is readable.
     FloatingPointError: a non-finite loss; the last checkpoint is kept.
   """
-  return _run_trials(workdir, cfg, models_K, log, after_step, stop_at=stop_at)[0]
+  return _run_trials(workdir, cfg, models_K, log, after_step,
+                     stop_at=stop_at)[0]
 
 
 def train_trials(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
