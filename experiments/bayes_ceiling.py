@@ -65,8 +65,7 @@ def main(argv):
     setup = configs.get_setup(_PRESET.value, _CONFIG.value())
     if setup.task.labeling != "paper":
       raise ValueError("--config.task.labeling must be 'paper'")
-    cli.make_dir(workdir)
-    sweep.check_workdir(workdir, setup)
+    sweep.check_workdir(cli.make_dir(workdir), setup)
   out, plan = [], configs.plan(setup)
   for mid, num in configs.stack_sizes(setup).items():
     stack = protocol.draw_stack(setup, mid, num, setup.tasks_per_hmm)

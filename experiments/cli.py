@@ -1,5 +1,4 @@
-"""What the experiment binaries share around the library call: flags,
-the command line's checks, usage errors and the outputs' report."""
+"""What the binaries share: flags, the command line's checks, errors, report."""
 
 import contextlib
 import functools
@@ -70,21 +69,18 @@ def _is_worker() -> bool:
   return "worker" in flags.FLAGS and flags.FLAGS["worker"].value is not None
 
 
-def _stop(signum, _) -> None:
-  # Not KeyboardInterrupt: a garbage collection callback can swallow it. A
-  # worker leaves the line to its parent (Ctrl-C reaches the process group).
-  _end(f"stopped by {signal.Signals(signum).name}", 128 + signum,
-       say=not _is_worker())
-
-
 def one_line_errors(main: Callable) -> Callable:
   """``main`` ending a usage error with ``error: <what>``, status 2 (not
   absl's whole help), and a fault (``OSError``, SIGINT, SIGTERM) at once
   with such a line and how to resume, status 1 or 128 + the signal."""
   @functools.wraps(main)
   def main_with_one_line_errors(argv):
+    # Not KeyboardInterrupt: a garbage collection callback can swallow it. A
+    # worker leaves the line to its parent (Ctrl-C reaches the process group).
+    stop = lambda signum, _: _end(f"stopped by {signal.Signals(signum).name}",
+                                  128 + signum, say=not _is_worker())
     for sig in (signal.SIGINT, signal.SIGTERM):
-      signal.signal(sig, _stop)
+      signal.signal(sig, stop)
     if _is_worker():  # a worker whose parent is gone (SIGKILL) ends too
       parent = os.getppid()
       def end_with_parent():

@@ -59,11 +59,10 @@ def main(argv):
         f"entropy {-np.sum(unigram * np.log(np.maximum(unigram, 1e-30))):.4f}")
   cfg, t0 = tasks.TaskConfig(), time.perf_counter()
   task = tasks.make_task(k_task, model, cfg)
+  share = np.bincount(task.test.labels, minlength=2) / cfg.num_test
   print(f"\ndownstream task: {cfg.num_train}/{cfg.num_val}/{cfg.num_test} "
         f"examples of length {cfg.seq_len + 1}, re-drawn {task.redraws} "
-        f"time(s), test label shares "
-        f"{np.bincount(task.test.labels, minlength=2) / cfg.num_test}, "
-        f"{time.perf_counter() - t0:.1f} s")
+        f"time(s), test label shares {share}, {time.perf_counter() - t0:.1f} s")
   mhmm = memory_lib.random_memory_hmm(k_mem, 5, 4, _VOCAB.value)
   mem_tokens, _, memory = memory_lib.sample(k_mem, mhmm, 128)
   post = memory_lib.memory_posterior(mhmm, mem_tokens)

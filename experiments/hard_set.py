@@ -163,8 +163,7 @@ def hard_set_table(per_draw: dict, tok_step: int) -> str:
 
 
 def bench_ratio(cfg: pretrain_lib.PretrainConfig, steps: int) -> float:
-  """Time per token of ``cfg`` over ``cpu_adamw``'s on an ``|H|`` = 28 draw,
-  interleaved in 5 blocks."""
+  """``cfg``'s time per token over ``cpu_adamw``'s, |H| = 28, interleaved."""
   base = default_config("cpu_adamw").pretrain
   hmm_model = generative.trial(draw_models(HARD_SET[2]), 0)
   hmms = jax.tree.map(lambda x: x[None], generative.as_hmm(hmm_model))

@@ -1,5 +1,4 @@
-"""The README's tour of the API, runnable: `python -m experiments.tour`
-(tests/test_tour.py checks that the README shows this code and runs it)."""
+"""The README's tour, runnable (tests/test_tour.py: the README shows it)."""
 
 # README tour: begin
 import tempfile

@@ -1,5 +1,4 @@
-"""What the benchmarks share: their start, timers, train steps, MFU
-(achieved FLOP/s over the device's dense peak), a profile's top ops."""
+"""What the benchmarks share: start, timers, train steps, MFU, top ops."""
 
 import collections
 from collections.abc import Callable
@@ -113,7 +112,7 @@ def against_first(fns: dict, args, repeats: int, line: Callable, first: str):
 
 
 def describe(flops: float, seconds: float, peak: float | None) -> str:
-  """``"12.34 TFLOP/s, MFU 5.6%"`` (no MFU without a peak)."""
+  """``"12.34 TFLOP/s, MFU 5.6%"``: MFU over the dense ``peak`` (if any)."""
   tflops = flops / seconds / 1e12
   return f"{tflops:.2f} TFLOP/s" + (f", MFU {100 * tflops / peak:.1f}%"
                                     if peak else "")
@@ -131,12 +130,10 @@ def top_ops(trace_dir: str, top: int = 15) -> list[tuple[str, float, float]]:
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
-  keep = ({pid for pid, n in names.items() if n.startswith("/device")}
-          or set(names))
+  keep = {p for p, n in names.items() if n.startswith("/device")} or set(names)
   total: collections.Counter[str] = collections.Counter()
   for e in events:  # ("$file:line fn" events: Python frames, not ops)
-    if (e.get("ph") == "X" and e.get("pid") in keep
-        and not e["name"].startswith("$")):
+    if e.get("ph") == "X" and e.get("pid") in keep and e["name"][:1] != "$":
       total[e["name"]] += e.get("dur", 0.0)  # microseconds
   whole = sum(total.values()) or 1.0
   return [(name, us / 1e3, us / whole) for name, us in total.most_common(top)]

@@ -30,8 +30,11 @@ _CHILD = flags.DEFINE_string("child", None, "internal: STUDY,ARENAS")
 _RUNS = [(s, a) for s in ("figure3", "icl") for a in ("default", "one")]
 
 
-def child(name: str) -> dict:
-  """The timed steps' seconds, minor faults per step (this process)."""
+def child(name: str, arenas: str) -> None:
+  """Prints the timed steps' seconds, minor faults per step (this process)."""
+  glibc.retain_freed_memory()
+  if arenas == "one":
+    glibc.one_arena()
   if name == "icl":
     setup = icl.get_setup("cpu")
     mix = ginc.mixture(icl.load_concepts(setup, "id"))
@@ -52,16 +55,12 @@ def child(name: str) -> dict:
     pretrain.run_trials(d, cfg, models_K, log=lambda _: None,
                         after_step=after_step)
   deltas = [(b - a) / n for a, b in zip(marks[warm], marks[warm + n])]
-  return dict(zip(("wall", "user", "sys", "faults"), deltas))
+  print(json.dumps(dict(zip(("wall", "user", "sys", "faults"), deltas))))
 
 
 def main(argv):
   if _CHILD.value:
-    name, arenas = _CHILD.value.split(",")
-    glibc.retain_freed_memory()
-    if arenas == "one":
-      glibc.one_arena()
-    return print(json.dumps(child(name)))
+    return child(*_CHILD.value.split(","))
   harness.start(argv, devices=False)
   print(f"{_STEPS.value} steps after {_WARMUP.value}; per step:\n"
         "study    arenas   wall ms  user ms  sys ms  sys/user  faults  "
