@@ -22,30 +22,30 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                         text=True, timeout=120, cwd=ROOT)
 
 
-@pytest.mark.parametrize("module", _CONFIGURED)
-def test_help_is_short_and_helpfull_lists_every_config_path(module):
+def test_help_is_short_and_helpfull_lists_every_config_path():
   """Before: figure3's --help was 213 lines, nearly all --config.pretrain.*
   (adopted as key flags of the main module with experiments.cli's)."""
-  proc = _run("-m", module, "--help")
-  assert proc.returncode == 0, proc.stderr  # asked for: absl's 1 is not
-  shown = proc.stdout
-  listed = re.findall(r"^  (--\S+?):", shown, re.M)
-  assert {"--preset", "--workdir"} <= set(listed), shown
-  assert not [f for f in listed if f.startswith("--config.")], shown
-  usage = shown.split("flags:")[0]
-  assert "--helpfull" in usage, shown  # the usage says so
-  if module.endswith("figure3"):  # it names the flags a user sets
-    for flag in ("--preset", "--panel", "--backbone", "--workdir",
-                 "--workers", "--config.trials", "--config.left_sizes",
-                 "--config.memory_sizes", "--print_config"):
-      assert flag in usage, flag
-  assert len(shown.splitlines()) < (60 if module.endswith("figure3")
-                                    else 80), shown
-  proc = _run("-m", module, "--helpfull")
-  assert proc.returncode == 0, proc.stderr
-  full = proc.stdout
-  assert re.search(r"^  --config\.pretrain\.\S+:", full, re.M), full[-2000:]
-  assert len(full.splitlines()) > 2 * len(shown.splitlines())
+  runs = binaries.run_binaries([(module, [flag]) for module in _CONFIGURED
+                                for flag in ("--help", "--helpfull")])
+  for module, short, helpfull in zip(_CONFIGURED, runs[::2], runs[1::2]):
+    assert short["returncode"] == 0, (module, short["stderr"])  # not absl's 1
+    shown = short["stdout"]
+    listed = re.findall(r"^  (--\S+?):", shown, re.M)
+    assert {"--preset", "--workdir"} <= set(listed), shown
+    assert not [f for f in listed if f.startswith("--config.")], shown
+    usage = shown.split("flags:")[0]
+    assert "--helpfull" in usage, shown  # the usage says so
+    if module.endswith("figure3"):  # it names the flags a user sets
+      for flag in ("--preset", "--panel", "--backbone", "--workdir",
+                   "--workers", "--config.trials", "--config.left_sizes",
+                   "--config.memory_sizes", "--print_config"):
+        assert flag in usage, flag
+    assert len(shown.splitlines()) < (60 if module.endswith("figure3")
+                                      else 80), shown
+    assert helpfull["returncode"] == 0, (module, helpfull["stderr"])
+    full = helpfull["stdout"]
+    assert re.search(r"^  --config\.pretrain\.\S+:", full, re.M), full[-2000:]
+    assert len(full.splitlines()) > 2 * len(shown.splitlines()), module
 
 
 _PROBE = "import jax; from absl import app; {}app.run(lambda _: print(jax.devices()))"

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+import binaries  # tests/integration/binaries.py
 from hmmprompt.figure3 import chunks
 from hmmprompt import figure3
 from hmmprompt.figure3 import schema
@@ -157,29 +158,36 @@ def test_chunks_in_two_processes_merge_to_the_whole_run(tmp_path,
     chunks.merge(os.path.join(outs[0], chunks.ARCHIVE), bad)
 
 
-def test_spent_budget_runs_no_stack_and_still_writes_the_archive(tmp_path):
+_REFUSALS = [
+    (["--chunk=left:5"], "--chunk='left:5': [5] not among the left panel's"),
+    (["--checkpoints=deadline"], "error: --checkpoints=deadline needs "
+     "--workdir: a temporary workdir is never resumed\n"),
+]
+
+
+def test_spent_budget_runs_no_stack_and_bad_chunks_are_refused(tmp_path):
+  """A spent budget still writes the archive; a bad chunk is refused by
+  name, writing nothing (one start of the binaries, forked per run)."""
   os.makedirs(tmp_path / "results")
-  proc = _binary("--budget_s=0", f"--results={tmp_path / 'results'}",
-                 f"--out={tmp_path / 'out'}")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "deadline passed: skipped 3 stacks (6 groups)" in proc.stderr
+  for i in range(len(_REFUSALS)):
+    os.makedirs(tmp_path / f"bad{i}")
+  spent, *refused = binaries.run_binaries([("experiments.in_chunks", [
+      *FLAGS, "--budget_s=0", f"--results={tmp_path / 'results'}",
+      f"--out={tmp_path / 'out'}"])] + [
+          ("experiments.in_chunks", [*FLAGS, *flags,
+                                     f"--out={tmp_path}/bad{i}"])
+          for i, (flags, _) in enumerate(_REFUSALS)])
+  assert spent["returncode"] == 0, spent["stderr"][-3000:]
+  assert "deadline passed: skipped 3 stacks (6 groups)" in spent["stderr"]
   run = _run_json(str(tmp_path / "out"))
   assert run["cells_computed"] == 0 and run["budget_s"] == 0
   assert run["skipped_stacks"] == ["vanilla-h4", "vanilla-h8",
                                    "memory-h4-m2"]
   assert "run.json" in _members(str(tmp_path / "out"))
-
-
-@pytest.mark.parametrize("flags,refusal", [
-    (["--chunk=left:5"], "--chunk='left:5': [5] not among the left panel's"),
-    (["--checkpoints=deadline"], "error: --checkpoints=deadline needs "
-     "--workdir: a temporary workdir is never resumed\n"),
-])
-def test_bad_chunk_is_refused_by_name(tmp_path, flags, refusal):
-  proc = _binary(*flags, f"--out={tmp_path}")
-  assert proc.returncode == 2 and "Traceback" not in proc.stderr
-  assert refusal in proc.stderr
-  assert os.listdir(tmp_path) == []
+  for i, ((_, refusal), end) in enumerate(zip(_REFUSALS, refused)):
+    assert end["returncode"] == 2 and "Traceback" not in end["stderr"]
+    assert refusal in end["stderr"], end["stderr"][-2000:]
+    assert os.listdir(tmp_path / f"bad{i}") == []
 
 
 def test_transformer_chunk_archives_pretraining_metrics(tmp_path,

@@ -26,22 +26,20 @@ def _readme_commands() -> list[tuple[str, list[str]]]:
   return out
 
 
-def test_the_readmes_commands_parse():
+def test_the_readmes_commands_parse_and_print_config_shows_overrides():
   commands = _readme_commands()
   assert {name for name, _ in commands} >= {"figure3", "tour",
                                             "pretraining_curve"}
-  for name, module in _CONFIGURED.items():
-    argvs = [args + ["--print_config"] for n, args in commands if n == name]
-    for args, end in zip(argvs, binaries.usage_errors(module, argvs)):
-      assert end["returncode"] == 0, (name, args, end["stderr"][-2000:])
-      assert re.search(r"^(trials|seeds) = \d+$", end["stdout"], re.M), (
-          name, args)
-
-
-def test_print_config_shows_the_chosen_preset_with_overrides():
-  (end,) = binaries.usage_errors(
-      "experiments.figure3.__main__",
-      [["--preset=tiny", "--config.trials=3", "--print_config"]])
+  runs = [(_CONFIGURED[name], args + ["--print_config"])
+          for name, args in commands if name in _CONFIGURED]
+  tiny = ["--preset=tiny", "--config.trials=3", "--print_config"]
+  *ends, end = binaries.run_binaries(
+      runs + [("experiments.figure3.__main__", tiny)])
+  for (module, args), e in zip(runs, ends):
+    assert e["returncode"] == 0, (module, args, e["stderr"][-2000:])
+    assert re.search(r"^(trials|seeds) = \d+$", e["stdout"], re.M), (
+        module, args)
+  # --print_config shows the chosen preset's values with the overrides.
   assert end["returncode"] == 0, end["stderr"]
   lines = end["stdout"].splitlines()
   assert "trials = 3" in lines and "left_sizes = (4, 12)" in lines

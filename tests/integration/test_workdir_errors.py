@@ -18,7 +18,7 @@ def test_a_workdir_that_cannot_be_one_is_a_usage_error(tmp_path):
   out = str(tmp_path / "out")
   workdirs = [([f"--workdir={a_file}"], is_file),
               ([f"--workdir={under}"], cannot)]
-  for module, cases in [
+  cases = [(module, case) for module, theirs in [
       ("experiments.figure3.__main__", workdirs),
       ("experiments.pretrain", workdirs),
       ("experiments.pretraining_curve.__main__", workdirs),
@@ -29,13 +29,14 @@ def test_a_workdir_that_cannot_be_one_is_a_usage_error(tmp_path):
        + [([f"--out={a_file}"], f"--out {a_file} is a file, not a "
            f"directory"),
           ([f"--merge={a_file}", f"--results={under}"],
-           f"--results {under}: cannot create: {a_file} is a file")])]:
-    ends = binaries.usage_errors(
-        module, [["--preset=tiny", *args] for args, _ in cases])
-    for (args, refusal), end in zip(cases, ends):
-      assert end["returncode"] == 2, (module, args, end["stderr"][-2000:])
-      assert end["stderr"].strip().splitlines() == [f"error: {refusal}"], (
-          module, args, end["stderr"][-2000:])
+           f"--results {under}: cannot create: {a_file} is a file")])]
+      for case in theirs]
+  ends = binaries.run_binaries([(module, ["--preset=tiny", *args])
+                                for module, (args, _) in cases])
+  for (module, (args, refusal)), end in zip(cases, ends):
+    assert end["returncode"] == 2, (module, args, end["stderr"][-2000:])
+    assert end["stderr"].strip().splitlines() == [f"error: {refusal}"], (
+        module, args, end["stderr"][-2000:])
   with open(a_file) as f:
     assert f.read() == "kept"
   assert not os.path.exists(out)
@@ -45,15 +46,17 @@ def test_a_missing_ginc_release_is_refused_before_any_workdir(tmp_path):
   """ICL on GINC's released HMMs, without them: one line pointing to the
   converter, and no workdir made; the converter names what it lacks."""
   out = str(tmp_path / "icl")
-  [end] = binaries.usage_errors("experiments.icl", [[
-      "--preset=tiny", "--config.concepts=released",
-      "--config.released_path=/nonexistent/ginc.npz", f"--workdir={out}"]])
+  end, lacks, unset = binaries.run_binaries([
+      ("experiments.icl", [
+          "--preset=tiny", "--config.concepts=released",
+          "--config.released_path=/nonexistent/ginc.npz", f"--workdir={out}"]),
+      ("experiments.ginc_release", [f"--source={tmp_path}",
+                                    f"--out={out}.npz"]),
+      ("experiments.ginc_release", [])])
   assert end["returncode"] == 2, end["stderr"][-2000:]
   [line] = end["stderr"].strip().splitlines()
   assert "/nonexistent/ginc.npz" in line and "experiments.ginc_release" in line
   assert not os.path.exists(out)
-  lacks, unset = binaries.usage_errors("experiments.ginc_release", [
-      [f"--source={tmp_path}", f"--out={out}.npz"], []])
   assert (lacks["returncode"], unset["returncode"]) == (2, 2)
   assert lacks["stderr"].strip().splitlines() == [
       f"error: {tmp_path} lacks GINC's id_hmms.pkl, ood_hmms.pkl, "
