@@ -29,7 +29,7 @@ def test_the_readme_shows_the_tour_file():
   assert _tour_code() in _readme_blocks()
 
 
-@pytest.mark.slow
+@pytest.mark.default_compiler  # the README's numbers: python -m's compiler
 def test_the_tour_runs_and_prints_what_the_readme_says():
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
