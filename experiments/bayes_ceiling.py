@@ -3,11 +3,10 @@ ceiling of the adaptation report (docs/adaptation.md).
 
   python -m experiments.bayes_ceiling --preset=adaptation --workdir=DIR
 
-Every draw's test split is labelled again by the rule that made its labels,
-``argmax mu @ P[Z_0 | x]``, with the posterior from a float64 numpy backward
-pass over the drawn HMM (a memory HMM as its product HMM, the memory summed
-out of it): a second path beside the jitted float32 kernels. Writes
-DIR/bayes.jsonl, one line per (panel, size), and redraws the report.
+Every draw's test split labelled again, ``argmax mu @ P[Z_0 | x]``, the
+posterior by a float64 numpy backward pass (a memory HMM as its product HMM):
+a second path beside the jitted kernels. Writes DIR/bayes.jsonl, one line
+per (panel, size), and redraws the report.
 """
 
 import json

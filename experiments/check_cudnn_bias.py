@@ -3,10 +3,9 @@ r"""Does the learned relative-position bias train through cuDNN?
   python -m experiments.check_cudnn_bias [--trials=4] [--num_layers=1] \
       [--also_xla] [--tiny]
 
-A gradient step of paper models with ``rel_pos="bias"`` through
-``attention="dot_product"`` and ``"manual"`` (docs/figure3_gpu.md); exits
-1 if the dot_product bias gradient is missing, zero, not finite or over
-``--max_rel_diff``. ``accelerator_session.sh protocol`` runs it first.
+A gradient step of paper models (``rel_pos="bias"``) through dot_product and
+manual attention (docs/figure3_gpu.md); exits 1 if the bias gradient is
+missing, zero, not finite or over ``--max_rel_diff``.
 """
 
 import dataclasses

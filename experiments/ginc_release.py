@@ -3,9 +3,8 @@ r"""GINC's released HMMs, converted from GINC's own repository files.
   python -m experiments.ginc_release --source=DIR [--out=ginc_hmms.npz]
 
 DIR: p-lambda/incontext-learning at 84fab21, ``data/GINC_trans0.1_start10.0_
-nsymbols50_nvalues10_nslots10_vic0.9_nhmms10/`` (its ``*.pkl``; no hmmlearn
-needed). Then ``python -m experiments.icl --config.concepts=released
---config.released_path=OUT`` runs on them (docs/icl.md).
+nsymbols50_nvalues10_nslots10_vic0.9_nhmms10/`` (its ``*.pkl``); then run
+``experiments.icl --config.concepts=released --config.released_path=OUT``.
 """
 
 from absl import app

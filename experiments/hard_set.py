@@ -8,7 +8,6 @@ r"""The hard set: pretrain hard HMM draws with a recipe, in
 """
 
 import dataclasses
-import hashlib
 import itertools
 import json
 import os
@@ -28,6 +27,7 @@ from hmmprompt import corpus as corpus_lib
 from hmmprompt import generative
 from hmmprompt import pretrain as pretrain_lib
 from hmmprompt import files as files_lib
+from hmmprompt import identity as identity_lib
 from hmmprompt import sharding as sharding_lib
 from hmmprompt.pretrain import workdir as workdir_lib
 
@@ -201,8 +201,7 @@ def main(argv):
     cli.make_dir(_WORKDIR.value)
   pcfg = cfg.pretrain
   tok_step = pcfg.batch_size * pcfg.corpus.chunk_len
-  fingerprint = hashlib.sha256(json.dumps(
-      pcfg.identity(), sort_keys=True).encode()).hexdigest()[:8]
+  fingerprint = identity_lib.fingerprint(pcfg.identity(), digits=8)
   workdir = os.path.join(_WORKDIR.value, fingerprint)
   os.makedirs(workdir, exist_ok=True)
   put = lambda name, text: files_lib.atomic_write_text(

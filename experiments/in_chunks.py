@@ -1,16 +1,15 @@
 r"""Figure 3 in chunks of size stacks, each resuming from committed results
 (docs/figure3_gpu.md, docs/figure3.md; :mod:`hmmprompt.figure3.chunks`).
 
-  python -m experiments.in_chunks --preset=gpu --chunk=all \
-      --deadline_s=540 --out=$OUT [--results=docs/results/figure3-gpu] \
-      [--backbone=transformer] [--workdir=DIR [--checkpoints=deadline]] \
-      [--workers=0] [--config.<path>=...]
+  python -m experiments.in_chunks --preset=gpu --chunk=all --deadline_s=540 \
+      --out=$OUT [--results=docs/results/figure3-gpu] [--backbone=transformer] \
+      [--workdir=DIR [--checkpoints=deadline]] [--workers=0] [--config.*=...]
   python -m experiments.in_chunks --preset=gpu --merge=A.tar.gz[,B.tar.gz]
   python -m experiments.in_chunks --preset=gpu --chunk=left:30 \
       --step_bytes [--config.pretrain.trials_per_vmap=4]
 
 Writes the chunk's missing cells to ``OUT/figure3-chunk.tar.gz``, also
-after the deadline, an error or a signal. ``--helpfull`` lists every flag.
+after the deadline, an error or a signal.
 """
 
 import os

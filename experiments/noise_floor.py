@@ -4,11 +4,9 @@ r"""The tuning noise floor of Figure 3's arms (docs/noise_floor.md).
       --sizes=4,12,30 --trials=5 --replicates=5 --backbone=exact,transformer \
       [--committed=docs/results/figure3-cpu-paper]
 
-DIR: a Figure 3 workdir (its pretrained transformers reused, or trained),
-measured with its run's setup (or --preset's), --config.* over it; another
-setup's is refused, naming DIR's own flags. Its figure3.md prints this
-command until a floor is measured. Writes DIR/replicates.jsonl (every
-tuning) and noise_floor.md / .json (:func:`page`). Reruns resume.
+DIR: a Figure 3 workdir (its transformers reused), measured with its run's
+setup, --config.* over it (another setup is refused, naming DIR's flags).
+Writes DIR/replicates.jsonl (every tuning), noise_floor.md / .json; resumes.
 """
 
 import json

@@ -4,8 +4,6 @@ r"""Pretrain the masked LM on text from an HMM (docs/pretraining.md).
       --workdir=DIR [--config.model_kind=memory --config.memory_size=3] \
       [--config.num_states=10] [--config.hmm_seed=0] [--config.trials=K] \
       [--config.pretrain.lr=3e-3 --config.pretrain.model.num_heads=4 ...]
-  python -m experiments.pretrain --preset=tiny --workdir=DIR --distributed \
-      --coordinator_address=127.0.0.1:12345 --num_processes=2 --process_id=I
 
 Every field of the Job is a ``--config.<path>`` flag (``--helpfull`` lists
 them); a rerun resumes; ``--distributed``: docs/multihost.md.

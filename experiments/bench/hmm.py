@@ -1,8 +1,7 @@
-r"""Throughput of hmmprompt's HMM sampler and posterior vs hmmlearn / dynamax,
-each ratio against a baseline of the same run (docs/performance.md).
+r"""Throughput of hmmprompt's HMM sampler and posterior vs hmmlearn / dynamax
+(the `bench` extra), each ratio against a baseline of the same run.
 
   python -m experiments.bench.hmm [--sections=sampling,posterior,long,targets]
-  # needs the `bench` extra
 """
 
 import functools

@@ -2,9 +2,7 @@ r"""A full AdamW step at a preset's shape, in one run: our Flax MLM vs the
 authors', HuggingFace's PyTorch ``BertForMaskedLM`` (docs/performance.md).
 
   python -m experiments.bench.mlm [--preset=cpu|paper|...] \
-      [--config.model.d_model=64 --config.batch_size=32 \
-       --config.corpus.chunk_len=128 --config.model.max_len=128 ...]
-  # needs the `bench` extra (torch, transformers)
+      [--config.model.d_model=64 --config.batch_size=32 ...]  # `bench` extra
 """
 
 import dataclasses

@@ -1,7 +1,6 @@
 r"""System against user time of a pretraining step, Figure 3's (``cpu``,
-``|H|`` = 12, 3 draws) beside ICL's (``cpu``, 5 seeds), with the binaries'
-glibc settings and with one malloc arena (docs/performance.md); each run a
-process of its own, the steps after ``--warmup`` timed.
+``|H|`` = 12, 3 draws) beside ICL's (5 seeds), with the binaries' glibc
+settings and one malloc arena (docs/performance.md), a process each.
 
   python -m experiments.bench.sys_time [--steps=30] [--warmup=5]
 """

@@ -1,7 +1,6 @@
 r"""Figure 3: head vs prompt tuning on HMM draws, exact and pretrained
-backbones (docs/figure3.md): parses the flags into a Setup, runs, reports.
+backbones (docs/figure3.md).
 
-  python -m experiments.figure3 --preset=tiny --workdir=/tmp/figure3-tiny
   python -m experiments.figure3 --preset=cpu --backbone=exact,transformer \
       --workdir=runs/figure3 --workers=0 [--panel=left] [--config.trials=5]
 
