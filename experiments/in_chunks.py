@@ -9,7 +9,7 @@ r"""Figure 3 in chunks of size stacks, each resuming from committed results
       --step_bytes [--config.pretrain.trials_per_vmap=4]
 
 Writes the chunk's missing cells to ``OUT/figure3-chunk.tar.gz``, also
-after the deadline, an error or a signal.
+after the deadline, an error or a signal. ``--helpfull``: every flag.
 """
 
 import os
