@@ -29,8 +29,7 @@ from hmmprompt.figure3 import sweep
 _PRESET = flags.DEFINE_enum("preset", "adaptation", list(configs.PRESETS),
                             "the Figure 3 preset whose tasks are labelled")
 _CONFIG = cli.define_config(configs.PRESETS["cpu"]())
-_WORKDIR = flags.DEFINE_string("workdir", None, "a Figure 3 workdir of the "
-                               "preset (required)")
+_WORKDIR = flags.DEFINE_string("workdir", None, "its Figure 3 workdir")
 flags.adopt_module_key_flags(cli)
 
 

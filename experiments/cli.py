@@ -34,8 +34,7 @@ def _end(what, status: int, say: bool = True) -> NoReturn:
 
 
 def resume_hint(workdir: str | None) -> str:
-  """How to resume, and where finished work is kept if ``workdir`` holds
-  some (empty: nothing started, nothing to say)."""
+  """How to resume, and where work is kept ("" where ``workdir`` is empty)."""
   if workdir and not (os.path.isdir(workdir) and os.listdir(workdir)):
     return ""
   return "; rerun the same command to resume" + (
@@ -43,8 +42,7 @@ def resume_hint(workdir: str | None) -> str:
 
 
 def make_dir(path: str, flag: str = "--workdir") -> str:
-  """Creates directory ``path`` where missing and returns it; else a
-  ``ValueError`` (a usage error) naming ``flag`` and why."""
+  """``path``, made a directory if missing; else ValueError naming ``flag``."""
   if os.path.lexists(path) and not os.path.isdir(path):
     what = "a file" if os.path.isfile(path) else "something else"
     raise ValueError(f"{flag} {path} is {what}, not a directory")
@@ -64,8 +62,7 @@ def make_dir(path: str, flag: str = "--workdir") -> str:
   return path
 
 
-def _is_worker() -> bool:
-  """Whether this process is a ``--workers`` child (``--worker`` set)."""
+def _is_worker() -> bool:  # a --workers child (--worker set)
   return "worker" in flags.FLAGS and flags.FLAGS["worker"].value is not None
 
 
@@ -99,8 +96,7 @@ def one_line_errors(main: Callable) -> Callable:
 
 
 def _told_parent(what) -> bool:
-  """Whether this ``--workers`` process left ``what`` for its parent, which
-  stops the other workers and prints the line (workers.error_path)."""
+  """Whether this worker left ``what`` for its parent (workers.error_path)."""
   if not _is_worker():
     return False
   from hmmprompt.figure3 import workers  # pylint: disable=g-import-not-at-top
@@ -144,9 +140,9 @@ def define_worker_flags(what: str) -> tuple[flags.FlagHolder, ...]:
 
 
 def define_print_config():
-  return flags.DEFINE_bool(
-      "print_config", False, "print the resolved config (--preset and its "
-      "--config.<path> overrides), `path = value` a leaf; run nothing")
+  return flags.DEFINE_bool("print_config", False, "print the resolved config "
+                           "(--preset, its --config.<path> overrides), "
+                           "`path = value` a leaf; run nothing")
 
 
 def print_config(cfg) -> None:

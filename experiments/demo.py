@@ -16,14 +16,11 @@ from hmmprompt import hmm as hmm_lib
 from hmmprompt import memory as memory_lib
 from hmmprompt import tasks
 
-_STATES = flags.DEFINE_integer("num_states", 10, "hidden states |H|",
-                               lower_bound=1)
+_STATES = flags.DEFINE_integer("num_states", 10, "states |H|", lower_bound=1)
 _VOCAB = flags.DEFINE_integer("vocab_size", 10, "vocabulary |X|", lower_bound=1)
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed")
-_NUM_SEQS = flags.DEFINE_integer("num_seqs", 200, "sequences for the MLM loss",
-                                 lower_bound=1)
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 512, "tokens per sequence",
-                                lower_bound=1)
+_NUM_SEQS = flags.DEFINE_integer("num_seqs", 200, "sequences", lower_bound=1)
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 512, "their tokens", lower_bound=1)
 
 
 def main(argv):

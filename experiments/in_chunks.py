@@ -49,8 +49,7 @@ _CHECKPOINTS = flags.DEFINE_enum(
     "checkpoints", None, ["always", "deadline", "never"], "always (default "
     "with --workdir), deadline (only where --deadline_s stops a stack; ~7 GB "
     "at BERT width) or never (default without --workdir)")
-_STEP_MEMORY = flags.DEFINE_bool("step_bytes", False, "print each stack's "
-                                 "pretraining-step memory, and stop")
+_STEP_MEMORY = flags.DEFINE_bool("step_bytes", False, "print step memory; stop")
 _MERGE = flags.DEFINE_list("merge", None, "archives to merge into --results")
 _PRINT_CONFIG = cli.define_print_config()
 _WORKERS, _WORKER, _CLAIMS = cli.define_worker_flags("the chunk")

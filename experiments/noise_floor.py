@@ -31,8 +31,7 @@ _PRESET = flags.DEFINE_enum(
     "are measured (default: the workdir's, with --config flags for the "
     "fields its sweep.json differs in; cpu_paper in a new workdir)")
 _CONFIG = cli.define_config(configs.PRESETS["cpu"]())
-_WORKDIR = flags.DEFINE_string("workdir", None, "a Figure 3 workdir of the "
-                               "preset (required; a rerun resumes)")
+_WORKDIR = flags.DEFINE_string("workdir", None, "a Figure 3 workdir; resumes")
 _BACKBONE = flags.DEFINE_list("backbone", ["exact"], "exact and/or transformer")
 _SIZES = flags.DEFINE_list("sizes", ["4", "12", "30"], "left-panel |H|")
 _TRIALS = flags.DEFINE_integer("trials", 5, "the first draws of each size")

@@ -33,8 +33,7 @@ _TARGETS_WINDOWS = flags.DEFINE_list("targets_windows", ["16"], "steps' "
                                      "targets in one call (exact_window)")
 _SECTIONS = flags.DEFINE_list("sections", ["sampling", "posterior", "long",
                                            "targets"], "which to run")
-_HMMLEARN_SEQS = flags.DEFINE_integer(
-    "hmmlearn_seqs", 5, "sequences for hmmlearn (it is slow; rates scale)")
+_HMMLEARN_SEQS = flags.DEFINE_integer("hmmlearn_seqs", 5, "hmmlearn's (slow)")
 
 _METHODS = ("sequential", "parallel", "blocked")
 
