@@ -288,7 +288,13 @@ def test_a_full_disk_is_an_oserror_naming_the_directory(small_disk,
                           lambda _: types.SimpleNamespace(free=2**40))
   finally:
     logging.getLogger("absl").removeHandler(logged)
-  assert ckpts.all_steps() == [] and not [r for r in records if r.exc_info]
+  # This write's tracebacks: another test's orbax thread may log its own
+  # while this one runs (seen under the full suite's load).
+  text = lambda r: f"{r.getMessage()} {r.exc_info[1]!r}"
+  ours = [text(r) for r in records if r.exc_info and any(
+      s in text(r) for s in (ckpts.directory, "os_error_code='28'",
+                             "No space left"))]
+  assert ckpts.all_steps() == [] and not ours, ours
 
 
 @pytest.mark.slow
