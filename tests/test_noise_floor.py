@@ -34,6 +34,7 @@ def swept(tmp_path_factory):
   return workdir
 
 
+@pytest.mark.slow  # a sweep and its replicates (the fixture)
 def test_replicate_zero_is_the_sweeps_line_and_the_others_are_new_seeds(
     swept):
   """Replicate 0 tunes with the sweep's own key: its line equals the

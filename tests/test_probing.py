@@ -63,6 +63,7 @@ def _mess3_only(tmp_path):
   return setup, str(tmp_path)
 
 
+@pytest.mark.slow  # a pretraining loop, every control, the report
 def test_the_mess3_stack_runs_resumes_and_reports(tmp_path):
   """Every control's lines, an input per layer and the output; the
   shuffled control's best held-out R² near 0 (40 held-out sequences of 10
