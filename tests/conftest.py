@@ -27,8 +27,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # the README tour's printed numbers, made by users' compiler. Those run in
 # a pytest subprocess under XLA's defaults, none of these flags
 # (pytest_pyfunc_call below); warm, their optimised code also runs faster
-# (the tour 58 -> 40 CPU-s: it pretrains and tunes for most of its
-# time). And each program's LLVM code in one module rather than split
+# (the tour's test 58 -> 33-37 CPU-s warm: it pretrains and tunes for
+# most of its time). And each program's LLVM code in one module rather than split
 # for parallel codegen, which on 2 busy cores only adds per-module work
 # (test_transformer + test_tasks cold, one process: user 80.3 -> 73.5 s,
 # mean of 4 and 3 interleaved runs, 2026-11-25). Under
