@@ -2,12 +2,9 @@
 (docs/figure3.md; the binaries ``python -m experiments.figure3`` and
 ``experiments/in_chunks.py``). Every trial is a new HMM draw with its own
 backbone and tasks; a size's trials are one stack (:mod:`hmmprompt.protocol`).
-
-:mod:`.configs` (:class:`Setup`, presets), :mod:`.sweep`, :mod:`.schema`
-(:class:`ResultLine`), :mod:`.reporting`, :mod:`.chunks` (for a lent
-machine) and :mod:`.workers` (one process per core) write, atomically (a
-rerun skips finished lines), DIR/sweep.json (the setup's identity),
-DIR/results.jsonl, DIR/figure3.{md,png} and DIR/pretrain/."""
+A workdir holds, each written atomically (a rerun skips finished lines),
+DIR/sweep.json (the setup's identity), DIR/results.jsonl
+(:class:`ResultLine`), DIR/figure3.{md,png} and DIR/pretrain/."""
 
 from hmmprompt.figure3.configs import PRESETS, Setup, get_setup
 from hmmprompt.figure3.schema import ResultLine, read_results, results_path

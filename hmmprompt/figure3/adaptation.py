@@ -87,8 +87,7 @@ def write_plot(lines, path: str, bayes: dict | None = None) -> None:
   """A panel per size: each arm's test accuracy (mean, 95% interval), an
   arm per column, a colour per backbone, a marker per method (hollow:
   tokens init); the head's mean dotted, the Bayes classifier's dashed."""
-  plt, bayes = files_lib.pyplot(), bayes or {}
-  cells = _adaptation_cells(lines)
+  plt, bayes, cells = files_lib.pyplot(), bayes or {}, _adaptation_cells(lines)
   panels = sorted({(p, s) for _, p, s in cells})
   cols = min(3, len(panels))
   rows = -(-len(panels) // cols)

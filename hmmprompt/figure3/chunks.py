@@ -58,8 +58,7 @@ def chunk_sizes(setup: configs.Setup,
   if panel not in ("left", "right"):
     raise ValueError(f"--chunk={chunk!r}: expected left:SIZES, right:SIZES, "
                      f"left, right or all (e.g. left:4,8)")
-  known = setup.left_sizes if panel == "left" else setup.memory_sizes
-  chosen = known
+  known = chosen = setup.left_sizes if panel == "left" else setup.memory_sizes
   if sep:
     try:
       chosen = tuple(int(s) for s in text.split(","))
@@ -219,9 +218,8 @@ def seconds_per_trial(results_dir: str, margin: float = 1.2,
     st["trials"].add(r.trial)
   if not (trials := sum(len(st["trials"]) for st in stacks.values())):
     return None
-  return margin * sum((0.0 if tuning_only else st["wall"])
-                      + sum(st["groups"].values())
-                      for st in stacks.values()) / trials
+  return margin * sum((0.0 if tuning_only else st["wall"]) + sum(
+      st["groups"].values()) for st in stacks.values()) / trials
 
 
 def chunk_step_bytes(setup: configs.Setup, chunk: str) -> list[dict]:
@@ -276,14 +274,12 @@ def merge_all(archives: list[str], results_dir: str,
 
 def check_archive(archive: str, unpacked: str, run: dict,
                   setup: configs.Setup, preset: str = "") -> None:
-  """``ValueError`` where ``archive`` (unpacked in ``unpacked``; ``run``: its
-  ``run.json``) holds another setup's results, naming its other preset, else
-  the fields that differ."""
+  """``ValueError`` if ``archive`` (unpacked in ``unpacked``; ``run``: its
+  ``run.json``) holds another setup's, naming its preset, else what differs."""
   stamp = os.path.join(unpacked, sweep.STAMP)
-  diff = identity_lib.differences(
+  diff = [] if not os.path.exists(stamp) else identity_lib.differences(
       json.loads(pathlib.Path(stamp).read_text()), setup.identity(),
-      defaults=identity_lib.added_defaults(setup)
-  ) if os.path.exists(stamp) else []
+      defaults=identity_lib.added_defaults(setup))
   mine = {setup.fingerprint(b) for b in sweep.BACKBONES}
   theirs = sorted({r.setup for r in schema.read_results(unpacked)} - mine)
   if not diff and not theirs:

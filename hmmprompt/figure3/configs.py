@@ -27,24 +27,20 @@ class Setup(protocol.TrialsConfig):
     trials: HMM draws per size on the left panel (the paper: 20).
     right_trials: on the right panel (the paper: 5; ``None``: ``trials``);
       a vanilla HMM of both panels is one stack of the larger count.
-    tasks_per_hmm: tasks per trial; more than one separates task noise
-      from HMM noise (the report shows both).
+    tasks_per_hmm: tasks per trial; > 1 separates task and HMM noise (reported).
     left_sizes: ``|H|`` of the left panel's vanilla HMMs.
-    memory_sizes: ``|M|`` of the right panel's memory HMMs and their
-      vanilla twins of ``|M||H|``.
+    memory_sizes: ``|M|`` of the right panel (memory; vanilla of ``|M||H|``).
     features: head feature transforms, each run as its own arm.
     tune: ``optimizer`` stays ``"adam"`` (``head_optimum`` adds L-BFGS arms).
     finetune: add full fine-tuning of the transformer as a third arm.
     prompt_attention: Theorem 4.6's arm: prompt tuning with the attention
       head on each memory HMM of the right panel.
-    head_optimum: add a twin of every linear-head arm with its head solved
-      to its optimum (``TuneConfig.optimizer = "lbfgs"``; lines
-      ``<method>_<head>_lbfgs``).
-    arms: the adaptation comparison's arms (:func:`parse_arm`), in place
-      of head and prompt (and ``finetune``): on the left panel with the
-      linear head, on the right with the attention head on memory HMMs
-      alone; arms with no meaning on the exact backbone run on the
-      transformer only (docs/adaptation.md).
+    head_optimum: add a twin of every linear-head arm, its head solved to its
+      optimum (``TuneConfig.optimizer = "lbfgs"``; ``<method>_<head>_lbfgs``).
+    arms: the adaptation comparison's arms (:func:`parse_arm`), in place of
+      head and prompt (and ``finetune``): left with the linear head, right
+      with the attention head on memory HMMs alone; those meaningless on the
+      exact backbone run on the transformer only (docs/adaptation.md).
   """
 
   tasks_per_hmm: int
@@ -90,9 +86,8 @@ class Setup(protocol.TrialsConfig):
     return fingerprint_of(self.identity(), backbone)
 
   def identity(self) -> dict:
-    """What ``DIR/sweep.json`` records: what decides the values of a
-    workdir's lines, and the trial counts (its stacks' sizes). Sizes,
-    panels and arms only add lines, so they are left out."""
+    """What ``DIR/sweep.json`` records: what decides its lines' values, and
+    the trial counts (stack sizes); not sizes, panels, arms (add lines)."""
     return {"task": identity_lib.identity(self.task),
             "tune": identity_lib.identity(self.tune),
             "seed": self.seed, "model_keys": protocol.MODEL_KEYS_VERSION,
@@ -126,9 +121,8 @@ ARM_SETTINGS = {"head": (), "finetune": (), "lora": ("lora_r",),
 def parse_arm(spec: str, tune: tuning.TuneConfig) -> tuple[str, tuple]:
   """``(method, settings)`` of an arm: ``head``, ``prompt-LEN[-INIT]``
   (``INIT``: ``uniform`` | ``tokens``), ``prefix-LEN``, ``lora-RANK`` or
-  ``finetune``; a prompt's setting equal to ``tune``'s is left out, so the
-  arm of ``tune``'s own prompt is Figure 3's ``prompt`` line. ``ValueError``
-  naming the spec where it is not one."""
+  ``finetune``, a prompt's setting equal to ``tune``'s left out (``tune``'s
+  prompt is Figure 3's ``prompt`` line); ``ValueError`` naming a bad spec."""
   method, *values = spec.split("-")
   names = ARM_SETTINGS.get(method, ())
   if method not in ARM_SETTINGS or len(values) > len(names):

@@ -1,9 +1,7 @@
 """The tuning noise floor: how much of a result line is the optimiser.
-
-:func:`run` tunes a sweep's left-panel draws again with ``replicates``
-tuning seeds (replicate 0 is the sweep's own line) and once on a backbone
-perturbed at rounding level, into ``DIR/replicates.jsonl``, never altering
-the sweep's lines; :func:`summarize` and :func:`arm_floor` give the floor."""
+:func:`run` tunes a sweep's left-panel draws again into
+``DIR/replicates.jsonl``, never altering the sweep's lines;
+:func:`summarize` and :func:`arm_floor` give the floor."""
 
 import dataclasses
 import json

@@ -21,14 +21,13 @@ PAPER_RIGHT = {"memory": {8: 100, 12: 100, 20: 100, 28: 98},
 
 # Arms beyond the paper's (Setup.prompt_attention, Setup.head_optimum):
 # their column names, and a note under a table that shows them.
-_ARMS = {
-    "head_linear_lbfgs": ("head optimum", "the linear head solved to its "
-                          "L2-regularised optimum on the frozen features "
-                          "(full-batch L-BFGS, TuneConfig.optimizer = "
-                          "lbfgs) instead of the paper's epochs of Adam."),
-    "prompt_attention": ("attention prompt", "prompt tuning with the "
-                         "attention head on the memory HMM (Theorem 4.6)."),
-}
+_ARMS = {"head_linear_lbfgs": ("head optimum", (
+             "the linear head solved to its L2-regularised optimum on the "
+             "frozen features (full-batch L-BFGS, TuneConfig.optimizer = "
+             "lbfgs) instead of the paper's epochs of Adam.")),
+         "prompt_attention": ("attention prompt", (
+             "prompt tuning with the attention head on the memory HMM "
+             "(Theorem 4.6)."))}
 
 
 def mean_ci(values) -> tuple[float, float]:
@@ -72,8 +71,7 @@ def variance_components(lines: list[schema.ResultLine]) -> dict:
       continue
     between = np.std([np.mean(v) for v in trials], ddof=1)
     dev = [x - np.mean(v) for v in trials for x in v]
-    dof = sum(len(v) - 1 for v in trials)
-    within = np.sqrt(np.sum(np.square(dev)) / dof)
+    within = np.sqrt(np.sum(np.square(dev)) / sum(len(v) - 1 for v in trials))
     out.setdefault(k, {})[size] = (float(between), float(within))
   return out
 

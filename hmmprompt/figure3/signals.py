@@ -1,8 +1,7 @@
 """Finished cells survive SIGTERM and SIGINT: :func:`archive_on_signal`
-writes a chunk's archive within seconds, even inside a minutes-long compiled
-program (where a Python handler runs too late): a thread woken through
-:func:`signal.set_wakeup_fd` writes it from the files on disk (atomic
-rewrites) and ends the process."""
+writes a chunk's archive within seconds, even inside a long compiled program
+(too late for a Python handler): a thread woken by :func:`signal.set_wakeup_fd`
+writes it from the files on disk (atomic rewrites) and ends the process."""
 
 import contextlib
 import os

@@ -183,11 +183,9 @@ def _start(setup: configs.Setup, workdir: str, panel: str,
   schedule.check()
   if backbone_name == "transformer":
     setup.check_context()
-  by_model = configs.plan(setup, panel, backbone_name)
-  sizes = configs.stack_sizes(setup)
   os.makedirs(workdir, exist_ok=True)
   check_workdir(workdir, setup)
-  return by_model, sizes
+  return configs.plan(setup, panel, backbone_name), configs.stack_sizes(setup)
 
 
 def pretrain_sweep(setup: configs.Setup, workdir: str, panel: str,
@@ -221,8 +219,7 @@ def run_sweep(setup: configs.Setup, workdir: str, panel: str,
   parts = Parts(setup, workdir, sizes, todo, backbone_name)
 
   def prepare(mid: ModelId, groups: dict) -> Trials:
-    """Draws ``mid``'s trials (:meth:`Parts.of` ``groups``), their tasks
-    and :func:`backbones`."""
+    """``mid``'s trials (:meth:`Parts.of` ``groups``), tasks, backbones."""
     part = parts.of(mid, groups)
     stack = protocol.draw_stack(setup, mid, sizes[mid], setup.tasks_per_hmm,
                                 verdicts=True, part=part)
