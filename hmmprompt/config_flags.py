@@ -16,8 +16,7 @@ PREFIX = "config"
 
 def leaves(cfg, prefix: str = "") -> dict[str, Any]:
   """``{"a.b.c": type hint}`` for every non-dataclass field of ``cfg``."""
-  out = {}
-  hints = typing.get_type_hints(type(cfg))
+  out, hints = {}, typing.get_type_hints(type(cfg))
   for f in dataclasses.fields(cfg):
     value = getattr(cfg, f.name)
     if dataclasses.is_dataclass(value):
@@ -66,10 +65,9 @@ def apply(cfg, overrides: Mapping[str, Any]):
   """``cfg`` with ``{"a.b": value}`` overrides (strings are parsed);
   ``ValueError`` for an unknown path (named) or a bad value."""
   known = leaves(cfg)
-  for path in overrides:
-    if path not in known:
-      raise ValueError(f"unknown config key {path!r}; known keys: "
-                       + ", ".join(sorted(known)))
+  if unknown := [path for path in overrides if path not in known]:
+    raise ValueError(f"unknown config key {unknown[0]!r}; known keys: "
+                     + ", ".join(sorted(known)))
   parsed = {p: parse(v, known[p], p) if isinstance(v, str)
             and known[p] is not str else v for p, v in overrides.items()}
   return _apply_nested(cfg, parsed)

@@ -67,8 +67,7 @@ _ABSENT: Any = type("Absent", (), {"__repr__": lambda self: "absent"})()
 
 
 def _json(x) -> Any:
-  """``x`` as JSON reads it back (a default's tuple as a record's list);
-  absent as ``None``, as these checks have always compared it."""
+  """``x`` as JSON reads it back (a tuple as a list); absent as ``None``."""
   return None if x is _ABSENT else json.loads(json.dumps(x))
 
 

@@ -1,7 +1,6 @@
 """The paper's experimental protocol, shared by Figure 3's sweep, the
-pretraining curve and a user's own experiment: config fields, HMM draws and
-tuning arms (one seed, the same draws everywhere), a size's stack of trials,
-one tuning program over lanes and the resume loop (:func:`run_stacks`)."""
+pretraining curve and a user's own experiment (one seed, the same draws
+everywhere): trials, stacks, lanes and the resume loop (:func:`run_stacks`)."""
 
 import dataclasses
 import math
@@ -183,14 +182,13 @@ def draw_stack(setup: TrialsConfig, mid: ModelId, num: int, num_tasks: int = 1,
                verdicts: bool = False, part: range | None = None) -> Stack:
   """``mid``'s ``num`` trials, ``num_tasks`` tasks each, verdicts if asked; with
   ``part`` (``range(a, b)``) only those rows, bit for bit the whole stack's."""
-  part = check_part(part, num)  # before any draw
+  rows = check_part(part, num) or range(num)  # checked before any draw
   keys_SxK = [np.asarray([task_key(setup, mid, k, s) for k in range(num)])
               for s in range(num_tasks)]
   models_K = make_models(setup, mid, num)
   by_task = [tasks_lib.make_tasks(keys_K, models_K, setup.task,
                                   setup.task_budget_bytes())
              for keys_K in keys_SxK]
-  rows = range(num) if part is None else part
   models_K = jax.tree.map(lambda x: x[rows.start:rows.stop], models_K)
   tasks = [[t[k] for t in by_task] for k in rows]
   checks = [[theory.verdicts(generative.trial(models_K, i), t.mu)

@@ -41,9 +41,7 @@ def initialize_distributed(coordinator_address: str | None = None,
   ``ValueError``: bad values, or too few (the message says which to pass)."""
   given = (coordinator_address, num_processes, process_id)
   try:
-    jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=num_processes,
-                               process_id=process_id)
+    jax.distributed.initialize(*given)
   except ValueError as e:
     hint = ("" if None not in given else " (no SLURM, Open MPI or TPU "
             "environment was detected to fill in the rest: pass "

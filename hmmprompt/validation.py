@@ -182,8 +182,7 @@ def check_distribution(name: str, p: jax.Array, ndim: int) -> None:
     raise ValueError(f"{name} has a negative entry {p_np[tuple(bad)]:.3g} at "
                      f"index {bad}")
   sums = np.atleast_1d(p_np.sum(axis=-1))
-  off = np.abs(sums - 1.0) > _SUM_ATOL
-  if np.any(off):
+  if np.any(off := np.abs(sums - 1.0) > _SUM_ATOL):
     where = np.argwhere(off)[0]
     what = f"row {where.tolist()}" if p.ndim > 1 else "it"
     raise ValueError(f"{name} must sum to 1 along its last axis, but {what} "
@@ -210,11 +209,10 @@ def entry_point(kernel: Callable[..., Any], *, static_argnums=(),
   """Makes a validating entry point over a pure ``kernel`` (a decorator).
 
   The decorated function is the check, with the entry point's signature and
-  docstring: it raises ``ValueError`` on bad input and returns
-  :func:`kernel_args`, which ``kernel``, jitted once here (``static_argnums``
-  as ``jax.jit``'s), runs on; ``field`` picks one field of a NamedTuple
-  result inside the jit, so XLA drops the others' work. Traced code calls
-  the ``kernel`` attribute."""
+  docstring: it raises ``ValueError`` on bad input, else returns the
+  :func:`kernel_args` that ``kernel``, jitted once here (``static_argnums`` as
+  ``jax.jit``'s), runs on; ``field`` picks a field of a NamedTuple result inside
+  the jit, so XLA drops the others' work. Traced code calls ``.kernel``."""
   jitted = jax.jit(kernel if field is None else lambda *args: getattr(
       kernel(*args), field), static_argnums=static_argnums)
   def decorate(check: Callable[P, R]) -> Callable[P, R]:

@@ -1,5 +1,4 @@
-"""In-context learning on GINC, its report: accuracy and KL against k
-(:func:`summarize`), DIR/icl.md and DIR/icl.png (:func:`write_report`)."""
+"""In-context learning on GINC, its report: DIR/icl.md and DIR/icl.png."""
 
 import os
 

@@ -1,5 +1,4 @@
-"""In-context learning on GINC, its setup: :class:`IclSetup`, its presets,
-GINC's concepts and the exact backbone's variants of their mixture."""
+"""In-context learning on GINC, its setup: :class:`IclSetup` and its presets."""
 
 import dataclasses
 import json
@@ -111,9 +110,8 @@ def _tiny() -> IclSetup:
   small = ginc_lib.GincConfig(num_values=3, num_slots=4, num_symbols=8,
                               num_concepts=4)
   return IclSetup(
-      seeds=2, lengths=(3, 5), examples=(0, 1, 4), prompts=16,
-      concepts="drawn", ginc=small, context=64,
-      pretrain=pretrain_lib.configure(
+      seeds=2, lengths=(3, 5), examples=(0, 1, 4), prompts=16, ginc=small,
+      concepts="drawn", context=64, pretrain=pretrain_lib.configure(
           "tiny", small.num_symbols, context=32, model={"causal": True},
           targets="exact"))
 
@@ -140,8 +138,7 @@ def get_setup(preset: str = "cpu", overrides: Mapping[str, Any] | None = None,
   return config_flags.from_preset(PRESETS, preset, overrides, **fields)
 
 
-def check_inputs(setup: IclSetup, error: type[Exception] = ValueError
-                 ) -> None:
+def check_inputs(setup: IclSetup, error: type[Exception] = ValueError) -> None:
   """Raises ``error`` naming ``released_path`` if the setup needs it and it
   is missing (the binary: a usage error before any work)."""
   if setup.concepts == "released" and not os.path.exists(setup.released_path):

@@ -1,6 +1,4 @@
-"""In-context learning on GINC, its sweep: the groups by backbone
-(:func:`plan`), a stack's concepts and transformers (:func:`prepare`), each
-group's prompts scored (:func:`score_group`) into DIR/icl.jsonl."""
+"""In-context learning on GINC, its sweep: prompts scored into DIR/icl.jsonl."""
 
 import dataclasses
 import functools

@@ -1,5 +1,4 @@
-"""Where the posterior lives, its report: DIR/probes.md (:func:`markdown`),
-the adaptation arms' accuracies beside the paper's tasks, and
+"""Where the posterior lives, its report: DIR/probes.md and
 DIR/mess3_simplex.png (:func:`write_simplex`, drawn by the sweep)."""
 
 import os
@@ -9,7 +8,7 @@ import numpy as np
 from hmmprompt import files as files_lib
 from hmmprompt.figure3 import reporting
 from hmmprompt.probing.setup import ADAPTATION_RESULTS, get_setup
-from hmmprompt.probing.sweep import ProbeLine, read_probe_lines
+from hmmprompt.probing.sweep import CONTROLS, ProbeLine, read_probe_lines
 
 ARMS = {"head": "head_{}", "prompt": "prompt_{}", "LoRA": "lora_{}_r4"}
 """The adaptation arms set beside the probes (prompt: 20 vectors)."""
@@ -32,8 +31,7 @@ def _by(lines, **where) -> list[ProbeLine]:
 
 
 def _mess3(lines: list[ProbeLine]) -> list[str]:
-  got = {c: _by(lines, study="mess3", control=c) for c in
-         ("trained", "random", "shuffled")}
+  got = {c: _by(lines, study="mess3", control=c) for c in CONTROLS}
   if not got["trained"]:
     return []
   names = got["trained"][0].inputs
@@ -83,8 +81,7 @@ def _tasks(lines: list[ProbeLine], results_path: str) -> list[str]:
   trained = _by(lines, study="tasks", control="trained")
   if not trained:
     return []
-  arms = adaptation_accuracy(results_path) if os.path.exists(
-      results_path) else {}
+  arms = adaptation_accuracy(results_path)  # {} if the file is missing
   ctrl = {(r.model, r.trial, r.control): r for r in _by(lines, study="tasks")}
   rows, labels = [], []
   pairs: dict[str, list] = {k: [] for k in "r2 acc lora prompt gap tag".split()}

@@ -1,5 +1,4 @@
-"""Where the posterior lives, its setup: :class:`ProbeSetup` and its presets;
-the paper's tasks and GINC come from the adaptation's and ICL's setups."""
+"""Where the posterior lives, its setup: :class:`ProbeSetup` and its presets."""
 
 import dataclasses
 import json
@@ -72,10 +71,8 @@ class ProbeSetup:
     if not self.mess3.model.causal or self.mess3.model.vocab_size != 3:
       raise ValueError("ProbeSetup.mess3 must be a causal model of Mess3's "
                        "3 symbols")
-    validation.one_of("ProbeSetup.tasks_preset", self.tasks_preset,
-                      tuple(figure3.PRESETS))
-    validation.one_of("ProbeSetup.ginc_preset", self.ginc_preset,
-                      tuple(icl.PRESETS))
+    validation.require_choices(self, tasks_preset=figure3.PRESETS,
+                               ginc_preset=icl.PRESETS)
     self.tasks(), self.ginc()  # their own checks, named
 
   def tasks(self) -> figure3.Setup:

@@ -1,6 +1,4 @@
-"""Where the posterior lives, its sweep: a stack per study's model
-(:func:`plan`), its transformers and probe cases (:func:`prepare`), a group
-per control scored by :func:`probes.layer_scores` into DIR/probes.jsonl."""
+"""Where the posterior lives, its sweep: probes scored into DIR/probes.jsonl."""
 
 import dataclasses
 import os
@@ -242,10 +240,9 @@ def score_group(workdir: str, setup: ProbeSetup, g: Group, stack: dict
   out = []
   for (target, where), (inputs, y, at, split, mu) in stack["cases"].items():
     t0 = time.perf_counter()
-    s = probes.layer_scores(cfg, params, inputs, y, at, split, mu,
-                            shuffle=g.control == "shuffled",
-                            keep=(g.source.study == "mess3"
-                                  and g.control == "trained"))
+    s = probes.layer_scores(
+        cfg, params, inputs, y, at, split, mu, shuffle=g.control == "shuffled",
+        keep=g.source.study == "mess3" and g.control == "trained")
     if "kept" in s:
       from hmmprompt.probing import report  # pylint: disable=g-import-not-at-top
       report.write_simplex(workdir, s["kept"], s["r2"])
