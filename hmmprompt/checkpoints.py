@@ -80,10 +80,9 @@ class Checkpoints:
     self._mngr.delete(step)
 
   def save(self, step: int, state) -> None:
-    """Saves ``state`` as ``step``. ``OSError`` (errno and directory) where
-    the filesystem fails: before writing when the free space is below the
-    state's bytes (orbax's threads would print pages for a full disk), or
-    from orbax's error (``ENOSPC``, ``EACCES``, ...)."""
+    """Saves ``state`` as ``step``. ``OSError`` (errno, directory) if the
+    filesystem fails: before writing if free space is short (orbax's threads
+    would print pages), or orbax's own (``ENOSPC``, ``EACCES``, ...)."""
     if bad := nonfinite_leaves(state):
       raise FloatingPointError(f"refusing to checkpoint a non-finite state at "
                                f"step {step} (first bad leaf {bad[0]})")

@@ -1,7 +1,6 @@
-"""What a result is: config identities, fingerprints and their differences.
-A config (frozen dataclasses) has as its identity the JSON-able dict of the
-fields that decide results: all but :data:`RUNTIME` ones (and :data:`ADDED`
-ones at their default)."""
+"""What a result is: config identities, fingerprints and their differences. A
+config's identity is the JSON-able dict of its result-deciding fields (not
+:data:`RUNTIME` ones, nor :data:`ADDED` ones at their default)."""
 
 import dataclasses
 import hashlib
@@ -14,10 +13,9 @@ RUNTIME = {"runtime": True}
 leaves it out, so changing it neither re-runs nor invalidates anything."""
 
 ADDED = {"added": True}
-"""``dataclasses.field(default=..., metadata=ADDED)`` marks a result field
-added after results had been keyed: :func:`identity` leaves it out while it
-holds its default (so existing names and fingerprints stand), and any other
-value moves the identity."""
+"""``dataclasses.field(default=..., metadata=ADDED)`` marks a result field added
+after results had been keyed: :func:`identity` leaves it out at its default (so
+existing names and fingerprints stand); any other value moves the identity."""
 
 
 def runtime(default) -> Any:

@@ -29,8 +29,7 @@ def summarize(lines: list[IclLine], field: str = "test_accuracy") -> dict:
 
 
 def _order(item) -> tuple:
-  """Rows by length, then the exact variants (zeros, each concept's
-  smoothings, the mixture's), the transformers."""
+  """By length: exact zeros, concept then mixture smoothings, transformers."""
   (a, b, c), _ = item
   if a == "impossible":
     return (c,)
@@ -82,8 +81,7 @@ def markdown(summary: dict, kls: dict, gaps: list, smoke: str = "") -> str:
 
 
 def _style(curve: str) -> dict:
-  """A curve's line: the reference solid, the exact zeros dotted, other
-  smoothings faint, the transformers dashed."""
+  """Solid reference, dotted exact 0, faint smoothings, dashed transformers."""
   variant = curve.split()[-1]
   if curve == "transformer":
     return dict(ls="--", marker="s", alpha=1.0)
@@ -128,8 +126,7 @@ def write_plot(summary: dict, kls: dict, path: str, smoke: str = "") -> None:
   handles = ([line([], [], color=f"C{i}", lw=3, label=f"length {n}")
               for i, n in enumerate(lengths)]
              + [line([], [], color="k", markersize=3, label=c, **_style(c))
-                for c in sorted(curves, key=lambda c: (c == "transformer",
-                                                       _order(((0, 0, c), 0))))])
+                for c in sorted(curves, key=lambda c: _order(((0, 0, c), 0)))])
   fig.legend(handles=handles, loc="outside right", fontsize=7, frameon=False)
   plots.write_png(path, fig, 110, smoke)
 

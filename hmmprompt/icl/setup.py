@@ -117,9 +117,8 @@ def _tiny() -> IclSetup:
 
 
 def _cpu() -> IclSetup:
-  """41 minutes on 2 cores: GINC's concepts (drawn; the committed run:
-  ``concepts="released"``), 5 transformers of CPU width at context 256
-  (GINC's 1024 cut: docs/icl.md)."""
+  """41 minutes on 2 cores: drawn concepts (committed: ``concepts="released"``),
+  5 CPU-width transformers at context 256 (GINC's 1024 cut: docs/icl.md)."""
   return IclSetup(seeds=5, smoothings=("0", REFERENCE, "concept:0.001",
                                        "mixture:1e-06"),
                   pretrain=pretrain_lib.configure(
@@ -150,9 +149,8 @@ def check_inputs(setup: IclSetup, error: type[Exception] = ValueError) -> None:
 
 
 def load_concepts(setup: IclSetup, kind: str = "id") -> hmm_lib.HMM:
-  """The concepts ``[K]``: ``"id"``, the pretraining text's, or ``"ood"``,
-  the held-out ones of ``OOD_sample``'s labels (``FileNotFoundError``
-  naming a missing released file)."""
+  """The concepts ``[K]``: ``"id"``, the pretraining text's, or ``"ood"``, those
+  labelling ``OOD_sample`` (``FileNotFoundError``: a missing released file)."""
   if setup.concepts == "drawn":
     concepts, _ = ginc_lib.concepts(jax.random.PRNGKey(setup.seed), setup.ginc)
     half = max(setup.ginc.num_concepts // 2, 1)

@@ -153,9 +153,7 @@ def kl_to(reference_NxX, next_NxX) -> float | None:
 def score_group(setup: IclSetup, g: Group, stack: dict) -> list[IclLine]:
   """``g``'s lines: every variant on every fitting ``k``'s prompts."""
   out = []
-  for k in setup.examples:
-    if not setup.fits(g.length, k, g.backbone):
-      continue
+  for k in [k for k in setup.examples if setup.fits(g.length, k, g.backbone)]:
     t0 = time.perf_counter()
     batch = cell_prompts(setup, stack["concepts"], g.protocol, g.length, k)
     labels = np.asarray(batch["label"])

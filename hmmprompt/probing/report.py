@@ -51,10 +51,9 @@ def _mess3(lines: list[ProbeLine]) -> list[str]:
 
 
 def adaptation_accuracy(results_path: str) -> dict:
-  """``{(model tag, trial, hmm fingerprint): {arm: accuracy}}`` of an
-  adaptation run's ``results.jsonl``: :data:`ARMS` on the transformer,
-  head and prompt on the exact backbone (``exact head``, ``exact prompt``),
-  and the transformer's pretraining gap (``gap``)."""
+  """``{(model tag, trial, hmm fingerprint): {arm: accuracy}}`` from an
+  adaptation ``results.jsonl``: :data:`ARMS` on the transformer, ``exact head``
+  and ``exact prompt`` on the exact backbone, the pretraining gap ``gap``."""
   out: dict = {}
   for d in files_lib.read_jsonl(results_path):
     mem = f"-m{d['memory_size']}" if d["hmm"] == "memory" else ""
@@ -78,8 +77,7 @@ def _corr(a, b) -> str:
 
 
 def _tasks(lines: list[ProbeLine], results_path: str) -> list[str]:
-  trained = _by(lines, study="tasks", control="trained")
-  if not trained:
+  if not (trained := _by(lines, study="tasks", control="trained")):
     return []
   arms = adaptation_accuracy(results_path)  # {} if the file is missing
   ctrl = {(r.model, r.trial, r.control): r for r in _by(lines, study="tasks")}
@@ -156,8 +154,7 @@ def _tasks(lines: list[ProbeLine], results_path: str) -> list[str]:
 
 
 def _ginc(lines: list[ProbeLine]) -> list[str]:
-  trained = _by(lines, study="ginc", control="trained")
-  if not trained:
+  if not (trained := _by(lines, study="ginc", control="trained")):
     return []
   ctrl = {(r.trial, r.target, r.where, r.control): r for r in lines
           if r.study == "ginc"}
@@ -165,8 +162,7 @@ def _ginc(lines: list[ProbeLine]) -> list[str]:
   rows = []
   for target in ("concept", "state"):
     for where in sorted({r.where for r in trained}, key=order):
-      mine = _by(trained, target=target, where=where)
-      if not mine:
+      if not (mine := _by(trained, target=target, where=where)):
         continue
       other = lambda c: [best(ctrl[(r.trial, target, where, c)])[1]
                          for r in mine if (r.trial, target, where, c) in ctrl]
@@ -191,8 +187,7 @@ def _ginc(lines: list[ProbeLine]) -> list[str]:
                "peak probe", "R² random init", "R² shuffled"], rows) + [""]
 
 
-def markdown(lines: list[ProbeLine], results_path: str, smoke: str = ""
-             ) -> str:
+def markdown(lines: list[ProbeLine], results_path: str, smoke: str = "") -> str:
   """DIR/probes.md: a section per study present."""
   out = ["# Where the posterior lives: linear probes of the residual stream",
          ""] + ([smoke, ""] if smoke else []) + [
@@ -208,8 +203,7 @@ def markdown(lines: list[ProbeLine], results_path: str, smoke: str = ""
                    + _ginc(lines))
 
 
-def write_report(workdir: str, results_path: str = ADAPTATION_RESULTS
-                 ) -> str:
+def write_report(workdir: str, results_path: str = ADAPTATION_RESULTS) -> str:
   """Writes DIR/probes.md; returns it (``results_path``: the adaptation
   results beside the paper's tasks)."""
   lines = read_probe_lines(workdir)
