@@ -1,13 +1,12 @@
 """Pretraining text from an HMM, and BERT masking (Appendix D).
 
-Deterministic given a key and the step: a fixed corpus (the paper: 5000
-sequences of 10 240 tokens, chunked) visited in epochs, or ``fresh``
-sequences every step (small CPU presets; an unbounded corpus). Selected
-positions (rate ``mask_rate``) become ``MASK`` (80%), a random symbol (10%)
-or stay (10%), as BERT (``corruption="bert"``), or always ``MASK``
-(``"mask"``, as evaluation). :func:`exact_targets` are the conditionals of
-the true tokens: the sampled token's one-hot has them as its mean, so
-cross-entropy to them has the same expected gradient with less variance."""
+Deterministic given a key and the step: a fixed corpus visited in epochs, or
+``fresh`` sequences every step (small CPU presets; an unbounded corpus).
+Selected positions (rate ``mask_rate``) become ``MASK`` (80%), a random symbol
+(10%) or stay (10%), as BERT (``corruption="bert"``), or always ``MASK``
+(``"mask"``, as evaluation). :func:`exact_targets` are the conditionals of the
+true tokens: the sampled token's one-hot has them as its mean, so cross-entropy
+to them has the same expected gradient with less variance."""
 
 import dataclasses
 import functools

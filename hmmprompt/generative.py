@@ -1,8 +1,6 @@
-"""Any generative model of the experiments: one home for the two kinds.
-
-A *model* is a vanilla :class:`hmm.HMM` or a single-cell
-:class:`memory.MemoryHMM`; everything above the HMM math goes through these
-functions, so a new kind is added here once."""
+"""Any generative *model* of the experiments, a vanilla :class:`hmm.HMM` or a
+single-cell :class:`memory.MemoryHMM`: everything above the HMM math goes
+through these functions, so a new kind is added here once."""
 
 import functools
 import hashlib

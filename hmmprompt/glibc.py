@@ -9,10 +9,7 @@ import functools
 import signal
 
 # mallopt(3) parameters.
-_M_TRIM_THRESHOLD = -1
-_M_TOP_PAD = -2
-_M_MMAP_MAX = -4
-_M_ARENA_MAX = -8
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -2, -4, -8
 
 
 @functools.cache

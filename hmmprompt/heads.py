@@ -1,15 +1,14 @@
 """Classification heads on a frozen backbone's outputs (paper Sections 3-4).
 
 Features ``f(G_i)`` of the backbone's probabilities: ``"raw"`` (the paper);
-``"log"``, ``log(G + 1e-6)`` (near-deterministic HMMs put the signal in
-small probabilities); ``"standardized"``, ``(G - mean) / (std + 1e-6)``
-with the training set's statistics at initialisation (a fixed affine map:
-only the optimisation's conditioning changes). Heads: linear (Theorem 3.3 /
-3.6), ``logits = w^T f(G_mask) + bias``; attention (eq. 4.1-4.2), score
-``s_i = q^T (Θ_K f(G_i) + β_i)``, weights ``a = softmax(exp(log_temp) *
-s)`` (the paper's argmax in the limit), value ``v_i = b^T ((Θ_V f(G_i)) ⊙
-e(x_i))``, ``logits = Σ_i a_i v_i``. Both registered by name
-(:data:`HEADS`, :data:`TRANSFORMS`) for :mod:`hmmprompt.tuning`."""
+``"log"``, ``log(G + 1e-6)`` (near-deterministic HMMs put the signal in small
+probabilities); ``"standardized"``, ``(G - mean) / (std + 1e-6)`` with the
+training set's statistics (a fixed affine map: only the optimisation's
+conditioning changes). Heads: linear (Theorem 3.3 / 3.6), ``logits = w^T
+f(G_mask) + bias``; attention (eq. 4.1-4.2), score ``s_i = q^T (Θ_K f(G_i) +
+β_i)``, weights ``a = softmax(exp(log_temp) * s)`` (the paper's argmax in the
+limit), value ``v_i = b^T ((Θ_V f(G_i)) ⊙ e(x_i))``, ``logits = Σ_i a_i v_i``.
+:mod:`hmmprompt.tuning` reads :data:`HEADS`, :data:`TRANSFORMS`."""
 
 import dataclasses
 from collections.abc import Callable
@@ -18,8 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-_LOG_EPS = 1e-6
-_STD_EPS = 1e-6
+_LOG_EPS, _STD_EPS = 1e-6, 1e-6
 
 NUM_CLASSES = 2
 """Logits every registered head gives: the paper's tasks are binary."""
@@ -50,8 +48,7 @@ TRANSFORMS: dict[str, Features] = {
     "raw": Features("raw", lambda probs, stats: probs),
     "log": Features("log", lambda probs, stats: jnp.log(probs + _LOG_EPS)),
     "standardized": Features("standardized", lambda probs, stats: (
-        probs - stats["mean"]) / (stats["std"] + _STD_EPS), needs_stats=True),
-}
+        probs - stats["mean"]) / (stats["std"] + _STD_EPS), needs_stats=True)}
 FEATURES = tuple(TRANSFORMS)
 
 
@@ -97,15 +94,12 @@ def init_attention(key, vocab_size: int, embed_dim: int, seq_len: int) -> dict:
   k_k, k_q, k_v, k_b = jax.random.split(key, 4)
   normal = lambda k, shape, fan_in: jax.random.normal(k, shape) * (
       1.0 / jnp.sqrt(fan_in))
-  return {
-      "theta_k": normal(k_k, (key_dim, vocab_size), vocab_size),
-      "beta": jnp.zeros((seq_len, key_dim)),
-      "q": normal(k_q, (key_dim,), key_dim),
-      "log_temp": jnp.zeros(()),
-      "theta_v": normal(k_v, (embed_dim, vocab_size), vocab_size),
-      "b": normal(k_b, (embed_dim, NUM_CLASSES), embed_dim),
-      "bias": jnp.zeros((NUM_CLASSES,)),
-  }
+  return {"theta_k": normal(k_k, (key_dim, vocab_size), vocab_size),
+          "beta": jnp.zeros((seq_len, key_dim)),
+          "q": normal(k_q, (key_dim,), key_dim), "log_temp": jnp.zeros(()),
+          "theta_v": normal(k_v, (embed_dim, vocab_size), vocab_size),
+          "b": normal(k_b, (embed_dim, NUM_CLASSES), embed_dim),
+          "bias": jnp.zeros((NUM_CLASSES,))}
 
 
 def apply_attention(params: dict, feats_TxV: jax.Array,

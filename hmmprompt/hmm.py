@@ -1,18 +1,16 @@
 """Hidden Markov models: parameters, sampling and exact inference.
 
 :class:`HMM`'s ``transition`` and ``emission`` are the paper's ``A`` and
-``W`` transposed (Section 3; Appendix B, D); ``MASK`` (= -1) marks an
-unobserved position. Inference runs on non-negative *evidence vectors*
-``e_t [T, H]``: a token's ``e(x)[h] = P(X = x | H = h)`` (:func:`embed`;
-ones for ``MASK``) or a soft prompt's vector in ``[0, 1]^H`` (Appendix B).
+``W`` transposed (Section 3; Appendix B, D). Inference runs on non-negative
+*evidence vectors* ``e_t [T, H]``: a token's ``e(x)[h] = P(X = x | H = h)``
+(:func:`embed`) or a soft prompt's vector in ``[0, 1]^H`` (Appendix B).
 Traceable **kernels** (:func:`forward_backward`, :func:`token_smooth`, ...)
 and jitted **entry points** over them (:func:`sample`, :func:`posterior`,
-...), one sequence each. Messages are rescaled at every step (float32 holds
-on 10^4 tokens); an impossible sequence gives log-likelihood ``-inf`` and
-all-zero posteriors and conditionals, never NaN. The entry points' rules,
-here and in :mod:`~hmmprompt.memory` (``method``: :data:`METHODS`; batches
-right-padded with ``MASK``; ``ValueError`` at the call, under your ``jit``
-only on dtypes, shapes and ``method``: :func:`check_tokens`): docs/hmm.md."""
+...), one sequence each (numerics: :mod:`~hmmprompt.smoothing`). The entry
+points' rules, here and in :mod:`~hmmprompt.memory` (``method``:
+:data:`METHODS`; batches right-padded with ``MASK``; ``ValueError`` at the
+call, under your ``jit`` only on dtypes, shapes and ``method``:
+:func:`check_tokens`): docs/hmm.md."""
 
 from typing import NamedTuple
 
@@ -313,9 +311,8 @@ CALLING_RULES = """
 
 
 def calling_rules(entry):
-  """``entry`` with :data:`CALLING_RULES` after its docstring: the rules of the
-  entry points over tokens here and in :mod:`~hmmprompt.memory`, one text for
-  ``help()`` (the module docstring states them for the API reference)."""
+  """``entry`` with :data:`CALLING_RULES` after its docstring, for ``help()``
+  (the module docstring states them for the API reference)."""
   entry.__doc__ = (entry.__doc__ or "").rstrip() + "\n" + CALLING_RULES
   return entry
 

@@ -2,11 +2,10 @@
 
 Single cell (:class:`MemoryHMM`, what the experiments use): a memory value
 ``M`` is drawn once per sequence, a syntax chain ``H`` evolves as a vanilla
-HMM, and token ``t`` is emitted from ``emission[M, H_t]``: an HMM on product
-states ``(m, h)`` with a block-diagonal transition (:func:`to_hmm`).
-Multiple cells (:class:`MultiMemoryHMM`, Figure 2 right): exact inference
-on the product HMM on ``(m_1..m_N, j, s)``, of at most
-:data:`MAX_PRODUCT_STATES` states. Entry points and kernels as in :mod:`hmm`."""
+HMM, and token ``t`` is emitted from ``emission[M, H_t]``: an HMM on states
+``(m, h)`` (:func:`to_hmm`). Multiple cells (:class:`MultiMemoryHMM`, Figure
+2 right): exact inference on their product HMM (:func:`multi_to_hmm`).
+Entry points and kernels as in :mod:`hmm`."""
 
 import itertools
 from typing import NamedTuple
@@ -214,9 +213,8 @@ def memory_masked_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
 
 @hmm_lib.calling_rules
 def conditionals(mhmm: MemoryHMM, tokens, method: str = "auto") -> jax.Array:
-  """``[T, V]``: the exact masked LM ``P[X_t | x_{-t}]`` of a memory HMM:
-  :func:`hmm.conditionals` on its product HMM (:func:`to_hmm`); row ``t``
-  does not read ``tokens[t]``, all-zero where ``x_{-t}`` is impossible."""
+  """``[T, V]``: the exact masked LM ``P[X_t | x_{-t}]`` of a memory HMM,
+  :func:`hmm.conditionals` on its product HMM (:func:`to_hmm`)."""
   # Checked first: a bad model is named by its own fields, not the product's.
   return hmm_lib.conditionals(to_hmm(check_model(mhmm)), tokens, method=method)
 

@@ -1,11 +1,8 @@
 """Linear probes of a transformer's residual stream against exact posteriors
-(Shai et al., NeurIPS 2024: belief states in the residual stream). The stream is
-read with flax's ``capture_intermediates`` (the model's outputs unchanged): the
-input embedding and each block's output. A probe is affine, fitted in closed
-form by ridge regression in float64, its ridge chosen on a validation split; it
-is scored on held-out data by R², and by the total variation and KL from the
-exact posterior to its prediction projected onto the simplex. Probes of ``[K]``
-stacked trials are fitted in one batched solve, each trial's its own."""
+(Shai et al., NeurIPS 2024: belief states in the residual stream): affine maps
+fitted in closed form by ridge regression in float64 (:func:`fit`) and scored on
+held-out data (:func:`scores`); the probes of ``[K]`` stacked trials in one
+batched solve, each trial's its own."""
 
 import functools
 from typing import NamedTuple
@@ -23,9 +20,9 @@ KL_FLOOR = 1e-6  # a projected prediction's floor before the KL (exact 0s)
 
 def residual_streams(cfg: transformer.MLMConfig, params, tokens_BxT
                      ) -> tuple[jax.Array, jax.Array]:
-  """``(logits [B, T, V], streams [L + 1, B, T, D])``: the model's output,
-  as without the capture, and the residual stream entering block 0 (token
-  and position embeddings) and leaving each of the ``L`` blocks."""
+  """``(logits [B, T, V], streams [L + 1, B, T, D])`` by flax's
+  ``capture_intermediates`` (the output unchanged): the residual stream
+  entering block 0 (token and position embeddings) and leaving each block."""
   keep = lambda mdl, name: name == "__call__" and isinstance(
       mdl, (transformer.Block, nn.Embed))
   logits, state = transformer.MLM(cfg).apply(
@@ -138,13 +135,12 @@ def layer_scores(cfg: transformer.MLMConfig, params_K, tokens_KxNxT,
                  ) -> dict:
   """:func:`scores` of each input's probe, each ``[L + 2, K]`` for ``K`` stacked
   transformers: the stream after the embedding and each of the ``L`` blocks,
-  then the output probabilities (what a head reads), at ``positions`` (every
-  position where ``None``; the targets are there, ``P`` of them). The sequences
-  split in order into ``split`` (fit, ridge choice) and the rest held out, no
-  sequence on two sides; ``shuffle``: the targets permuted across sequences (the
-  control); ``keep``: also ``"kept"``, the held-out targets ``[K, R, H]`` and
-  each input's projected predictions ``[L + 2, K, R, H]``. Streams are read
-  ``batch`` sequences at a time (memory)."""
+  then the output probabilities (what a head reads), at ``positions`` (``P`` of
+  them, where the targets are; ``None``: all). The sequences split in order into
+  ``split`` (fit, ridge choice) and the held-out rest; ``shuffle``: the targets
+  permuted across sequences (the control); ``keep``: also ``"kept"``, the
+  held-out targets ``[K, R, H]`` and each input's projected predictions
+  ``[L + 2, K, R, H]``. Streams are read ``batch`` sequences at a time."""
   n, length = tokens_KxNxT.shape[1:]
   a, b = int(n * split[0]), int(n * (split[0] + split[1]))
   if not 0 < a < b < n:

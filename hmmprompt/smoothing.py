@@ -1,9 +1,8 @@
 """The forward-backward kernels on evidence vectors ``e_t [T, H]``, traceable
-and unbatched: sequential scans (:func:`forward_backward`), blocked
-(:func:`forward_backward_blocked`) and associative (:func:`forward_backward_parallel`);
-:mod:`~hmmprompt.hmm` picks one by ``method`` and wraps them. Messages are
-rescaled at every step; an impossible sequence gives ``-inf`` and zeros,
-never NaN, in values and gradients."""
+and unbatched, that :mod:`~hmmprompt.hmm` picks by ``method`` and wraps.
+Messages are rescaled at every step (float32 holds on 10^4 tokens); an
+impossible sequence gives ``-inf`` and zeros, never NaN, in values and
+gradients."""
 
 from __future__ import annotations
 

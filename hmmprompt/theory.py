@@ -1,12 +1,11 @@
 """The paper's assumptions, checked on given parameters, and the constructions
 of its proofs (Theorems 3.3 and 3.6).
 
-``W = emission.T`` (``[V, H]``, the paper's orientation); the paper's ``A_{:,
-h}`` (successors of ``h``) is our ``transition[h, :]``. A probability is
-non-zero above :data:`SUPPORT_TOL`; columns are independent when their
-smallest singular value is above :data:`RANK_TOL` times their largest (rank
-tests report the condition number too). ``mu`` is the task's ``[C, Z]``
-weight matrix, ``supp(mu)`` the latent values with a non-zero weight."""
+``W = emission.T`` (``[V, H]``, the paper's orientation); the paper's
+``A_{:,h}`` (successors of ``h``) is our ``transition[h, :]``. A probability is
+non-zero above :data:`SUPPORT_TOL`; columns are independent when their smallest
+singular value is above :data:`RANK_TOL` times their largest. ``mu`` is the
+task's ``[C, Z]`` weights, ``supp(mu)`` the latents of a non-zero weight."""
 
 import itertools
 from typing import Any, NamedTuple
