@@ -110,14 +110,13 @@ def stamp(path: str, identity: dict, what: str = "setup",
   """Records ``identity`` (JSON) at ``path`` on a workdir's first use
   (``write``); later, ``ValueError`` naming every field that differs
   (``defaults``: :func:`identity.added_defaults`)."""
-  want = json.loads(json.dumps(identity))
   if os.path.exists(path):
     with open(path, encoding="utf-8") as f:
       had = json.load(f)
-    identity_lib.check_same(had, want, os.path.dirname(path) or ".", what,
+    identity_lib.check_same(had, identity, os.path.dirname(path) or ".", what,
                             defaults)
   elif write:
-    atomic_write_text(path, json.dumps(want, indent=1, sort_keys=True))
+    atomic_write_text(path, json.dumps(identity, indent=1, sort_keys=True))
 
 
 class Line:

@@ -26,18 +26,15 @@ def require_positive(config, *names: str,
   given = [n for n in optional if getattr(config, n) is not None]
   for name in (*names, *given):
     value = getattr(config, name)
-    if value is None or value < 1:
-      raise ValueError(f"{type(config).__name__}.{name} must be >= 1, got "
-                       f"{value}")
+    require(config, name, not (value is None or value < 1), ">= 1")
 
 
 def require_positive_ints(config, *names: str) -> None:
   """Raises ``ValueError`` naming the first field not a tuple of ints >= 1."""
   for name in names:
     sizes = getattr(config, name)
-    if not all(isinstance(s, int) and s >= 1 for s in sizes):
-      raise ValueError(f"{type(config).__name__}.{name} must be positive "
-                       f"integers, got {sizes}")
+    require(config, name, all(isinstance(s, int) and s >= 1 for s in sizes),
+            "positive integers")
 
 
 def require_ints(config, names, low: int, why: str = "") -> None:

@@ -63,9 +63,8 @@ class IclSetup:
     validation.require_positive(self, "seeds", "prompts", "context")
     for p in self.protocols:
       validation.one_of("IclSetup.protocols", p, ginc_lib.PROTOCOLS)
-    if not self.lengths or min(self.lengths) < 2:
-      raise ValueError(f"IclSetup.lengths must be >= 2 (an example's x and "
-                       f"its label), got {self.lengths}")
+    validation.require(self, "lengths", min(self.lengths, default=0) >= 2,
+                       ">= 2 (an example's x and its label)")
     if not self.examples or min(self.examples) < 0:
       raise ValueError(f"IclSetup.examples must be >= 0, got {self.examples}")
     for v in self.smoothings:
