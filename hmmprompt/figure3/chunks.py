@@ -210,9 +210,8 @@ def seconds_per_trial(results_dir: str, margin: float = 1.2,
   for r in schema.read_results(results_dir):
     if r.backbone != "transformer" or r.pretrain_wall_s is None:
       continue
-    st = stacks.setdefault((r.hmm, r.num_states, r.memory_size,
-                            tuple(r.pretrain_part or ())),
-                           {"wall": 0.0, "groups": {}, "trials": set()})
+    st = stacks.setdefault((r.hmm, r.num_states, r.memory_size, tuple(
+        r.pretrain_part or ())), {"wall": 0.0, "groups": {}, "trials": set()})
     st["wall"] = max(st["wall"], r.pretrain_wall_s)
     st["groups"][(r.panel, r.method, r.features)] = r.seconds
     st["trials"].add(r.trial)
@@ -312,10 +311,9 @@ def merge(archive: str, results_dir: str,
     if setup is not None:
       check_archive(archive, tmp, run or {}, setup, preset)
     if sweep.STAMP in names:
-      sweep.stamp(results_dir,
-                  json.loads(pathlib.Path(tmp, sweep.STAMP).read_text()),
-                  defaults=None if setup is None else
-                  identity_lib.added_defaults(setup))
+      sweep.stamp(results_dir, json.loads(
+          pathlib.Path(tmp, sweep.STAMP).read_text()), defaults=(
+              None if setup is None else identity_lib.added_defaults(setup)))
     schema.check_one_setup(schema.read_results(results_dir) + new,
                             f"merging {archive} into {results_dir}")
     added, kept, conflicts = files_lib.merge_lines(

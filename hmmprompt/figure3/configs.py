@@ -31,7 +31,6 @@ class Setup(protocol.TrialsConfig):
     left_sizes: ``|H|`` of the left panel's vanilla HMMs.
     memory_sizes: ``|M|`` of the right panel (memory; vanilla of ``|M||H|``).
     features: head feature transforms, each run as its own arm.
-    tune: ``optimizer`` stays ``"adam"`` (``head_optimum`` adds L-BFGS arms).
     finetune: add full fine-tuning of the transformer as a third arm.
     prompt_attention: Theorem 4.6's arm: prompt tuning with the attention
       head on each memory HMM of the right panel.
@@ -165,21 +164,18 @@ def plan(setup: Setup, panel: str = "both",
     methods = arms if setup.arms else [(m, ()) for m in ["head", "prompt"] + (
         ["finetune"] if setup.finetune and backbone == "transformer" else [])]
     out += [Group(ModelId("vanilla", h, 0), method, "linear", f, panel="left",
-                  settings=settings)
-            for h in setup.left_sizes for method, settings in methods
-            for f in setup.features]
+                  settings=settings) for h in setup.left_sizes
+            for method, settings in methods for f in setup.features]
   if panel in ("right", "both") and setup.arms:
     out += [Group(ModelId("memory", syntax, m), method, "attention", f,
-                  panel="right", settings=settings)
-            for m in setup.memory_sizes for method, settings in arms
-            for f in setup.features]
+                  panel="right", settings=settings) for m in setup.memory_sizes
+            for method, settings in arms for f in setup.features]
   elif panel in ("right", "both"):
     paper = [("memory", "head", "attention")] + (
         [("memory", "prompt", "attention")] if setup.prompt_attention else [])
     out += [Group(ModelId("memory", syntax, m) if hmm == "memory" else
                   ModelId("vanilla", syntax * m, 0),
-                  method, head, f, panel="right")
-            for m in setup.memory_sizes
+                  method, head, f, panel="right") for m in setup.memory_sizes
             for hmm, method, head in paper + [("vanilla", "head", "linear")]
             for f in setup.features]
   if setup.head_optimum:
@@ -255,12 +251,11 @@ def _cpu() -> Setup:
 def _paper() -> Setup:
   """Figure 3's protocol: every size, 20 trials per size left and 5 right,
   Appendix D's task sizes and pretraining; heads on the raw probabilities."""
-  return Setup(trials=20, right_trials=5, tasks_per_hmm=1,
+  return Setup(trials=20, right_trials=5, tasks_per_hmm=1, features=("raw",),
                left_sizes=_ALL_LEFT, memory_sizes=_ALL_MEMORY,
-               features=("raw",), tune=_tune(5, 20, 32),
+               tune=_tune(5, 20, 32), pretrain=pretrain_lib.configure("paper"),
                task=tasks_lib.TaskConfig(num_train=5000, num_val=500,
-                                         num_test=1000, seq_len=128),
-               pretrain=pretrain_lib.configure("paper"))
+                                         num_test=1000, seq_len=128))
 
 
 def _cpu_paper() -> Setup:
@@ -289,9 +284,8 @@ def _gpu() -> Setup:
                   corruption="mask", train_mask_rate=0.4),
       targets="exact", batch_size=64, optimizer="muon", lr=1e-2,
       warmup_steps=100, cycles=cycles, steps=sum(cycles), target_gap=0.04,
-      # Runtime: fits an H100 (docs/figure3_gpu.md).
       trials_per_vmap=4, eval_every=250, ckpt_every=250, log_every=50,
-      keep=1)  # runtime: 20 trials' params + optimizer are ~7 GB (Muon)
+      keep=1)  # runtime, fits an H100: 20 trials' params + Muon's are ~7 GB
   cpu = _cpu_paper()
   return dataclasses.replace(_paper(), pretrain=pretrain, task=cpu.task, tune=(
       dataclasses.replace(cpu.tune, backbone_dtype=pretrain.model.dtype)))

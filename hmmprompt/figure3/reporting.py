@@ -323,6 +323,5 @@ def write_figure3_report(workdir: str) -> dict:
       e for e in extra if e), inputs_note(lines), smoke)
   plots.write_plot(summary, os.path.join(workdir, "figure3.png"), smoke)
   if {r.method for r in lines} - _FIGURE3_ARMS:
-    adaptation.write_plot(lines, os.path.join(workdir, "adaptation.png"),
-                          bayes)
+    adaptation.write_plot(lines, os.path.join(workdir, "adaptation.png"), bayes)
   return summary

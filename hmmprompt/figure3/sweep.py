@@ -88,9 +88,8 @@ class Trials(NamedTuple):
 
 def tune_group(setup: configs.Setup, backbone_name: str, g: configs.Group,
                trials: Trials, cells) -> list[schema.ResultLine]:
-  """Tunes ``g``'s ``cells`` (``(trial, task)`` pairs, trials of
-  ``trials``' rows) in one program (the rectangle of their trials x tasks)
-  per depth; returns their lines."""
+  """Tunes ``g``'s ``cells`` (``(trial, task)`` pairs, trials of ``trials``'
+  rows) in one program (their trials x tasks) per depth; returns their lines."""
   first = trials.stack.first
   rows = sorted({k - first for k, _ in cells})
   task_ids = sorted({s for _, s in cells})
@@ -264,9 +263,8 @@ class Parts(NamedTuple):
     return None if part == range(self.sizes[mid]) else part
 
   def weight(self, mid: ModelId) -> int:
-    """The trials a run of ``mid``'s missing cells pretrains: where the
-    workdir holds that run checkpointed (a deadline cut it), those it
-    still trains from there."""
+    """The trials a run of ``mid``'s missing cells pretrains: where the workdir
+    holds that run checkpointed (a deadline cut it), those it still trains."""
     part = self.of(mid, self.todo[mid])
     return self._resumed(mid, part,
                          self.sizes[mid] if part is None else len(part))
@@ -282,12 +280,11 @@ class Parts(NamedTuple):
 
   def split(self, mid: ModelId, fits: float) -> tuple[dict, int] | None:
     """``(groups, weight)`` of the first trials of ``mid``'s part (:meth:`of`)
-    that ``fits`` trials' time takes, less one group of ``trials_per_vmap``
-    for a part's own draws and compiles, in whole groups; a part a kept
-    workdir holds from the same first trial (cut short) is resumed where it
-    fits, by the trials it still trains where checkpointed (:meth:`weight`).
-    ``None``: not one group fits, the workdir holds the whole stack's run,
-    or the backbone is exact (nothing to pretrain: its stacks run whole)."""
+    that ``fits`` trials' time takes, in whole groups of ``trials_per_vmap``,
+    less one for a part's own draws and compiles; a part a kept workdir holds
+    from the same first trial (cut short) is resumed where it fits, weighed by
+    :meth:`weight`. ``None``: not one group fits, the workdir holds the whole
+    stack's run, or the backbone is exact (its stacks run whole)."""
     if (self.backbone_name != "transformer" or os.path.isdir(
         protocol.pretrain_dir(self.workdir, self.setup, mid))):
       return None
