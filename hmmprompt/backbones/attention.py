@@ -19,8 +19,7 @@ import jax.numpy as jnp
 # as custom_vmap's docstring prescribes) whose fwd and bwd (a recomputing
 # ``jax.vjp(dpa)``: cuDNN's residuals could not be folded) both fold at every
 # vmap level. No forward mode. Merging a replicated K into a sharded B may
-# make XLA reshard. The bias reaches the op in the queries' dtype (cuDNN's
-# requirement).
+# make XLA reshard. cuDNN wants the bias in the queries' dtype.
 
 
 def _fold_heads(axis_size, in_batched, args, roles):
@@ -50,15 +49,13 @@ def _unfold_heads(axis_size, y, role):
 
 
 def _fold_batch(axis_size, in_batched, args, roles):
-  """One vmap level's batch fold, ``[K, B, ...] -> [K*B, ...]``; an unbatched
-  bias kept where its batch is 1."""
+  """One vmap level's ``[K, B, ...] -> [K*B, ...]``; a bias of batch 1 kept."""
   folded = []
   for x, batched, role in zip(args, in_batched, roles, strict=True):
-    if role == "bias":
-      assert not batched
-      if x.shape[0] == 1:
-        folded.append(x)
-        continue
+    assert not (batched and role == "bias")
+    if role == "bias" and x.shape[0] == 1:
+      folded.append(x)
+      continue
     if not batched:
       x = jnp.broadcast_to(x, (axis_size, *x.shape))
     folded.append(x.reshape(axis_size * x.shape[1], *x.shape[2:]))

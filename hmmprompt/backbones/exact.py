@@ -24,10 +24,8 @@ def make(model: generative.Model) -> tuple[Backbone, hmm_lib.HMM]:
   return _backbone(hmm), hmm
 
 
-def make_stacked(models_K: generative.Model
-                 ) -> tuple[Backbone, hmm_lib.HMM]:
-  """``(backbone, params_K)`` of stacked trials: each trial's
-  (product-state) HMM stacked ``[K, ...]`` as its params."""
+def make_stacked(models_K: generative.Model) -> tuple[Backbone, hmm_lib.HMM]:
+  """``(backbone, params_K)``: :func:`make` per trial, stacked ``[K, ...]``."""
   hmms_K = jax.vmap(generative.as_hmm)(models_K)
   return _backbone(hmms_K), hmms_K
 

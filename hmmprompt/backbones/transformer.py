@@ -343,10 +343,9 @@ def build_backbone(cfg: MLMConfig, dtype: str = "float32") -> Backbone:
               if index is None else
               model.apply(params, emb_TxD[None], index, method=MLM.encode_at))
     return jax.nn.softmax(logits[0], -1)
-  return Backbone(name="transformer", embed=embed, apply=apply,
-                  apply_at=apply, prompt_embedding=lambda raw: raw,
-                  embed_dim=cfg.d_model, vocab_size=cfg.vocab_size,
-                  finetunable=True)
+  return Backbone(name="transformer", embed=embed, apply=apply, apply_at=apply,
+                  prompt_embedding=lambda raw: raw, embed_dim=cfg.d_model,
+                  vocab_size=cfg.vocab_size, finetunable=True)
 
 
 _cached_backbone = functools.lru_cache(maxsize=None)(build_backbone)

@@ -1,6 +1,4 @@
-"""The batches of a stacked pretraining run: its random streams
-(:class:`Keys`), the jitted ``[K]`` batch draw, a window of steps' draws
-with their exact targets, and the groups of trials stepped together."""
+"""The batches of a stacked pretraining run: keys, draws, groups of trials."""
 
 import functools
 from typing import NamedTuple
@@ -16,8 +14,7 @@ from hmmprompt.pretrain.config import PretrainConfig
 
 
 class Keys(NamedTuple):
-  """The random streams of K runs, each leaf ``[K, 2]``: run ``k``'s are
-  ``split(PRNGKey(seed + k), 4)``."""
+  """Random streams ``[K, 2]``: run ``k``'s ``split(PRNGKey(seed + k), 4)``."""
 
   init: jax.Array  # model parameters
   data: jax.Array  # training batches and their masks (folded with the step)

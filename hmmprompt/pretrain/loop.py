@@ -1,6 +1,5 @@
-"""The pretraining loop: resume, train, evaluate, checkpoint, stop. Step
-``s``'s batch is a pure function of ``(seed, s)`` (:func:`corpus.batch_at`),
-so a resumed run is bit for bit an uninterrupted one."""
+"""The pretraining loop: resume, train, evaluate, checkpoint, stop; step ``s``'s
+batch is a pure function of ``(seed, s)`` (:func:`corpus.batch_at`)."""
 
 import os
 import time
@@ -291,8 +290,7 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
   trial_bytes = 0 if stop_at is None or ckpts is None else sum(
       x.size * x.dtype.itemsize
       for x in jax.tree.leaves(train.abstract_states(cfg, 1)))
-  def save_now(ckpts: ckpt_lib.Checkpoints, step: int, rows: list[int],
-               why: str) -> None:
+  def save_now(ckpts, step: int, rows: list[int], why: str) -> None:
     """Saves ``rows`` of ``states`` at ``step`` and logs how fast."""
     t_save = time.perf_counter()
     workdir_lib.save_rows(ckpts, step, states, rows)
@@ -364,10 +362,9 @@ def _train_stack(workdir: str, cfg: PretrainConfig, models_K: generative.Model,
         if ckpts is not None and save is not None:
           save_now(ckpts, done, save, "at the deadline")
         _close(ckpts, retained, stopped)
+        note = "" if ckpts is None else " (checkpointed: a rerun resumes there)"
         raise DeadlineReached(
-            f"the deadline came at pretraining step {done} of {workdir}"
-            + ("" if ckpts is None else " (checkpointed: a rerun resumes "
-               "there)"))
+            f"the deadline came at pretraining step {done} of {workdir}{note}")
       if stopped_now:
         break  # re-form the groups without the stopped trials
     start = done

@@ -39,10 +39,9 @@ def lr_schedule(cfg: PretrainConfig):
 
 def make_optimizer(cfg: PretrainConfig) -> optax.GradientTransformation:
   """Global-norm clipping, then AdamW (or Muon) on :func:`lr_schedule`."""
-  opt = (optax.contrib.muon(lr_schedule(cfg), weight_decay=cfg.weight_decay,
-                            adam_weight_decay=cfg.weight_decay)
-         if cfg.optimizer == "muon" else
-         optax.adamw(lr_schedule(cfg), weight_decay=cfg.weight_decay))
+  lr, decay = lr_schedule(cfg), cfg.weight_decay
+  opt = (optax.contrib.muon(lr, weight_decay=decay, adam_weight_decay=decay)
+         if cfg.optimizer == "muon" else optax.adamw(lr, weight_decay=decay))
   return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), opt)
 
 
@@ -123,18 +122,14 @@ def loss_targets(cfg: PretrainConfig, hmm, inputs_BxT, tokens_BxT, weights_BxT):
       hmm, inputs_BxT, weights_BxT))
 
 
-_ACCELERATOR_WINDOW = 16
-
-
 def exact_window(cfg: PretrainConfig) -> int:
   """Steps whose exact targets the loop computes in one call ahead (1 with
   sampled targets): ``cfg.exact_window``, else 1 on the CPU (arithmetic
-  bounds the scan) and :data:`_ACCELERATOR_WINDOW` off it, where the
-  targets' scan costs the latency of its 2T steps, nearly flat in batch."""
+  bounds the scan) and 16 off it, where the targets' scan costs the latency
+  of its 2T steps, nearly flat in batch."""
   if cfg.targets != "exact":
     return 1
-  return cfg.exact_window or (
-      1 if jax.default_backend() == "cpu" else _ACCELERATOR_WINDOW)
+  return cfg.exact_window or (1 if jax.default_backend() == "cpu" else 16)
 
 
 def _step_fn(cfg: PretrainConfig):
@@ -146,9 +141,8 @@ def _step_fn(cfg: PretrainConfig):
   def step(state: TrainState, inputs_BxT, tokens_BxT, weights_BxT, hmm):
     targets = loss_targets(cfg, hmm, inputs_BxT, tokens_BxT, weights_BxT)
     if cfg.state_loss > 0:
-      posterior = functools.partial(
-          corpus_lib.exact_state_posterior, method=hmm_lib.resolve_method(
-              cfg.exact_method, inputs_BxT.shape[-1]))
+      posterior = functools.partial(corpus_lib.exact_state_posterior, method=(
+          hmm_lib.resolve_method(cfg.exact_method, inputs_BxT.shape[-1])))
       post_BxTxH = jax.lax.stop_gradient(jax.vmap(
           posterior, in_axes=(None, 0, 0))(hmm, inputs_BxT, weights_BxT))
       w = jnp.float32(cfg.state_loss)
@@ -189,18 +183,16 @@ def _jitted_step(cfg: PretrainConfig, mesh):
 
 
 def make_train_step(cfg: PretrainConfig, mesh):
-  """K models in one jitted ``step(states, inputs, tokens, weights,
-  hmms=None) -> (states, losses_K)``: ``states`` (:func:`init_states`,
-  donated) and ``hmms`` (``jax.vmap(generative.as_hmm)``) lead with ``[K]``,
-  the batch ``[K, B, T]`` splits over the devices along ``B``; ``tokens``
-  may be exact targets ``[K, B, T, V]`` (:func:`loss_targets`): then,
-  without the state loss, no ``hmms`` reach the step, so every ``|H|``
-  shares one compile."""
+  """K models in one jitted ``step(states, inputs, tokens, weights, hmms=None)
+  -> (states, losses_K)``: ``states`` (:func:`init_states`, donated) and
+  ``hmms`` (``jax.vmap(generative.as_hmm)``) lead with ``[K]``, the batch ``[K,
+  B, T]`` splits over the devices along ``B``; ``tokens`` may be exact targets
+  ``[K, B, T, V]`` (:func:`loss_targets`): then, without the state loss, no
+  ``hmms`` reach the step, so every ``|H|`` shares one compile."""
   jitted = _jitted_step(cfg, mesh)
   def train_step(states, inputs_KxBxT, tokens_KxBxT, weights_KxBxT, hmms=None):
-    needs_hmms = ((cfg.targets == "exact"
-                   and not targets_ahead(inputs_KxBxT, tokens_KxBxT))
-                  or cfg.state_loss > 0)
+    ahead = targets_ahead(inputs_KxBxT, tokens_KxBxT)
+    needs_hmms = cfg.state_loss > 0 or (cfg.targets == "exact" and not ahead)
     if needs_hmms and hmms is None:
       what = "state_loss" if cfg.state_loss > 0 else "targets='exact'"
       raise ValueError(f"PretrainConfig.{what} needs the generating HMMs: "
@@ -226,6 +218,5 @@ def step_bytes(cfg: PretrainConfig, hmms_K, mesh) -> dict:
       states, tokens, tokens, weights, hmms).compile().memory_analysis()
   return {"state_bytes": sum(x.size * x.dtype.itemsize
                              for x in jax.tree.leaves(states)),
-          "argument_bytes": analysis.argument_size_in_bytes,
-          "output_bytes": analysis.output_size_in_bytes,
-          "temp_bytes": analysis.temp_size_in_bytes}
+          **{f"{n}_bytes": getattr(analysis, f"{n}_size_in_bytes")
+             for n in ("argument", "output", "temp")}}

@@ -1,9 +1,7 @@
-"""Head tuning and prompt tuning on a frozen backbone, and fine-tuning of a copy
-of it (paper Sections 2-5): a tunable pytree, ``{"head": ...}``, ``{"prompt":
-[P, D], "head": ...}`` or ``{"backbone": ..., "head": ...}`` (:data:`METHODS`),
-trained by optax (:data:`OPTIMIZERS`); the frozen backbone's params are never
-differentiated. :mod:`~hmmprompt.tuning.config` says what a run is,
-:mod:`~hmmprompt.tuning.loop` runs it (:func:`run_seed`, :func:`tune`)."""
+"""Tuning on a frozen backbone (paper Sections 2-5): ``{"head": ...}`` and a
+method's extras (:data:`METHODS`: a soft prompt, a prefix, LoRA or a backbone
+copy), trained by optax (:data:`OPTIMIZERS`). :mod:`~hmmprompt.tuning.config`
+says what a run is, :mod:`~hmmprompt.tuning.loop` runs it (:func:`tune`)."""
 
 from hmmprompt.tuning.config import (METHODS, OPTIMIZERS, SPLITS, Data, Method,
                                      TuneConfig, backbone_head_inputs,

@@ -19,11 +19,8 @@ from hmmprompt.backbones import transformer
 
 SPLITS = ("train", "val", "test")
 OPTIMIZERS = ("adam", "lbfgs")
-"""Values of :attr:`TuneConfig.optimizer`."""
 BACKBONE_DTYPES = ("float32", "bfloat16")
-"""Values of :attr:`TuneConfig.backbone_dtype`."""
 PROMPT_INITS = ("uniform", "tokens")
-"""Values of :attr:`TuneConfig.prompt_init_mode`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +36,7 @@ class Method:
     caches_features: ``head_inputs`` ignores ``tunable``: computed up front.
     uses_prompt: inputs carry ``cfg.prompt_len`` soft prompt vectors.
     slow_keys: tunable entries trained at ``cfg.backbone_lr``.
-    needs_finetunable: only for backbones whose params are free parameters
-      (a transformer's layers): refused on the exact backbone.
+    needs_finetunable: only for a backbone of free params (a transformer's).
   """
 
   name: str
@@ -90,8 +86,7 @@ class TuneConfig:
       the embedding of a token drawn from the training text (on the exact
       backbone its evidence vector; PEFT's sampled-vocabulary init).
     lora_r: LoRA's rank (PEFT's ``r``); ``A`` starts as PEFT's, ``B`` at 0.
-    lora_alpha: LoRA's ``lora_alpha``: updates scaled by ``alpha / r``
-      (``None``: ``r``, a scale of 1).
+    lora_alpha: updates are scaled by ``alpha / r`` (``None``: ``r``, 1).
     lora_targets: the projections LoRA adapts (PEFT's ``target_modules``),
       comma-separated from ``q``, ``k``, ``v``.
   """
@@ -205,9 +200,8 @@ def backbone_head_inputs(backbone: Backbone, params, cfg: TuneConfig,
 
 
 def _reading(params_of, prompt: bool = False) -> Callable[..., tuple]:
-  """A :attr:`Method.head_inputs`: :func:`backbone_head_inputs` at the
-  params ``params_of(bparams, tunable, cfg)``, the soft prompt
-  ``tunable["prompt"]`` prepended if ``prompt``."""
+  """A :attr:`Method.head_inputs`: :func:`backbone_head_inputs` at params
+  ``params_of(bparams, tunable, cfg)``, ``tunable["prompt"]`` if ``prompt``."""
   return lambda backbone, bparams, tunable, cfg, tokens_T: backbone_head_inputs(
       backbone, params_of(bparams, tunable, cfg), cfg, tokens_T,
       tunable["prompt"] if prompt else None)
@@ -247,7 +241,6 @@ METHODS: dict[str, Method] = {
                    head_inputs=_reading(lambda p, t, c: transformer.with_lora(
                        p, t["lora"], (c.lora_alpha or c.lora_r) / c.lora_r)),
                    needs_finetunable=True),
-    # A pretrained backbone is wrecked by the head's learning rate.
     "finetune": Method(
         "finetune", init_extra=lambda key, _, bparams, *__: {"backbone": bparams},
         head_inputs=_reading(lambda p, t, c: t["backbone"]),

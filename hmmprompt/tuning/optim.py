@@ -30,18 +30,16 @@ def tuning_optimizer(total: int, cfg: TuneConfig):
     return opt
   slow = optax.adam(tuning_lr(total, dataclasses.replace(
       cfg, lr=cfg.backbone_lr)))
-  return optax.multi_transform(
-      {"fast": opt, "slow": slow},
-      lambda t: {k: jax.tree.map(lambda _, k=k: "slow" if k in slow_keys
-                                 else "fast", v) for k, v in t.items()})
+  return optax.multi_transform({"fast": opt, "slow": slow}, lambda t: {
+      k: jax.tree.map(lambda _, k=k: "slow" if k in slow_keys else "fast", v)
+      for k, v in t.items()})
 
 
 def train_adam(logits_fn, opt, tunable, examples, labels_N, idx_UxB):
   """Scans the steps. Returns ``(tunable, losses [U])``."""
   def loss_fn(tunable, batch, labels_B):
-    logits_BxC = jax.vmap(lambda ex: logits_fn(tunable, ex))(batch)
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits_BxC, labels_B).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(jax.vmap(
+        lambda ex: logits_fn(tunable, ex))(batch), labels_B).mean()
   def step(carry, idx_B):
     tunable, opt_state = carry
     batch = jax.tree.map(lambda a: a[idx_B], examples)
@@ -64,9 +62,8 @@ def lbfgs_objective(logits_fn, examples, labels_N, cfg: TuneConfig):
   """``tunable -> []``: the mean cross-entropy over the whole training
   split plus ``lbfgs_l2 / 2`` times the squared :func:`l2_leaves`."""
   def objective(tunable):
-    logits_NxC = jax.vmap(lambda ex: logits_fn(tunable, ex))(examples)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits_NxC,
-                                                         labels_N).mean()
+    ce = optax.softmax_cross_entropy_with_integer_labels(jax.vmap(
+        lambda ex: logits_fn(tunable, ex))(examples), labels_N).mean()
     sq = sum(jnp.sum(jnp.square(w)) for w in l2_leaves(tunable["head"]))
     return ce + 0.5 * cfg.lbfgs_l2 * sq
   return objective
@@ -78,12 +75,11 @@ LBFGS_PATIENCE = 20
 
 
 def solve_lbfgs(objective, tunable, cfg: TuneConfig):
-  """Full-batch L-BFGS (``optax.lbfgs``) in one ``lax.while_loop`` until
-  the gradient norm is below ``cfg.lbfgs_tol``, after ``cfg.lbfgs_max_steps``
-  steps or after :data:`LBFGS_PATIENCE` steps without a new lowest objective
-  (float32 rounding can keep the norm above the tolerance). Under vmap each
-  lane ends where it would alone. Returns ``(the lowest point, losses [U],
-  steps [])``: the lowest objective after each step, the steps taken."""
+  """Full-batch L-BFGS (``optax.lbfgs``) in one ``lax.while_loop``, until the
+  gradient norm is below ``cfg.lbfgs_tol``, ``cfg.lbfgs_max_steps`` steps or
+  :data:`LBFGS_PATIENCE` steps without a new lowest objective (float32 can keep
+  the norm above the tolerance); under vmap each lane ends as alone. Returns
+  ``(lowest point, lowest objective after each step [U], steps taken [])``."""
   opt = optax.lbfgs()
   total = cfg.lbfgs_max_steps
   value, grad = jax.value_and_grad(objective)(tunable)
