@@ -38,9 +38,8 @@ sys.unraisablehook = _quiet_closed_loops
 
 
 def _quiet_tensorstore_tasks(record: logging.LogRecord) -> bool:
-  """Drops asyncio's ``Task exception was never retrieved`` for a tensorstore
-  error (sibling tasks of a restore that failed on a damaged checkpoint,
-  logged when collected); :meth:`Checkpoints.restore_latest` logs the error."""
+  """Drops asyncio's ``Task exception was never retrieved`` of tensorstore
+  errors: a failed restore's sibling tasks (restore_latest logs the error)."""
   exc = record.exc_info[1] if record.exc_info else None
   return not (record.getMessage().startswith(
       "Task exception was never retrieved") and "tensorstore_spec=" in str(exc))

@@ -10,16 +10,14 @@ class Schedule(NamedTuple):
   in detail: docs/figure3.md, "Many machines").
 
   Attributes:
-    num_hosts: hosts sharing the stacks (a SLURM array), each running every
-      ``num_hosts``-th.
+    num_hosts: hosts of a SLURM array sharing the stacks round-robin.
     host_index: this host's index in ``[0, num_hosts)``.
     claim: ``claim(stack)`` as a stack starts, False for another process's
       (``hmmprompt.figure3.workers``); every stack asked, costliest first.
     deadline: a ``time.monotonic()`` after which no stack starts.
     stop_at: a hard deadline (monotonic): no stack starts that its estimate
       does not finish by then; it stops a run between groups or steps.
-    seconds_per_weight: the estimate's seconds per unit of a stack's
-      weight until the run has timed a stack of its own.
+    seconds_per_weight: estimated seconds per weight until a stack is timed.
     tune_seconds_per_trial: the estimate's tuning seconds per trial.
     progress: with ``claim``, ``progress(key)`` records a tuning group this
       process finished; returns ``(groups all processes finished, count)``.

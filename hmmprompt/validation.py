@@ -137,9 +137,8 @@ def check_fields(params, validate):
 
 
 def check_event_shape(name: str, p: jax.Array, ndim: int) -> None:
-  """A distribution's checks without its values (rank, dtype, size): run on
-  every field before the values, so a transposed ``[V, H]`` emission is
-  named by its shape, not by rows that do not sum to 1."""
+  """Rank, dtype and size checks of a distribution, run on every field before
+  the values: a transposed ``[V, H]`` emission is named by its shape."""
   if p.ndim < ndim:
     raise ValueError(f"{name} must have {ndim} dimension(s) (plus optional "
                      f"leading batch dimensions), got shape {p.shape}")

@@ -32,17 +32,14 @@ class IclSetup:
     examples: ``k``, the examples before the test one.
     protocols: :data:`hmmprompt.ginc.PROTOCOLS`.
     prompts: prompts per ``(protocol, length, k)`` cell (every backbone's).
-    smoothings: the exact backbone's variants (:func:`exact_model`):
-      ``"0"`` the exact zeros, ``"concept:EPS"`` each concept smoothed,
-      ``"mixture:EPS"`` the mixture smoothed.
+    smoothings: the exact backbone's variants (:func:`smoothing`).
     context: the longest prompt the exact backbone scores (GINC's 1024);
       the transformers score those within ``pretrain.model.max_len``.
-    concepts: ``"drawn"`` (:func:`hmmprompt.ginc.concepts` of ``ginc``,
-      GINC's settings, under ``seed``) or ``"released"`` (GINC's own, from
-      ``released_path``: :func:`hmmprompt.ginc.convert_release`).
+    concepts: ``"drawn"`` (:func:`hmmprompt.ginc.concepts` of ``ginc``, GINC's
+      settings, under ``seed``) or ``"released"`` (GINC's own).
     pretrain: the transformers' recipe (causal, on GINC's symbols).
     seed: root of the prompts (and of drawn concepts).
-    released_path: runtime: where GINC's released HMMs are.
+    released_path: runtime: :func:`hmmprompt.ginc.convert_release`'s file.
   """
 
   seeds: int
@@ -160,11 +157,11 @@ def load_concepts(setup: IclSetup, kind: str = "id") -> hmm_lib.HMM:
 
 
 def smoothing(variant: str) -> tuple[str, float]:
-  """``(where, eps)`` of an exact variant; ``ValueError`` naming a bad one.
-  ``"concept:EPS"`` adds ``eps`` to each concept's transitions, keeping
-  the mixture block-diagonal: the Bayes predictor of GINC's documents (one
-  concept each, every transition possible). ``"mixture:EPS"`` smooths the
-  mixture: documents that may switch concept at any symbol."""
+  """``(where, eps)`` of an exact variant (``ValueError`` naming a bad one):
+  ``"0"`` the exact zeros; ``"concept:EPS"`` adds ``eps`` to each concept's
+  transitions, keeping the mixture block-diagonal: the Bayes predictor of GINC's
+  documents (one concept each, every transition possible); ``"mixture:EPS"``
+  smooths the mixture: documents that may switch concept at any symbol."""
   where, _, eps = variant.partition(":")
   try:
     if variant == "0" or (where in ("concept", "mixture")

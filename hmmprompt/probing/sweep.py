@@ -30,9 +30,8 @@ _STREAM = 9_000  # probe sequences: fold_in(root, this + study's index)
 
 @dataclasses.dataclass(frozen=True)
 class ProbeLine(files_lib.Line):
-  """One transformer (``trial``) under one control on one target: a list
-  entry per input of its probes, ``inputs`` naming them (``embed``,
-  ``block i``, ``output``: the output probabilities)."""
+  """One transformer (``trial``) under one control on one target: a list entry
+  per probed input, named by ``inputs`` (``embed``, ``block i``, ``output``)."""
 
   study: str
   model: str  # mess3 | a figure3 model tag | ginc
