@@ -2,7 +2,6 @@ import importlib.metadata
 import os
 import re
 import subprocess
-import sys
 
 # A persistent XLA compilation cache shared by this process and the
 # subprocesses the integration tests start (they inherit the environment):
@@ -55,6 +54,7 @@ import pytest
 
 from hmmprompt import hmm as hmm_lib
 from hmmprompt import glibc
+import zygote  # tests/zygote.py
 
 # --cpu-profile=DIR: each test's CPU seconds (tests/cpu_profile.py).
 pytest_plugins = ["cpu_profile"]
@@ -160,19 +160,18 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
-  """A ``default_compiler`` test runs in a pytest subprocess whose XLA runs
-  under its defaults (none of the suite's flags above); it passes or fails
-  there, with that run's output."""
+  """A ``default_compiler`` test runs in a pytest subprocess (a zygote's
+  child, tests/zygote.py) whose XLA runs under its defaults (none of the
+  suite's flags above); it passes or fails there, with that run's
+  output."""
   if (pyfuncitem.get_closest_marker("default_compiler") is None
       or os.environ.get(_DEFAULT_COMPILER)):
     return None
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
            if f not in _SUITE_FLAGS]
   env = dict(os.environ, XLA_FLAGS=" ".join(flags), **{_DEFAULT_COMPILER: "1"})
-  proc = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-       pyfuncitem.nodeid], cwd=_ROOT, env=env, capture_output=True,
-      text=True, timeout=600)
+  proc = zygote.run(["-m", "pytest", "-q", "-p", "no:cacheprovider",
+                     pyfuncitem.nodeid], env, timeout=600)
   if proc.returncode != 0:
     pytest.fail(f"under XLA's default compiler (a subprocess):\n"
                 f"{proc.stdout[-6000:]}{proc.stderr[-2000:]}", pytrace=False)

@@ -2,7 +2,8 @@
 
 The suite is CPU-bound on 2 cores, so a test's cost is its CPU: user +
 sys of the process that ran it and of the subprocesses it waited for
-(``getrusage``, self and children). ``--durations`` gives wall time, which
+(``getrusage``, self and children, and the children of the zygotes
+of tests/zygote.py, which report theirs). ``--durations`` gives wall time, which
 leaves out a test's subprocesses on the other core and counts the waits
 for the core it shares. Both move with this VM's speed (1.5x within
 hours, docs/performance.md): compare tests within one run. Each process
@@ -18,6 +19,7 @@ import glob
 import json
 import os
 import resource
+import sys
 import time
 
 import pytest
@@ -32,7 +34,10 @@ def pytest_addoption(parser):
 def _cpu() -> tuple[float, float]:
   s, c = (resource.getrusage(w) for w in (resource.RUSAGE_SELF,
                                           resource.RUSAGE_CHILDREN))
-  return s.ru_utime + s.ru_stime, c.ru_utime + c.ru_stime
+  # A zygote's children are its own: it reports their CPU (tests/zygote.py).
+  forked = sys.modules.get("zygote")
+  return s.ru_utime + s.ru_stime, c.ru_utime + c.ru_stime + (
+      forked.CPU_S[0] if forked else 0.0)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -4,13 +4,12 @@ the floor the reports quote."""
 import dataclasses
 import os
 import shlex
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 
+import zygote  # tests/zygote.py
 from hmmprompt import files
 from hmmprompt import generative
 from hmmprompt.backbones import exact
@@ -20,7 +19,6 @@ from hmmprompt.figure3 import schema
 from hmmprompt.figure3 import sweep
 
 SETUP = configs.get_setup("tiny", features=("raw",), left_sizes=(12,))
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -190,9 +188,7 @@ def test_the_binary_takes_the_workdirs_setup_and_names_it_on_a_mismatch(
   from hmmprompt.figure3 import reporting
   workdir, lines = _tiny_workdir(tmp_path)
   command = reporting.noise_floor_command(workdir, lines)
-  run = lambda argv: subprocess.run(
-      [sys.executable, *argv], capture_output=True, text=True, cwd=_ROOT,
-      env=dict(os.environ, JAX_PLATFORMS="cpu"), check=False)
+  run = lambda argv: zygote.run(argv, dict(os.environ, JAX_PLATFORMS="cpu"))
   printed = run(shlex.split(command)[1:] + ["--replicates=1"])
   assert printed.returncode == 2 and printed.stderr.strip().splitlines() == [
       "error: a noise floor needs --trials and --replicates >= 2, --trials <= "

@@ -11,6 +11,7 @@ import time
 import pytest
 
 import binaries  # tests/integration/binaries.py
+import zygote  # tests/zygote.py
 from hmmprompt import figure3
 from hmmprompt import scheduling
 from hmmprompt.figure3 import schema
@@ -280,12 +281,8 @@ def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
   # The same sweep on 8 host devices, in a subprocess started first so that
   # it runs beside this one (compared below).
   eight = str(tmp_path / "eight")
-  # (Its log goes to a file: a pipe left unread would stall it when full.)
-  twin_log = open(tmp_path / "eight.log", "w+")  # pylint: disable=consider-using-with
-  twin = subprocess.Popen(
-      [sys.executable, "-c", _EIGHT_DEVICES.format(args=_SETUP_ARGS), eight],
-      env=_with_devices(8), cwd=ROOT, stdout=twin_log,
-      stderr=subprocess.STDOUT)
+  twin = zygote.popen(["-c", _EIGHT_DEVICES.format(args=_SETUP_ARGS),
+                       eight], _with_devices(8), merge_stderr=True)
   figure3.run_sweep(setup, workdir, "both", "transformer")
   lines = figure3.read_results(workdir)
   # left: head, prompt, finetune; right: memory + vanilla; 2 seeds each.
@@ -320,9 +317,7 @@ def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
   # The sweep on 8 host devices: every line as on one device, to float
   # tolerance (the pretraining's sums run in another order).
   twin.wait(timeout=600)
-  twin_log.seek(0)
-  assert twin.returncode == 0, twin_log.read()[-3000:]
-  twin_log.close()
+  assert twin.returncode == 0, twin.output()[0][-3000:]
   one = {r.key(): r for r in lines if r.panel == "left"  # one stack
          and r.method != "finetune_linear"}
   got = figure3.read_results(eight)
@@ -347,9 +342,7 @@ def test_transformer_sweep_records_pretraining_and_resumes(tmp_path,
   # torn, none missing, equal values (resumed pretraining is bit-exact).
   crashed = str(tmp_path / "crashed")
   script = _KILLED_SWEEP.format(args=_SETUP_ARGS)
-  run = lambda *a: subprocess.run([sys.executable, "-c", script, crashed, *a],
-                                  capture_output=True, text=True,
-                                  timeout=300, cwd=ROOT)
+  run = lambda *a: zygote.run(["-c", script, crashed, *a])
   first = run("pretrain")
   assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
   results = os.path.join(crashed, "results.jsonl")
@@ -412,8 +405,7 @@ def test_sharded_sweep_merges_to_the_unsharded_one(tmp_path):
   # to the one process's (the exact backbone's tuning on one core sums as
   # on two here; accuracies equal, losses to float rounding).
   pool, command = str(tmp_path / "workers"), _workers_command
-  proc = subprocess.run(command(pool, "4,6"), capture_output=True,
-                        text=True, timeout=300, cwd=ROOT)
+  proc = zygote.run(command(pool, "4,6")[1:])
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "worker 0" in proc.stderr and "worker 1" in proc.stderr
   # No log line that looks like an error: JAX's probe for libtpu is not

@@ -7,14 +7,13 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import tarfile
 import time
 
 import pytest
 
 import binaries  # tests/integration/binaries.py
+import zygote  # tests/zygote.py
 from hmmprompt.figure3 import chunks
 from hmmprompt import figure3
 from hmmprompt.figure3 import schema
@@ -23,8 +22,6 @@ from hmmprompt import protocol
 from hmmprompt import files as files_lib
 from hmmprompt.pretrain import train as pretrain_train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
 # |H| = 8 is a left size and the vanilla twin of |M| = 2: one stack that
 # both panels read, so a chunk naming either runs it whole.
 _OVERRIDES = {"trials": 2, "features": "raw", "left_sizes": "4,8",
@@ -37,9 +34,7 @@ FLAGS = ["--preset=tiny", "--backbone=exact"] + [
 
 
 def _binary(*args):
-  return subprocess.run([sys.executable, "-m", "experiments.in_chunks",
-                         *FLAGS, *args], capture_output=True, text=True,
-                        timeout=300, cwd=ROOT)
+  return zygote.run(["-m", "experiments.in_chunks", *FLAGS, *args])
 
 
 def _members(out_dir):
@@ -250,25 +245,25 @@ def test_sigterm_mid_tuning_archives_every_finished_cell(tmp_path):
   results, out = tmp_path / "results", tmp_path / "out"
   os.makedirs(results)
   flags = [f for f in FLAGS if f != "--backbone=exact"]
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "experiments.in_chunks", *flags,
-       "--backbone=transformer", "--chunk=left:4", f"--results={results}",
-       f"--out={out}", "--config.tune.epochs=20"],
-      stderr=subprocess.PIPE, text=True, cwd=ROOT)
-  log, workdir = [], None
-  for line in proc.stderr:  # up to the first finished group
-    log.append(line)
-    if "(no checkpoints)" in line:  # a temporary workdir writes none
-      workdir = line.split(" in ")[-1].split("/pretrain/")[0]
-    if "[1/" in line and "groups]" in line:
-      break
-  assert workdir and os.path.isdir(workdir), "".join(log)[-3000:]
+  proc = zygote.popen(
+      ["-m", "experiments.in_chunks", *flags, "--backbone=transformer",
+       "--chunk=left:4", f"--results={results}", f"--out={out}",
+       "--config.tune.epochs=20"])
+  log = []
+  while proc.poll() is None and not any(  # up to the first finished group
+      "[1/" in line and "groups]" in line for line in log):
+    time.sleep(0.05)
+    log = proc.output()[1].splitlines()
+  # A temporary workdir writes no checkpoints, and says so.
+  workdir = next((l.split(" in ")[-1].split("/pretrain/")[0] for l in log
+                  if "(no checkpoints)" in l), None)
+  assert workdir and os.path.isdir(workdir), "\n".join(log)[-3000:]
   time.sleep(0.5)  # into the second group's tuning program
   proc.send_signal(signal.SIGTERM)
   t0 = time.monotonic()
-  rest = proc.stderr.read()
   proc.wait(timeout=30)
   assert time.monotonic() - t0 < 5
+  rest = proc.output()[1]
   assert proc.returncode == 128 + signal.SIGTERM, rest[-3000:]
   archive = os.path.join(out, chunks.ARCHIVE)
   assert rest.splitlines()[-1] == (
@@ -343,10 +338,8 @@ def test_merging_an_archive_again_or_into_another_preset(tmp_path,
       f"ran with") + "$"):
     chunks.merge(archive, results, dataclasses.replace(SETUP, seed=1),
                  "tiny")
-  proc = subprocess.run(
-      [sys.executable, "-m", "experiments.in_chunks", "--preset=cpu",
-       f"--merge={archive}", f"--results={results}"],
-      capture_output=True, text=True, timeout=300, cwd=ROOT)
+  proc = zygote.run(["-m", "experiments.in_chunks", "--preset=cpu",
+                     f"--merge={archive}", f"--results={results}"])
   assert proc.returncode == 2, proc.stderr[-3000:]
   assert proc.stderr.splitlines()[-1] == (
       f"error: {archive} holds results of --preset=tiny, not of this "

@@ -11,7 +11,9 @@ one device to float tolerance is the 8-device sweep's claim, in
 test_figure3_sweep.py.) The first run finds its coordinator,
 process count and index from the binary's flags, the rerun the way it
 would under ``srun`` (SLURM's variables, set by hand here: there is no
-SLURM on this machine). docs/multihost.md shows both launches.
+SLURM on this machine). docs/multihost.md shows both launches. Each run
+is ``python -m experiments.pretrain`` in its own process, a child of a
+zygote (tests/zygote.py).
 """
 
 import json
@@ -20,17 +22,14 @@ import random
 import re
 import signal
 import socket
-import subprocess
-import sys
 
 import jax
 import numpy as np
 
 import binaries  # tests/integration/binaries.py
+import zygote  # tests/zygote.py
 from hmmprompt import pretrain
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
 # Exact targets: computed inside the step, each device on its batch share.
 ARGS = ["--preset=tiny", "--config.num_states=6", "--config.hmm_seed=3",
         "--config.pretrain.targets=exact"]
@@ -55,10 +54,8 @@ def _port_is_free(port: int) -> bool:
 
 
 def _launch(workdir, env, *extra):
-  return subprocess.Popen(
-      [sys.executable, "-m", "experiments.pretrain", f"--workdir={workdir}",
-       *ARGS, *extra], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True)
+  return zygote.popen(["-m", "experiments.pretrain", f"--workdir={workdir}",
+                       *ARGS, *extra], env)
 
 
 def _wait(procs):
@@ -227,9 +224,8 @@ def test_faults_end_in_one_line_and_a_rerun_resumes(small_disk):
   # The finished run's result: a line per trial, its numbers as numbers
   # (not a dict's repr with np.float64(...)); a rerun prints it again and
   # evaluates (logs) nothing.
-  done = subprocess.run(
-      [sys.executable, "-m", "experiments.pretrain", f"--workdir={workdir}",
-       *ARGS], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+  done = zygote.run(["-m", "experiments.pretrain", f"--workdir={workdir}",
+                     *ARGS], env, timeout=240)
   assert done.returncode == 0, done.stderr[-3000:]
   assert re.fullmatch(r"trial 0: step \d+, ce_gap \d+\.\d{4}, tv \d\.\d{4}, "
                       r"mlm_ce \d+\.\d{4}, bayes_ce \d+\.\d{4}, \d+ s of "

@@ -5,13 +5,12 @@ stacked, and the curve binary's lines, resume and refusals
 import dataclasses
 import os
 import re
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 
+import zygote  # tests/zygote.py
 from hmmprompt import pretraining_curve as curve
 from hmmprompt.pretraining_curve import report as curve_report
 from hmmprompt import protocol
@@ -21,8 +20,6 @@ from hmmprompt import tasks
 from hmmprompt import tuning
 from hmmprompt.pretrain import train as pretrain_train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
 # tiny: 40 steps, checkpoints every 10 (keep 2), evaluations at 20 and 40.
 RETAINED = dataclasses.replace(pretrain.preset_config("tiny"),
                                retain=(0, 5, 15, 40))
@@ -232,11 +229,9 @@ def test_another_setup_and_a_bad_schedule_are_refused_by_name(tiny_curve):
   what differs (the schedule too: it decides which checkpoints exist);
   a schedule beyond the run is refused naming the field."""
   workdir, _ = tiny_curve
-  proc = subprocess.run(
-      [sys.executable, "-m", "experiments.pretraining_curve",
-       "--preset=tiny", f"--workdir={workdir}",
-       "--config.task.num_train=32"],
-      capture_output=True, text=True, timeout=120, cwd=ROOT)
+  proc = zygote.run(["-m", "experiments.pretraining_curve", "--preset=tiny",
+                     f"--workdir={workdir}", "--config.task.num_train=32"],
+                    timeout=120)
   assert proc.returncode != 0 and "Traceback" not in proc.stderr
   assert "task.num_train: 64 -> 32" in proc.stderr
   with pytest.raises(ValueError, match=re.escape(
