@@ -5,15 +5,14 @@ import jax
 import jax.numpy as jnp
 
 
-def _num_blocks(inner) -> int:
-  return sum(1 for name in inner if name.startswith("block_"))
+def _num_blocks(params) -> int:
+  return sum(1 for name in params["params"] if name.startswith("block_"))
 
 
 def pad_layers(params, num_layers: int):
   """``params`` with zero blocks up to ``num_layers`` (the same function: a
   pre-norm block with zero ``attn_out`` and ``mlp_out`` adds exactly 0)."""
-  inner = params["params"]
-  have = _num_blocks(inner)
+  inner, have = params["params"], _num_blocks(params)
   if num_layers < have:
     raise ValueError(f"pad_layers: the params have {have} layers, more than "
                      f"num_layers = {num_layers}")
@@ -28,7 +27,7 @@ def grow_layers(params, fresh):
   computes ``params``' function (:func:`pad_layers`), yet the rest keeps its
   init, so gradients do not vanish (``PretrainConfig.fallback_init``)."""
   inner, deep = params["params"], fresh["params"]
-  have, want = _num_blocks(inner), _num_blocks(deep)
+  have, want = _num_blocks(params), _num_blocks(fresh)
   if want <= have:
     raise ValueError(f"grow_layers: fresh has {want} layers, not more than "
                      f"the {have} of params")
@@ -40,8 +39,7 @@ def grow_layers(params, fresh):
 
 def take_layers(params, num_layers: int):
   """``params``' first ``num_layers`` blocks: :func:`pad_layers` undone."""
-  inner = params["params"]
-  have = _num_blocks(inner)
+  inner, have = params["params"], _num_blocks(params)
   if not 0 < num_layers <= have:
     raise ValueError(f"take_layers: num_layers = {num_layers} not in "
                      f"[1, {have}] (the params' layers)")

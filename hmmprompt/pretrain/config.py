@@ -145,7 +145,6 @@ class PretrainConfig:
   def with_overrides(self, **overrides) -> "PretrainConfig":
     """``dataclasses.replace`` keeping ``steps`` = ``sum(cycles)`` (a
     ``steps`` override cuts or lengthens the last cycle that fits)."""
-    overrides = dict(overrides)
     if (overrides.get("steps") is not None and "cycles" not in overrides
         and self.cycles is not None):
       steps, starts = int(overrides["steps"]), (0, *self.cycle_ends)
@@ -211,10 +210,9 @@ def _cpu(vocab_size: int) -> PretrainConfig:
                                   max_len=80),
       corpus=corpus_lib.CorpusConfig(chunk_len=80, mask_rate=0.15,
                                      fresh=True, val_seqs=256),
-      lr=3e-3, warmup_steps=200, batch_size=64, steps=31000,
+      lr=3e-3, warmup_steps=200, batch_size=64, steps=31000, trials_per_vmap=1,
       cycles=(1000, 2000, 4000, 8000, 16000), target_gap=0.04,
-      eval_every=500, ckpt_every=500, keep=2, targets="exact",
-      trials_per_vmap=1)
+      eval_every=500, ckpt_every=500, keep=2, targets="exact")
 
 
 def _cpu_adamw(vocab_size: int) -> PretrainConfig:

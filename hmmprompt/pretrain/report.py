@@ -12,7 +12,7 @@ import numpy as np
 from hmmprompt import files as files_lib
 from hmmprompt.pretrain import workdir as pretrain_workdir
 
-# protocol.pretrain_dir's name of a part of a stack: its first trial.
+# protocol.pretrain_dir's name of a stack's part (rows from 0): its first trial.
 _PART = re.compile(r"-trials(\d+)-\d+-[0-9a-f]+$")
 # Drawn where a run's config sets no target (the cpu presets' gap).
 TARGET_GAP = 0.04
@@ -31,7 +31,6 @@ def runs(workdir: str) -> list[tuple[str, Any, dict]]:
     for m in files_lib.read_jsonl(mpath):
       by_trial.setdefault(m.get("trial", 0), []).append(m)
     name = os.path.basename(run_dir)
-    # A part of a stack (protocol.pretrain_dir) numbers its rows from 0.
     first = int(part.group(1)) if (part := _PART.search(name)) else 0
     # A trial that fell back is reported by its deeper run, the one tuned.
     for k, ms in sorted(by_trial.items()):

@@ -132,9 +132,8 @@ class Restored(NamedTuple):
 def restore(ckpts: ckpt_lib.Checkpoints, stopped: ckpt_lib.Checkpoints | None,
             cfg: PretrainConfig, num: int,
             log: Callable[[str], Any] = logging.warning) -> Restored | None:
-  """All ``num`` trials at the newest readable checkpoint (``None`` if
-  none), those it lacks from ``stopped``. ``FileNotFoundError``: none is
-  readable, or a trial is in none."""
+  """All ``num`` trials at the newest readable checkpoint (``None``: none), the
+  rest from ``stopped``; ``FileNotFoundError``: none readable, a trial lost."""
   def abstract(mngr, step):
     """What :func:`save_rows` saved at ``step`` (layout 2: all K states)."""
     tree = mngr.item_tree(step)

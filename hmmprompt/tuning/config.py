@@ -181,8 +181,7 @@ def data_from_task(task: tasks_lib.Task, cfg: TuneConfig) -> Data:
 
 
 def num_steps(num_train: int, cfg: TuneConfig) -> int:
-  """The length of a run's losses: Adam's ``epochs`` x whole batches, or
-  ``lbfgs_max_steps`` (L-BFGS may stop sooner)."""
+  """Loss count: ``epochs`` x whole batches (Adam), or ``lbfgs_max_steps``."""
   if cfg.optimizer == "lbfgs":
     return cfg.lbfgs_max_steps
   return cfg.epochs * max(num_train // cfg.batch_size, 1)
@@ -190,9 +189,8 @@ def num_steps(num_train: int, cfg: TuneConfig) -> int:
 
 def backbone_head_inputs(backbone: Backbone, params, cfg: TuneConfig,
                          tokens_T: jax.Array, prompt_raw_PxD=None):
-  """``(G, emb)`` that ``cfg.head`` reads from ``(prompt, MASK, x_1,
-  ...)``: ``(G [P+T, V], emb [P+T, D])`` for heads reading all positions,
-  else ``(G [V], None)`` at the ``MASK``."""
+  """What ``cfg.head`` reads of ``(prompt, MASK, x_1, ...)``: ``(G [P+T, V], emb
+  [P+T, D])`` if all positions, else ``(G [V], None)`` at the ``MASK``."""
   if heads.HEADS[cfg.head].reads_all_positions:
     return backbone.outputs(params, tokens_T, prompt_raw_PxD)
   return backbone.output_at(params, tokens_T, prompt_raw_PxD,

@@ -179,8 +179,7 @@ def _check_lanes(key_L, bparams, data_L: Data, param_axes: int) -> None:
                      f"{param_lanes} (param_axes={param_axes})")
   for s in SPLITS:
     labels = np.asarray(data_L.split(s)[1])
-    if labels.size and not (labels.min() >= 0
-                            and labels.max() < heads.NUM_CLASSES):
+    if labels.size and (labels.min() < 0 or labels.max() >= heads.NUM_CLASSES):
       raise ValueError(
           f"{s} labels must be in [0, {heads.NUM_CLASSES}) (the heads are "
           f"binary, as the paper's tasks), got {labels.min()}..{labels.max()}"
