@@ -43,9 +43,10 @@ def _tune(setup, **kw):
 
 
 @pytest.mark.parametrize("kw,own", [
-    (dict(method="prefix"), "prefix"),
+    pytest.param(dict(method="prefix"), "prefix", marks=pytest.mark.slow),
     (dict(method="lora", lora_r=2), "lora"),
-    (dict(method="prompt", prompt_init_mode="tokens"), "prompt")])
+    pytest.param(dict(method="prompt", prompt_init_mode="tokens"), "prompt",
+                 marks=pytest.mark.slow)])
 def test_only_the_methods_pytree_and_the_head_move(setup, kw, own):
   """The frozen backbone's params are bit for bit unchanged; the tunable
   pytree is the head and the method's own entry, and both were trained."""
@@ -91,7 +92,8 @@ def test_lora_at_init_is_the_backbone_and_counts_its_parameters(setup):
   np.testing.assert_array_equal(delta[:, :2 * d], 0)
 
 
-@pytest.mark.parametrize("rel_pos", ["none", "bias"])
+@pytest.mark.parametrize("rel_pos", [
+    "none", pytest.param("bias", marks=pytest.mark.slow)])
 def test_a_prefix_given_no_attention_weight_is_the_backbone(rel_pos):
   """Queries made to share a large component (a big bias on one query
   coordinate of every head) and prefix keys far negative along it: the
@@ -475,8 +477,11 @@ def _recording_backbone(bb, frozen, lora_targets, rank, log):
 
 
 @pytest.mark.parametrize("kw", [
-    dict(method="head"), dict(method="prompt"), dict(method="prefix"),
-    dict(method="lora", lora_r=2), dict(method="finetune")],
+    pytest.param(dict(method="head"), marks=pytest.mark.slow),
+    dict(method="prompt"),
+    pytest.param(dict(method="prefix"), marks=pytest.mark.slow),
+    pytest.param(dict(method="lora", lora_r=2), marks=pytest.mark.slow),
+    pytest.param(dict(method="finetune"), marks=pytest.mark.slow)],
                          ids=lambda kw: kw["method"])
 def test_the_backbone_computes_with_the_frozen_params_in_every_method(
     setup, kw):

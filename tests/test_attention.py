@@ -142,7 +142,7 @@ _FOLDED_Q = {
 
 
 @pytest.mark.parametrize("stack", [
-    "vmap",
+    pytest.param("vmap", marks=pytest.mark.slow),
     pytest.param("one", marks=pytest.mark.slow),
     pytest.param("nested", marks=pytest.mark.slow),
     pytest.param("nested_reverse", marks=pytest.mark.slow),
@@ -197,8 +197,10 @@ def _loop_attention(q, k, v, bias):
                     for i in range(q.shape[0])])
 
 
-@pytest.mark.parametrize("in_axes", [(0, 0, 0, 0), (0, None, 0, 0),
-                                     (0, 0, 0, None), (None, None, None, 0)])
+@pytest.mark.parametrize("in_axes", [
+    (0, 0, 0, 0), (0, None, 0, 0),
+    pytest.param((0, 0, 0, None), marks=pytest.mark.slow),
+    pytest.param((None, None, None, 0), marks=pytest.mark.slow)])
 def test_the_op_under_vmap_and_grad_is_the_per_member_loop(in_axes):
   """The op alone, any of q, k, v and the bias vmapped or shared (a
   shared bias's batch ``B``, not 1, tiled into the batch fold): values,

@@ -159,6 +159,7 @@ def test_evaluate_predictions_counts_each_sequence_once(batch):
     ("vanilla-h4", ("vanilla", 4, 0)),
     ("memory-h4-m2", ("memory", 4, 2)),
 ])
+@pytest.mark.slow
 def test_the_committed_held_out_sets_are_drawn_again(tag, hmm_id):
   """The committed ``cpu_paper`` pretraining metrics were scored on the
   held-out set that trial ``k``'s seed draws now: the same number of

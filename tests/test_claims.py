@@ -91,10 +91,11 @@ def small_exact():
   return bb, bp, task
 
 
-@pytest.mark.parametrize("method,head", [("head", "linear"),
-                                         ("head", "attention"),
-                                         ("prompt", "linear"),
-                                         ("prompt", "attention")])
+@pytest.mark.parametrize("method,head", [
+    pytest.param("head", "linear", marks=pytest.mark.slow),
+    pytest.param("head", "attention", marks=pytest.mark.slow),
+    pytest.param("prompt", "linear", marks=pytest.mark.slow),
+    ("prompt", "attention")])
 def test_tuning_moves_every_tunable_leaf_and_no_frozen_one(small_exact,
                                                           method, head):
   """Every leaf of the tunable pytree (head; prompt) leaves its
@@ -242,6 +243,7 @@ def test_both_findings_on_the_exact_backbone():
 # Theorem 4.6's arm: prompt tuning with the attention head on a memory HMM.
 
 
+@pytest.mark.slow
 def test_prompt_tuning_with_the_attention_head_on_a_memory_hmm():
   """The right panel's extra arm (``Setup.prompt_attention``): on a memory
   HMM's exact backbone (|M| = 2, |H| = 4), prompt tuning trains exactly a

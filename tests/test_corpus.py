@@ -206,6 +206,7 @@ def test_exact_state_posterior_equals_brute_force(tiny_hmm, method):
       tiny_hmm, jnp.asarray(masked)), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_exact_target_gradient_is_mean_of_sampled_gradients(tiny_hmm):
   """Cross-entropy to the exact targets has the expected gradient of the
   sampled-target loss over draws of the true tokens given the corrupted

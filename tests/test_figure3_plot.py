@@ -6,6 +6,7 @@ import dataclasses
 import os
 
 import numpy as np
+import pytest
 
 from conftest import CPU_PAPER
 from hmmprompt import files as files_lib
@@ -258,6 +259,7 @@ def _write_lines(workdir, setup: str, panels=("left", "right")) -> None:
       for p in panels for h, n, m, s, method in arms[p] for k in range(2)])
 
 
+@pytest.mark.slow
 def test_the_tiny_presets_report_says_it_is_a_smoke_test(tmp_path,
                                                          monkeypatch):
   """The tiny preset's report says first that its numbers are a smoke

@@ -84,7 +84,9 @@ def test_the_output_holds_the_posterior_only_when_h_is_at_most_x(states):
     assert got < 1 - 1e-3, got
 
 
-@pytest.mark.parametrize("mid", [protocol.vanilla(12), protocol.memory(2)])
+@pytest.mark.parametrize("mid", [
+    pytest.param(protocol.vanilla(12), marks=pytest.mark.slow),
+    protocol.memory(2)])
 def test_the_bayes_classifier_scores_every_label(mid):
   """The task's Bayes classifier (its label rule on the exact posterior,
   recomputed in float64) scores 100% on every test split: the adaptation

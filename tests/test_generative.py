@@ -81,7 +81,9 @@ def test_save_load_round_trip_fingerprint_and_errors(pair, tmp_path):
     generative.random_model(jax.random.PRNGKey(0), "quantum", 3, 4)
 
 
-@pytest.mark.parametrize("model_kind", generative.KINDS)
+@pytest.mark.parametrize("model_kind", [
+    k if k == "vanilla" else pytest.param(k, marks=pytest.mark.slow)
+    for k in generative.KINDS])
 def test_stacked_trials_equal_separate_draws(model_kind):
   """K models drawn in one vmapped call are the K separate draws; sampling
   and latent posteriors vmapped over the trial axis equal the per-trial

@@ -291,6 +291,7 @@ def test_pretraining_documents_each_come_from_one_uniformly_drawn_concept():
   assert np.all(np.abs(counts - 100) <= 4 * 8.7), counts
 
 
+@pytest.mark.slow
 def test_next_symbol_conditionals_are_each_prefixs_predictive():
   """A causal model's exact targets, ``P[X_t | x_<t]`` for every t from
   one forward scan, equal the conditionals of each prefix with a ``MASK``

@@ -31,6 +31,7 @@ print(*counts)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"),
                     reason="glibc mallopt")
 def test_retained_memory_is_not_faulted_in_again():

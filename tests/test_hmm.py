@@ -696,6 +696,7 @@ def test_the_model_check_runs_on_concrete_models_only(monkeypatch):
   assert "callback" not in jaxpr and "check" not in jaxpr
 
 
+@pytest.mark.slow
 def test_checkify_checks_the_model_and_tokens_inside_jit():
   """checkify_model and checkify_tokens check traced values under
   ``checkify.checkify``: a valid call gives the entry point's numbers and

@@ -324,6 +324,7 @@ def test_causal_training_targets_are_the_tokens_next_conditionals():
       np.testing.assert_allclose(got[b, t], want, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_the_transformers_read_out_is_the_pretraining_position():
   """``next_symbol`` after a prompt is the model's prediction where the
   pretraining loss reads it: row ``n - 1`` of the document's

@@ -939,6 +939,7 @@ def test_damaged_newest_checkpoint_falls_back_and_ends_as_uninterrupted(
     pretrain.run(crashed, TINY, model, log=lambda s: None)
 
 
+@pytest.mark.slow
 def test_a_failed_restores_orphaned_tasks_log_nothing(caplog):
   """An orbax restore that fails on a damaged checkpoint leaves sibling
   asyncio tasks whose tensorstore errors nobody retrieves; asyncio logged
@@ -1718,6 +1719,7 @@ def test_trial_k_draws_from_its_seed_plus_k():
   assert loop.Keys.of(8).init.shape == (1, 2)  # one run by default
 
 
+@pytest.mark.slow
 def test_a_crash_between_a_checkpoint_and_its_evaluation_redoes_it(
     tmp_path, trained, model, monkeypatch):
   """Killed inside step 20's evaluation: its checkpoint comes after it, so

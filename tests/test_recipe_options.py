@@ -73,6 +73,7 @@ def test_train_mask_rate_masks_training_batches_only():
   np.testing.assert_array_equal(base.weights, other.weights)
 
 
+@pytest.mark.slow
 def test_state_loss_steps_and_needs_a_readout():
   hmm = hmm_lib.random_hmm(jax.random.PRNGKey(0), 4, 10)
   cfg = TINY.with_overrides(state_loss=1.0, targets="exact")

@@ -358,6 +358,7 @@ def pretrained(monkeypatch):
   return calls
 
 
+@pytest.mark.slow
 def test_a_transformer_sweep_pretrains_each_stack_in_its_own_directory(
     tmp_path, tuned, pretrained):
   setup = dataclasses.replace(SETUP, finetune=True)
@@ -728,6 +729,7 @@ def test_a_deadline_runs_the_part_of_a_stack_that_fits(tmp_path, fake_clock):
   assert asked == [(b, 0.5)]
 
 
+@pytest.mark.slow
 def test_a_part_of_a_stack_is_the_whole_stack_cut(tmp_path, monkeypatch):
   """``draw_stack(part=range(a, b))``: rows ``a..b-1`` of the whole stack,
   bit for bit, row 0 being trial ``a``; its pretraining seeded and filed

@@ -45,8 +45,11 @@ def test_model_shapes_and_split_forward():
 
 
 @pytest.mark.parametrize("rel_pos,attention,layers", [
-    ("none", "manual", 2), ("bias", "manual", 2), ("alibi", "manual", 1),
-    ("none", "dot_product", 2), ("alibi", "dot_product", 1)])
+    pytest.param("none", "manual", 2, marks=pytest.mark.slow),
+    ("bias", "manual", 2),
+    pytest.param("alibi", "manual", 1, marks=pytest.mark.slow),
+    pytest.param("none", "dot_product", 2, marks=pytest.mark.slow),
+    pytest.param("alibi", "dot_product", 1, marks=pytest.mark.slow)])
 def test_output_at_one_position_is_that_row_of_all(rel_pos, attention,
                                                    layers):
   """The linear head's path: the last block computes the MASK's row alone
@@ -87,6 +90,7 @@ def test_bad_model_config(kwargs, match):
 
 
 
+@pytest.mark.slow
 def test_train_flops_per_token_matches_xla_cost_analysis():
   # Two independent counts of one training step's FLOPs: our formula
   # (used for MFU) and XLA's cost analysis of the compiled gradient.
@@ -330,8 +334,11 @@ def _reference_forward(params, cfg, tokens_BxT):
 
 
 @pytest.mark.parametrize("rel_pos,attention,readout", [
-    ("none", "manual", 0), ("none", "dot_product", 0), ("bias", "manual", 3),
-    ("alibi", "manual", 0), ("bias", "dot_product", 0)])
+    pytest.param("none", "manual", 0, marks=pytest.mark.slow),
+    pytest.param("none", "dot_product", 0, marks=pytest.mark.slow),
+    ("bias", "manual", 3),
+    pytest.param("alibi", "manual", 0, marks=pytest.mark.slow),
+    pytest.param("bias", "dot_product", 0, marks=pytest.mark.slow)])
 def test_the_forward_pass_is_the_textbook_encoder(rel_pos, attention,
                                                   readout):
   """The model's float32 logits against :func:`_reference_forward` in
@@ -521,7 +528,8 @@ def test_bfloat16_computes_in_bfloat16_and_returns_float32():
         params, emb[0]))
 
 
-@pytest.mark.parametrize("query", [None, 3])
+@pytest.mark.parametrize("query", [pytest.param(None, marks=pytest.mark.slow),
+                                   3])
 def test_a_causal_model_reads_no_later_position(query):
   """With ``causal``, changing the tokens after position t leaves every
   output at positions <= t unchanged bit for bit (the masked logits'
@@ -547,6 +555,7 @@ def test_a_causal_model_reads_no_later_position(query):
     assert same != moved, c.causal
 
 
+@pytest.mark.slow
 def test_a_causal_models_logits_have_zero_gradient_in_later_inputs():
   """``d logits[t] / d embedding[s]`` is exactly zero for every ``s > t``
   (and not for ``s <= t``): no path from a later token, prefix keys aside."""

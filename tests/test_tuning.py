@@ -50,6 +50,7 @@ def _sentinel_backbone(bb, flag):
           lambda p, e, i: bb.apply_at(sentinel(p), e, i)))
 
 
+@pytest.mark.slow
 def test_backbone_is_frozen(setup):
   model, bb, bp, task_list = setup
   flag = {"backbone_grad_traced": False}
@@ -467,6 +468,7 @@ def _faint_data() -> tuning.Data:
                        for a in split(k, n)))
 
 
+@pytest.mark.slow
 def test_the_head_optimum_separates_what_the_papers_recipe_does_not():
   """Separable features with a faint signal: the paper's recipe (5 epochs
   of Adam at lr 0.01, batch 32: 10 steps on 64 examples) stays far from
