@@ -143,11 +143,10 @@ def exact_state_posterior(hmm: hmm_lib.HMM, inputs_T, selected_T,
 def exact_targets(hmm: hmm_lib.HMM, inputs_T, selected_T,
                   method: str = "sequential") -> jax.Array:
   """``[T, V]``: ``P[X_t | x~, S]`` under :func:`mask_tokens`' corruption
-  (either), all zero where ``x~`` is impossible. Traceable; vmap it.
-  ``inputs_T``: the corrupted sequence; ``selected_T``: the selected
-  positions (the loss weights); ``hmm``: the generating model's vanilla
-  form (:func:`generative.as_hmm`); ``method``: a resolved kernel of
-  :func:`hmm.smooth_by` (:func:`hmm.resolve_method`)."""
+  (either), all zero where ``x~`` is impossible; traceable. ``inputs_T``: the
+  corrupted sequence; ``selected_T``: the selected positions (the loss weights);
+  ``hmm``: the generating model as :func:`generative.as_hmm`; ``method``: a
+  resolved kernel of :func:`hmm.smooth_by` (:func:`hmm.resolve_method`)."""
   lik_TxV = corruption_likelihood(inputs_T, selected_T, hmm.vocab_size,
                                   hmm.emission.dtype)
   evidence_TxH = lik_TxV @ hmm.emission.T

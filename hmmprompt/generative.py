@@ -114,9 +114,8 @@ def trial(models: Model, k: int) -> Model:
 
 def random_models(key, num: int, model_kind: str, num_states: int,
                   vocab_size: int, memory_size: int = 0) -> Model:
-  """``num`` :func:`random_model` draws stacked ``[K]`` in one vmapped call;
-  trial ``k`` is ``random_model(fold_in(key, k), ...)``. ``ValueError``:
-  ``num < 1`` or a bad kind or size (named)."""
+  """``[K]`` stacked :func:`random_model` draws in one vmapped call, trial ``k``
+  from ``fold_in(key, k)``; ``ValueError``: ``num < 1``, a bad kind or size."""
   if not isinstance(num, int) or num < 1:
     raise ValueError(f"the trial count must be an int >= 1, got {num!r}")
   # random_model's checks are Python: they raise while the vmap traces.

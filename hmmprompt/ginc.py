@@ -96,8 +96,7 @@ def concepts(key, cfg: GincConfig = GincConfig()
 
 
 class _Attributes:
-  """What a GINC pickle holds for hmmlearn's ``MultinomialHMM``: its
-  attributes alone, so neither hmmlearn nor its version is needed."""
+  """A GINC pickle's hmmlearn model: attributes only (no hmmlearn needed)."""
 
   def __setstate__(self, state):
     self.__dict__.update(state if isinstance(state, dict) else state[-1])
@@ -105,8 +104,7 @@ class _Attributes:
 
 class _Unpickler(pickle.Unpickler):
   """Numbers only: hmmlearn / sklearn classes become :class:`_Attributes`,
-  numpy's own are allowed, any other global is refused by name (a pickle
-  can name any callable)."""
+  numpy's pass, any other global is refused (a pickle can name any callable)."""
 
   def find_class(self, module, name):
     if module.split(".")[0] in ("hmmlearn", "sklearn"):

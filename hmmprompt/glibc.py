@@ -26,10 +26,9 @@ def _mallopt():
 
 @functools.cache
 def retain_freed_memory() -> bool:
-  """Sets glibc's ``M_MMAP_MAX = 0``, ``M_TRIM_THRESHOLD = -1`` (never trim:
-  a step's block of 1.6 GiB atop other freed memory passed the 2 GiB cap
-  tried first) and ``M_TOP_PAD`` = 256 MiB; ``True`` if all took effect
-  (``False``: no glibc)."""
+  """Sets glibc's ``M_MMAP_MAX = 0``, ``M_TRIM_THRESHOLD = -1`` (never trim: a
+  step's 1.6 GiB block atop freed memory passed a 2 GiB cap) and ``M_TOP_PAD`` =
+  256 MiB; ``True`` if all took effect (``False``: no glibc)."""
   return all(_mallopt()(param, value) == 1 for param, value in (
       (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1), (_M_TOP_PAD, 256 << 20)))
 

@@ -179,10 +179,9 @@ def draw_random_hmm(key, num_states: int, vocab_size: int,
                     transition_temp, emission_temp, initial_temp) -> HMM:
   """Kernel of :func:`random_hmm` (sizes static, temperatures traceable)."""
   k_i, k_t, k_e = jax.random.split(key, 3)
-  return HMM(
-      initial=random_simplex(k_i, (num_states,), initial_temp),
-      transition=random_transition(k_t, num_states, transition_temp),
-      emission=random_simplex(k_e, (num_states, vocab_size), emission_temp))
+  return HMM(random_simplex(k_i, (num_states,), initial_temp),
+             random_transition(k_t, num_states, transition_temp),
+             random_simplex(k_e, (num_states, vocab_size), emission_temp))
 
 
 @validation.entry_point(draw_random_hmm, static_argnums=(1, 2))

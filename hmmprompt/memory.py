@@ -79,14 +79,12 @@ class MemoryHMM(validation.ValidatedParams, hmm_lib.Emitting,
 
 
 def _product_hmm(prior_C, chain, emission_CxKxV) -> hmm_lib.HMM:
-  """The HMM on states ``c * K + k``: ``c`` drawn once from ``prior_C``, then
-  ``k`` by ``chain``'s initial and transition, emitting ``[c, k]``."""
+  """The HMM on ``c * K + k``: ``c ~ prior_C`` once, ``k`` by ``chain``."""
   c, k = prior_C.shape[0], chain.initial.shape[0]
   return hmm_lib.HMM(
-      initial=(prior_C[:, None] * chain.initial[None, :]).reshape(c * k),
-      transition=jnp.kron(jnp.eye(c, dtype=chain.transition.dtype),
-                          chain.transition),
-      emission=emission_CxKxV.reshape(c * k, emission_CxKxV.shape[-1]))
+      (prior_C[:, None] * chain.initial[None, :]).reshape(c * k),
+      jnp.kron(jnp.eye(c, dtype=chain.transition.dtype), chain.transition),
+      emission_CxKxV.reshape(c * k, emission_CxKxV.shape[-1]))
 
 
 def to_hmm(mhmm: MemoryHMM) -> hmm_lib.HMM:
@@ -103,9 +101,8 @@ def draw_random_memory_hmm(key, memory_size: int, num_states: int,
                                  transition_temp, emission_temp, initial_temp)
   k_p, k_e = jax.random.split(k_m)
   return MemoryHMM(
-      memory_prior=hmm_lib.random_simplex(k_p, (memory_size,), memory_temp),
-      initial=base.initial, transition=base.transition,
-      emission=hmm_lib.random_simplex(
+      hmm_lib.random_simplex(k_p, (memory_size,), memory_temp), base.initial,
+      base.transition, hmm_lib.random_simplex(
           k_e, (memory_size, num_states, vocab_size), emission_temp))
 
 
@@ -205,8 +202,7 @@ def memory_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
 @validation.entry_point(token_memory_masked_posterior, static_argnums=2)
 def memory_masked_posterior(mhmm: MemoryHMM, tokens, method: str = "auto"
                             ) -> jax.Array:
-  """``[T, M]``: ``P[M | x_{-t}]`` for every position ``t`` (row ``t`` does
-  not read ``tokens[t]``; all zeros where ``x_{-t}`` is impossible)."""
+  """``[T, M]``: ``P[M | x_{-t}]`` at every ``t``, all zeros if impossible."""
   return hmm_lib.method_args(mhmm, tokens, method, hmm_lib.check_sequence,
                              check_model)
 

@@ -36,8 +36,7 @@ def as_hmm(edges_SxIxJ) -> hmm_lib.HMM:
   t = np.asarray(edges_SxIxJ, np.float64)
   states, symbols = t.shape[1], t.shape[0]
   emit_IxS = t.sum(-1).T  # P(s | i)
-  step_IxJ = t.sum(0)
-  w, v = np.linalg.eig(step_IxJ.T)
+  w, v = np.linalg.eig(t.sum(0).T)  # of P(j | i)
   pi = np.real(v[:, np.argmin(np.abs(w - 1))])
   pi /= pi.sum()
   move_ISxJ = (np.transpose(t, (1, 0, 2)) / emit_IxS[..., None]).reshape(

@@ -120,8 +120,7 @@ def scores(probe: Probe, x_KxNxD, y_KxNxH, mu_KxCxH=None) -> dict:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _features(cfg: transformer.MLMConfig, params_K, tokens_KxBxT, at_P):
-  """``(streams [K, L + 1, B, P, D], probs [K, B, P, V])`` at positions
-  ``at_P``: the stream after the embedding and each block, the output's."""
+  """``(streams [K, L + 1, B, P, D], probs [K, B, P, V])`` at ``at_P``."""
   def one(params, tokens):
     logits, streams = residual_streams(cfg, params, tokens)
     return streams[:, :, at_P], jax.nn.softmax(logits[:, at_P], -1)

@@ -30,9 +30,8 @@ LABELINGS = ("paper", "authors")
 """How a label reads the posterior (module doc)."""
 
 TASK_BUDGET_BYTES = 512 << 20
-"""Bytes :func:`make_tasks` lets the exact smoothing of a draw hold at once
-(about 5 float32 ``[T, S]`` arrays an example, ``S`` the states of the
-vanilla chain; docs/performance.md, "Bounded memory")."""
+"""Bytes a :func:`make_tasks` draw's smoothing may hold at once (~5 float32
+``[T, S]`` arrays an example; docs/performance.md, "Bounded memory")."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,9 +152,8 @@ def draw_task(key, model: Model, config: TaskConfig, chunk: int | None = None):
 
 
 def majority_share(labels, num_classes: int = 2) -> float:
-  """The share of the most frequent label among ``labels`` (integers in
-  ``[0, num_classes)``, any shape; 0.0 for none): a task's above
-  ``TaskConfig.max_label_share`` is redrawn (:func:`make_tasks`)."""
+  """The share of the most frequent label among ``labels`` (ints in ``[0,
+  num_classes)``, any shape; 0.0 for none)."""
   counts = np.bincount(np.asarray(labels).ravel(), minlength=num_classes)
   return float(counts.max() / max(counts.sum(), 1))
 

@@ -108,10 +108,9 @@ def assumption_3_2(hmm: hmm_lib.HMM) -> Verdict:
 
 
 def assumption_3_5(hmm: hmm_lib.HMM, mu) -> Verdict:
-  """Some ``B`` has ``H* = ∪_{h∈B} supp(A_{:,h}) ⊇ supp(mu)`` with
-  independent columns ``W[:, H*]``; reports the best-conditioned ``B``,
-  searching sets of one predecessor per state of ``supp(mu)`` (enough:
-  shrinking ``B`` shrinks ``H*``, which keeps independence)."""
+  """Some ``B`` has ``H* = ∪_{h∈B} supp(A_{:,h}) ⊇ supp(mu)``, ``W[:, H*]``
+  independent; reports the best-conditioned ``B`` of one predecessor per state
+  of ``supp(mu)`` (enough: a smaller ``B`` has a smaller ``H*``)."""
   w, trans = _np(hmm.emission).T, _np(hmm.transition)
   supp_mu = support(mu)
   preds = {s: np.nonzero(trans[:, s] > SUPPORT_TOL)[0].tolist()
@@ -158,11 +157,10 @@ def theorem_3_3_head(hmm: hmm_lib.HMM, mu) -> dict:
 
 
 def theorem_3_6_prompt_head(hmm: hmm_lib.HMM, mu) -> tuple[np.ndarray, dict]:
-  """Prompt ``u = 1_B`` (``[1, H]``, fed to ``apply`` as an embedding) and
-  linear head on ``G`` at the ``MASK`` (index 1) from Theorem 3.6's proof:
-  with ``u`` prepended, the state at ``MASK`` has prior ``π_u ∝ (P[H_0] ⊙
-  u) A`` supported on ``H*``, so ``G ∝ W[:, H*] (r ⊙ P[H_0 | x])[H*]`` with
-  ``r = π_u / P[H_0]``; the head undoes ``W[:, H*]`` and ``r``."""
+  """Theorem 3.6's prompt ``u = 1_B`` (``[1, H]``, an embedding for ``apply``)
+  and linear head on ``G`` at the ``MASK`` (index 1): after ``u``, the
+  ``MASK``'s state has prior ``π_u ∝ (P[H_0] ⊙ u) A`` on ``H*``, so ``G ∝ W[:,
+  H*] (r ⊙ P[H_0 | x])[H*]``, ``r = π_u / P[H_0]``, which the head undoes."""
   if not (verdict := assumption_3_5(hmm, mu)).holds:
     raise ValueError(f"Theorem 3.6 needs Assumption 3.5: {verdict.reason}")
   u = np.zeros((1, hmm.num_states), np.float32)
