@@ -135,15 +135,14 @@ def write_report(workdir: str) -> str:
   """Writes DIR/icl.md and .png from DIR/icl.jsonl; returns the former."""
   lines = read_icl_lines(workdir)
   summary, kls = summarize(lines), summarize(lines, "kl")
-  seeds = sorted({r.variant for r in lines if r.backbone == "transformer"})
-  gaps = [next(r.ce_gap for r in lines if r.backbone == "transformer"
-               and r.variant == s) for s in seeds]
+  # Each seed's first line's gap (a dict keeps the last: lines reversed).
+  gap = {r.variant: r.ce_gap for r in lines[::-1] if r.backbone == "transformer"}
   tiny = get_setup("tiny")
   smoke = reporting.smoke(tiny.fingerprint() in {r.setup for r in lines},
                           f"the `tiny` preset's ({tiny.ginc.num_concepts} "
                           f"concepts of {tiny.ginc.num_symbols} symbols, not "
                           f"GINC's)", "`--preset=cpu` or docs/results/icl")
-  text = markdown(summary, kls, gaps, smoke)
+  text = markdown(summary, kls, [gap[s] for s in sorted(gap)], smoke)
   files_lib.atomic_write_text(os.path.join(workdir, "icl.md"), text)
   if summary:
     write_plot(summary, kls, os.path.join(workdir, "icl.png"), smoke)

@@ -81,8 +81,7 @@ class IclSetup:
                                   "layout": LAYOUT}))
 
   def fingerprint(self) -> str:
-    """12 hex digits keying the lines: :meth:`identity` without what
-    decides which lines there are."""
+    """12 hex digits keying the lines: :meth:`identity` less what picks them."""
     return identity_lib.fingerprint({
         k: v for k, v in self.identity().items()
         if k not in ("seeds", "lengths", "examples", "protocols",

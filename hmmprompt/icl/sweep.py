@@ -42,9 +42,7 @@ class IclLine(files_lib.Line):
   impossible: float  # the share of prompts of probability 0 (exact only)
   label_prob: float  # the mean probability of the label
   ce_gap: float  # transformer: its held-out next-symbol CE gap; exact: 0
-  # Mean KL(REFERENCE's || this) at the label position, nats; None where a
-  # prompt gets 0 where the reference does not (exact zeros).
-  kl: float | None
+  kl: float | None  # mean KL(REFERENCE || this) at the label, nats; None: inf
   prompts: int
   seconds: float  # the cell's program
 
@@ -190,8 +188,7 @@ def pretrain_dir(workdir: str, setup: IclSetup, fingerprint: str) -> str:
 
 
 def prepare(workdir: str, setup: IclSetup, backbone: Backbone) -> dict:
-  """A backbone's stack: the concepts, their mixture, the transformers'
-  pretraining (resumed, bit for bit) and params."""
+  """A stack: concepts, their mixture, transformers (resumed bit for bit)."""
   concepts = {kind: load_concepts(setup, kind) for kind in ("id", "ood")}
   mix = ginc_lib.mixture(concepts["id"])
   stack: dict[str, Any] = {"concepts": concepts, "mixture": mix,

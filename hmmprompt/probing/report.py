@@ -204,14 +204,12 @@ def markdown(lines: list[ProbeLine], results_path: str, smoke: str = "") -> str:
 
 
 def write_report(workdir: str, results_path: str = ADAPTATION_RESULTS) -> str:
-  """Writes DIR/probes.md; returns it (``results_path``: the adaptation
-  results beside the paper's tasks)."""
+  """Writes and returns DIR/probes.md (``results_path``: adaptation results)."""
   lines = read_probe_lines(workdir)
-  tiny = get_setup("tiny")
   smoke = reporting.smoke(
-      tiny.fingerprint() in {r.setup for r in lines}, "the `tiny` preset's "
-      "(a few steps of pretraining, tiny HMMs, few sequences)",
-      "`--preset=cpu` or docs/results/probes")
+      get_setup("tiny").fingerprint() in {r.setup for r in lines},
+      "the `tiny` preset's (a few steps of pretraining, tiny HMMs, few "
+      "sequences)", "`--preset=cpu` or docs/results/probes")
   text = markdown(lines, results_path, smoke)
   files_lib.atomic_write_text(os.path.join(workdir, "probes.md"), text)
   return text

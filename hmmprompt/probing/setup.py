@@ -101,8 +101,7 @@ class ProbeSetup:
 
 
 def _mess3_recipe(preset: str, steps: int) -> pretrain_lib.PretrainConfig:
-  """Shai et al.'s transformer (4 layers, d_model 64, one head, context 10)
-  on exact next-symbol targets."""
+  """Shai et al.'s transformer (4 layers, d_model 64, 1 head, context 10)."""
   return pretrain_lib.configure(
       preset, 3, context=10, model={"causal": True, "num_layers": 4,
                                     "d_model": 64, "num_heads": 1,
