@@ -1,5 +1,4 @@
-"""``jax.nn.dot_product_attention`` as the transformer calls it: on cuDNN
-where it can, vmapped by folding, differentiable (comments below)."""
+"""``jax.nn.dot_product_attention`` on cuDNN where it can, folded under vmap."""
 
 import functools
 import re

@@ -1,8 +1,7 @@
-"""The progress log (:class:`Progress`) and TensorBoard curves of a
-pretraining run, one run per trial (:func:`trial_logdir`): ``train_loss``,
-``tokens_per_s`` and the evaluations against steps (``by_step/``) and
-tokens (``by_tokens/``), one append per write (a killed run keeps every
-point; a resumed one's replace later ones: :func:`read_scalars`)."""
+"""The progress log (:class:`Progress`) and TensorBoard curves of a pretraining
+run, one run per trial (:func:`trial_logdir`): ``train_loss``, ``tokens_per_s``
+and the evaluations against steps (``by_step/``) and tokens (``by_tokens/``),
+one append per write (a killed run keeps every point)."""
 
 import glob
 import os

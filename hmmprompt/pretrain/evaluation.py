@@ -1,6 +1,5 @@
-"""Held-out quality at ``MASK``ed positions: the model's CE ``mlm_ce``, the
-exact conditionals' ``bayes_ce`` (:func:`hmm.conditionals`), their TV; a
-causal model's at every position, to ``P[X_t | x_<t]``."""
+"""Held-out ``mlm_ce``, exact ``bayes_ce`` (:func:`hmm.conditionals`) and their
+TV at ``MASK``ed positions (causal: at all, to ``P[X_t | x_<t]``)."""
 
 import functools
 import typing

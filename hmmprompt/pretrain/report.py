@@ -1,5 +1,4 @@
-"""The report of the pretraining runs under a directory: every trial's
-final CE gap to Bayes in a table, its gap against tokens in a plot."""
+"""Pretraining report: a table of final gaps to Bayes, a plot of the curves."""
 
 import glob
 import math

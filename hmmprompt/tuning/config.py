@@ -1,5 +1,4 @@
-"""What a tuning run is: :class:`TuneConfig`, the :class:`Method` objects it
-names (:data:`METHODS`) and one seed's arrays (:class:`Data`)."""
+"""What a tuning run is: :class:`TuneConfig`, :data:`METHODS`, :class:`Data`."""
 
 from __future__ import annotations
 

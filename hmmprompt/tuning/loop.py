@@ -1,5 +1,4 @@
-"""Tuning: one seed end to end (:func:`run_seed`, traceable and vmappable) and
-the host driver (:func:`tune`, one jitted program over any lane axes)."""
+"""Tuning one seed (:func:`run_seed`) and the host driver (:func:`tune`)."""
 
 import functools
 import math

@@ -1,5 +1,4 @@
-"""Tuning's optimisers: mini-batch Adam (the paper's recipe) and full-batch
-L-BFGS on the head's L2-regularised objective."""
+"""Tuning's optimisers: the paper's mini-batch Adam, and full-batch L-BFGS."""
 
 import dataclasses
 
