@@ -27,8 +27,7 @@ _FILE_MODE = 0o666 & ~_UMASK
 
 @contextlib.contextmanager
 def naming(path: str) -> Iterator[None]:
-  """An ``OSError`` raised inside without a file name (``write()`` on a full
-  disk names none) is raised again naming ``path``."""
+  """Re-raises an ``OSError`` that names no file (full disk) naming ``path``."""
   try:
     yield
   except OSError as e:

@@ -29,8 +29,7 @@ def added(default) -> Any:
 
 
 def identity(cfg) -> dict:
-  """``cfg``'s identity, subtrees recursed: what directory names,
-  fingerprints and resume checks hash or compare."""
+  """``cfg``'s identity (subtrees too): what fingerprints and resumes use."""
   out = {}
   for f in dataclasses.fields(cfg):
     v = getattr(cfg, f.name)
@@ -88,8 +87,7 @@ def differences(old: dict, new: dict, prefix: str = "",
 
 def check_same(had: dict, want: dict, where: str, what: str = "setup",
                defaults: dict | None = None) -> None:
-  """``ValueError`` naming every field where ``had`` differs from ``want``
-  (``defaults``: as :func:`differences`')."""
+  """``ValueError`` naming each field where ``had`` and ``want`` differ."""
   if diff := differences(had, json.loads(json.dumps(want)), defaults=defaults):
     raise ValueError(
         f"{where} holds results of another {what} ({'; '.join(diff)}); use "

@@ -21,8 +21,7 @@ _SUM_ATOL = 1e-4
 
 def require_positive(config, *names: str,
                      optional: tuple[str, ...] = ()) -> None:
-  """Raises ``ValueError`` naming the first field below 1 or ``None``
-  (``None`` is accepted for the ``optional`` names only)."""
+  """``ValueError`` naming the first field < 1, or ``None`` but ``optional``."""
   given = [n for n in optional if getattr(config, n) is not None]
   for name in (*names, *given):
     value = getattr(config, name)

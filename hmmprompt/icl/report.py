@@ -136,7 +136,7 @@ def write_report(workdir: str) -> str:
   lines = read_icl_lines(workdir)
   summary, kls = summarize(lines), summarize(lines, "kl")
   # Each seed's first line's gap (a dict keeps the last: lines reversed).
-  gap = {r.variant: r.ce_gap for r in lines[::-1] if r.backbone == "transformer"}
+  gap = {r.variant: r.ce_gap for r in lines[::-1] if r.backbone != "exact"}
   tiny = get_setup("tiny")
   smoke = reporting.smoke(tiny.fingerprint() in {r.setup for r in lines},
                           f"the `tiny` preset's ({tiny.ginc.num_concepts} "

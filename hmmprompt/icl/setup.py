@@ -133,8 +133,7 @@ def get_setup(preset: str = "cpu", overrides: Mapping[str, Any] | None = None,
 
 
 def check_inputs(setup: IclSetup, error: type[Exception] = ValueError) -> None:
-  """Raises ``error`` naming ``released_path`` if the setup needs it and it
-  is missing (the binary: a usage error before any work)."""
+  """``error`` naming ``released_path`` if needed and missing (usage error)."""
   if setup.concepts == "released" and not os.path.exists(setup.released_path):
     raise error(f"GINC's released HMMs are not at {setup.released_path}: "
                 f"convert GINC's own files with `python -m "
