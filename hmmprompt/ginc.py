@@ -163,9 +163,8 @@ def load_released(path: str) -> dict:
 
 
 def mixture(concepts_K: hmm_lib.HMM) -> hmm_lib.HMM:
-  """The mixture of ``K`` concepts as one HMM over ``K H`` states: the first
-  state's distribution ``initial_k / K`` (a uniform prior), a block-diagonal
-  transition (a document never changes its concept), the emissions stacked."""
+  """``K`` concepts as one HMM of ``K H`` states: start ``initial_k / K``
+  (uniform prior), block-diagonal transition (a document keeps its concept)."""
   k, h = concepts_K.initial.shape
   prior = jnp.full((k,), 1.0 / k)
   eye = jnp.eye(k, dtype=concepts_K.transition.dtype)
@@ -270,9 +269,8 @@ def predict_all(model: hmm_lib.HMM, prompts_NxT: jax.Array) -> jax.Array:
 
 
 def scores(next_NxX, labels_N) -> dict:
-  """Accuracy (an all-zero row, an impossible prompt, counts wrong), the
-  share of impossible prompts and the label's mean probability, from
-  next-symbol distributions ``[N, X]`` (any predictor's)."""
+  """Accuracy (an all-zero row, an impossible prompt, counts wrong), impossible
+  share and mean label probability of next-symbol distributions ``[N, X]``."""
   next_NxX, labels_N = np.asarray(next_NxX), np.asarray(labels_N)
   possible = next_NxX.sum(-1) > 0
   right = possible & (next_NxX.argmax(-1) == labels_N)

@@ -35,9 +35,8 @@ def retain_freed_memory() -> bool:
 
 def one_arena() -> bool:
   """Sets ``M_ARENA_MAX = 1`` before any thread starts: a block over a thread
-  arena's 64 MiB heap (XLA:CPU's temporaries of a big step) is then kept,
-  not mapped afresh each step; with small blocks on several threads the
-  arena's lock costs more than it saves (docs/performance.md)."""
+  arena's 64 MiB heap (a big step's XLA:CPU temporaries) is kept, not mapped
+  each step; small blocks on many threads lose more to its lock."""
   return _mallopt()(_M_ARENA_MAX, 1) == 1
 
 

@@ -20,9 +20,8 @@ KL_FLOOR = 1e-6  # a projected prediction's floor before the KL (exact 0s)
 
 def residual_streams(cfg: transformer.MLMConfig, params, tokens_BxT
                      ) -> tuple[jax.Array, jax.Array]:
-  """``(logits [B, T, V], streams [L + 1, B, T, D])`` by flax's
-  ``capture_intermediates`` (the output unchanged): the residual stream
-  entering block 0 (token and position embeddings) and leaving each block."""
+  """``(logits [B, T, V], streams [L + 1, B, T, D])``: the output, and by
+  ``capture_intermediates`` the stream into block 0 and out of each block."""
   keep = lambda mdl, name: name == "__call__" and isinstance(
       mdl, (transformer.Block, nn.Embed))
   logits, state = transformer.MLM(cfg).apply(

@@ -61,11 +61,10 @@ def safe_log(x: jax.Array) -> jax.Array:
 
 
 def forward_backward(hmm: HMM, evidence_TxH: jax.Array) -> Smoothed:
-  """Forward scan, then a backward scan that also emits the posteriors
-  (on XLA:CPU faster than forming them afterwards, as is not unrolling).
-  ``pred_t ∝ P[H_t, e_{<t}]``, ``back_t ∝ P[e_{>t} | H_t]``: ``pred_t ⊙
-  back_t ∝ P[H_t, e_{-t}]``, ``⊙ e_t`` the posterior. Messages are rescaled
-  to sum 1; the forward scales ``c_t = P(e_t | e_{<t})`` give log P(e)."""
+  """Forward scan, then a backward scan emitting the posteriors (on XLA:CPU
+  faster than afterwards, as is not unrolling): ``pred_t ∝ P[H_t, e_{<t}]``,
+  ``back_t ∝ P[e_{>t} | H_t]``, ``pred_t ⊙ back_t ∝ P[H_t, e_{-t}]``, ``⊙ e_t``
+  the posterior; the scales ``c_t = P(e_t | e_{<t})`` give log P(e)."""
   init_H, trans_HxH, ev_TxH = _promoted(hmm, evidence_TxH)
   _, (pred_TxH, c_T) = jax.lax.scan(_forward_step(trans_HxH), init_H, ev_TxH)
   _, (post_TxH, masked_TxH) = jax.lax.scan(

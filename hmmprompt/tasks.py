@@ -180,9 +180,8 @@ def _draw_tasks(config: TaskConfig, stacked: bool, chunk: int | None):
 
 def latent_chunk(models_K: Model, config: TaskConfig,
                  budget_bytes: int | None = TASK_BUDGET_BYTES) -> int | None:
-  """Examples a trial whose latent posteriors :func:`make_tasks` computes at
-  once: as many as fit ``budget_bytes`` with all K trials in flight, at
-  least 1; ``None`` (all) without a budget."""
+  """Examples per trial whose latent posteriors :func:`make_tasks` computes at
+  once (>= 1) as fit ``budget_bytes`` for all K trials; ``None`` if no budget."""
   if budget_bytes is None:
     return None
   per_example = 5 * 4 * (config.seq_len + 1) * generative.hidden_size(models_K)
