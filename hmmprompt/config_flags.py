@@ -1,7 +1,6 @@
 """Typed config trees (frozen, validating dataclasses): named presets and
-``--config.<path>=<value>`` overrides of their :func:`leaves` (the flags
-are ``experiments/cli.py``'s), parsed by type (``4,8`` or ``4:8`` for a
-tuple, ``none``) and applied so every ``__post_init__`` check runs."""
+``--config.<path>=<value>`` overrides of their :func:`leaves`, parsed by type
+(``4,8`` or ``4:8`` for a tuple, ``none``), applied so every check runs."""
 
 import dataclasses
 import functools

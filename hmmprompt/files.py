@@ -1,5 +1,4 @@
-"""Result files: atomic writes (a crash never leaves a half-written file),
-typed lines (:class:`Line`, one JSONL line per finished cell, keyed for
+"""Result files: atomic writes, typed JSONL lines (:class:`Line`, keyed for
 resume) and workdir stamps (:func:`stamp`: one workdir, one setup)."""
 
 import contextlib
@@ -111,9 +110,8 @@ def stamp(path: str, identity: dict, what: str = "setup",
   (``defaults``: :func:`identity.added_defaults`)."""
   if os.path.exists(path):
     with open(path, encoding="utf-8") as f:
-      had = json.load(f)
-    identity_lib.check_same(had, identity, os.path.dirname(path) or ".", what,
-                            defaults)
+      identity_lib.check_same(json.load(f), identity,
+                              os.path.dirname(path) or ".", what, defaults)
   elif write:
     atomic_write_text(path, json.dumps(identity, indent=1, sort_keys=True))
 

@@ -119,9 +119,7 @@ class Group:
   head: str  # "linear" | "attention"
   features: str = "raw"
   optimizer: str = "adam"  # TuneConfig.optimizer: "adam" | "lbfgs"
-  # TuneConfig fields this arm sets, ((name, value), ...): an arm's own
-  # prompt length, initialisation or LoRA rank (configs.parse_arm).
-  settings: tuple = ()
+  settings: tuple = ()  # ((TuneConfig field, value), ...): configs.parse_arm
 
   @property
   def method_name(self) -> str:
@@ -244,10 +242,9 @@ def pretrained(workdir: str, setup: TrialsConfig, mid: ModelId,
                models_K: generative.Model, checkpoints: str = "always",
                stop_at: float | None = None, part: range | None = None,
                keep_by: float | None = None):
-  """``(backbone, params_K, infos)``: :func:`pretrain.load_trials` after
-  :func:`pretrain` (``checkpoints="always"``), else
-  :func:`pretrain.train_trials`' (``keep_by`` its); ``part``: ``models_K`` are
-  trials ``part``, in their own directory (:func:`part_config`)."""
+  """``(backbone, params_K, infos)`` of ``models_K`` (trials ``part``:
+  :func:`part_config`): :func:`pretrain` and :func:`pretrain.load_trials` if
+  ``checkpoints="always"``, else :func:`pretrain.train_trials` (``keep_by``)."""
   if part is not None and len(part) != len(models_K.initial):
     raise ValueError(f"{mid.tag}: part {part!r} of {len(part)} trials, "
                      f"{len(models_K.initial)} models given")

@@ -47,8 +47,7 @@ class Schedule(NamedTuple):
     if self.claim is not None:  # the long stacks first: no long one last
       return sorted(stacks, key=cost, reverse=True)
     ordered = sorted(stacks, key=cost) if self.stop_at is not None else stacks
-    return [s for i, s in enumerate(ordered)
-            if i % self.num_hosts == self.host_index]
+    return list(ordered[self.host_index::self.num_hosts])
 
   def progress_line(self, key: str, done: int, total: int, elapsed: float
                     ) -> tuple[str, str]:

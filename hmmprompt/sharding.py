@@ -27,8 +27,7 @@ def step_trial_batch_sharded(mesh: Mesh) -> NamedSharding:
 
 
 def check_batch(batch_size: int, mesh: Mesh) -> None:
-  n = mesh.devices.size
-  if batch_size % n:
+  if batch_size % (n := mesh.devices.size):
     raise ValueError(f"batch size {batch_size} is not divisible by the "
                      f"{n} devices of the data-parallel mesh")
 

@@ -1,9 +1,8 @@
 """Validation at the user-facing boundary (imports nothing from the package):
-config checks, validated parameter pytrees (:class:`ValidatedParams`) and
-validating, jitted entry points over pure kernels (:func:`entry_point`).
-Checks see values only when their input is concrete (:func:`is_concrete`);
-under a caller's ``jit``/``vmap`` only dtypes, shapes and Python numbers,
-or values under ``checkify.checkify`` (:func:`checkify_distribution`)."""
+config checks, validated parameter pytrees (:class:`ValidatedParams`) and jitted
+entry points over pure kernels (:func:`entry_point`). Checks see values of
+concrete input only (:func:`is_concrete`); under ``jit``/``vmap``, dtypes,
+shapes and Python numbers, or values under ``checkify.checkify``."""
 
 import functools
 from collections.abc import Callable
@@ -81,8 +80,7 @@ def is_concrete(x) -> bool:
 
 
 def register_unchecked_pytree(cls):
-  """Registers a validating NamedTuple so JAX rebuilds it without checks:
-  gradients and ``tree.map`` results are not distributions."""
+  """Registers ``cls`` so JAX's rebuilds (gradients, tree maps) skip checks."""
   jax.tree_util.register_pytree_node(
       cls, lambda x: (tuple(x), None),
       lambda _, children: tuple.__new__(cls, children))
@@ -106,11 +104,9 @@ class ValidatedParams(tuple):
     super().__init_subclass__(**kwargs)
     if validate is not None:
       cls._validate = staticmethod(validate)
-    # The NamedTuple of the fields: the first base that defines them.
     cls._fields_cls = next(b for b in cls.__mro__[1:] if "_fields" in vars(b))
     # Set on the class: mypy holds a method named _make to NamedTuple's.
-    setattr(cls, "_make",  # noqa: B010 (hidden from mypy)
-            classmethod(lambda c, iterable: c(*iterable)))
+    setattr(cls, "_make", classmethod(lambda c, xs: c(*xs)))  # noqa: B010
     register_unchecked_pytree(cls)
 
   def __new__(cls, *args, **kwargs):
@@ -120,16 +116,14 @@ class ValidatedParams(tuple):
       cls._validate(*fields)
     return tuple.__new__(cls, fields)
 
-  # NamedTuple's own _replace and _make build with tuple.__new__, past the
-  # check (a model every entry point trusts); here both go through __new__.
+  # NamedTuple's own _replace and _make skip the check every entry trusts.
   def _replace(self, **changes):
     return type(self)(**{**dict(zip(self._fields_cls._fields, self)),
                          **changes})
 
 
 def check_fields(params, validate):
-  """Runs ``validate`` on ``params`` on the host and returns ``params``;
-  checks only when every field is concrete (nothing is compiled in)."""
+  """``params``; ``validate`` runs on the host if every field is concrete."""
   if all(is_concrete(f) for f in params):
     validate(*(jnp.asarray(f) for f in params))
   return params

@@ -1,8 +1,7 @@
 """In-context learning on GINC (docs/icl.md; ``python -m experiments.icl``):
 GINC's prompts scored by the exact mixture of its concepts (the Bayes predictor:
 exact zeros, or smoothed per concept) and by causal transformers pretrained on
-its text, one per seed. Figure 3's shape: :mod:`~hmmprompt.icl.setup`,
-:mod:`~hmmprompt.icl.sweep`, :mod:`~hmmprompt.icl.report`."""
+its text, one per seed."""
 
 from hmmprompt.icl.setup import (
     CONCEPTS, LAYOUT, PRESETS, REFERENCE, RELEASED, IclSetup, check_inputs,

@@ -12,10 +12,9 @@ from hmmprompt.icl.sweep import IclLine, read_icl_lines
 
 
 def summarize(lines: list[IclLine], field: str = "test_accuracy") -> dict:
-  """``{(protocol, length, curve): {k: [values], ...}}`` of a line
-  ``field`` with the curves ``"exact <variant>"`` and ``"transformer"``
-  (a value per seed; an infinite KL left out), and ``("impossible",
-  protocol, length)``: the exact zeros' impossible share per ``k``."""
+  """``{(protocol, length, curve): {k: [values]}}`` of ``field``: curves
+  ``"exact <variant>"``, ``"transformer"`` (a value per seed; no infinite KL);
+  ``("impossible", protocol, length)``: the exact zeros' impossible shares."""
   out: dict[tuple, dict[int, list[float]]] = {}
   for r in sorted(lines, key=lambda r: (r.protocol, r.length, r.examples)):
     curve = f"exact {r.variant}" if r.backbone == "exact" else "transformer"

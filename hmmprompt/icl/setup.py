@@ -33,8 +33,7 @@ class IclSetup:
     protocols: :data:`hmmprompt.ginc.PROTOCOLS`.
     prompts: prompts per ``(protocol, length, k)`` cell (every backbone's).
     smoothings: the exact backbone's variants (:func:`smoothing`).
-    context: the longest prompt the exact backbone scores (GINC's 1024);
-      the transformers score those within ``pretrain.model.max_len``.
+    context: the exact backbone's longest prompt (GINC's 1024; :meth:`fits`).
     concepts: ``"drawn"`` (:func:`hmmprompt.ginc.concepts` of ``ginc``, GINC's
       settings, under ``seed``) or ``"released"`` (GINC's own).
     pretrain: the transformers' recipe (causal, on GINC's symbols).
@@ -70,10 +69,9 @@ class IclSetup:
     if not model.causal:
       raise ValueError("IclSetup.pretrain.model.causal must be set: GINC's "
                        "models read left to right")
-    if model.vocab_size != self.ginc.num_symbols:
-      raise ValueError(f"IclSetup.pretrain.model.vocab_size = "
-                       f"{model.vocab_size} must be GINC's num_symbols = "
-                       f"{self.ginc.num_symbols}")
+    if (v := model.vocab_size) != self.ginc.num_symbols:
+      raise ValueError(f"IclSetup.pretrain.model.vocab_size = {v} must be "
+                       f"GINC's num_symbols = {self.ginc.num_symbols}")
 
   def identity(self) -> dict:
     """What DIR/icl.json records: every result-deciding field."""
@@ -88,9 +86,8 @@ class IclSetup:
                      "smoothings", "context")})
 
   def fits(self, length: int, k: int, backbone: str) -> bool:
-    """Whether ``backbone`` scores a prompt of ``k`` examples of ``length``
-    (the transformer reads a start symbol first)."""
-    size = prompt_len(length, k) + (backbone == "transformer")
+    """Whether ``backbone``'s context holds ``k`` examples of ``length``."""
+    size = prompt_len(length, k) + (backbone == "transformer")  # start symbol
     return size <= (self.pretrain.model.max_len if backbone == "transformer"
                     else self.context)
 

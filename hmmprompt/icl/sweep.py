@@ -130,8 +130,7 @@ def cell_prompts(setup: IclSetup, concepts: dict, protocol_name: str,
 def next_symbol(model_cfg: transformer.MLMConfig, params_K, tokens_NxT):
   """``[K, N, V]``: each stacked causal model's next-symbol distribution
   after each prompt (read after a start-of-text ``MASK``)."""
-  bos = jnp.full_like(tokens_NxT[:, :1], hmm_lib.MASK)
-  inputs = jnp.concatenate([bos, tokens_NxT], 1)
+  inputs = jnp.pad(tokens_NxT, ((0, 0), (1, 0)), constant_values=hmm_lib.MASK)
   return jax.vmap(lambda p: jax.nn.softmax(cast(jax.Array, transformer.MLM(
       model_cfg).apply(p, inputs))[:, -1], -1))(params_K)
 

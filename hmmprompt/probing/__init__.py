@@ -1,11 +1,10 @@
 """Where the posterior lives (docs/probes.md; ``python -m experiments.probes``):
 affine probes (:mod:`hmmprompt.probes`) of every layer's residual stream against
 the exact posterior: Mess3's beliefs in causal transformers (Shai et al. 2024),
-the posterior ``P[H_0 | x]`` the paper's labels read at the masked LM's ``MASK``
-(the adaptation comparison's draws and transformers), GINC's concept and state
+the posterior ``P[H_0 | x]`` the paper's labels read at the MLM's ``MASK`` (the
+adaptation comparison's draws and transformers), GINC's concept and state
 posteriors (the ICL study's); controls: a randomly initialised transformer,
-shuffled targets, the output probabilities (what a head reads). Figure 3's
-shape: its setup, sweep and report modules."""
+shuffled targets, the output probabilities (what a head reads)."""
 
 from hmmprompt.probing.setup import (
     LAYOUT, PRESETS, STUDIES, ProbeSetup, check_inputs, get_setup)

@@ -220,14 +220,12 @@ def write_simplex(workdir: str, kept, r2_IxK) -> None:
   its best block, in the simplex, coloured by the exact belief."""
   y, q_I = kept
   i = 1 + int(np.argmax(r2_IxK[1:-1, 0]))
-  plt = files_lib.pyplot()
-  fig, axes = plt.subplots(1, 2, figsize=(9, 4.4))
+  fig, axes = files_lib.pyplot().subplots(1, 2, figsize=(9, 4.4))
   xy = lambda p: (p[:, 1] + 0.5 * p[:, 2], np.sqrt(3) / 2 * p[:, 2])
-  colour = np.clip(y[0], 0, 1)
   for ax, p, title in ((axes[0], y[0], "exact belief"),
                        (axes[1], q_I[i, 0], f"probe of block {i} "
                         f"(held-out R² {r2_IxK[i, 0]:.3f})")):
-    ax.scatter(*xy(p), s=1.5, c=colour, alpha=0.6, linewidths=0)
+    ax.scatter(*xy(p), s=1.5, c=np.clip(y[0], 0, 1), alpha=0.6, linewidths=0)
     ax.plot([0, 1, 0.5, 0], [0, 0, np.sqrt(3) / 2, 0], "k-", lw=0.6)
     ax.set_title(title, fontsize=10)
     ax.set_aspect("equal")

@@ -13,8 +13,7 @@ from hmmprompt import validation
 from hmmprompt.figure3 import configs as figure3
 
 ADAPTATION_RESULTS = "docs/results/adaptation/results.jsonl"
-"""The committed adaptation lines whose head, prompt and LoRA accuracies
-the report sets beside the probes of the same draws."""
+"""Committed adaptation lines the report sets beside the same draws' probes."""
 LAYOUT = 1  # bumped when a line's meaning changes for the same setup
 STUDIES = ("mess3", "tasks", "ginc")
 
