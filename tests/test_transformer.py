@@ -486,7 +486,8 @@ def test_bfloat16_computes_in_bfloat16_and_returns_float32():
   (an fp32 one would run at a fraction of the MXU's rate), the residual
   stream and the final LayerNorm are bf16, and the logits (and state
   logits) come back fp32, whichever entry point; the backbone interface
-  computes in fp32 (tuning), as a float32 model does."""
+  computes in fp32 (tuning), as a float32 model does, unless asked for
+  bf16 (a tuning arm's ``backbone_dtype``)."""
   cfg = dataclasses.replace(TINY.model, num_layers=2, dtype="bfloat16",
                             state_readout=3)
   params = transformer.init_params(jax.random.PRNGKey(0), cfg)
@@ -522,10 +523,16 @@ def test_bfloat16_computes_in_bfloat16_and_returns_float32():
   assert mlm.apply(params, emb, method=transformer.MLM.encode
                    ).dtype == jnp.float32
   fp32 = dataclasses.replace(cfg, dtype="float32")
+  in_bf16 = jax.nn.softmax(mlm.apply(params, emb, method=transformer.MLM.encode
+                                     )[0], -1)
   for build in (transformer.build_backbone, transformer.make_backbone):
     got = build(cfg).apply(params, emb[0])
     np.testing.assert_array_equal(got, transformer.build_backbone(fp32).apply(
         params, emb[0]))
+    assert not np.array_equal(got, in_bf16)
+    # (The cached backbone once dropped the dtype asked for: float32.)
+    np.testing.assert_array_equal(build(fp32, "bfloat16").apply(
+        params, emb[0]), in_bf16)
 
 
 @pytest.mark.parametrize("query", [pytest.param(None, marks=pytest.mark.slow),
