@@ -324,7 +324,7 @@ def train_flops_per_token(cfg: MLMConfig, seq_len: int) -> float:
 def make_backbone(cfg: MLMConfig, dtype: str = "float32") -> Backbone:
   """The backbone over ``MLM`` params, computing in ``dtype``, cached per
   config so that its models share compiled tuning programs."""
-  return _cached_backbone(cfg, dtype)
+  return _cached_backbone(dataclasses.replace(cfg, dtype=dtype), dtype)
 
 
 def build_backbone(cfg: MLMConfig, dtype: str = "float32") -> Backbone:
