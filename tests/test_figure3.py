@@ -498,6 +498,7 @@ def _captured_figures(monkeypatch) -> dict:
   return figs
 
 
+@pytest.mark.slow
 def test_the_pretraining_plot_draws_each_trials_gap_against_its_tokens(
     tmp_path, monkeypatch):
   """One panel per run in the table's order (vanilla before memory, sizes

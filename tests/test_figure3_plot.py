@@ -165,6 +165,7 @@ def test_tied_curves_are_drawn_side_by_side(tmp_path, monkeypatch):
   assert lo < 4 and hi > 30
 
 
+@pytest.mark.slow
 def test_a_run_of_one_panel_draws_that_panel_alone(tmp_path, monkeypatch):
   """``--panel=left`` writes left-panel lines only: the plot has that
   panel alone (no right panel of the paper's curves), and the same for
@@ -190,6 +191,7 @@ def test_a_run_of_one_panel_draws_that_panel_alone(tmp_path, monkeypatch):
   assert [ax.get_title() for ax in fig.axes] == ["Head vs prompt tuning"]
 
 
+@pytest.mark.slow
 def test_the_figure3_plot_draws_each_curve_with_its_interval(
     tmp_path, monkeypatch):
   """Left panel x = |H|, right x = |M||H|, the paper's points beside; a

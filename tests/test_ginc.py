@@ -275,6 +275,7 @@ def test_bad_protocol_and_config_are_refused_by_name():
     ginc.GincConfig(num_slots=1)
 
 
+@pytest.mark.slow
 def test_pretraining_documents_each_come_from_one_uniformly_drawn_concept():
   """Sampling the mixture is GINC's corpus: a document's states stay in
   one concept's block (the transition is block-diagonal), and the

@@ -215,6 +215,7 @@ MID = ginc.GincConfig(num_values=6, num_slots=8, num_symbols=30,
                       num_concepts=8)
 
 
+@pytest.mark.slow
 def test_examples_sharpen_the_concept_belief_only_when_smoothed_per_concept():
   """GINC's prompts, each from one concept: smoothed inside each concept
   (``concept:1e-06``) the mixture keeps exact zeros between concepts, so

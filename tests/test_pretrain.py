@@ -329,6 +329,7 @@ def test_exact_targets_train_and_beat_sampled_at_equal_steps(
     dataclasses.replace(TINY.corpus, corruption="drop")
 
 
+@pytest.mark.slow
 def test_target_gap_stops_early_and_rerun_is_a_no_op(tmp_path, model,
                                                       monkeypatch):
   """Also: every checkpoint manager the loop opens (the rotation,
@@ -364,6 +365,7 @@ def test_target_gap_stops_early_and_rerun_is_a_no_op(tmp_path, model,
     dataclasses.replace(TINY, target_gap=0.0)
 
 
+@pytest.mark.slow
 def test_lr_cycles_schedule_steps_cap_and_stop_points(tmp_path, model):
   cfg = pretrain.configure("cpu", 10, steps=3500)
   assert cfg.cycles == (1000, 2000, 500) and cfg.cycle_ends == (1000, 3000,
@@ -852,6 +854,7 @@ RUNTIME_FIELDS = {"log_every": 7, "ckpt_every": 5, "keep": 5,
                   "exact_method": "parallel", "exact_window": 4}
 
 
+@pytest.mark.slow
 def test_runtime_fields_resume_and_reuse_result_fields_are_refused(
     trained, model, monkeypatch):
   """Changing a runtime field keeps the run's identity: the finished run is
@@ -972,6 +975,7 @@ def test_a_failed_restores_orphaned_tasks_log_nothing(caplog):
   assert str(record.exc_info[1]) == own
 
 
+@pytest.mark.slow
 def test_evaluations_past_the_restored_checkpoint_are_redone_once(
     tmp_path, trained, model):
   """A finished run (checkpoints 30 and 40, lines at 20 and 40) whose
@@ -1798,6 +1802,7 @@ def test_a_group_is_evaluated_in_one_program_as_each_trial_alone(
         np.testing.assert_allclose(g[name], a[name], rtol=100 * 1.2e-7 * 4)
 
 
+@pytest.mark.slow
 def test_a_fixed_corpus_stack_trains_each_trial_on_its_own_corpus(tmp_path):
   """The paper's corpus kind (``fresh=False``: a fixed corpus per trial,
   read in epochs) through the loop, two trials stacked: each trial's

@@ -127,6 +127,7 @@ def test_capturing_the_stream_leaves_the_outputs_bit_for_bit(causal):
       streams[0], emb + params["params"]["pos_embed"][:12], atol=1e-7)
 
 
+@pytest.mark.slow
 def test_layer_scores_of_a_stack_are_each_transformers_own():
   """Two transformers of different initialisations in one call (the
   stream captured under vmap, the probes solved in one batch) score as

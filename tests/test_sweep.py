@@ -122,6 +122,7 @@ def test_a_sweep_files_each_cell_once_with_its_draw(tmp_path, tuned):
       r.key() for r in lines)
 
 
+@pytest.mark.slow
 def test_missing_cells_are_the_plans_cells_without_a_line(tmp_path, tuned):
   workdir = str(tmp_path)
   missing = sweep.missing_cells(SETUP, workdir, "both", "exact")
@@ -144,6 +145,7 @@ def test_missing_cells_are_the_plans_cells_without_a_line(tmp_path, tuned):
       H4: {}, H8: {}}
 
 
+@pytest.mark.slow
 def test_shards_claims_and_deadlines_divide_whole_stacks(tmp_path, tuned):
   order = list(configs.plan(SETUP))
   assert order == [H4, H8, M2]
@@ -507,6 +509,7 @@ def test_a_hard_deadline_skips_stacks_it_cannot_finish_and_stops_between_groups(
     run({a: [0, 1]}, stop_at=130.0)  # prepared at 120, group 0 done at 130
 
 
+@pytest.mark.slow
 def test_a_stack_that_does_not_fit_runs_in_parts_drawn_as_the_whole(
     tmp_path, tuned, pretrained):
   """A deadline that the whole stack's estimate overruns: its first trials

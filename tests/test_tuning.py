@@ -116,6 +116,7 @@ def test_head_and_prompt_tuning_learn(setup):
                                 "test_accuracy", "steps", "seconds"}
 
 
+@pytest.mark.slow
 def test_attention_head_on_memory_hmm():
   mhmm = memory_lib.random_memory_hmm(jax.random.PRNGKey(2), 3, 4, 10)
   bb, bp = exact.make(mhmm)
