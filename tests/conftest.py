@@ -27,10 +27,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # a pytest subprocess under XLA's defaults, none of these flags
 # (pytest_pyfunc_call below); warm, their optimised code also runs faster
 # (the tour's test 58 -> 33-37 CPU-s warm: it pretrains and tunes for
-# most of its time). And each program's LLVM code in one module rather than split
-# for parallel codegen, which on 2 busy cores only adds per-module work
-# (test_transformer + test_tasks cold, one process: user 80.3 -> 73.5 s,
-# mean of 4 and 3 interleaved runs, 2026-11-25). Under
+# most of its time). And each program's LLVM code in one module rather
+# than split for parallel codegen, which on 2 busy cores only adds
+# per-module work (test_transformer + test_tasks cold, one process: user
+# 80.3 -> 73.5 s, mean of 4 and 3 interleaved runs, 2026-11-25). Under
 # the older emitters at level 0 the split moves last bits, as the other
 # flags do; every comparison is under one set of flags, as above.
 # The flags were measured with jaxlib 0.10, and a later XLA dropped the

@@ -2,14 +2,15 @@
 
 The suite is CPU-bound on 2 cores, so a test's cost is its CPU: user +
 sys of the process that ran it and of the subprocesses it waited for
-(``getrusage``, self and children, and the children of the zygotes
-of tests/zygote.py, which report theirs). ``--durations`` gives wall time, which
-leaves out a test's subprocesses on the other core and counts the waits
-for the core it shares. Both move with this VM's speed (1.5x within
-hours, docs/performance.md): compare tests within one run. Each process
-appends one line per test to ``DIR/<pid>.jsonl``; the run's summary
-(totals, the heaviest files and tests) ends the terminal report. Collection, imports and set-up outside a
-test are not counted: ``/usr/bin/time`` gives the whole.
+(``getrusage``, self and children; the children of tests/zygote.py's
+zygotes report theirs). ``--durations`` gives wall time, which leaves out
+a test's subprocesses on the other core and counts the waits for the core
+it shares. Both move with this VM's speed (1.5x within hours,
+docs/performance.md): compare tests within one run. Each process appends
+one line per test to ``DIR/<pid>.jsonl``; the run's summary (totals, the
+heaviest files and tests) ends the terminal report. Collection, imports
+and set-up outside a test are not counted: ``/usr/bin/time`` gives the
+whole.
 
   ./launch.sh test --cpu-profile=/tmp/cpu     # a fresh DIR per run
 """

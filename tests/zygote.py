@@ -4,8 +4,8 @@ Python's start-up and imports again for each run.
 A run of a binary in a fresh Python spends ~2 CPU-s on 2 cores importing
 jax, flax, optax, orbax and the library before its first line of work; the
 integration tests start dozens. A *zygote* is one Python that has made
-those imports and nothing else (no JAX backend, no flags parsed, no
-threads of its own), and forks a child per run. The child takes the run's
+those imports and nothing else (no JAX backend, no flags parsed), and
+forks a child per run. The child takes the run's
 environment, working directory and output files, then runs the module
 (``runpy`` as ``__main__``, as ``-m`` does) or the code (as ``-c``) and
 exits as CPython would: ``SystemExit``'s status, 1 and a traceback for an
@@ -157,10 +157,11 @@ while not eof:
           os._exit(1)
       status[pid] = r["status"]
       send(pid=pid)
-for pid in list(status):
+for pid in list(status):  # the tests are over: none outlives them
   os.kill(pid, signal.SIGKILL)
 while status:
-  os.read(wake_r, 512) if select.select([wake_r], [], [], 1)[0] else None
+  if select.select([wake_r], [], [], 1)[0]:
+    os.read(wake_r, 512)
   reap()
 """
 
