@@ -23,7 +23,9 @@ part of the installed package.
 
 from __future__ import annotations
 
+import io
 import re
+import tokenize
 from typing import Any
 
 import griffe
@@ -114,3 +116,33 @@ def _walk(obj):
   for member in obj.members.values():
     if not member.is_alias:
       yield from _walk(member)
+
+
+class FieldComments(griffe.Extension):
+  """A class field's trailing comment as its docstring.
+
+  Fields are described on their own line (``lr: float = 0.01  # Adam's
+  peak learning rate``); this shows that text in the API reference, as
+  an ``Attributes:`` entry would. Full-line comments are left alone: they
+  say why, not what. Runs before :class:`SphinxRoles`, which then rewrites
+  the roles in these docstrings too.
+  """
+
+  def on_attribute_instance(self, *, node: Any, attr: griffe.Attribute,
+                            agent: Any = None, **kwargs: Any) -> None:
+    if attr.docstring is not None or not (attr.parent and attr.parent.is_class):
+      return
+    try:
+      source = "\n".join(attr.lines) + "\n"
+      comments = [tok.string.lstrip("#").strip() for tok in
+                  tokenize.generate_tokens(io.StringIO(source).readline)
+                  if tok.type == tokenize.COMMENT]
+    except (tokenize.TokenError, SyntaxError, OSError):
+      return
+    if comments := [c for c in comments if c]:
+      # Shapes such as [K][S] are text, not Markdown reference links.
+      text = " ".join(comments).replace("[", r"\[").replace("]", r"\]")
+      attr.docstring = griffe.Docstring(
+          text, lineno=attr.lineno, endlineno=attr.endlineno,
+          parent=attr, parser=getattr(agent, "docstring_parser", None),
+          parser_options=getattr(agent, "docstring_options", None))

@@ -28,25 +28,15 @@ PROTOCOLS = ("ID_sample", "OOD_sample")
 @dataclasses.dataclass(frozen=True)
 class GincConfig:
   """GINC's construction (defaults: the released dataset's,
-  ``GINC_trans0.1_start10.0_nsymbols50_nvalues10_nslots10_vic0.9_nhmms10``).
+  ``GINC_trans0.1_start10.0_nsymbols50_nvalues10_nslots10_vic0.9_nhmms10``)."""
 
-  Attributes:
-    num_values: entities ``V``.
-    num_slots: properties ``S`` (slot 0 the delimiter).
-    num_symbols: the vocabulary (symbol 0 the delimiter).
-    transition_temp: the permutation mixtures' softmax temperature.
-    start_temp: the start distribution's softmax temperature.
-    value_identity: the value factor is ``c I + (1 - c) mixture``.
-    num_concepts: concepts drawn, the first half in distribution (ID).
-  """
-
-  num_values: int = 10
-  num_slots: int = 10
-  num_symbols: int = 50
-  transition_temp: float = 0.1
-  start_temp: float = 10.0
-  value_identity: float = 0.9
-  num_concepts: int = 10
+  num_values: int = 10  # entities V
+  num_slots: int = 10  # properties S (slot 0 the delimiter)
+  num_symbols: int = 50  # the vocabulary (symbol 0 the delimiter)
+  transition_temp: float = 0.1  # the permutation mixtures' softmax's
+  start_temp: float = 10.0  # the start distribution's softmax temperature
+  value_identity: float = 0.9  # the value factor: c I + (1 - c) mixture
+  num_concepts: int = 10  # concepts drawn, the first half in distribution
 
   def __post_init__(self):
     validation.require_positive(self, "num_values", "num_concepts")

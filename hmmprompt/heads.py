@@ -25,17 +25,12 @@ NUM_CLASSES = 2
 
 @dataclasses.dataclass(frozen=True)
 class Features:
-  """A feature transform ``f``, in :data:`TRANSFORMS` under its ``name``.
-
-  Attributes:
-    apply: ``(G [.., V], stats | None) -> features [.., V]``.
-    needs_stats: whether ``apply`` reads :func:`feature_stats` of the
-      training set's features (computed once, at initialisation).
-  """
+  """A feature transform ``f``, in :data:`TRANSFORMS` under its ``name``:
+  ``apply(G [.., V], stats | None) -> features [.., V]``."""
 
   name: str
   apply: Callable[[jax.Array, Any], jax.Array]  # stats: dict, or None
-  needs_stats: bool = False
+  needs_stats: bool = False  # reads :func:`feature_stats` (computed at init)
 
 
 def feature_stats(probs_NxV: jax.Array) -> dict:
@@ -62,15 +57,11 @@ def transform(probs_xV: jax.Array, kind: str, stats: dict | None):
 
 @dataclasses.dataclass(frozen=True)
 class Head:
-  """A classification head, in :data:`HEADS` under its ``name``.
-
-  Attributes:
-    init: ``(key, vocab_size V, embed_dim D, input_len T) -> params``;
-      ``T`` counts every backbone position, soft prompt included.
-    apply: ``(params, feats, emb) -> logits [C]``: ``feats [T, V]`` and
-      ``emb [T, D]`` if ``reads_all_positions`` (what head tuning caches),
-      else ``feats [V]`` at the ``MASK`` and ``emb`` ``None``.
-  """
+  """A classification head, in :data:`HEADS` under its ``name``:
+  ``init(key, V, D, T) -> params``, ``T`` every backbone position, soft
+  prompt included; ``apply(params, feats, emb) -> logits [C]``, with
+  ``feats [T, V]`` and ``emb [T, D]`` if ``reads_all_positions`` (what head
+  tuning caches), else ``feats [V]`` at the ``MASK`` and ``emb`` ``None``."""
 
   name: str
   init: Callable[[Any, int, int, int], Any]

@@ -36,27 +36,20 @@ PRETRAIN_DIR_VERSION = 3
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrialsConfig:
-  """The fields every experiment's config shares.
+  """The fields every experiment's config shares; ``tune``'s ``method`` and
+  ``head`` (the sweep's ``features`` and ``optimizer`` too) are set per arm,
+  and ``seed`` roots every random stream (:func:`model_key` and friends)."""
 
-  Attributes:
-    trials: HMM draws per size (each with its own backbone and tasks).
-    memory_sizes: ``|M|`` of the memory HMMs (``MEMORY_SYNTAX_STATES`` each).
-    tune: the tuning recipe; ``method``, ``head`` (the sweep's ``features``
-      and ``optimizer`` too) are set per arm.
-    pretrain: the transformer's recipe (unused by ``exact``).
-    seed: root of every random stream (:func:`model_key` and friends).
-    lanes_per_vmap: runtime: lanes tuned at a time (0 all; ``None`` auto).
-    task_budget_mb: runtime: MiB a size's task draw may hold (0 unbounded).
-  """
-
-  trials: int
-  memory_sizes: tuple[int, ...]
+  trials: int  # HMM draws per size (each with its own backbone and tasks)
+  memory_sizes: tuple[int, ...]  # |M| of the memory HMMs
   task: tasks_lib.TaskConfig
   tune: tuning.TuneConfig
-  pretrain: pretrain_lib.PretrainConfig
+  pretrain: pretrain_lib.PretrainConfig  # the transformer's (not ``exact``'s)
   seed: int = 0
-  lanes_per_vmap: int | None = identity_lib.runtime(None)
-  task_budget_mb: int = identity_lib.runtime(tasks_lib.TASK_BUDGET_BYTES >> 20)
+  lanes_per_vmap: int | None = identity_lib.runtime(  # lanes tuned at a time
+      None)  # (0: all; None: auto)
+  task_budget_mb: int = identity_lib.runtime(  # a task draw's MiB (0: any)
+      tasks_lib.TASK_BUDGET_BYTES >> 20)
 
   def _check(self, counts: Sequence[str], sizes: Sequence[str]) -> None:
     validation.require_ints(self, counts, 1, "a trial count < 1 runs nothing")

@@ -7,30 +7,19 @@ from typing import Any, NamedTuple
 
 class Schedule(NamedTuple):
   """How a run shares and bounds its stacks (any hashable keys; every field
-  in detail: docs/figure3.md, "Many machines").
+  in detail: docs/figure3.md, "Many machines"). ``claim(stack)``, asked as
+  each stack starts, costliest first, is False for another process's
+  (``hmmprompt.figure3.workers``); ``progress(key)`` records a group this
+  process finished and returns ``(groups all processes finished, count)``."""
 
-  Attributes:
-    num_hosts: hosts of a SLURM array sharing the stacks round-robin.
-    host_index: this host's index in ``[0, num_hosts)``.
-    claim: ``claim(stack)`` as a stack starts, False for another process's
-      (``hmmprompt.figure3.workers``); every stack asked, costliest first.
-    deadline: a ``time.monotonic()`` after which no stack starts.
-    stop_at: a hard deadline (monotonic): no stack starts that its estimate
-      does not finish by then; it stops a run between groups or steps.
-    seconds_per_weight: estimated seconds per weight until a stack is timed.
-    tune_seconds_per_trial: the estimate's tuning seconds per trial.
-    progress: with ``claim``, ``progress(key)`` records a tuning group this
-      process finished; returns ``(groups all processes finished, count)``.
-  """
-
-  num_hosts: int = 1
-  host_index: int = 0
+  num_hosts: int = 1  # hosts of a SLURM array sharing stacks round-robin
+  host_index: int = 0  # this host's, in ``[0, num_hosts)``
   claim: Callable[[Any], bool] | None = None
-  deadline: float | None = None
-  stop_at: float | None = None
-  seconds_per_weight: float | None = None
-  tune_seconds_per_trial: float | None = None
-  progress: Callable[[str | None], tuple[int, int]] | None = None
+  deadline: float | None = None  # ``time.monotonic()``: no stack starts after
+  stop_at: float | None = None  # hard: a run stops between groups or steps
+  seconds_per_weight: float | None = None  # the estimate until a stack ran
+  tune_seconds_per_trial: float | None = None  # the estimate's tuning part
+  progress: Callable[[str | None], tuple[int, int]] | None = None  # w/ claim
 
   def check(self) -> "Schedule":
     """Returns itself; ``ValueError`` naming a bad host shard."""

@@ -17,17 +17,11 @@ if TYPE_CHECKING:  # the kernels read its fields; it imports them
 
 
 class Smoothed(NamedTuple):
-  """Everything one forward-backward pass gives (shapes for one sequence).
+  """Everything one forward-backward pass gives (shapes for one sequence)."""
 
-  Attributes:
-    log_likelihood: ``[]`` log P(evidence); ``-inf`` if impossible.
-    posterior: ``[T, H]`` P[H_t | all evidence].
-    masked_posterior: ``[T, H]`` P[H_t | evidence at positions != t].
-  """
-
-  log_likelihood: jax.Array
-  posterior: jax.Array
-  masked_posterior: jax.Array
+  log_likelihood: jax.Array  # [] log P(evidence); -inf if impossible
+  posterior: jax.Array  # [T, H] P[H_t | all evidence]
+  masked_posterior: jax.Array  # [T, H] P[H_t | evidence at positions != t]
 
 
 @jax.custom_jvp

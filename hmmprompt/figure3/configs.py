@@ -21,35 +21,21 @@ from hmmprompt.protocol import ModelId
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Setup(protocol.TrialsConfig):
   """Everything that decides a result line's value besides its key (the
-  shared fields: :class:`protocol.TrialsConfig`).
+  shared fields: :class:`protocol.TrialsConfig`; ``trials``: the left
+  panel's draws per size, the paper's 20). A vanilla HMM of both panels is
+  one stack of the larger count. ``arms`` (:func:`parse_arm`) replace head
+  and prompt (and ``finetune``): left with the linear head, right with the
+  attention head on memory HMMs alone; those meaningless on the exact
+  backbone run on the transformer only (docs/adaptation.md)."""
 
-  Attributes:
-    trials: HMM draws per size on the left panel (the paper: 20).
-    right_trials: on the right panel (the paper: 5; ``None``: ``trials``);
-      a vanilla HMM of both panels is one stack of the larger count.
-    tasks_per_hmm: tasks per trial; > 1 separates task and HMM noise (reported).
-    left_sizes: ``|H|`` of the left panel's vanilla HMMs.
-    memory_sizes: ``|M|`` of the right panel (memory; vanilla of ``|M||H|``).
-    features: head feature transforms, each run as its own arm.
-    finetune: add full fine-tuning of the transformer as a third arm.
-    prompt_attention: Theorem 4.6's arm: prompt tuning with the attention
-      head on each memory HMM of the right panel.
-    head_optimum: add a twin of every linear-head arm, its head solved to its
-      optimum (``TuneConfig.optimizer = "lbfgs"``; ``<method>_<head>_lbfgs``).
-    arms: the adaptation comparison's arms (:func:`parse_arm`), in place of
-      head and prompt (and ``finetune``): left with the linear head, right
-      with the attention head on memory HMMs alone; those meaningless on the
-      exact backbone run on the transformer only (docs/adaptation.md).
-  """
-
-  tasks_per_hmm: int
-  left_sizes: tuple[int, ...]
-  features: tuple[str, ...] = ("raw", "log")
-  finetune: bool = False
-  right_trials: int | None = None
-  prompt_attention: bool = False
-  head_optimum: bool = False
-  arms: tuple[str, ...] = ()
+  tasks_per_hmm: int  # > 1 separates task and HMM noise (reported)
+  left_sizes: tuple[int, ...]  # |H| of the left panel's vanilla HMMs
+  features: tuple[str, ...] = ("raw", "log")  # head features, an arm each
+  finetune: bool = False  # full fine-tuning of the transformer, a third arm
+  right_trials: int | None = None  # the right panel's (5; None: ``trials``)
+  prompt_attention: bool = False  # Theorem 4.6: prompt + attention head
+  head_optimum: bool = False  # each linear head's L-BFGS twin (``_lbfgs``)
+  arms: tuple[str, ...] = ()  # the adaptation comparison's
 
   def __post_init__(self):
     for spec in self.arms:

@@ -24,35 +24,23 @@ REFERENCE = "concept:1e-06"  # the exact predictive every line's KL is to
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IclSetup:
-  """Everything that decides the lines besides their keys.
+  """Everything that decides the lines besides their keys. ``concepts``:
+  ``"drawn"`` (:func:`hmmprompt.ginc.concepts` of ``ginc``, GINC's
+  settings, under ``seed``) or ``"released"`` (GINC's own); ``lengths``
+  count an example's symbols before its delimiter."""
 
-  Attributes:
-    seeds: causal transformers, trial ``k`` seeded ``pretrain.seed + k``.
-    lengths: example lengths (symbols an example has before its delimiter).
-    examples: ``k``, the examples before the test one.
-    protocols: :data:`hmmprompt.ginc.PROTOCOLS`.
-    prompts: prompts per ``(protocol, length, k)`` cell (every backbone's).
-    smoothings: the exact backbone's variants (:func:`smoothing`).
-    context: the exact backbone's longest prompt (GINC's 1024; :meth:`fits`).
-    concepts: ``"drawn"`` (:func:`hmmprompt.ginc.concepts` of ``ginc``, GINC's
-      settings, under ``seed``) or ``"released"`` (GINC's own).
-    pretrain: the transformers' recipe (causal, on GINC's symbols).
-    seed: root of the prompts (and of drawn concepts).
-    released_path: runtime: :func:`hmmprompt.ginc.convert_release`'s file.
-  """
-
-  seeds: int
-  lengths: tuple[int, ...] = (3, 5, 8, 10)
-  examples: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32, 64)
+  seeds: int  # causal transformers, trial ``k`` seeded ``pretrain.seed + k``
+  lengths: tuple[int, ...] = (3, 5, 8, 10)  # an example's symbols
+  examples: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32, 64)  # k before the test
   protocols: tuple[str, ...] = ginc_lib.PROTOCOLS
-  prompts: int = 500
-  smoothings: tuple[str, ...] = ("0", REFERENCE)
-  context: int = 1024
+  prompts: int = 500  # per ``(protocol, length, k)`` cell, every backbone's
+  smoothings: tuple[str, ...] = ("0", REFERENCE)  # exact variants (smoothing)
+  context: int = 1024  # the exact backbone's longest prompt (GINC's 1024)
   concepts: str = "drawn"
   ginc: ginc_lib.GincConfig = ginc_lib.GincConfig()
-  pretrain: pretrain_lib.PretrainConfig
-  seed: int = 0
-  released_path: str = identity_lib.runtime(RELEASED)
+  pretrain: pretrain_lib.PretrainConfig  # causal, on GINC's symbols
+  seed: int = 0  # root of the prompts (and of drawn concepts)
+  released_path: str = identity_lib.runtime(RELEASED)  # convert_release's
 
   def __post_init__(self):
     validation.require_choices(self, concepts=CONCEPTS)

@@ -20,14 +20,9 @@ FALLBACK_INITS = ("scratch", "warm")
 @dataclasses.dataclass(frozen=True)
 class PretrainConfig:
   """Defaults: Appendix D (lr 1e-5, batch 8, 3 epochs, 500 warmup steps).
-
-  ``target_gap``: stop at the first evaluation (with ``cycles``, at a cycle's
-  end) whose ``mlm_ce - bayes_ce`` is at most this; ``steps`` is then a cap.
-  ``cycles``: learning-rate cycles summing to ``steps``, each a warmup then a
-  linear decay to 0, the later ones peaking at ``cycle_lr * lr``. ``targets``:
-  ``"sampled"`` or ``"exact"`` (docs/pretraining.md). ``trials_per_vmap``:
-  trials stepped at a time (0: all; speed only). ``retain``: steps (0: the
-  init) kept under ``retained/`` (``load_retained``); a runtime field."""
+  ``target_gap`` is checked at each evaluation (with ``cycles``, at a
+  cycle's end), ``steps`` then a cap; a cycle is a warmup then a linear decay
+  to 0; ``retain``'s steps are kept under ``retained/`` (``load_retained``)."""
 
   model: transformer.MLMConfig = transformer.MLMConfig()
   corpus: corpus_lib.CorpusConfig = corpus_lib.CorpusConfig()
@@ -39,11 +34,11 @@ class PretrainConfig:
   weight_decay: float = 0.01
   clip_norm: float = 1.0
   eval_every: int = 1000
-  target_gap: float | None = None
-  cycles: tuple[int, ...] | None = None
-  cycle_lr: float = 0.5
+  target_gap: float | None = None  # stop once mlm_ce - bayes_ce <= this
+  cycles: tuple[int, ...] | None = None  # lr cycles' steps, summing to steps
+  cycle_lr: float = 0.5  # the later cycles' peak, times ``lr``
   seed: int = 0
-  targets: str = "sampled"
+  targets: str = "sampled"  # or "exact" (docs/pretraining.md)
   # Added after results were keyed (identity_lib.ADDED; muon: optax.contrib).
   optimizer: str = identity_lib.added("adamw")
   # An auxiliary CE from model.state_readout to the exact P[H_t | input],
@@ -61,8 +56,8 @@ class PretrainConfig:
   ckpt_every: int = identity_lib.runtime(1000)
   keep: int = identity_lib.runtime(3)
   eval_batch: int = identity_lib.runtime(64)
-  trials_per_vmap: int = identity_lib.runtime(0)
-  retain: tuple[int, ...] = identity_lib.runtime(())
+  trials_per_vmap: int = identity_lib.runtime(0)  # at a time (0: all)
+  retain: tuple[int, ...] = identity_lib.runtime(())  # steps kept (0: init)
   exact_method: str = identity_lib.runtime("auto")
   exact_window: int = identity_lib.runtime(0)
 

@@ -189,20 +189,12 @@ def fallback_line(shallow: dict, deep: dict, k: int, layers: int) -> dict:
 
 
 class TrialInfo(NamedTuple):
-  """A pretrained trial beside its params (:func:`load_trials`).
+  """A pretrained trial beside its params (:func:`load_trials`)."""
 
-  Attributes:
-    config: its ``PretrainConfig`` (the fallback's where it fell back).
-    model: its generating model, unstacked (for ``exact.make``, ``make_task``).
-    metrics: its last ``metrics.jsonl`` line (``ce_gap``, ``bayes_ce``,
-      ``mlm_ce``, ``tv``, ``step``, ``wall_s``; ``{}`` before any).
-    step: the step it stopped at.
-  """
-
-  config: PretrainConfig
-  model: generative.Model
-  metrics: dict
-  step: int
+  config: PretrainConfig  # its own (the fallback's where it fell back)
+  model: generative.Model  # its generating model, unstacked
+  metrics: dict  # its last metrics.jsonl line ({} before any)
+  step: int  # the step it stopped at
 
 
 def load_trials(workdir: str) -> tuple[Backbone, Any, list[TrialInfo]]:

@@ -32,16 +32,12 @@ _TUNE_KEYED = ("optimizer", "lbfgs_tol", "lbfgs_max_steps", "lbfgs_l2")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CurveSetup(protocol.TrialsConfig):
   """Everything that decides the curve's lines besides their keys (the
-  shared fields: :class:`protocol.TrialsConfig`).
+  shared fields: :class:`protocol.TrialsConfig`): vanilla models with the
+  linear head, memory models with the attention head; ``pretrain.retain``
+  is the checkpoint schedule (in this identity), with no ``target_gap``
+  (an early stop would repeat a state at later checkpoints)."""
 
-  Attributes:
-    vanilla_sizes: ``|H|`` of the vanilla models (linear head).
-    memory_sizes: ``|M|`` of the memory models (attention head).
-    pretrain: ``retain`` is the checkpoint schedule (in this identity); no
-      ``target_gap`` (an early stop would repeat a state at later ones).
-  """
-
-  vanilla_sizes: tuple[int, ...]
+  vanilla_sizes: tuple[int, ...]  # |H| of the vanilla models
 
   def __post_init__(self):
     self._check(("trials",), ("vanilla_sizes", "memory_sizes"))

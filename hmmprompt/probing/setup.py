@@ -20,46 +20,30 @@ STUDIES = ("mess3", "tasks", "ginc")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ProbeSetup:
-  """Everything that decides the lines besides their keys.
+  """Everything that decides the lines besides their keys. Mess3's probe
+  sequences have ``mess3.model.max_len`` tokens, every position probed (60%
+  fit, 20% ridge choice, 20% held out); a task draw's splits fit, choose
+  and score its probe; GINC's documents are probed every ``ginc_every``
+  positions, its ``ID_sample`` prompts at the label."""
 
-  Attributes:
-    studies: which of :data:`STUDIES` run.
-    mess3_seeds: causal transformers on Mess3 (x = 0.05, alpha = 0.85),
-      trial ``k`` seeded ``mess3.seed + k``.
-    mess3_sequences: probe sequences of ``mess3.model.max_len`` tokens,
-      every position probed (60% fit, 20% ridge choice, 20% held out).
-    mess3: their recipe (``model.causal``, 3 symbols, exact targets).
-    tasks_preset: the :mod:`hmmprompt.figure3.configs` preset whose draws,
-      tasks and transformers (pretrained again, bit for bit) are probed.
-    tasks_sizes, tasks_memory_sizes, tasks_trials: its ``|H|``, ``|M|``
-      and draws; each draw's task splits fit, choose and score the probe.
-    ginc_preset: the :mod:`hmmprompt.icl` preset whose transformers (its
-      first ``ginc_seeds``) are probed, on its ``ginc_concepts``.
-    ginc_documents: documents of the mixture, probed every ``ginc_every``
-      positions; and ``ginc_prompts`` ``ID_sample`` prompts of examples of
-      ``ginc_length`` per ``k`` of ``ginc_examples``, probed at the label.
-    released_path: runtime: GINC's released HMMs (:data:`icl.RELEASED`).
-    seed: root of the probe sequences.
-  """
-
-  studies: tuple[str, ...] = STUDIES
-  mess3_seeds: int = 3
-  mess3_sequences: int = 3000
-  mess3: pretrain_lib.PretrainConfig
-  tasks_preset: str = "adaptation"
-  tasks_sizes: tuple[int, ...] = (8, 12, 20, 30)
-  tasks_memory_sizes: tuple[int, ...] = (3,)
-  tasks_trials: int = 5
-  ginc_preset: str = "cpu"
-  ginc_concepts: str = "released"
-  ginc_seeds: int = 5
-  ginc_documents: int = 400
-  ginc_every: int = 8
-  ginc_length: int = 5
-  ginc_examples: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32)
-  ginc_prompts: int = 500
-  released_path: str = identity_lib.runtime(icl.RELEASED)
-  seed: int = 0
+  studies: tuple[str, ...] = STUDIES  # which of :data:`STUDIES` run
+  mess3_seeds: int = 3  # transformers, trial k seeded ``mess3.seed + k``
+  mess3_sequences: int = 3000  # probe sequences
+  mess3: pretrain_lib.PretrainConfig  # their recipe (causal, 3 symbols)
+  tasks_preset: str = "adaptation"  # a figure3 preset, its draws and models
+  tasks_sizes: tuple[int, ...] = (8, 12, 20, 30)  # its |H|
+  tasks_memory_sizes: tuple[int, ...] = (3,)  # its |M|
+  tasks_trials: int = 5  # its draws
+  ginc_preset: str = "cpu"  # an :mod:`hmmprompt.icl` preset
+  ginc_concepts: str = "released"  # its concepts
+  ginc_seeds: int = 5  # its first transformers
+  ginc_documents: int = 400  # documents of the mixture
+  ginc_every: int = 8  # positions between probed ones in a document
+  ginc_length: int = 5  # symbols of a prompt's example
+  ginc_examples: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32)  # k, per prompt
+  ginc_prompts: int = 500  # prompts per k
+  released_path: str = identity_lib.runtime(icl.RELEASED)  # GINC's HMMs
+  seed: int = 0  # root of the probe sequences
 
   def __post_init__(self):
     for s in self.studies:

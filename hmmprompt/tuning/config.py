@@ -24,95 +24,53 @@ PROMPT_INITS = ("uniform", "tokens")
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-  """What a tuning method trains and how a head sees an example.
+  """What a tuning method trains and how a head sees an example:
+  ``init_extra(key, backbone, bparams, cfg, train_tokens [N, T])``, the
+  tunable entries besides ``"head"``; ``head_inputs(backbone, bparams,
+  tunable, cfg, tokens [T])``, ``(G, emb)`` (:func:`backbone_head_inputs`)."""
 
-  Attributes:
-    name: its key in :data:`METHODS`.
-    init_extra: ``(key, backbone, bparams, cfg, train_tokens [N, T]) ->
-      dict``: the tunable entries besides ``"head"``.
-    head_inputs: ``(backbone, bparams, tunable, cfg, tokens [T]) -> (G,
-      emb)``, what the head reads (:func:`backbone_head_inputs`).
-    caches_features: ``head_inputs`` ignores ``tunable``: computed up front.
-    uses_prompt: inputs carry ``cfg.prompt_len`` soft prompt vectors.
-    slow_keys: tunable entries trained at ``cfg.backbone_lr``.
-    needs_finetunable: only for a backbone of free params (a transformer's).
-  """
-
-  name: str
+  name: str  # its key in :data:`METHODS`
   init_extra: Callable[..., dict]
   head_inputs: Callable[..., tuple]
-  caches_features: bool = False
-  uses_prompt: bool = False
-  slow_keys: frozenset = frozenset()
-  needs_finetunable: bool = False
+  caches_features: bool = False  # ``head_inputs`` ignores ``tunable``: cached
+  uses_prompt: bool = False  # inputs carry ``cfg.prompt_len`` prompt vectors
+  slow_keys: frozenset = frozenset()  # tunable, trained at ``cfg.backbone_lr``
+  needs_finetunable: bool = False  # a backbone of free params (a transformer)
 
 
 @dataclasses.dataclass(frozen=True)
 class TuneConfig:
-  """Downstream tuning (defaults: the paper, Appendix D).
+  """Downstream tuning (defaults: the paper, Appendix D); each field says
+  what it is on its line. ``optimizer="lbfgs"`` solves the head on cached
+  features (:func:`optim.solve_lbfgs`), to the optimum for the convex
+  linear head; ``lr``, ``warmup_*``, ``epochs`` and ``batch_size`` are then
+  unused, and ``lbfgs_l2`` keeps separable features' optimum finite.
+  ``backbone_dtype="bfloat16"`` (the ``gpu`` preset) runs a pretrained
+  transformer in bfloat16, and nothing else; the exact backbone ignores it."""
 
-  Attributes:
-    method: a key of :data:`METHODS`: ``"head"``, ``"prompt"`` (a soft
-      prompt and the head), ``"prefix"`` (trainable keys and values at
-      every layer, Li & Liang), ``"lora"`` (low-rank adapters, Hu et al.)
-      or ``"finetune"`` (a backbone copy and the head).
-    head: a key of :data:`hmmprompt.heads.HEADS`.
-    features: see :mod:`hmmprompt.heads`.
-    prompt_len: soft prompt vectors (paper: 20), or a prefix's positions
-      (PEFT's ``num_virtual_tokens`` for both).
-    prompt_init: raw prompt entries start Uniform[-prompt_init, prompt_init]
-      (``prompt_init_mode="uniform"``).
-    lr: Adam's peak learning rate (paper: 0.01).
-    backbone_lr: the backbone's, when fine-tuning (0.01 would wreck it).
-    warmup_steps: linear warmup, then decay to 0 (``None``: ``warmup_frac``).
-    epochs: passes over the training set (paper: 5).
-    batch_size: examples per step (the paper does not say).
-    max_len: truncate inputs to this many positions, prompt included
-      (``None``: no truncation; the authors' scripts used 80).
-    eval_chunk: examples per chunk when computing accuracies.
-    optimizer: ``"adam"`` (the paper's, unregularised) or ``"lbfgs"``: the
-      head solved on cached features (:func:`optim.solve_lbfgs`), to the
-      optimum for the convex linear head; ``lr``, ``warmup_*``, ``epochs``
-      and ``batch_size`` are then unused.
-    lbfgs_tol: L-BFGS stops when the gradient's L2 norm is below this.
-    lbfgs_max_steps: at most this many L-BFGS steps.
-    lbfgs_l2: the L2 penalty of L-BFGS (:func:`optim.lbfgs_objective`): on
-      separable features the unregularised optimum is at infinity.
-    backbone_dtype: a pretrained transformer's compute dtype while tuning
-      (``"bfloat16"``: the ``gpu`` preset); params, prompt, head, optimizer
-      and softmax stay float32. The exact backbone ignores it.
-    prompt_init_mode: ``"uniform"``, or ``"tokens"``: each prompt vector
-      the embedding of a token drawn from the training text (on the exact
-      backbone its evidence vector; PEFT's sampled-vocabulary init).
-    lora_r: LoRA's rank (PEFT's ``r``); ``A`` starts as PEFT's, ``B`` at 0.
-    lora_alpha: updates are scaled by ``alpha / r`` (``None``: ``r``, 1).
-    lora_targets: the projections LoRA adapts (PEFT's ``target_modules``),
-      comma-separated from ``q``, ``k``, ``v``.
-  """
-
-  method: str = "head"
-  head: str = "linear"
-  features: str = "raw"
-  prompt_len: int = 20
-  prompt_init: float = 0.5
-  lr: float = 0.01
-  backbone_lr: float = 1e-3
-  warmup_steps: int | None = None
-  warmup_frac: float = 0.1
-  epochs: int = 5
-  batch_size: int = 32
-  max_len: int | None = None
-  eval_chunk: int = 250
+  method: str = "head"  # a key of :data:`METHODS` (docs/adaptation.md)
+  head: str = "linear"  # a key of :data:`hmmprompt.heads.HEADS`
+  features: str = "raw"  # see :mod:`hmmprompt.heads`
+  prompt_len: int = 20  # soft prompt vectors, or a prefix's positions
+  prompt_init: float = 0.5  # uniform prompts: U[-prompt_init, prompt_init]
+  lr: float = 0.01  # Adam's peak learning rate (paper: 0.01)
+  backbone_lr: float = 1e-3  # fine-tuning's (0.01 would wreck the backbone)
+  warmup_steps: int | None = None  # linear warmup, then decay to 0
+  warmup_frac: float = 0.1  # of all steps, where ``warmup_steps`` is None
+  epochs: int = 5  # passes over the training set (paper: 5)
+  batch_size: int = 32  # examples per step (the paper does not say)
+  max_len: int | None = None  # inputs cut to this, prompt included (None: no)
+  eval_chunk: int = 250  # examples per chunk when computing accuracies
   # Added after results were keyed: out of identities at their defaults.
-  optimizer: str = identity_lib.added("adam")
-  lbfgs_tol: float = identity_lib.added(1e-6)
-  lbfgs_max_steps: int = identity_lib.added(500)
-  lbfgs_l2: float = identity_lib.added(1e-4)
-  backbone_dtype: str = identity_lib.added("float32")
-  prompt_init_mode: str = identity_lib.added("uniform")
-  lora_r: int = identity_lib.added(4)
-  lora_alpha: float | None = identity_lib.added(None)
-  lora_targets: str = identity_lib.added("q,v")
+  optimizer: str = identity_lib.added("adam")  # "adam" (paper's) or "lbfgs"
+  lbfgs_tol: float = identity_lib.added(1e-6)  # stop: gradient L2 norm below
+  lbfgs_max_steps: int = identity_lib.added(500)  # at most this many steps
+  lbfgs_l2: float = identity_lib.added(1e-4)  # :func:`optim.lbfgs_objective`
+  backbone_dtype: str = identity_lib.added("float32")  # a transformer's compute
+  prompt_init_mode: str = identity_lib.added("uniform")  # or "tokens" (PEFT's)
+  lora_r: int = identity_lib.added(4)  # LoRA's rank; ``B`` starts at 0
+  lora_alpha: float | None = identity_lib.added(None)  # scale alpha/r (None: 1)
+  lora_targets: str = identity_lib.added("q,v")  # adapted, from q, k, v
 
   def __post_init__(self):
     validation.require_choices(

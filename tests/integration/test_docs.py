@@ -35,6 +35,12 @@ def test_mkdocs_build_is_strict_and_clean(tmp_path):
   assert 'id="hmmprompt.tuning.loop.tune"' in html
   assert 'href="#hmmprompt.tuning.loop.run_seed"' in html  # a resolved :func:
   assert ":func:" not in html and ":class:" not in html
+  # A field's trailing comment is its docstring, its roles linked too
+  # (docs/griffe_roles.py: FieldComments).
+  field = html[html.index('id="hmmprompt.tuning.config.TuneConfig.head"'):]
+  field = field[:field.index('class="doc doc-object doc-attribute"')]
+  assert "a key of" in field
+  assert 'href="../heads/#hmmprompt.heads.HEADS"' in field
 
 
 def public_modules():
