@@ -30,7 +30,10 @@
 #   fallback if it was taken, and the workdir every chunk computes in
 #   (WORKDIR, default $STATE/workdir), which checkpoints a stack only
 #   where the deadline stops it (CHECKPOINTS, default deadline; in_chunks
-#   --checkpoints): the later command resumes it there.
+#   --checkpoints): the later command resumes it there. The bias check
+#   is skipped on a jax, cuDNN and GPU that passed it before (a line of
+#   experiments/cudnn_bias_verified); one that passes now writes its line
+#   to $OUT/cudnn_bias_verified, to be committed there.
 set -uo pipefail
 step=${1:?usage: accelerator_session.sh first_minute|mfu|hmm [SECTIONS]|protocol SECONDS [CHUNK ...]}
 OUT=${OUT:-/tmp/accelerator}
@@ -80,11 +83,24 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
         attn=$(cat "$state/attention")
         echo "== the bias check ran on this machine before: ${attn:-cuDNN}"
       elif [ "${CHECK:-1}" != 0 ]; then
-        echo "== the relative bias through cuDNN (check_cudnn_bias)"
-        # Without --also_xla: XLA's own timing was taken on 2026-11-27 (H100).
-        # One layer: every layer's attention calls have the same shapes.
-        timeout 100 python -m experiments.check_cudnn_bias --num_layers=1 \
-          || attn="--config.pretrain.model.attention=manual"
+        # Its verdict is a property of jax, cuDNN and the GPU: a key that
+        # passed before (a line of $VERIFIED, committed from a log's
+        # "verified:" line) is not checked again. No key: it runs.
+        verified=${VERIFIED:-experiments/cudnn_bias_verified}
+        key=$(timeout 60 python -c "import jax; from jax._src.lib import cuda_versions as c; print('jax', jax.__version__, 'cudnn', c.cudnn_get_version(), jax.devices()[0].device_kind)" 2>/dev/null | tail -1)
+        if [ -n "$key" ] && grep -qxF -- "$key" "$verified" 2>/dev/null; then
+          echo "== the relative bias through cuDNN passed before on $key: not run"
+        else
+          echo "== the relative bias through cuDNN (check_cudnn_bias) on ${key:-an unknown key}"
+          # Without --also_xla: XLA's timing was taken on 2026-11-27 (H100).
+          # One layer: every layer's attention calls have the same shapes.
+          if timeout 100 python -m experiments.check_cudnn_bias --num_layers=1; then
+            [ -n "$key" ] && echo "$key" > "$OUT/cudnn_bias_verified" \
+              && echo "== verified: $key (add it to $verified)"
+          else
+            attn="--config.pretrain.model.attention=manual"
+          fi
+        fi
         echo "$attn" > "$state/attention"
       fi
       results=${RESULTS:-docs/results/figure3-gpu}; i=0; inside=""

@@ -96,3 +96,35 @@ def test_a_second_command_on_the_machine_goes_on_from_the_first(
   assert ("exact_window=1" in second[0]) == bool(stub_rc)
   assert all({f"--workdir={state}/workdir", "--checkpoints=deadline"}
              <= set(c.split()) for c in first + second)
+
+
+@pytest.mark.parametrize("listed,check_rc", [(True, 1), (False, 0), (False, 1)])
+def test_the_bias_check_runs_once_per_jax_cudnn_and_gpu(
+    tmp_path, listed, check_rc):
+  """A key that passed before (a line of VERIFIED) skips the check, even
+  where it would now fail; otherwise the check runs, and a pass writes the
+  key to $OUT/cudnn_bias_verified to be committed."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  (bin_dir / "python").write_text(_STUB)
+  (bin_dir / "python").chmod(0o755)
+  verified = tmp_path / "verified"
+  verified.write_text("# a comment\nstub\n" if listed else "# a comment\n")
+  out = tmp_path / "out"
+  env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}",
+             OUT=str(out), STATE=str(tmp_path / "state"), STUB_RC="0",
+             CHECK_RC=str(check_rc), VERIFIED=str(verified),
+             RESULTS=str(tmp_path / "results"))
+  subprocess.run(["bash", "experiments/accelerator_session.sh", "protocol",
+                  "200"], cwd=ROOT, env=env, check=True, timeout=60,
+                 capture_output=True)
+  log = (out / "protocol.log").read_text().splitlines()
+  assert log.count("check") == (0 if listed else 1)
+  calls = [line for line in log if line.startswith("in_chunks ")]
+  manual = "--config.pretrain.model.attention=manual"
+  assert calls and all((manual in c) == (check_rc and not listed)
+                       for c in calls)
+  written = out / "cudnn_bias_verified"
+  assert written.exists() == (not listed and check_rc == 0)
+  if written.exists():
+    assert written.read_text() == "stub\n"
