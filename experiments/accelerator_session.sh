@@ -45,7 +45,14 @@ export PYTHONPATH=.${DYNAMAX:+:$DYNAMAX} PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
 {
   date -u; nvidia-smi --query-gpu=name,memory.total --format=csv
-  python -c "import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())"
+  # One jax start gives the versions and the bias check's key (below).
+  header=$(python -c "import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())
+try:
+  from jax._src.lib import cuda_versions as c
+  print('key: jax', jax.__version__, 'cudnn', c.cudnn_get_version(), jax.devices()[0].device_kind)
+except Exception:
+  pass" 2>&1)
+  echo "$header"; key=$(sed -n 's/^key: //p' <<< "$header" | tail -1)
   case "$step" in
     first_minute)
       echo "== the attention paths and the forward pass against its reference"
@@ -87,7 +94,6 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
         # passed before (a line of $VERIFIED, committed from a log's
         # "verified:" line) is not checked again. No key: it runs.
         verified=${VERIFIED:-experiments/cudnn_bias_verified}
-        key=$(timeout 60 python -c "import jax; from jax._src.lib import cuda_versions as c; print('jax', jax.__version__, 'cudnn', c.cudnn_get_version(), jax.devices()[0].device_kind)" 2>/dev/null | tail -1)
         if [ -n "$key" ] && grep -qxF -- "$key" "$verified" 2>/dev/null; then
           echo "== the relative bias through cuDNN passed before on $key: not run"
         else

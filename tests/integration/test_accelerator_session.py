@@ -10,11 +10,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
 
-# Answers the script's version line; as in_chunks, writes an archive and
-# exits 0 when its arguments hold exact_window=1 or STUB_RC is 0, else exits
-# STUB_RC with no archive.
+# Answers the script's version line and its bias-check key "stub"; as
+# in_chunks, writes an archive and exits 0 when its arguments hold
+# exact_window=1 or STUB_RC is 0, else exits STUB_RC with no archive.
 _STUB = r"""#!/usr/bin/env bash
-[ "$1" = -c ] && { echo stub; exit 0; }
+[ "$1" = -c ] && { echo stub; echo "key: stub"; exit 0; }
 [ "$2" = experiments.check_cudnn_bias ] && { echo check; exit "$CHECK_RC"; }
 echo "in_chunks $*"
 out=""
